@@ -1,0 +1,56 @@
+"""Errors shared by every layer. Each names the problem; the gRPC service maps them to status codes."""
+
+
+class MetaqError(Exception):
+    """Base class of all metaq errors."""
+
+
+class ConfigError(MetaqError, ValueError):
+    """A configuration key has a bad value, or is unknown."""
+
+
+class InvalidTopicError(MetaqError, ValueError):
+    """A topic name that may not be used (empty, too long, path separators, ..)."""
+
+
+class UnknownTopicError(MetaqError, LookupError):
+    """The topic does not exist on this broker."""
+
+
+class InvalidPartitionError(MetaqError, ValueError):
+    """A partition number outside the topic's partitions."""
+
+
+class InvalidOffsetError(MetaqError, ValueError):
+    """An offset or byte budget that can never be valid (negative, wrong type)."""
+
+
+class OffsetOutOfRangeError(MetaqError, LookupError):
+    """An offset outside the stored log; carries the valid range."""
+
+    def __init__(self, what: str, offset: int, earliest: int, latest: int):
+        super().__init__(
+            f"offset {offset} is out of range for {what}: valid offsets are {earliest} (earliest) "
+            f"to {latest} (latest, the next to be written)"
+        )
+        self.offset, self.earliest, self.latest = offset, earliest, latest
+
+
+class InvalidMessageError(MetaqError, ValueError):
+    """Messages that cannot be stored: null value, mismatched columns, wrong types."""
+
+
+class MessageTooLargeError(InvalidMessageError):
+    """A message over the topic's maxMessageSize."""
+
+
+class CorruptLogError(MetaqError):
+    """Stored bytes fail a checksum or structural check; names the file and byte position."""
+
+    def __init__(self, message: str, path=None, position=None):
+        super().__init__(message)
+        self.path, self.position = path, position
+
+
+class StoreClosedError(MetaqError):
+    """The store or partition was closed."""

@@ -1,0 +1,420 @@
+"""The record-batch format: how an appended batch of messages is laid out in bytes.
+
+One append becomes one batch: a 48-byte header followed by a columnar body (per-message fixed-width
+columns, then each variable-width column's bytes back to back). The same bytes are stored in segment
+files and sent to consumers, so the broker never re-encodes, and a consumer turns any run of batches
+into Arrow arrays with numpy and Arrow kernels instead of a Python loop per message: the only Python
+loop is one step per batch, to check its checksums. docs/storage-format.md gives the layout byte by byte.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import InvalidMessageError
+
+MAGIC = 0x4D51  # "MQ" read as a little-endian u16
+VERSION = 1
+HEADER = struct.Struct("<IIHBBIqqqII")
+HEADER_SIZE = HEADER.size  # 48
+assert HEADER_SIZE == 48
+ALIGN = 8
+
+# Batch attribute bits.
+HAS_KEYS = 0x1
+HAS_ATTRIBUTES = 0x2
+KNOWN_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES
+
+NULL_LENGTH = -1
+MAX_BATCH_BYTES = (1 << 31) - 1
+
+# Arrow schema of decoded messages; the Spark connector adds topic and partition.
+SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("timestamp", pa.timestamp("ms"), nullable=False),
+        pa.field("msgId", pa.int64(), nullable=False),
+        pa.field("flag", pa.int32(), nullable=False),
+        pa.field("attribute", pa.string()),
+    ]
+)
+
+
+class RecordFormatError(ValueError):
+    """Bytes that are not a valid batch: bad length, magic, count or checksum."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+
+
+MessageValueError = InvalidMessageError
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    batch_len: int
+    header_crc: int
+    magic: int
+    version: int
+    attributes: int
+    count: int
+    base_offset: int
+    base_msg_id: int
+    timestamp: int
+    body_crc: int
+    reserved: int
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.count
+
+
+def _padding(n: int) -> int:
+    return (-n) % ALIGN
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
+    """Normalise a column given as a sequence or an Arrow array to a flat Arrow binary/string array."""
+    if values is None:
+        return None
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if not isinstance(values, pa.Array):
+        try:
+            values = pa.array(values, type=pa.string() if name == "attribute" else pa.binary())
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise MessageValueError(f"{name}: cannot be stored as {'UTF-8 text' if name == 'attribute' else 'bytes'}: {e}") from None
+    if pa.types.is_large_binary(values.type) or pa.types.is_large_string(values.type):
+        values = values.cast(pa.string() if pa.types.is_large_string(values.type) else pa.binary())
+    if name == "attribute":
+        if pa.types.is_binary(values.type):
+            try:
+                values = values.cast(pa.string())
+            except pa.ArrowInvalid as e:
+                raise MessageValueError(f"attribute: not valid UTF-8: {e}") from None
+        if not pa.types.is_string(values.type):
+            raise MessageValueError(f"attribute: expected strings, got Arrow type {values.type}")
+    elif pa.types.is_string(values.type):
+        values = values.cast(pa.binary())
+    elif not pa.types.is_binary(values.type):
+        raise MessageValueError(f"{name}: expected bytes, got Arrow type {values.type}")
+    if not nullable and values.null_count:
+        first = values.is_null().index(True).as_py()
+        raise MessageValueError(f"{name} of message {first} is null; every message needs a value")
+    return values
+
+
+def _lengths_and_data(arr: pa.Array):
+    """Per-message byte lengths (-1 for null) and one contiguous buffer holding the non-null bytes."""
+    if arr.null_count:
+        # Arrow lets a null slot own bytes; ours must not, so take the bytes of the valid slots only.
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        compact_lengths, data = _lengths_and_data(arr.drop_null())
+        lengths = np.full(len(arr), NULL_LENGTH, dtype=np.int32)
+        lengths[valid] = compact_lengths
+        return lengths, data
+    n = len(arr)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=arr.offset + n + 1)[arr.offset:]
+    data_buf = arr.buffers()[2]
+    start, end = int(offsets[0]), int(offsets[-1])
+    data = memoryview(data_buf)[start:end] if data_buf is not None else memoryview(b"")
+    return np.diff(offsets).astype(np.int32), data
+
+
+@dataclass
+class EncodedBody:
+    """A batch body ready to be stamped with offsets and written: buffers, their CRC, their size."""
+
+    count: int
+    attributes: int
+    parts: list
+    size: int
+    crc: int
+    message_sizes: np.ndarray  # bytes each message contributes (for byte budgets)
+    max_message_size: int
+
+
+def encode_body(
+    values,
+    keys=None,
+    attributes=None,
+    flags: Union[None, Sequence[int], np.ndarray, pa.Array] = None,
+) -> EncodedBody:
+    """Encode a batch body from column data (Python sequences or Arrow arrays); no per-message loop
+    in Python for Arrow input. The header (offsets, ids, time) is added at append time."""
+    value_arr = _binary_column(values, "value", nullable=False)
+    n = len(value_arr)
+    if n == 0:
+        raise MessageValueError("a batch needs at least one message")
+    key_arr = _binary_column(keys, "key", nullable=True)
+    attr_arr = _binary_column(attributes, "attribute", nullable=True)
+    for name, arr in (("key", key_arr), ("attribute", attr_arr)):
+        if arr is not None and len(arr) != n:
+            raise MessageValueError(f"{name} column has {len(arr)} entries but value has {n}")
+    if key_arr is not None and key_arr.null_count == n:
+        key_arr = None
+    if attr_arr is not None and attr_arr.null_count == n:
+        attr_arr = None
+
+    if flags is None:
+        flag_col = np.zeros(n, dtype=np.int32)
+    else:
+        if isinstance(flags, (pa.Array, pa.ChunkedArray)):
+            if flags.null_count:
+                raise MessageValueError("flag column has nulls; flags are integers")
+            flags = flags.to_numpy(zero_copy_only=False)
+        try:
+            raw = np.asarray(flags)
+        except (TypeError, ValueError) as e:
+            raise MessageValueError(f"flag: {e}") from None
+        if raw.shape != (n,):
+            raise MessageValueError(f"flag column has shape {raw.shape} but value has {n} entries")
+        if raw.dtype.kind not in "iub":
+            raise MessageValueError(f"flag: expected integers, got {raw.dtype}")
+        if raw.size and (raw.min() < -(1 << 31) or raw.max() >= (1 << 31)):
+            raise MessageValueError("flag: values must fit in a signed 32-bit integer")
+        flag_col = raw.astype("<i4")
+
+    value_len, value_data = _lengths_and_data(value_arr)
+    columns = [flag_col, value_len]
+    data_parts = [value_data]
+    sizes = value_len.astype(np.int64)
+    attr_bits = 0
+    for bit, arr in ((HAS_KEYS, key_arr), (HAS_ATTRIBUTES, attr_arr)):
+        if arr is None:
+            continue
+        lengths, data = _lengths_and_data(arr)
+        attr_bits |= bit
+        columns.append(lengths)
+        data_parts.append(data)
+        sizes += np.maximum(lengths, 0)
+
+    max_message_size = int(sizes.max())
+    sizes += 4 * len(columns)  # each message's share of the fixed-width columns
+    parts = [c.astype("<i4", copy=False).tobytes() for c in columns] + [d for d in data_parts if len(d)]
+    size = sum(len(p) for p in parts)
+    pad = _padding(size)
+    if pad:
+        parts.append(b"\0" * pad)
+        size += pad
+    if HEADER_SIZE + size > MAX_BATCH_BYTES:
+        raise MessageValueError(f"batch of {n} messages encodes to {HEADER_SIZE + size} bytes; the limit is {MAX_BATCH_BYTES}")
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return EncodedBody(n, attr_bits, parts, size, crc, sizes.astype(np.uint32), max_message_size)
+
+
+def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int) -> bytes:
+    batch_len = HEADER_SIZE + body.size
+    tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes, body.count, base_offset,
+                       base_msg_id, timestamp_ms, body.crc, 0)
+    header_crc = zlib.crc32(memoryview(tail)[8:])
+    return struct.pack("<II", batch_len, header_crc) + tail[8:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+
+
+def parse_header(buf, pos: int = 0) -> BatchHeader:
+    """Parse and check one batch header at ``pos``; raises RecordFormatError naming what is wrong."""
+    if len(buf) - pos < HEADER_SIZE:
+        raise RecordFormatError(f"truncated batch header at byte {pos}: {len(buf) - pos} of {HEADER_SIZE} bytes", pos)
+    h = BatchHeader(*HEADER.unpack_from(buf, pos))
+    crc = zlib.crc32(memoryview(buf)[pos + 8: pos + HEADER_SIZE])
+    if crc != h.header_crc:
+        raise RecordFormatError(f"batch header checksum mismatch at byte {pos}", pos)
+    if h.magic != MAGIC or h.version != VERSION:
+        raise RecordFormatError(f"unknown batch magic/version {h.magic:#x}/{h.version} at byte {pos}", pos)
+    if h.attributes & ~KNOWN_ATTRIBUTE_BITS or h.reserved:
+        raise RecordFormatError(f"unknown batch attributes {h.attributes:#x} at byte {pos}", pos)
+    ncols = 2 + bool(h.attributes & HAS_KEYS) + bool(h.attributes & HAS_ATTRIBUTES)
+    if h.count < 1 or h.batch_len < HEADER_SIZE + 4 * ncols * h.count or h.batch_len % ALIGN:
+        raise RecordFormatError(f"batch at byte {pos} has impossible length {h.batch_len} for {h.count} messages", pos)
+    return h
+
+
+def check_batch(buf, pos: int = 0) -> BatchHeader:
+    """Parse a batch header and verify the body checksum; the batch must lie wholly inside ``buf``."""
+    h = parse_header(buf, pos)
+    end = pos + h.batch_len
+    if end > len(buf):
+        raise RecordFormatError(f"truncated batch at byte {pos}: needs {h.batch_len} bytes, {len(buf) - pos} present", pos)
+    if zlib.crc32(memoryview(buf)[pos + HEADER_SIZE: end]) != h.body_crc:
+        raise RecordFormatError(f"batch body checksum mismatch at byte {pos}", pos)
+    return h
+
+
+def scan_batches(buf, verify: bool = True):
+    """Yield (position, header) for each whole batch in ``buf``; raises on a bad batch.
+
+    One step per batch (not per message); with verify the step also checks both checksums."""
+    pos, size = 0, len(buf)
+    check = check_batch if verify else parse_header
+    while pos < size:
+        h = check(buf, pos)
+        if pos + h.batch_len > size:
+            raise RecordFormatError(f"truncated batch at byte {pos}", pos)
+        yield pos, h
+        pos += h.batch_len
+
+
+def _gather(u8: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate byte ranges of ``u8``: a view for one range, a memcpy per range for large ranges,
+    one vectorised gather for many small ones."""
+    if len(starts) == 1:
+        s = int(starts[0])
+        return u8[s: s + int(lengths[0])]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.uint8)
+    if total >= 256 * len(starts):
+        return np.concatenate([u8[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
+    out_starts = np.cumsum(lengths) - lengths
+    idx = np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+    return u8[idx]
+
+
+def _var_column(u8, typ, lengths, batch_data_start, batch_of, within_starts, valid):
+    """Build an Arrow binary/string column from per-message lengths and per-batch data regions."""
+    n = len(lengths)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > MAX_BATCH_BYTES:
+        raise RecordFormatError("decoded column exceeds 2 GiB; fetch a smaller range", 0)
+    # Each batch's bytes for this column are contiguous, so gather one range per batch.
+    first_in_batch = np.flatnonzero(np.r_[True, batch_of[1:] != batch_of[:-1]])
+    region_len = np.add.reduceat(lengths, first_in_batch) if n else np.empty(0, np.int64)
+    data = _gather(u8, batch_data_start[batch_of[first_in_batch]] + within_starts[first_in_batch], region_len)
+    validity = None
+    null_count = 0
+    if valid is not None and not valid.all():
+        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+        null_count = int(n - valid.sum())
+    return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)],
+                                 null_count=null_count)
+
+
+_HEADER_DTYPE = np.dtype([("batch_len", "<u4"), ("header_crc", "<u4"), ("magic", "<u2"), ("version", "u1"),
+                          ("attributes", "u1"), ("count", "<u4"), ("base_offset", "<i8"), ("base_msg_id", "<i8"),
+                          ("timestamp", "<i8"), ("body_crc", "<u4"), ("reserved", "<u4")])
+assert _HEADER_DTYPE.itemsize == HEADER_SIZE
+
+
+def empty_batch() -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in SCHEMA], schema=SCHEMA)
+
+
+class _Layout:
+    """Where every message's fields sit in a buffer of whole batches, computed with numpy."""
+
+    def __init__(self, u8: np.ndarray, positions: np.ndarray):
+        k = len(positions)
+        self.u8, self.positions = u8, positions
+        self.h = h = u8[positions[:, None] + np.arange(HEADER_SIZE)].reshape(-1).view(_HEADER_DTYPE)
+        self.counts = counts = h["count"].astype(np.int64)
+        has_keys = (h["attributes"] & HAS_KEYS) != 0
+        has_attrs = (h["attributes"] & HAS_ATTRIBUTES) != 0
+        self.ncols = ncols = 2 + has_keys.astype(np.int64) + has_attrs.astype(np.int64)
+        self.n = n = int(counts.sum())
+        self.batch_of = batch_of = np.repeat(np.arange(k), counts)
+        self.first_msg = first_msg = np.cumsum(counts) - counts
+        self.within = within = np.arange(n, dtype=np.int64) - first_msg[batch_of]
+
+        # Batches start 8-aligned and columns are 4-byte ints, so one int32 view reads every column.
+        i32 = u8[: len(u8) - len(u8) % 4].view("<i4")
+        col_start = positions + HEADER_SIZE
+
+        def fixed_col(col_no: np.ndarray, present: Optional[np.ndarray] = None) -> np.ndarray:
+            out = np.full(n, NULL_LENGTH, dtype=np.int32)
+            sel = np.ones(n, dtype=bool) if present is None else present[batch_of]
+            if sel.any():
+                b = batch_of[sel]
+                out[sel] = i32[(col_start[b] + 4 * (col_no[b] * counts[b] + within[sel])) // 4]
+            return out
+
+        zero = np.zeros(k, dtype=np.int64)
+        self.flags = fixed_col(zero)
+        self.key_len = fixed_col(zero + 2, has_keys)
+        self.attr_len = fixed_col(2 + has_keys.astype(np.int64), has_attrs)
+        self.vlen = vlen = fixed_col(zero + 1).astype(np.int64)
+        self.klen = klen = np.maximum(self.key_len, 0).astype(np.int64)
+        self.alen = alen = np.maximum(self.attr_len, 0).astype(np.int64)
+        value_total = np.add.reduceat(vlen, first_msg)
+        key_total = np.add.reduceat(klen, first_msg)
+        attr_total = np.add.reduceat(alen, first_msg)
+        self.value_region = col_start + 4 * ncols * counts
+        self.key_region = self.value_region + value_total
+        self.attr_region = self.key_region + key_total
+        if (vlen < 0).any() or (self.key_len < NULL_LENGTH).any() or (self.attr_len < NULL_LENGTH).any() or \
+                (self.attr_region + attr_total > positions + h["batch_len"]).any():
+            raise RecordFormatError(f"message lengths overrun their batch (batches from byte {int(positions[0])})",
+                                    int(positions[0]))
+
+    def within_batch_starts(self, lengths: np.ndarray) -> np.ndarray:
+        c = np.cumsum(lengths) - lengths
+        return c - c[self.first_msg][self.batch_of]
+
+    def column(self, typ, lengths, region, valid) -> pa.Array:
+        return _var_column(self.u8, typ, lengths, region, self.batch_of, self.within_batch_starts(lengths), valid)
+
+
+def _batch_positions(buf, verify: bool) -> np.ndarray:
+    return np.fromiter((p for p, _ in scan_batches(buf, verify=verify)), dtype=np.int64)
+
+
+def index_columns(u8: np.ndarray, positions: np.ndarray):
+    """For the offset index: each message's encoded size, and each batch's count, time and length."""
+    layout = _Layout(u8, np.asarray(positions, dtype=np.int64))
+    sizes = layout.vlen + layout.klen + layout.alen + 4 * layout.ncols[layout.batch_of]
+    return sizes, layout.counts, layout.h["timestamp"], layout.h["batch_len"]
+
+
+def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = None, verify: bool = True,
+           positions: Optional[np.ndarray] = None) -> pa.RecordBatch:
+    """Decode the whole batches in ``buf`` to an Arrow RecordBatch with ``SCHEMA``, keeping offsets in
+    [start_offset, end_offset).
+
+    With ``verify`` each batch's checksums are checked (one zlib call per batch). ``positions`` (where
+    each batch starts, e.g. from the broker's index) lets an unverified decode skip the header walk.
+    Everything per message is numpy or Arrow work."""
+    if isinstance(buf, np.ndarray):
+        u8 = buf.view(np.uint8).reshape(-1)
+        buf = memoryview(u8)
+    else:
+        u8 = np.frombuffer(buf, dtype=np.uint8)
+    if positions is None or verify:
+        positions = _batch_positions(buf, verify)
+    positions = np.asarray(positions, dtype=np.int64)
+    if len(positions) == 0:
+        return empty_batch()
+    L = _Layout(u8, positions)
+    offsets_col = L.h["base_offset"][L.batch_of] + L.within
+    columns = [
+        L.column(pa.binary(), L.klen, L.key_region, L.key_len >= 0),
+        L.column(pa.binary(), L.vlen, L.value_region, None),
+        pa.array(offsets_col, pa.int64()),
+        pa.array(L.h["timestamp"][L.batch_of], pa.int64()).cast(pa.timestamp("ms")),
+        pa.array(L.h["base_msg_id"][L.batch_of] + L.within, pa.int64()),
+        pa.array(L.flags, pa.int32()),
+        L.column(pa.string(), L.alen, L.attr_region, L.attr_len >= 0),
+    ]
+    batch = pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
+    lo = 0 if start_offset is None else int(np.searchsorted(offsets_col, start_offset, "left"))
+    hi = L.n if end_offset is None else int(np.searchsorted(offsets_col, end_offset, "left"))
+    if lo or hi != L.n:
+        batch = batch.slice(lo, max(hi - lo, 0))
+    return batch

@@ -1,0 +1,163 @@
+"""The broker's storage facade (MetaQ's MessageStoreManager): topics and their partitions under one
+data directory, one message-id allocator for the broker, and a background thread for timed flushes
+(``unflushInterval``) and retention."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+from ..errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
+from ..ids import MessageIdAllocator
+from .config import TopicConfig, validate_topic_name
+from .partition import AppendResult, FetchResult, PartitionLog
+
+log = logging.getLogger(__name__)
+
+
+class MessageStore:
+    """All partitions of all topics under ``data_path`` (``<data_path>/<topic>-<n>/``).
+
+    ``topics`` configures topics (creating missing partitions); topics found on disk but not configured
+    are opened with ``default_config`` so that no stored data is ever hidden."""
+
+    def __init__(self, data_path, topics: Optional[Mapping[str, TopicConfig]] = None,
+                 default_config: TopicConfig = TopicConfig(), clock=time.time,
+                 background_interval: Optional[float] = 1.0, retention_interval: float = 300.0,
+                 repair: bool = False):
+        self.data_path = Path(data_path)
+        self.data_path.mkdir(parents=True, exist_ok=True)
+        self.default_config = default_config
+        self._clock = clock
+        self._repair = repair
+        self._ids = MessageIdAllocator(clock=clock)
+        self._lock = threading.RLock()
+        self._configs: dict = {}
+        self._partitions: dict = {}
+        self._closed = False
+        on_disk: dict = {}
+        for entry in sorted(self.data_path.iterdir()):
+            topic, sep, num = entry.name.rpartition("-")
+            if not entry.is_dir() or not sep or not num.isdigit() or str(int(num)) != num:
+                log.warning("ignoring %s in the data directory: not a <topic>-<partition> directory", entry)
+                continue
+            try:
+                validate_topic_name(topic)
+            except InvalidTopicError as e:
+                log.warning("ignoring %s: %s", entry, e)
+                continue
+            on_disk.setdefault(topic, set()).add(int(num))
+        for topic, config in (topics or {}).items():
+            self._open_topic(validate_topic_name(topic), config, on_disk.pop(topic, set()))
+        for topic, parts in on_disk.items():
+            self._open_topic(topic, default_config, parts)
+        self._stop = threading.Event()
+        self._retention_interval = retention_interval
+        self._thread = None
+        if background_interval:
+            self._thread = threading.Thread(target=self._background, args=(background_interval,),
+                                            name="metaq-store-maintenance", daemon=True)
+            self._thread.start()
+
+    def _open_topic(self, topic: str, config: TopicConfig, existing: set) -> None:
+        count = max([config.num_partitions] + [p + 1 for p in existing])
+        if count != config.num_partitions:
+            log.warning("topic %s has %d partitions on disk, more than num_partitions=%d; keeping them all",
+                        topic, count, config.num_partitions)
+            config = config.with_(num_partitions=count)
+        self._configs[topic] = config
+        for p in range(count):
+            self._partitions[(topic, p)] = PartitionLog(self.data_path / f"{topic}-{p}", topic, p, config,
+                                                        self._ids, self._clock, self._repair)
+
+    # -- topics ---------------------------------------------------------------------------------------
+    def topics(self) -> list:
+        return sorted(self._configs)
+
+    def topic_config(self, topic: str) -> TopicConfig:
+        try:
+            return self._configs[topic]
+        except KeyError:
+            raise UnknownTopicError(f"unknown topic {topic!r}") from None
+
+    def create_topic(self, topic: str, config: Optional[TopicConfig] = None) -> TopicConfig:
+        """Create a topic with its partitions; an existing topic is an error unless it has the same
+        number of partitions (then this is a no-op)."""
+        validate_topic_name(topic)
+        config = config or self.default_config
+        with self._lock:
+            self._check_open()
+            if topic in self._configs:
+                have = self._configs[topic].num_partitions
+                if have != config.num_partitions:
+                    raise InvalidTopicError(f"topic {topic!r} already exists with {have} partitions")
+                return self._configs[topic]
+            self._open_topic(topic, config, set())
+            return self._configs[topic]
+
+    def partition(self, topic: str, partition: int) -> PartitionLog:
+        try:
+            return self._partitions[(topic, partition)]
+        except (KeyError, TypeError):
+            pass
+        self._check_open()
+        config = self.topic_config(topic)
+        raise InvalidPartitionError(f"topic {topic!r} has partitions 0 to {config.num_partitions - 1}; "
+                                    f"there is no partition {partition!r}")
+
+    def partitions(self, topic: str) -> list:
+        return [self.partition(topic, p) for p in range(self.topic_config(topic).num_partitions)]
+
+    # -- data -----------------------------------------------------------------------------------------
+    def append(self, topic: str, partition: int, values, keys=None, attributes=None, flags=None) -> AppendResult:
+        return self.partition(topic, partition).append(values, keys, attributes, flags)
+
+    def read(self, topic: str, partition: int, offset: int, max_bytes: int = 1 << 20,
+             max_messages: Optional[int] = None) -> FetchResult:
+        return self.partition(topic, partition).read(offset, max_bytes, max_messages)
+
+    # -- maintenance ----------------------------------------------------------------------------------
+    def flush_due(self, now: Optional[float] = None) -> int:
+        """fsync partitions whose unflushed data is older than their ``unflushInterval``."""
+        return sum(p.flush_if_due(now) for p in list(self._partitions.values()))
+
+    def run_retention(self, now_ms: Optional[int] = None) -> list:
+        removed = []
+        for p in list(self._partitions.values()):
+            removed.extend(p.apply_retention(now_ms))
+        return removed
+
+    def _background(self, interval: float) -> None:
+        next_retention = self._clock() + self._retention_interval
+        while not self._stop.wait(interval):
+            try:
+                self.flush_due()
+                if self._clock() >= next_retention:
+                    next_retention = self._clock() + self._retention_interval
+                    self.run_retention()
+            except Exception:  # noqa: BLE001 - keep maintaining the other partitions
+                log.exception("store maintenance failed")
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreClosedError("the message store is closed")
+
+    def close(self) -> None:
+        """Stop maintenance, then fsync and close every partition."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for p in self._partitions.values():
+            p.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

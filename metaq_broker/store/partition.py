@@ -1,0 +1,637 @@
+"""A partition: an append-only log of segments with a dense offset index (MetaQ's MessageStore).
+
+Concurrency: appends are serialised by one lock; reads take no lock. A reader takes a snapshot (the
+segment tuple and the visible end offset, both replaced whole, never mutated) and reads index entries
+and bytes below that end, which no writer touches again. Under group commit the visible end moves only
+after an fsync, so a reader never sees a message that was not acknowledged, and never a partial batch.
+"""
+from __future__ import annotations
+
+import bisect
+import gzip
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+
+from .. import records
+from ..errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError, OffsetOutOfRangeError,
+                      StoreClosedError)
+from ..ids import MessageIdAllocator
+from .config import TopicConfig
+from .segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
+                      decode_segment_header, fsync_dir, load_index_map, read_exactly, segment_name,
+                      write_index)
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_DIR = "archive"
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """Where an appended batch landed: offsets [base_offset, base_offset + count), ids likewise."""
+
+    base_offset: int
+    count: int
+    base_msg_id: int
+    timestamp: int  # store time, ms since the epoch
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.arange(self.base_offset, self.base_offset + self.count, dtype=np.int64)
+
+    @property
+    def msg_ids(self) -> np.ndarray:
+        return np.arange(self.base_msg_id, self.base_msg_id + self.count, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Whole batches covering offsets [start_offset, end_offset). ``data`` may begin before start_offset
+    and end after end_offset (batches are never cut); ``decode()`` keeps just the asked-for range."""
+
+    start_offset: int
+    end_offset: int
+    data: np.ndarray  # uint8
+    batch_positions: np.ndarray  # where each batch starts in data
+
+    def decode(self, verify: bool = True) -> pa.RecordBatch:
+        return records.decode(self.data, self.start_offset, self.end_offset, verify=verify,
+                              positions=self.batch_positions)
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    path: Path
+    start: int
+    size: int
+    base_offset: int
+    count: int
+    last_timestamp: Optional[int]
+
+
+class PartitionLog:
+    """One topic partition stored as ``<data>/<topic>-<n>/<20-digit start position>.meta`` segments."""
+
+    def __init__(self, directory, topic: str, partition: int, config: TopicConfig,
+                 ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False):
+        self.directory = Path(directory)
+        self.topic, self.partition, self.config = topic, partition, config
+        self.name = f"{topic}-{partition}"
+        self._ids = ids or MessageIdAllocator()
+        self._clock = clock
+        self._write_lock = threading.Lock()
+        self._flush_cond = threading.Condition()
+        self._flush_in_progress = False
+        self._failed: Optional[BaseException] = None
+        self._closed = False
+        segments = _recover(self.directory, self.name, repair)
+        self._segments: tuple = tuple(segments)
+        active = segments[-1]
+        self._next_offset = active.next_offset
+        self._last_ts = _last_timestamp(segments)
+        self._visible_offset = self._next_offset  # everything recovered is on disk
+        self._durable_offset = self._next_offset
+        self._unflushed = 0
+        self._last_flush = clock()
+        last_id = _last_msg_id(segments)
+        if last_id is not None:
+            self._ids.observe(last_id)
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def earliest_offset(self) -> int:
+        return self._segments[0].base_offset
+
+    @property
+    def latest_offset(self) -> int:
+        """The next offset to be written: one past the last readable message (Kafka's log end)."""
+        return self._visible_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    def segments(self) -> list:
+        segs = self._segments
+        return [SegmentInfo(s.path, s.start, s.size, s.base_offset, s.count,
+                            int(s.index()[-1]["timestamp"]) if s.count else None) for s in segs]
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreClosedError(f"partition {self.name} is closed")
+        if self._failed is not None:
+            raise StoreClosedError(f"partition {self.name} stopped after a disk error ({self._failed}); "
+                                   f"reopen it to recover")
+
+    # -- appending ------------------------------------------------------------------------------------
+    def append(self, values, keys=None, attributes=None, flags=None) -> AppendResult:
+        """Append one batch; returns its offsets and message ids once the topic's flush policy is met
+        (group commit: after an fsync covering it)."""
+        return self.append_body(records.encode_body(values, keys, attributes, flags))
+
+    def append_body(self, body: records.EncodedBody) -> AppendResult:
+        if body.max_message_size > self.config.max_message_size:
+            big = int(np.argmax(body.message_sizes))
+            raise MessageTooLargeError(
+                f"message {big} of the batch is {body.max_message_size} bytes (key + value + attribute); "
+                f"the limit for topic {self.topic} is {self.config.max_message_size}")
+        with self._write_lock:
+            self._check_open()
+            base = self._next_offset
+            ts = max(int(self._clock() * 1000), self._last_ts)
+            msg_id = self._ids.allocate(body.count)
+            header = records.encode_header(body, base, msg_id, ts)
+            nbytes = len(header) + body.size
+            seg = self._segments[-1]
+            if seg.count and seg.size + nbytes > self.config.max_segment_size:
+                seg = self._roll()
+            entries = np.empty(body.count, INDEX_DTYPE)
+            entries["position"] = seg.end
+            entries["timestamp"] = ts
+            entries["size"] = body.message_sizes
+            entries["batch_len"] = nbytes
+            seg.append([header] + body.parts, nbytes, entries)
+            self._next_offset = end = base + body.count
+            self._last_ts = ts
+            if not self.config.group_commit:
+                self._visible_offset = end  # acknowledged after the page-cache write
+                self._unflushed += body.count
+                now = self._clock()
+                if (self._unflushed >= self.config.unflush_threshold
+                        or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
+                    self._fsync_active_locked()
+        if self.config.group_commit:
+            self._await_durable(end)
+        return AppendResult(base, body.count, msg_id, ts)
+
+    def _roll(self) -> Segment:
+        old = self._segments[-1]
+        old.seal()  # fsyncs the log and writes the index: all of it is durable now
+        new = Segment.create(self.directory, old.end, self._next_offset)
+        self._segments = self._segments + (new,)
+        self._unflushed = 0
+        log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
+        return new
+
+    def _fsync_active_locked(self) -> None:
+        try:
+            self._segments[-1].fsync()
+        except OSError as e:
+            self._failed = e
+            raise
+        self._unflushed = 0
+        self._last_flush = self._clock()
+        self._durable_offset = self._next_offset
+
+    def _await_durable(self, offset: int) -> None:
+        """Group commit: whoever finds no fsync running becomes the leader and fsyncs everything written
+        so far; the others wait for it. One fsync acknowledges every append that was waiting."""
+        with self._flush_cond:
+            while self._durable_offset < offset:
+                if self._failed is not None:
+                    raise StoreClosedError(f"partition {self.name}: fsync failed ({self._failed}); "
+                                           f"the append at offset {offset} was not acknowledged")
+                if self._flush_in_progress:
+                    self._flush_cond.wait()
+                    continue
+                self._flush_in_progress = True
+                self._flush_cond.release()
+                error = None
+                try:
+                    with self._write_lock:
+                        target, seg = self._next_offset, self._segments[-1]
+                    seg.fsync()  # earlier segments were fsynced when they were sealed
+                except BaseException as e:  # noqa: BLE001 - handed to every waiter below
+                    error = e
+                finally:
+                    self._flush_cond.acquire()
+                    self._flush_in_progress = False
+                if error is not None:
+                    self._failed = error
+                    self._flush_cond.notify_all()
+                    raise StoreClosedError(f"partition {self.name}: fsync failed ({error})") from error
+                if target > self._durable_offset:
+                    self._durable_offset = target
+                    self._visible_offset = target
+                self._flush_cond.notify_all()
+
+    def flush(self) -> None:
+        """fsync whatever is written; afterwards every acknowledged message is durable."""
+        with self._write_lock:
+            self._check_open()
+            self._fsync_active_locked()
+            target = self._next_offset
+        with self._flush_cond:
+            self._durable_offset = max(self._durable_offset, target)
+            self._visible_offset = max(self._visible_offset, target)
+            self._flush_cond.notify_all()
+
+    def flush_if_due(self, now: Optional[float] = None) -> bool:
+        """For ``unflushThreshold > 0``: fsync once ``unflushInterval`` has passed with data unflushed."""
+        now = self._clock() if now is None else now
+        if self._closed or not self._unflushed or (now - self._last_flush) * 1000 < self.config.unflush_interval_ms:
+            return False
+        with self._write_lock:
+            if self._closed or not self._unflushed:
+                return False
+            self._fsync_active_locked()
+        return True
+
+    # -- reading --------------------------------------------------------------------------------------
+    def _check_offset(self, offset) -> None:
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise InvalidOffsetError(f"offset must be an integer, got {offset!r}")
+        if offset < 0:
+            raise InvalidOffsetError(f"offset {offset} is negative")
+
+    def _snapshot(self, offset: int):
+        segs, end = self._segments, self._visible_offset
+        if segs[0].closed:
+            raise StoreClosedError(f"partition {self.name} is closed")
+        if offset < segs[0].base_offset or offset > end:
+            raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
+        return segs, end
+
+    @staticmethod
+    def _segment_for(segs, offset: int) -> Segment:
+        return segs[max(bisect.bisect_right([s.base_offset for s in segs], offset) - 1, 0)]
+
+    def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FetchResult:
+        """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
+        so a consumer always progresses) and ``max_messages``. Empty at the log end."""
+        self._check_offset(offset)
+        if not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
+            raise InvalidOffsetError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        if max_messages is not None and (not isinstance(max_messages, (int, np.integer)) or max_messages < 1):
+            raise InvalidOffsetError(f"max_messages must be a positive integer, got {max_messages!r}")
+        segs, end = self._snapshot(offset)
+        if offset == end:
+            return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
+        seg = self._segment_for(segs, offset)
+        idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:]
+        if max_messages is not None:
+            idx = idx[:max_messages]
+        pos = idx["position"]
+        batch_end = pos + idx["batch_len"]
+        first = int(pos[0])
+        n = int(np.searchsorted(batch_end - first, max_bytes, "right"))
+        if n == 0:  # the first batch alone is over budget: return it anyway
+            n = int(np.searchsorted(pos, first, "right"))
+        data = seg.read(first, int(batch_end[n - 1]) - first)
+        starts = pos[:n]
+        batch_positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
+        return FetchResult(offset, offset + n, data, batch_positions)
+
+    def read_arrow(self, offset: int, end_offset: Optional[int] = None, max_bytes: int = 1 << 20) -> pa.RecordBatch:
+        """Read and decode (checksums verified) messages from ``offset``, stopping at ``end_offset``."""
+        max_messages = None if end_offset is None else max(end_offset - offset, 1)
+        result = self.read(offset, max_bytes, max_messages)
+        try:
+            return result.decode(verify=True)
+        except records.RecordFormatError as e:
+            seg = self._segment_for(self._segments, offset)
+            raise CorruptLogError(f"{seg.path}: {e} (reading offset {offset})", seg.path,
+                                  e.position) from None
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int:
+        """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
+        segs, end = self._segments, self._visible_offset
+        for seg in segs:
+            ts = seg.index(end - seg.base_offset)["timestamp"]
+            if len(ts) and ts[-1] >= timestamp_ms:
+                return seg.base_offset + int(np.searchsorted(ts, timestamp_ms, "left"))
+        return end
+
+    def _entries(self, start: int, stop: int):
+        """Index entries of offsets [start, stop), segment by segment."""
+        segs, end = self._snapshot(start)
+        if stop > end:
+            raise OffsetOutOfRangeError(self.name, stop, segs[0].base_offset, end)
+        for seg in segs:
+            lo, hi = max(start, seg.base_offset), min(stop, seg.base_offset + seg.count)
+            if lo < hi:
+                yield seg.index(end - seg.base_offset)[lo - seg.base_offset: hi - seg.base_offset]
+
+    def range_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the messages in [start, stop) (keys, values, attributes and column entries)."""
+        self._check_offset(start)
+        return int(sum(int(e["size"].sum(dtype=np.int64)) for e in self._entries(start, max(start, stop))))
+
+    def offset_after_bytes(self, start: int, max_bytes: int, stop: Optional[int] = None) -> int:
+        """The furthest offset ``o`` with range_bytes(start, o) <= max_bytes (for byte-based read limits)."""
+        self._check_offset(start)
+        stop = self._visible_offset if stop is None else stop
+        taken, offset = 0, start
+        for e in self._entries(start, max(start, stop)):
+            cum = np.cumsum(e["size"], dtype=np.int64) + taken
+            k = int(np.searchsorted(cum, max_bytes, "right"))
+            offset += k
+            if k < len(e):
+                break
+            taken = int(cum[-1])
+        return offset
+
+    def position(self, offset: int) -> int:
+        """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
+        self._check_offset(offset)
+        segs, end = self._snapshot(offset)
+        if offset == end:
+            return segs[-1].end
+        seg = self._segment_for(segs, offset)
+        return int(seg.index()[offset - seg.base_offset]["position"])
+
+    def verify(self) -> list:
+        """Check every batch of every segment (checksums and offset continuity); return the problems."""
+        problems = []
+        segs = self._segments
+        for seg in segs:
+            try:
+                _scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset, lookahead=False, strict=True)
+            except CorruptLogError as e:
+                problems.append(str(e))
+        return problems
+
+    # -- retention ------------------------------------------------------------------------------------
+    def apply_retention(self, now_ms: Optional[int] = None) -> list:
+        """Remove (or archive, then remove) the oldest segments that the delete policy or the size bound
+        makes due. The active segment is never removed. Returns the removed segments' infos."""
+        now_ms = int(self._clock() * 1000) if now_ms is None else now_ms
+        policy = self.config.delete_policy
+        cutoff = now_ms - policy.hours * 3600 * 1000
+        removed = []
+        with self._write_lock:
+            if self._closed:
+                return removed
+            segs = list(self._segments)
+            total = sum(s.size for s in segs)
+            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self._visible_offset:
+                seg = segs[0]
+                expired = seg.count and int(seg.index()[-1]["timestamp"]) < cutoff
+                over = self.config.retention_bytes > 0 and total - seg.size >= self.config.retention_bytes
+                if not (expired or over):
+                    break
+                info = SegmentInfo(seg.path, seg.start, seg.size, seg.base_offset, seg.count,
+                                   int(seg.index()[-1]["timestamp"]) if seg.count else None)
+                if policy.action == "archive":
+                    self._archive(seg)
+                segs.pop(0)
+                total -= seg.size
+                self._segments = tuple(segs)
+                seg.path.unlink()
+                seg.index_path.unlink(missing_ok=True)
+                # Readers holding the segment keep reading the unlinked file; its descriptor closes when
+                # the last of them lets go.
+                removed.append(info)
+                log.info("%s: %s segment %s (offsets %d-%d, %d bytes): %s", self.name,
+                         "archived" if policy.action == "archive" else "deleted", seg.path.name,
+                         info.base_offset, info.base_offset + info.count - 1, info.size,
+                         "older than the delete policy" if expired else "over the size bound")
+            if removed:
+                fsync_dir(self.directory)
+        return removed
+
+    def _archive(self, seg: Segment) -> None:
+        archive = self.directory / ARCHIVE_DIR
+        archive.mkdir(exist_ok=True)
+        target = archive / (seg.path.name + ".gz")
+        tmp = target.with_suffix(".gz.tmp")
+        with open(seg.path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(archive)
+
+    # -- closing --------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish (appends hold the lock), fsync, write the active segment's index and close files."""
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for seg in self._segments:
+                seg.close()
+        with self._flush_cond:
+            self._flush_cond.notify_all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Opening and recovery
+
+
+def _parse_segment_name(name: str) -> Optional[int]:
+    stem = name[: -len(LOG_SUFFIX)]
+    if len(stem) == NAME_DIGITS and stem.isdigit():
+        return int(stem)
+    return None
+
+
+def _recover(directory: Path, name: str, repair: bool) -> list:
+    """Open a partition's segments: check names and contiguity, check or rebuild each sealed segment's
+    index, validate the tail segment batch by batch and cut a torn tail off."""
+    new_dir = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    if new_dir:
+        fsync_dir(directory.parent)
+    starts = []
+    for entry in directory.iterdir():
+        if entry.name.endswith(LOG_SUFFIX) and entry.is_file():
+            start = _parse_segment_name(entry.name)
+            if start is None:
+                raise CorruptLogError(f"{entry}: a segment file must be named by its 20-digit start position", entry)
+            starts.append(start)
+        elif entry.name.endswith(INDEX_SUFFIX + ".tmp"):
+            entry.unlink()
+    starts.sort()
+    for entry in directory.iterdir():  # indexes whose segment is gone (e.g. a crash during deletion)
+        if entry.name.endswith(INDEX_SUFFIX) and _parse_segment_name(entry.name[: -len(INDEX_SUFFIX)] + LOG_SUFFIX) \
+                not in starts:
+            entry.unlink()
+    if not starts:
+        return [Segment.create(directory, 0, 0)]
+
+    paths = [directory / (segment_name(start) + LOG_SUFFIX) for start in starts]
+    for prev, path, start in zip(paths, paths[1:], starts[1:]):
+        prev_end = int(prev.stem) + prev.stat().st_size
+        if prev_end != start:
+            raise CorruptLogError(f"{name}: segments are not contiguous: {prev.name} ends at {prev_end} "
+                                  f"but the next segment is {path.name}", path)
+    headers = []
+    for i, start in enumerate(starts):
+        path = directory / (segment_name(start) + LOG_SUFFIX)
+        with open(path, "rb") as f:
+            raw = f.read(SEGMENT_HEADER_SIZE)
+        last = i == len(starts) - 1
+        try:
+            headers.append(decode_segment_header(raw, path, start))
+        except CorruptLogError:
+            if not last or len(raw) == SEGMENT_HEADER_SIZE and os.path.getsize(path) > SEGMENT_HEADER_SIZE:
+                raise
+            # A torn segment creation: the header is fsynced before any batch goes in, so nothing was
+            # written to this file. Start it again.
+            if i == 0 and start != 0:
+                raise
+            log.warning("%s: segment %s has a torn header and no data; recreating it", name, path.name)
+            path.unlink()
+            headers.append(None)
+
+    segments = []
+    for i, start in enumerate(starts):
+        path = directory / (segment_name(start) + LOG_SUFFIX)
+        last = i == len(starts) - 1
+        base = headers[i]
+        if base is None:
+            prev = segments[-1] if segments else None
+            segments.append(Segment.create(directory, start, prev.next_offset if prev else 0))
+            continue
+        if segments:
+            prev = segments[-1]
+            if prev.next_offset != base:
+                raise CorruptLogError(f"{name}: {prev.path.name} ends at offset {prev.next_offset} but "
+                                      f"{path.name} starts at offset {base}", path)
+        if last:
+            segments.append(_open_tail(directory, path, start, base, name, repair))
+        else:
+            segments.append(_open_sealed(directory, path, start, base, headers[i + 1], name))
+    return segments
+
+
+def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: Optional[int], name: str) -> Segment:
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    expected = None if next_base is None else next_base - base
+    idx_path = path.with_suffix(INDEX_SUFFIX)
+    index, problem = None, None
+    idx_size = idx_path.stat().st_size if idx_path.exists() else None
+    if idx_size is None:
+        problem = "missing"
+    elif expected is not None and idx_size != expected * INDEX_DTYPE.itemsize:
+        problem = f"has {idx_size // INDEX_DTYPE.itemsize} entries, the log holds {expected}"
+    else:
+        index = load_index_map(idx_path, idx_size // INDEX_DTYPE.itemsize)
+        problem = _index_problem(index, start, size)
+    if problem:
+        log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
+        entries, good_end, _ = _scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
+        if expected is not None and len(entries) != expected:
+            os.close(fd)
+            raise CorruptLogError(f"{path}: holds {len(entries)} messages but the next segment starts "
+                                  f"{expected} offsets later", path)
+        write_index(idx_path, entries)
+        index = load_index_map(idx_path, len(entries))
+    seg = Segment(directory, start, base, fd, size, index, len(index), mutable=False)
+    return seg
+
+
+def _index_problem(index: np.ndarray, start: int, size: int) -> Optional[str]:
+    if len(index) == 0:
+        return "is empty"
+    pos, blen = index["position"], index["batch_len"].astype(np.int64)
+    if pos[0] != start + SEGMENT_HEADER_SIZE:
+        return "does not start at the first batch"
+    if (np.diff(pos) < 0).any() or (np.diff(index["timestamp"]) < 0).any():
+        return "is out of order"
+    if pos[-1] + blen[-1] != start + size:
+        return "does not end at the end of the log"
+    boundary = np.flatnonzero(pos[1:] != pos[:-1])
+    if ((pos[boundary] + blen[boundary]) != pos[boundary + 1]).any():
+        return "has batches that do not follow one another"
+    return None
+
+
+def _open_tail(directory: Path, path: Path, start: int, base: int, name: str, repair: bool) -> Segment:
+    fd = os.open(path, os.O_RDWR)
+    size = os.fstat(fd).st_size
+    entries, good_end, reason = _scan_segment(fd, path, start, size, base, lookahead=not repair, strict=False)
+    if good_end < size:
+        os.ftruncate(fd, good_end)
+        os.fsync(fd)
+        log.warning("%s: recovery truncated %d bytes at the tail of %s (from byte %d: %s); "
+                    "no acknowledged message is affected", name, size - good_end, path.name, good_end, reason)
+        size = good_end
+    capacity = max(1024, 2 * len(entries))
+    index = np.empty(capacity, INDEX_DTYPE)
+    index[: len(entries)] = entries
+    return Segment(directory, start, base, fd, size, index, len(entries), mutable=True)
+
+
+def _scan_segment(fd: int, path: Path, start: int, size: int, base: int, lookahead: bool, strict: bool):
+    """Validate a segment batch by batch (checksums, offsets continuing from ``base``).
+
+    Returns (index entries, end of the last good batch, why the scan stopped). ``strict`` raises at the
+    first bad batch. Otherwise a bad batch ends the log (a torn tail), except that with ``lookahead`` a
+    valid batch after the damage raises instead: cutting there would drop messages that may have been
+    acknowledged."""
+    buf = read_exactly(fd, path, 0, size)
+    pos, expected = SEGMENT_HEADER_SIZE, base
+    positions, reason = [], None
+    while pos < size:
+        try:
+            h = records.check_batch(buf, pos)
+            if h.base_offset != expected:
+                raise records.RecordFormatError(f"batch at byte {pos} has offset {h.base_offset}, expected {expected}",
+                                                pos)
+        except records.RecordFormatError as e:
+            reason = str(e)
+            if strict:
+                raise CorruptLogError(f"{path}: {e}", path, pos) from None
+            if lookahead and _valid_batch_after(buf, pos, expected):
+                raise CorruptLogError(
+                    f"{path}: damaged batch at byte {pos} ({e}) is followed by valid batches; refusing to cut "
+                    f"off messages that may have been acknowledged. Open with repair=True to truncate at byte {pos}.",
+                    path, pos) from None
+            break
+        positions.append(pos)
+        expected = h.next_offset
+        pos += h.batch_len
+    if not positions:
+        return np.empty(0, INDEX_DTYPE), pos, reason
+    pos_arr = np.array(positions, dtype=np.int64)
+    sizes, counts, ts, blens = records.index_columns(buf, pos_arr)
+    entries = np.empty(len(sizes), INDEX_DTYPE)
+    entries["position"] = np.repeat(pos_arr + start, counts)
+    entries["timestamp"] = np.repeat(ts, counts)
+    entries["size"] = sizes
+    entries["batch_len"] = np.repeat(blens, counts)
+    return entries, pos, reason
+
+
+def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> bool:
+    """Is there a whole, checksum-valid batch with a later offset anywhere after ``bad_pos``?"""
+    starts = np.arange(bad_pos + records.ALIGN, len(buf) - records.HEADER_SIZE + 1, records.ALIGN)
+    magic = records.MAGIC.to_bytes(2, "little")
+    candidates = starts[(buf[starts + 8] == magic[0]) & (buf[starts + 9] == magic[1])]
+    for p in candidates.tolist():
+        try:
+            h = records.check_batch(buf, p)
+        except records.RecordFormatError:
+            continue
+        if h.base_offset >= expected_offset:
+            return True
+    return False
+
+
+def _last_timestamp(segments) -> int:
+    for seg in reversed(segments):
+        if seg.count:
+            return int(seg.index()[-1]["timestamp"])
+    return 0
+
+
+def _last_msg_id(segments) -> Optional[int]:
+    for seg in reversed(segments):
+        if seg.count:
+            pos = int(seg.index()[-1]["position"])
+            raw = seg.read(pos, records.HEADER_SIZE)
+            h = records.parse_header(raw)
+            return h.base_msg_id + h.count - 1
+    return None

@@ -1,0 +1,216 @@
+"""One segment of a partition log: ``<start>.meta`` (header + batches) and its dense index ``<start>.idx``.
+
+``start`` is the segment's position in the partition's logical byte stream (the 20-digit file name), so
+segments are contiguous when each one's start plus its size is the next one's start, as in MetaQ. The
+header also records the segment's first offset, so the log alone says which offsets it holds; the index
+is derived data, checked against the log and rebuilt from it when it is missing or wrong."""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import weakref
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .. import records
+from ..errors import CorruptLogError
+
+log = logging.getLogger(__name__)
+
+LOG_SUFFIX = ".meta"
+INDEX_SUFFIX = ".idx"
+NAME_DIGITS = 20
+
+SEGMENT_MAGIC = b"MQSEGMT1"
+SEGMENT_HEADER = struct.Struct("<8sqqI")  # magic, base offset, start position, crc of the preceding bytes
+SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size + 4  # padded to 32
+assert SEGMENT_HEADER_SIZE == 32
+
+# One entry per message: where its batch starts (logical position), the batch's store time, the
+# message's own encoded size, and the batch length (so whole-batch byte ranges need no extra lookup).
+INDEX_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
+
+
+def segment_name(start: int) -> str:
+    return f"{start:0{NAME_DIGITS}d}"
+
+
+def encode_segment_header(base_offset: int, start: int) -> bytes:
+    body = struct.pack("<8sqq", SEGMENT_MAGIC, base_offset, start)
+    return body + struct.pack("<I", zlib.crc32(body)) + b"\0" * 4
+
+
+def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
+    """Return the base offset recorded in a segment header, or raise CorruptLogError."""
+    if len(raw) < SEGMENT_HEADER_SIZE:
+        raise CorruptLogError(f"{path}: segment header is {len(raw)} of {SEGMENT_HEADER_SIZE} bytes", path, 0)
+    magic, base, recorded_start, crc = SEGMENT_HEADER.unpack_from(raw)
+    if magic != SEGMENT_MAGIC or zlib.crc32(raw[:24]) != crc:
+        raise CorruptLogError(f"{path}: bad segment header (magic or checksum)", path, 0)
+    if recorded_start != start:
+        raise CorruptLogError(f"{path}: header says the segment starts at {recorded_start}, the name says {start}",
+                              path, 0)
+    return base
+
+
+class Segment:
+    """A segment file and its index. Only the last segment of a partition is appended to."""
+
+    def __init__(self, directory: Path, start: int, base_offset: int, fd: int, size: int,
+                 index: np.ndarray, count: int, mutable: bool):
+        self.directory = directory
+        self.start = start
+        self.base_offset = base_offset
+        self.fd = fd
+        self.size = size  # bytes in the file, header included
+        self._index = index  # entries [0, count) are valid; may have spare capacity while mutable
+        self.count = count
+        self.mutable = mutable
+        self.closed = False
+        # The descriptor is closed when the last holder lets go: a reader that took a snapshot can
+        # finish reading a segment that retention has just removed.
+        self._close_fd = weakref.finalize(self, os.close, fd)
+
+    # -- naming -------------------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self.directory / (segment_name(self.start) + LOG_SUFFIX)
+
+    @property
+    def index_path(self) -> Path:
+        return self.directory / (segment_name(self.start) + INDEX_SUFFIX)
+
+    @property
+    def end(self) -> int:
+        """Logical position just past this segment."""
+        return self.start + self.size
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.count
+
+    def index(self, upto_count: int | None = None) -> np.ndarray:
+        """A view of the valid index entries (the first ``upto_count`` of them)."""
+        n = self.count if upto_count is None else min(upto_count, self.count)
+        return self._index[:n]
+
+    # -- creation -----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, directory: Path, start: int, base_offset: int) -> "Segment":
+        """Create an empty segment; its header and the directory entry are fsynced before it is used."""
+        path = directory / (segment_name(start) + LOG_SUFFIX)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, [encode_segment_header(base_offset, start)])
+            os.fsync(fd)
+            idx_fd = os.open(directory / (segment_name(start) + INDEX_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.close(idx_fd)
+            fsync_dir(directory)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE, np.empty(1024, INDEX_DTYPE), 0, True)
+
+    # -- appending ----------------------------------------------------------------------------------
+    def append(self, parts: list, nbytes: int, entries: np.ndarray) -> None:
+        """Write a whole batch at the end of the file and add its index entries.
+
+        On a failed write the file is cut back to where it was, so no partial batch stays behind."""
+        assert self.mutable
+        try:
+            _write_all(self.fd, parts, self.size)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.size)
+            except OSError:
+                log.exception("could not cut %s back to %d bytes after a failed write", self.path, self.size)
+            raise
+        n = len(entries)
+        if self.count + n > len(self._index):
+            grown = np.empty(max(2 * len(self._index), self.count + n), INDEX_DTYPE)
+            grown[: self.count] = self._index[: self.count]
+            self._index = grown  # readers holding the old array still see their (unchanged) entries
+        self._index[self.count: self.count + n] = entries
+        self.size += nbytes
+        self.count += n  # published last: readers never see entries beyond what is written
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def seal(self) -> None:
+        """Make the segment immutable: fsync the log, write and fsync the index, map it read-only."""
+        if not self.mutable:
+            return
+        os.fsync(self.fd)
+        write_index(self.index_path, self.index())
+        self._index = load_index_map(self.index_path, self.count)
+        self.mutable = False
+
+    # -- reading ------------------------------------------------------------------------------------
+    def read(self, position: int, length: int) -> np.ndarray:
+        """Read ``length`` bytes at logical ``position`` into a fresh (aligned) numpy buffer."""
+        return read_exactly(self.fd, self.path, position - self.start, length)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.mutable:
+                try:
+                    self.seal()
+                except OSError:
+                    log.exception("could not seal %s on close", self.path)
+            self._close_fd()
+
+
+def read_exactly(fd: int, path: Path, file_pos: int, length: int) -> np.ndarray:
+    buf = np.empty(length, dtype=np.uint8)
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [memoryview(buf)[got:]], file_pos + got)
+        if n == 0:
+            raise CorruptLogError(f"{path}: file ends at byte {file_pos + got}, {length - got} bytes short",
+                                  path, file_pos + got)
+        got += n
+    return buf
+
+
+def _write_all(fd: int, parts: list, position: int | None = None) -> None:
+    """Write every byte of ``parts`` (at ``position`` if given); loops over short writes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views, position) if position is not None else os.writev(fd, views)
+        if position is not None:
+            position += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def write_index(path: Path, entries: np.ndarray) -> None:
+    """Write an index file whole (to a temporary name, fsync, rename), so it is never half-written."""
+    tmp = path.with_suffix(INDEX_SUFFIX + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(np.ascontiguousarray(entries).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def load_index_map(path: Path, count: int) -> np.ndarray:
+    if count == 0:
+        return np.empty(0, INDEX_DTYPE)
+    return np.memmap(path, dtype=INDEX_DTYPE, mode="r", shape=(count,))
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,35 @@
+"""Packaging for metaq: the broker (with its client and tools) and the Spark connector."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "metaq_broker" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="metaq",
+    version=VERSION,
+    description="A compact MetaQ-style message broker with an exactly-once Apache Spark connector",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["metaq_broker", "metaq_broker.*", "metaq_spark", "metaq_spark.*"]),
+    install_requires=[
+        "pyspark>=4.3",
+        "pyarrow>=15",
+        "numpy>=1.24",
+        "grpcio>=1.60",
+        "kazoo>=2.9",
+        "click>=8.1",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+    },
+    entry_points={
+        "console_scripts": [
+            "metaq=metaq_broker.cli:main",
+            "metaq-broker=metaq_broker.broker_main:main",
+        ],
+    },
+)
