@@ -88,7 +88,14 @@ def _padding(n: int) -> int:
 def _binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
     """Normalise a column given as a sequence or an Arrow array to a flat Arrow binary/string array."""
     if values is None:
+        if not nullable:
+            raise MessageValueError(f"{name} column is missing; every message needs a {name}")
         return None
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise MessageValueError(f"{name}: expected a sequence with one entry per message, got a single "
+                                f"{type(values).__name__}")
+    if isinstance(values, np.ndarray) and values.dtype.kind not in "SUO":
+        raise MessageValueError(f"{name}: a numpy array of {values.dtype} is not bytes; encode the values first")
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     if not isinstance(values, pa.Array):
@@ -217,6 +224,45 @@ def encode_body(
     return EncodedBody(n, attr_bits, parts, size, crc, sizes.astype(np.uint32), max_message_size)
 
 
+def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
+    """Check a batch body that a producer encoded (``encode_body``) and sent over the network: checksum,
+    column lengths, padding and UTF-8 attributes, all vectorised. Raises RecordFormatError."""
+    body = memoryview(body).cast("B")
+    if count < 1:
+        raise RecordFormatError(f"batch count must be at least 1, got {count}", 0)
+    if attributes & ~KNOWN_ATTRIBUTE_BITS:
+        raise RecordFormatError(f"unknown batch attributes {attributes:#x}", 0)
+    if len(body) % ALIGN or HEADER_SIZE + len(body) > MAX_BATCH_BYTES:
+        raise RecordFormatError(f"batch body of {len(body)} bytes is not a multiple of {ALIGN} or too large", 0)
+    if zlib.crc32(body) != body_crc:
+        raise RecordFormatError("batch body checksum mismatch (damaged in transit?)", 0)
+    ncols = 2 + bool(attributes & HAS_KEYS) + bool(attributes & HAS_ATTRIBUTES)
+    fixed = 4 * ncols * count
+    if fixed > len(body):
+        raise RecordFormatError(f"batch body of {len(body)} bytes is too short for {count} messages", 0)
+    cols = np.frombuffer(body, dtype="<i4", count=ncols * count).reshape(ncols, count)
+    lengths = cols[1:].astype(np.int64)
+    if (lengths[0] < 0).any() or (lengths[1:] < NULL_LENGTH).any():
+        raise RecordFormatError("batch body has a negative length", 0)
+    data = np.maximum(lengths, 0)
+    data_end = fixed + int(data.sum())
+    if data_end + _padding(data_end) != len(body):
+        raise RecordFormatError(f"batch body lengths add up to {data_end} bytes, the body has {len(body)}", 0)
+    if attributes & HAS_ATTRIBUTES:
+        alen = data[-1]
+        offsets = np.zeros(count + 1, dtype=np.int32)
+        np.cumsum(alen, out=offsets[1:])
+        start = data_end - int(offsets[-1])
+        try:
+            pa.Array.from_buffers(pa.string(), count, [None, pa.py_buffer(offsets),
+                                                       pa.py_buffer(body[start:data_end])]).validate(full=True)
+        except pa.ArrowInvalid:
+            raise RecordFormatError("an attribute is not valid UTF-8", 0) from None
+    sizes = data.sum(axis=0) + 4 * ncols
+    return EncodedBody(count, attributes, [body], len(body), body_crc, sizes.astype(np.uint32),
+                       int(data.sum(axis=0).max()))
+
+
 def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int) -> bytes:
     batch_len = HEADER_SIZE + body.size
     tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes, body.count, base_offset,
@@ -329,6 +375,11 @@ class _Layout:
         has_keys = (h["attributes"] & HAS_KEYS) != 0
         has_attrs = (h["attributes"] & HAS_ATTRIBUTES) != 0
         self.ncols = ncols = 2 + has_keys.astype(np.int64) + has_attrs.astype(np.int64)
+        bad = ((h["magic"] != MAGIC) | (h["version"] != VERSION) | ((h["attributes"] & np.uint8(0xFF ^ KNOWN_ATTRIBUTE_BITS)) != 0)
+               | (h["reserved"] != 0) | (counts < 1) | (h["batch_len"] % ALIGN != 0)
+               | (h["batch_len"] < HEADER_SIZE + 4 * ncols * counts))
+        if bad.any():
+            parse_header(u8, int(positions[np.argmax(bad)]))  # raises, naming the field
         self.n = n = int(counts.sum())
         self.batch_of = batch_of = np.repeat(np.arange(k), counts)
         self.first_msg = first_msg = np.cumsum(counts) - counts
@@ -372,8 +423,30 @@ class _Layout:
         return _var_column(self.u8, typ, lengths, region, self.batch_of, self.within_batch_starts(lengths), valid)
 
 
+_LEN_AND_CRC = struct.Struct("<II")
+_BODY_CRC = struct.Struct("<I")
+
+
 def _batch_positions(buf, verify: bool) -> np.ndarray:
-    return np.fromiter((p for p, _ in scan_batches(buf, verify=verify)), dtype=np.int64)
+    """Walk the batch headers (one cheap step per batch), checking the header checksum and, with
+    ``verify``, the body checksum. Field-by-field checks happen vectorised in ``_Layout``; on any
+    failure ``check_batch`` re-reads the batch to say exactly what is wrong."""
+    mv = memoryview(buf)
+    size, pos = len(mv), 0
+    out = []
+    crc32, unpack = zlib.crc32, _LEN_AND_CRC.unpack_from
+    while pos < size:
+        if size - pos < HEADER_SIZE:
+            check_batch(buf, pos)
+        batch_len, header_crc = unpack(mv, pos)
+        end = pos + batch_len
+        if crc32(mv[pos + 8: pos + HEADER_SIZE]) != header_crc or batch_len < HEADER_SIZE or end > size or (
+                verify and crc32(mv[pos + HEADER_SIZE: end]) != _BODY_CRC.unpack_from(mv, pos + 40)[0]):
+            check_batch(buf, pos)  # raises the precise error
+            raise RecordFormatError(f"bad batch at byte {pos}", pos)
+        out.append(pos)
+        pos = end
+    return np.array(out, dtype=np.int64)
 
 
 def index_columns(u8: np.ndarray, positions: np.ndarray):

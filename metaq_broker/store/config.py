@@ -72,6 +72,9 @@ class TopicConfig:
     def __post_init__(self):
         if isinstance(self.delete_policy, str):
             object.__setattr__(self, "delete_policy", DeletePolicy.parse(self.delete_policy))
+        if not isinstance(self.delete_policy, DeletePolicy):
+            raise ConfigError(f"delete_policy must be 'delete,<hours>', 'archive,<hours>' or a DeletePolicy, "
+                              f"got {self.delete_policy!r}")
         for f in fields(self):
             if f.name == "delete_policy":
                 continue

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
+import numpy as np
+
 from ..errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
 from ..ids import MessageIdAllocator
 from .config import TopicConfig, validate_topic_name
@@ -39,8 +41,10 @@ class MessageStore:
         self._closed = False
         on_disk: dict = {}
         for entry in sorted(self.data_path.iterdir()):
+            if not entry.is_dir():
+                continue
             topic, sep, num = entry.name.rpartition("-")
-            if not entry.is_dir() or not sep or not num.isdigit() or str(int(num)) != num:
+            if not sep or not num.isdigit() or str(int(num)) != num:
                 log.warning("ignoring %s in the data directory: not a <topic>-<partition> directory", entry)
                 continue
             try:
@@ -49,8 +53,11 @@ class MessageStore:
                 log.warning("ignoring %s: %s", entry, e)
                 continue
             on_disk.setdefault(topic, set()).add(int(num))
-        for topic, config in (topics or {}).items():
-            self._open_topic(validate_topic_name(topic), config, on_disk.pop(topic, set()))
+        topics = dict(topics or {})
+        for topic in topics:  # check every name before creating anything
+            validate_topic_name(topic)
+        for topic, config in topics.items():
+            self._open_topic(topic, config, on_disk.pop(topic, set()))
         for topic, parts in on_disk.items():
             self._open_topic(topic, default_config, parts)
         self._stop = threading.Event()
@@ -98,10 +105,11 @@ class MessageStore:
             return self._configs[topic]
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
-        try:
-            return self._partitions[(topic, partition)]
-        except (KeyError, TypeError):
-            pass
+        if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
+            try:
+                return self._partitions[(topic, partition)]
+            except (KeyError, TypeError):
+                pass
         self._check_open()
         config = self.topic_config(topic)
         raise InvalidPartitionError(f"topic {topic!r} has partitions 0 to {config.num_partitions - 1}; "

@@ -93,6 +93,8 @@ class PartitionLog:
         self._flush_in_progress = False
         self._failed: Optional[BaseException] = None
         self._closed = False
+        self._closing = False
+        self._data_cond = threading.Condition()  # notified whenever the visible end moves
         segments = _recover(self.directory, self.name, repair)
         self._segments: tuple = tuple(segments)
         active = segments[-1]
@@ -163,7 +165,7 @@ class PartitionLog:
             self._next_offset = end = base + body.count
             self._last_ts = ts
             if not self.config.group_commit:
-                self._visible_offset = end  # acknowledged after the page-cache write
+                self._publish(end)  # acknowledged after the page-cache write
                 self._unflushed += body.count
                 now = self._clock()
                 if (self._unflushed >= self.config.unflush_threshold
@@ -200,7 +202,8 @@ class PartitionLog:
                 if self._failed is not None:
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({self._failed}); "
                                            f"the append at offset {offset} was not acknowledged")
-                if self._flush_in_progress:
+                if self._flush_in_progress or self._closing:
+                    # While closing, close() itself fsyncs and then releases every waiter.
                     self._flush_cond.wait()
                     continue
                 self._flush_in_progress = True
@@ -221,8 +224,27 @@ class PartitionLog:
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({error})") from error
                 if target > self._durable_offset:
                     self._durable_offset = target
-                    self._visible_offset = target
+                    self._publish(target)
                 self._flush_cond.notify_all()
+
+    def _publish(self, offset: int) -> None:
+        """Make messages below ``offset`` visible to readers and wake those waiting for data."""
+        if offset > self._visible_offset:
+            self._visible_offset = offset
+            with self._data_cond:
+                self._data_cond.notify_all()
+
+    def wait_for_data(self, offset: int, timeout: float) -> bool:
+        """Block until a message at ``offset`` or later is readable (or ``timeout`` seconds pass, or the
+        partition closes); True when there is data. Lets a consumer at the log end long-poll."""
+        deadline = time.monotonic() + timeout
+        with self._data_cond:
+            while self._visible_offset <= offset and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._data_cond.wait(left)
+        return self._visible_offset > offset
 
     def flush(self) -> None:
         """fsync whatever is written; afterwards every acknowledged message is durable."""
@@ -232,7 +254,7 @@ class PartitionLog:
             target = self._next_offset
         with self._flush_cond:
             self._durable_offset = max(self._durable_offset, target)
-            self._visible_offset = max(self._visible_offset, target)
+            self._publish(target)
             self._flush_cond.notify_all()
 
     def flush_if_due(self, now: Optional[float] = None) -> bool:
@@ -247,7 +269,8 @@ class PartitionLog:
         return True
 
     # -- reading --------------------------------------------------------------------------------------
-    def _check_offset(self, offset) -> None:
+    @staticmethod
+    def _check_offset(offset) -> None:
         if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
             raise InvalidOffsetError(f"offset must be an integer, got {offset!r}")
         if offset < 0:
@@ -278,8 +301,10 @@ class PartitionLog:
             return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
         seg = self._segment_for(segs, offset)
         idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:]
-        if max_messages is not None:
-            idx = idx[:max_messages]
+        # Only entries that can fit matter: every message takes at least 8 bytes of its batch, and the
+        # first batch is returned whole even when it alone is over budget.
+        cap = max(max_bytes, int(idx[0]["batch_len"])) // 8 + 1
+        idx = idx[: cap if max_messages is None else min(cap, max_messages)]
         pos = idx["position"]
         batch_end = pos + idx["batch_len"]
         first = int(pos[0])
@@ -293,7 +318,13 @@ class PartitionLog:
 
     def read_arrow(self, offset: int, end_offset: Optional[int] = None, max_bytes: int = 1 << 20) -> pa.RecordBatch:
         """Read and decode (checksums verified) messages from ``offset``, stopping at ``end_offset``."""
-        max_messages = None if end_offset is None else max(end_offset - offset, 1)
+        if end_offset is not None:
+            self._check_offset(end_offset)
+            if end_offset <= offset:
+                self._check_offset(offset)
+                self._snapshot(offset)
+                return records.empty_batch()
+        max_messages = None if end_offset is None else end_offset - offset
         result = self.read(offset, max_bytes, max_messages)
         try:
             return result.decode(verify=True)
@@ -324,11 +355,16 @@ class PartitionLog:
     def range_bytes(self, start: int, stop: int) -> int:
         """Bytes of the messages in [start, stop) (keys, values, attributes and column entries)."""
         self._check_offset(start)
+        self._check_offset(stop)
         return int(sum(int(e["size"].sum(dtype=np.int64)) for e in self._entries(start, max(start, stop))))
 
     def offset_after_bytes(self, start: int, max_bytes: int, stop: Optional[int] = None) -> int:
         """The furthest offset ``o`` with range_bytes(start, o) <= max_bytes (for byte-based read limits)."""
         self._check_offset(start)
+        if stop is not None:
+            self._check_offset(stop)
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
+            raise InvalidOffsetError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
         stop = self._visible_offset if stop is None else stop
         taken, offset = 0, start
         for e in self._entries(start, max(start, stop)):
@@ -413,15 +449,30 @@ class PartitionLog:
 
     # -- closing --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish (appends hold the lock), fsync, write the active segment's index and close files."""
+        """Let in-flight appends finish, fsync, write the active segment's index and close the files.
+        Appends still waiting for group commit are acknowledged by the final fsync."""
+        with self._flush_cond:
+            self._closing = True
+            while self._flush_in_progress:  # a leader's fsync must not see its descriptor closed
+                self._flush_cond.wait()
         with self._write_lock:
             if self._closed:
                 return
             self._closed = True
             for seg in self._segments:
-                seg.close()
+                try:
+                    seg.close()  # the active segment is sealed: fsynced, index written
+                except OSError as e:
+                    log.exception("%s: could not fsync %s while closing", self.name, seg.path)
+                    self._failed = e
+            written = self._next_offset
         with self._flush_cond:
+            if self._failed is None:
+                self._durable_offset = written
+                self._publish(written)
             self._flush_cond.notify_all()
+        with self._data_cond:
+            self._data_cond.notify_all()
 
 
 # ---------------------------------------------------------------------------------------------------

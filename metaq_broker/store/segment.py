@@ -155,13 +155,13 @@ class Segment:
         return read_exactly(self.fd, self.path, position - self.start, length)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if self.closed:
+            return
+        self.closed = True
+        try:
             if self.mutable:
-                try:
-                    self.seal()
-                except OSError:
-                    log.exception("could not seal %s on close", self.path)
+                self.seal()
+        finally:
             self._close_fd()
 
 

@@ -1,0 +1,248 @@
+"""Storage-engine benchmark: append and read-to-Arrow throughput, beside baselines from the same run.
+
+    python benchmarks/bench_store.py [--quick] [--dir PATH] [--json PATH]
+
+What it measures (each case on a fresh partition in a temporary directory under --dir, removed after):
+
+* Baselines, measured in the same directory at the start and again at the end of the run (the ratios use
+  their mean; a large difference between the two means the disk's speed drifted during the run):
+  - ``disk 1MiB+fsync``: os.write of 1 MiB chunks, os.fsync after each (as much as one batch-of-1000
+    case writes): the disk's sequential durable write rate, MB/s.
+  - ``disk 150B+fsync``: os.write of 150 bytes, os.fsync after each: fsyncs per second, the ceiling
+    for batch-of-1 appends under group commit from a single thread.
+  - ``memcpy``: numpy copy of a 256 MiB array (best of 3), GB/s.
+* ``append <mode> <value size> b<batch size> t<threads>``: appends of 100 B and 1 KiB values under group
+  commit (``group``: unflush_threshold=0, acknowledged after an fsync covering the batch) and under
+  ``unflush1000`` (acknowledged after the page-cache write, fsync every 1000 messages or 1 s), in
+  batches of 1000 (pre-built pyarrow arrays, one thread) and of 1 (one-element lists, from 1 thread and
+  from 8 concurrent threads, which share fsyncs under group commit). At most 256 MiB of values
+  (batches of 1000) or 20k appends (batches of 1), and at most 4 s, per case.
+* ``read+decode <value size> b<batch size>``: the whole partition read back with ``read()`` (1 MiB per
+  fetch) + ``decode(verify=True)`` to Arrow in a loop over offsets, for the data of the unflush1000
+  t1 cases (written in batches of 1000, and of 1); whole passes, repeated for up to 4 s.
+
+``--quick`` shrinks every volume 10x and the time limit to 1 s. Figures only: no timing is asserted.
+
+Reading the table: ``MB/s`` counts value (payload) bytes only; the log adds a 48-byte header per batch
+and 8 bytes per message. ``appends/fsync`` counts every os.fsync the engine made during the case:
+above 1 under group commit from 8 threads, appends shared fsyncs. ``/disk`` is our MB/s over the
+1 MiB+fsync rate: near 1.0, appends (or reads) move bytes as fast as the disk takes them durably.
+``/fsync`` is our appends (batches) per second over the 150 B+fsync rate: batch-of-1 group commit from
+one thread cannot exceed about 1.0; from 8 threads it can, by sharing fsyncs. ``/memcpy`` is our MB/s
+over the memory copy rate, the ceiling for anything that touches every byte once.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from metaq_broker.store import PartitionLog, TopicConfig  # noqa: E402
+
+MiB = 1 << 20
+MODES = {"group": TopicConfig(unflush_threshold=0), "unflush1000": TopicConfig(unflush_threshold=1000)}
+
+
+def timed(op, n, limit, threads=1):
+    """Run ``op(i)`` for i in 0..n-1, shared among ``threads`` threads, stopping early once ``limit``
+    seconds have passed. Returns (the sum of what the calls returned, the calls made, seconds)."""
+    tickets, results = itertools.count(), []
+    start = threading.Barrier(threads + 1)
+
+    def worker():
+        total = calls = 0
+        start.wait()
+        while (i := next(tickets)) < n and time.perf_counter() < deadline:
+            total += op(i)
+            calls += 1
+        results.append((total, calls))
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    t0 = time.perf_counter()
+    deadline = t0 + limit
+    start.wait()
+    for t in pool:
+        t.join()
+    secs = time.perf_counter() - t0
+    return sum(r[0] for r in results), sum(r[1] for r in results), secs
+
+
+def random_values(count, size, rng):
+    """A pyarrow binary array of ``count`` random ``size``-byte values (no Python loop)."""
+    offsets = np.arange(count + 1, dtype=np.int32) * size
+    data = rng.integers(0, 256, count * size, dtype=np.uint8)
+    return pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def disk_rate(path, chunk, n, limit):
+    """Write ``n`` chunks of ``chunk`` bytes with an fsync after each; returns (bytes, writes, seconds)."""
+    buf = os.urandom(chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        def op(_):
+            os.write(fd, buf)
+            os.fsync(fd)
+            return chunk
+        return timed(op, n, limit)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def memcpy_rate(nbytes):
+    """Bytes per second of a numpy copy between two ``nbytes`` arrays (best of 3, pages faulted in)."""
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def baselines(root, volume, small_n, limit, scale):
+    """The disk (1 MiB + fsync, 150 B + fsync) and memory-copy rates, measured now under ``root``."""
+    nbytes, _, secs = disk_rate(root / "disk-1m", MiB, max(volume // MiB, 4), limit)
+    _, fsyncs, fsync_secs = disk_rate(root / "disk-150", 150, small_n, limit)
+    return {"disk_mb_s": nbytes / 1e6 / secs, "fsync_per_s": fsyncs / fsync_secs,
+            "memcpy_gb_s": memcpy_rate(int(256 * MiB * scale)) / 1e9}
+
+
+@contextlib.contextmanager
+def counting_fsyncs():
+    """Count the os.fsync calls made while the block runs (the engine calls it through the os module)."""
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)  # list.append is atomic, so the count is exact across threads
+        return real(fd)
+
+    os.fsync = fsync
+    try:
+        yield calls
+    finally:
+        os.fsync = real
+
+
+def read_all(log):
+    """One pass over the partition with read() + decode(verify=True); returns the messages decoded."""
+    offset, end, n = log.earliest_offset, log.latest_offset, 0
+    while offset < end:
+        batch = log.read(offset).decode(verify=True)
+        if batch.num_rows == 0 or batch.column("offset")[0].as_py() != offset:
+            raise RuntimeError(f"{log.name}: read at offset {offset} returned a bad batch")
+        n += batch.num_rows
+        offset += batch.num_rows
+    if n != end - log.earliest_offset:
+        raise RuntimeError(f"{log.name}: decoded {n} messages, the log holds {end - log.earliest_offset}")
+    return n
+
+
+def run(root, quick):
+    scale = 0.1 if quick else 1.0
+    volume = int(256 * MiB * scale)  # value bytes per batch-of-1000 case, and bytes for the 1 MiB disk baseline
+    small_n = int(20_000 * scale)  # appends per batch-of-1 case
+    limit = 1.0 if quick else 4.0  # seconds per case at most (read cases repeat whole passes until then)
+    rng = np.random.default_rng(1)
+    before = baselines(root, volume, small_n, limit, scale)
+    print("baselines at start: " + describe(before), flush=True)
+    rows, logs = [], {}
+
+    def record(name, msgs, size, secs, appends=None, fsyncs=None):
+        row = {"case": name, "msgs": msgs, "seconds": secs, "msgs_s": msgs / secs, "mb_s": msgs * size / 1e6 / secs,
+               "appends_s": None if appends is None else appends / secs,
+               "appends_per_fsync": None if appends is None else appends / max(fsyncs, 1)}
+        rows.append(row)
+        print(f"  {name:<34} {msgs:>10,} msgs {secs:6.2f} s {row['msgs_s']:>12,.0f} msgs/s "
+              f"{row['mb_s']:9.1f} MB/s", flush=True)
+
+    for size in (100, 1024):
+        pool = [random_values(1000, size, rng) for _ in range(8)]
+        singles = [[v] for v in pool[0].to_pylist()]
+        for batch, threads in ((1000, 1), (1, 1), (1, 8)):
+            src = pool if batch > 1 else singles
+            n = max(volume // (batch * size), 4) if batch > 1 else small_n
+            for mode, cfg in MODES.items():  # modes back to back, so drift in the disk's speed hits both alike
+                name = f"append {mode} {size}B b{batch} t{threads}"
+                log = logs[mode, size, batch, threads] = PartitionLog(root / name.replace(" ", "_"), "bench", 0, cfg)
+                with counting_fsyncs() as fsyncs:
+                    msgs, calls, secs = timed(lambda i: log.append(src[i % len(src)]).count, n, limit, threads)
+                record(name, msgs, size, secs, calls, len(fsyncs))
+    for size in (100, 1024):
+        for batch in (1000, 1):
+            log = logs["unflush1000", size, batch, 1]
+            msgs, _, secs = timed(lambda _: read_all(log), 100, limit)
+            record(f"read+decode {size}B b{batch}", msgs, size, secs)
+    for log in logs.values():
+        log.close()
+
+    after = baselines(root, volume, small_n, limit, scale)
+    print("baselines at end:   " + describe(after), flush=True)
+    base = {k: (before[k] + after[k]) / 2 for k in before}
+    for r in rows:
+        r["x_disk"] = r["mb_s"] / base["disk_mb_s"]
+        r["x_fsync"] = None if r["appends_s"] is None else r["appends_s"] / base["fsync_per_s"]
+        r["x_memcpy"] = r["mb_s"] / (base["memcpy_gb_s"] * 1e3)
+    return {"start": before, "end": after, "mean": base}, rows
+
+
+def describe(b):
+    return (f"disk 1MiB+fsync {b['disk_mb_s']:,.1f} MB/s, disk 150B+fsync {b['fsync_per_s']:,.0f} fsync/s, "
+            f"memcpy {b['memcpy_gb_s']:.2f} GB/s")
+
+
+def table(base, rows):
+    head = ("case", "msgs", "secs", "msgs/s", "MB/s", "appends/fsync", "/disk", "/fsync", "/memcpy")
+    opt = lambda v, f: "-" if v is None else format(v, f)
+    body = [(r["case"], f"{r['msgs']:,}", f"{r['seconds']:.2f}", f"{r['msgs_s']:,.0f}", f"{r['mb_s']:,.1f}",
+             opt(r["appends_per_fsync"], ",.1f"), f"{r['x_disk']:.3f}", opt(r["x_fsync"], ".3f"),
+             f"{r['x_memcpy']:.4f}") for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([f"baselines (same run, same directory; ratios use the mean of start and end):",
+                      f"  start: {describe(base['start'])}", f"  end:   {describe(base['end'])}",
+                      fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="about 10x smaller volumes and time limits")
+    ap.add_argument("--dir", type=Path, default=Path(__file__).resolve().parent / ".bench-data",
+                    help="where to create the temporary data directory (default: benchmarks/.bench-data)")
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    created = not args.dir.exists()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
+    try:
+        base, rows = run(root, args.quick)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if created:
+            try:
+                args.dir.rmdir()
+            except OSError:
+                pass
+    print("\n" + table(base, rows))
+    if args.json:
+        args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
