@@ -19,7 +19,9 @@ setup(
         "pyspark>=4.3",
         "pyarrow>=15",
         "numpy>=1.24",
-        "grpcio>=1.60",
+        "grpcio>=1.85.1",  # the generated code in metaq_broker/proto needs at least this
+        "grpcio-health-checking>=1.60",
+        "protobuf>=7.35.1",
         "kazoo>=2.9",
         "click>=8.1",
     ],

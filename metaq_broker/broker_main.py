@@ -1,8 +1,47 @@
-"""``metaq-broker``: the broker process. The gRPC server, ZooKeeper registration and INI configuration
-come with the broker issue; until then this entry point says so instead of pretending to run."""
+"""``metaq-broker --config broker.ini [--KEY VALUE ...]``: run a broker until SIGTERM or SIGINT.
+Any [system] or per-topic default key may be given as a flag, e.g. ``--serverPort 9000``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
 import sys
 
+from .broker import Broker
+from .broker_config import SYSTEM_KEYS, TOPIC_KEYS, load
+from .errors import ConfigError, MetaqError
 
-def main() -> None:
-    sys.stderr.write("metaq-broker: the broker server is not built yet (storage engine only in this version)\n")
-    sys.exit(2)
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="metaq-broker", description=__doc__)
+    parser.add_argument("--config", help="INI file with a [system] section and [topic=NAME] sections")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    for key in list(SYSTEM_KEYS) + list(TOPIC_KEYS):
+        parser.add_argument(f"--{key}", dest=f"key:{key}", metavar="VALUE", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("key:") and v is not None}
+    return args, overrides
+
+
+def main(argv=None) -> None:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load(args.config, overrides)
+        broker = Broker(config).start()
+    except (ConfigError, MetaqError) as e:
+        sys.stderr.write(f"metaq-broker: {e}\n")
+        sys.exit(2)
+    print(f"metaq broker {config.broker_id} listening on {broker.address}", flush=True)
+
+    def on_signal(signum, frame):
+        logging.getLogger("metaq_broker").info("signal %d: shutting down", signum)
+        broker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    broker.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,9 @@
-"""The ``metaq`` command line. For now: inspect and verify partition logs on disk (like Kafka's
-kafka-dump-log); the broker issue adds topics, produce, consume, offsets, groups and quickstart."""
+"""The ``metaq`` command line: a local ZooKeeper, topics, produce, consume, offsets, groups, stats, the
+quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 the operation failed
+(the message says why), 2 bad usage."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,36 +11,263 @@ import click
 
 from . import __version__
 from .errors import MetaqError
-from .store.config import TopicConfig
-from .store.partition import PartitionLog
+
+ZK_HELP = "ZooKeeper connect string (env METAQ_ZK)"
 
 
-def _open_partition(directory: Path) -> PartitionLog:
+def _client(cls, ctx_obj, **kw):
+    try:
+        if ctx_obj["brokers"]:
+            return cls(brokers=ctx_obj["brokers"], **kw)
+        return cls(zk_connect=ctx_obj["zk"], zk_root=ctx_obj["zk_root"], **kw)
+    except (MetaqError, ValueError) as e:
+        raise click.ClickException(str(e))
+
+
+class Fail(click.ClickException):
+    exit_code = 1
+
+
+def _run(fn):
+    """Turn metaq errors into a one-line message and exit code 1."""
+    try:
+        return fn()
+    except (MetaqError, ValueError, RuntimeError) as e:
+        raise Fail(str(e))
+
+
+@click.group()
+@click.version_option(__version__, prog_name="metaq")
+@click.option("--zk", envvar="METAQ_ZK", default="127.0.0.1:2181", show_default=True, help=ZK_HELP)
+@click.option("--zk-root", envvar="METAQ_ZK_ROOT", default="/meta", show_default=True)
+@click.option("--brokers", envvar="METAQ_BROKERS", default=None,
+              help="static broker list instead of ZooKeeper: '1=host:port,2=host:port'")
+@click.pass_context
+def main(ctx, zk, zk_root, brokers):
+    """metaq: a MetaQ-style message broker with an exactly-once Spark connector."""
+    ctx.obj = {"zk": zk, "zk_root": zk_root, "brokers": brokers}
+
+
+# -- ZooKeeper ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--port", default=2181, show_default=True)
+@click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
+              help="data directory (default: a temporary one, removed on exit)")
+def zookeeper(port, data_dir):
+    """Run a local ZooKeeper from the jars inside the pyspark wheel, for development (Ctrl-C stops it)."""
+    from .zookeeper import run_foreground
+    _run(lambda: run_foreground(port, data_dir))
+
+
+# -- topics -------------------------------------------------------------------------------------------
+@main.group()
+def topics():
+    """List, describe and create topics."""
+
+
+@topics.command("list")
+@click.pass_obj
+def topics_list(obj):
+    from .client.admin import Admin
+    with _client(Admin, obj) as admin:
+        for topic, parts in _run(admin.topics).items():
+            click.echo(f"{topic}\t{len(parts)} partitions\t{','.join(parts)}")
+
+
+@topics.command("describe")
+@click.argument("topic")
+@click.pass_obj
+def topics_describe(obj, topic):
+    from .client.admin import Admin
+    with _client(Admin, obj) as admin:
+        rows = _run(lambda: admin.describe(topic))
+        click.echo(f"{'partition':<10} {'earliest':>12} {'latest':>12} {'bytes':>14} {'segments':>8}  state")
+        for p in rows:
+            click.echo(f"{p.partition:<10} {p.earliest:>12} {p.latest:>12} {p.bytes:>14} {p.segments:>8}  "
+                       f"{'closed' if p.closed else 'open'}")
+
+
+@topics.command("create")
+@click.argument("topic")
+@click.option("--partitions", type=click.IntRange(0, 10_000), default=0, help="per broker (0: broker default)")
+@click.option("--broker", "broker_ids", type=int, multiple=True, help="broker id (default: every live broker)")
+@click.option("--config", "settings", multiple=True, metavar="KEY=VALUE", help="per-topic setting, e.g. unflushThreshold=0")
+@click.pass_obj
+def topics_create(obj, topic, partitions, broker_ids, settings):
+    from .client.admin import Admin
+    config = {}
+    for item in settings:
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--config")
+        k, v = item.split("=", 1)
+        config[k.strip()] = v.strip()
+    with _client(Admin, obj) as admin:
+        names = _run(lambda: admin.create_topic(topic, partitions, list(broker_ids) or None, config))
+        click.echo(f"topic {topic}: partitions {','.join(names)}")
+
+
+# -- produce / consume --------------------------------------------------------------------------------
+@main.command()
+@click.argument("topic")
+@click.option("--file", "path", type=click.File("rb"), default=None, help="one message a line (default stdin)")
+@click.option("--count", type=click.IntRange(1), default=None, help="send generated test messages instead")
+@click.option("--size", type=click.IntRange(1), default=100, show_default=True, help="bytes per generated message")
+@click.option("--key", default=None, help="the key of every message (same key, same partition)")
+@click.option("--partition", default=None, help="send everything to this partition (<brokerId>-<n>)")
+@click.option("--batch", type=click.IntRange(1, 1_000_000), default=1000, show_default=True)
+@click.pass_obj
+def produce(obj, topic, path, count, size, key, partition, batch):
+    """Send messages: lines of a file or stdin, or --count generated ones (with a progress bar)."""
+    from .client.producer import Producer
+    with _client(Producer, obj) as producer:
+        sent = 0
+        if count is not None:
+            with click.progressbar(length=count, label=f"producing to {topic}", file=sys.stderr) as bar:
+                while sent < count:
+                    n = min(batch, count - sent)
+                    values = [(b"%012d " % (sent + i)).ljust(size, b".")[:size] for i in range(n)]
+                    _run(lambda: producer.send_batch(topic, values, keys=None if key is None else [key] * n,
+                                                     partition=partition))
+                    sent += n
+                    bar.update(n)
+        else:
+            stream = path or click.get_binary_stream("stdin")
+            lines = []
+            for line in stream:
+                lines.append(line.rstrip(b"\r\n"))
+                if len(lines) == batch:
+                    _run(lambda: producer.send_batch(topic, lines, keys=None if key is None else [key] * len(lines),
+                                                     partition=partition))
+                    sent += len(lines)
+                    lines = []
+            if lines:
+                _run(lambda: producer.send_batch(topic, lines, keys=None if key is None else [key] * len(lines),
+                                                 partition=partition))
+                sent += len(lines)
+        click.echo(f"sent {sent} messages to {topic}", err=True)
+
+
+@main.command()
+@click.argument("topic")
+@click.option("--partition", "partitions", multiple=True, help="partition(s) to read (default: all)")
+@click.option("--from", "start", default="earliest", show_default=True, help="earliest, latest or an offset")
+@click.option("--max", "max_messages", type=click.IntRange(1), default=None, help="stop after this many")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--follow/--no-follow", default=False, help="keep waiting for new messages")
+@click.pass_obj
+def consume(obj, topic, partitions, start, max_messages, fmt, follow):
+    """Print messages: value per line (text), or one JSON object per line."""
+    from .client.consumer import Consumer
+    if start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
+        raise click.BadParameter("use earliest, latest or an offset", param_hint="--from")
+    with _client(Consumer, obj) as consumer:
+        parts = list(partitions) or _run(lambda: consumer.partitions(topic))
+        ranges = _run(lambda: consumer.offsets(topic, parts))
+        pos = {p: ranges[p][0] if start == "earliest" else ranges[p][1] if start == "latest" else int(start)
+               for p in parts}
+        printed = 0
+        out = click.get_binary_stream("stdout")
+        while max_messages is None or printed < max_messages:
+            got = 0
+            for p in parts:
+                f = _run(lambda: consumer.fetch(topic, p, pos[p], max_wait_ms=200 if follow else 0))
+                pos[p] = f.next_offset
+                for m in f.messages():
+                    if max_messages is not None and printed >= max_messages:
+                        break
+                    if fmt == "text":
+                        out.write(m.value + b"\n")
+                    else:
+                        out.write(json.dumps({
+                            "topic": m.topic, "partition": m.partition, "offset": m.offset,
+                            "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
+                            "value": m.value.decode("utf-8", "backslashreplace"),
+                            "timestamp": m.timestamp.isoformat(), "msgId": m.msg_id, "flag": m.flag,
+                            "attribute": m.attribute}).encode() + b"\n")
+                    printed += 1
+                    got += 1
+            out.flush()
+            if not got and not follow:
+                break
+
+
+@main.command()
+@click.argument("topic")
+@click.option("--timestamp", type=int, default=None, help="also the first offset at or after this time (ms)")
+@click.pass_obj
+def offsets(obj, topic, timestamp):
+    """Earliest and latest offsets of each partition (and the offset for a time)."""
+    from .client.consumer import Consumer
+    with _client(Consumer, obj) as consumer:
+        for p, item in sorted(_run(lambda: consumer.offsets(topic, timestamp_ms=timestamp)).items()):
+            click.echo(f"{topic}\t{p}\t" + "\t".join(str(x) for x in item))
+
+
+@main.command()
+@click.argument("group", required=False)
+@click.option("--topic", default=None)
+@click.pass_obj
+def groups(obj, group, topic):
+    """Consumer groups with their committed offsets and lag per partition."""
+    from .client.admin import Admin
+    with _client(Admin, obj) as admin:
+        names = [group] if group else _run(admin.groups)
+        click.echo(f"{'group':<24} {'topic':<20} {'partition':<10} {'committed':>12} {'latest':>12} {'lag':>10}")
+        for g in names:
+            for row in _run(lambda: admin.group_lag(g, topic)):
+                committed = "-" if row.committed is None else row.committed
+                click.echo(f"{g:<24} {row.topic:<20} {row.partition:<10} {committed:>12} {row.latest:>12} {row.lag:>10}")
+
+
+@main.command()
+@click.option("--broker", "broker_ids", type=int, multiple=True, help="broker id (default: all)")
+@click.option("--topic", default="")
+@click.pass_obj
+def stats(obj, broker_ids, topic):
+    """MetaQ's counters per partition: puts, gets, misses, failures, bytes; uptime and version."""
+    from .client.admin import Admin
+    with _client(Admin, obj) as admin:
+        for bid in broker_ids or sorted(_run(admin.brokers)):
+            s = _run(lambda: admin.stats(bid, topic))
+            click.echo(f"broker {s.broker_id} version {s.version} uptime {s.uptime_seconds:.0f}s")
+            for p in s.partitions:
+                click.echo(f"  {p.topic:<20} {p.partition:<8} puts {p.puts} ({p.put_messages} msgs, {p.put_bytes} B, "
+                           f"{p.put_failures} failed)  gets {p.gets} ({p.get_messages} msgs, {p.get_bytes} B, "
+                           f"{p.get_misses} misses, {p.get_failures} failed)")
+
+
+# -- quickstart ---------------------------------------------------------------------------------------
+@main.command()
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="where ZooKeeper and the broker keep data (default: a temporary directory, removed on exit)")
+@click.option("--messages", type=click.IntRange(1), default=10_000, show_default=True)
+@click.option("--keep-running", is_flag=True, help="leave ZooKeeper and the broker up until Ctrl-C")
+def quickstart(workdir, messages, keep_running):
+    """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back."""
+    from .quickstart import run
+    _run(lambda: run(workdir, messages, keep_running))
+
+
+# -- offline inspection -------------------------------------------------------------------------------
+@main.group("log")
+def log_group():
+    """Inspect partition logs in a broker's data directory (run only while the broker is stopped)."""
+
+
+def _open_partition(directory: Path):
+    from .store.config import TopicConfig
+    from .store.partition import PartitionLog
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")
     return PartitionLog(directory, topic, int(num), TopicConfig())
 
 
-@click.group()
-@click.version_option(__version__, prog_name="metaq")
-def main():
-    """metaq: a MetaQ-style message broker with an exactly-once Spark connector."""
-
-
-@main.group("log")
-def log_group():
-    """Inspect partition logs in a broker's data directory (run only while the broker is stopped)."""
-
-
 @log_group.command("describe")
 @click.argument("partition_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def describe(partition_dir: Path):
     """List a partition's segments: offsets, bytes and last store time."""
-    try:
-        p = _open_partition(partition_dir)
-    except MetaqError as e:
-        raise click.ClickException(str(e))
+    p = _run(lambda: _open_partition(partition_dir))
     try:
         click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.latest_offset} (next), {p.size_bytes} bytes")
         for s in p.segments():
@@ -66,3 +295,7 @@ def verify(partition_dir: Path):
     if problems:
         sys.exit(1)
     click.echo(f"{partition_dir.name}: ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The broker process: storage, the gRPC service (with the standard health service), ZooKeeper
+registration, topics created at runtime, and an orderly shutdown."""
+from __future__ import annotations
+
+import configparser
+import logging
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from . import __version__
+from .broker_config import BrokerConfig, topic_config_from, topic_ini_values
+from .errors import ConfigError
+from .proto import metaq_pb2_grpc as pb_grpc
+from .service import BrokerService
+from .stats import BrokerStats
+from .store import MessageStore, validate_topic_name
+
+log = logging.getLogger(__name__)
+
+RUNTIME_TOPICS_FILE = "runtime-topics.ini"
+SERVICE_NAME = "metaq.v1.Broker"
+MAX_GRPC_MESSAGE = 256 << 20
+
+
+class Broker:
+    """``start()`` opens the store, serves gRPC and registers in ZooKeeper (unless ``zk.connect`` is
+    ``none``); ``stop()`` stops accepting, lets in-flight calls finish, fsyncs and closes the store, then
+    deregisters."""
+
+    def __init__(self, config: BrokerConfig):
+        self.config = config
+        self.port: Optional[int] = None
+        self.store = self.server = self.registration = None
+        self._health = health.HealthServicer()
+        self._topic_lock = threading.Lock()
+        self._stop_lock = threading.Lock()
+        self._stopping = False
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host_name}:{self.port}"
+
+    @property
+    def uses_zookeeper(self) -> bool:
+        return self.config.zk_connect.lower() != "none"
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> "Broker":
+        cfg = self.config
+        data = Path(cfg.data_path)
+        data.mkdir(parents=True, exist_ok=True)
+        topics = {**self._runtime_topics(), **cfg.topics}
+        self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
+                                  retention_interval=cfg.retention_check_interval_s)
+        try:
+            service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
+                                    self.create_topic, BrokerStats())
+            self.server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
+                options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                         ("grpc.so_reuseport", 0)])
+            pb_grpc.add_BrokerServicer_to_server(service, self.server)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+            try:
+                self.port = self.server.add_insecure_port(f"{cfg.host_name}:{cfg.server_port}")
+            except RuntimeError as e:
+                raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
+            self.server.start()
+            if self.uses_zookeeper:
+                from .registry import BrokerRegistration
+                self.registration = BrokerRegistration(
+                    cfg.zk_connect, cfg.zk_root, cfg.broker_id,
+                    {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__},
+                    {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
+                    session_timeout=cfg.zk_session_timeout_ms / 1000)
+                self.registration.start()
+        except BaseException:
+            self._shutdown_local(grace=0)
+            raise
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("metaq broker %d listening on %s (data in %s)", cfg.broker_id, self.address, data.resolve())
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        with self._stop_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._health.enter_graceful_shutdown()
+        self._shutdown_local(grace)
+        if self.registration is not None:
+            self.registration.stop()
+        log.info("metaq broker %d stopped", self.config.broker_id)
+        self._stopped.set()
+
+    def _shutdown_local(self, grace: float) -> None:
+        if self.server is not None:
+            self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
+        if self.store is not None:
+            self.store.close()  # fsyncs every partition
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    # -- topics ---------------------------------------------------------------------------------------
+    def _runtime_topics_path(self) -> Path:
+        return Path(self.config.data_path) / RUNTIME_TOPICS_FILE
+
+    def _runtime_topics(self) -> dict:
+        path = self._runtime_topics_path()
+        if not path.exists():
+            return {}
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.optionxform = str
+        parser.read(path, encoding="utf-8")
+        return {s[len("topic="):]: topic_config_from(self.config.topic_defaults, dict(parser[s]), f"{path} [{s}]")
+                for s in parser.sections() if s.startswith("topic=")}
+
+    def create_topic(self, topic: str, num_partitions: Optional[int], overrides: dict):
+        """Create a topic at runtime: stored, remembered in the data directory, registered in ZooKeeper."""
+        validate_topic_name(topic)
+        settings = dict(overrides)
+        if num_partitions:
+            settings["numPartitions"] = str(num_partitions)
+        config = topic_config_from(self.config.topic_defaults, settings, f"topic {topic!r}")
+        with self._topic_lock:
+            created = topic not in self.store.topics()
+            config = self.store.create_topic(topic, config)
+            if created:
+                self._remember_topic(topic, config)
+        if created and self.registration is not None:
+            self.registration.add_topic(topic, config.num_partitions)
+        return config
+
+    def _remember_topic(self, topic: str, config) -> None:
+        path = self._runtime_topics_path()
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.optionxform = str
+        if path.exists():
+            parser.read(path, encoding="utf-8")
+        parser[f"topic={topic}"] = topic_ini_values(config)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            parser.write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,148 @@
+"""The broker's configuration: an INI file like MetaQ's server.ini, a ``[system]`` section and one
+``[topic=NAME]`` section per topic, with command-line flags overriding any ``[system]`` key. Unknown keys
+and bad values are refused at start, naming the key."""
+from __future__ import annotations
+
+import configparser
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from .errors import ConfigError, InvalidTopicError
+from .store.config import DeletePolicy, TopicConfig, validate_topic_name
+
+
+def _int(lo: int, hi: int = 2 ** 62) -> Callable[[str, str], int]:
+    def parse(key: str, raw: str) -> int:
+        try:
+            v = int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{key}: {raw!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise ConfigError(f"{key}: {v} is outside {lo}..{hi}")
+        return v
+    return parse
+
+
+def _str(key: str, raw: str) -> str:
+    v = str(raw).strip()
+    if not v:
+        raise ConfigError(f"{key}: must not be empty")
+    return v
+
+
+def _root(key: str, raw: str) -> str:
+    v = str(raw).strip()
+    if v and not v.startswith("/"):
+        raise ConfigError(f"{key}: {v!r} must start with '/'")
+    return v.rstrip("/") or "/"
+
+
+def _policy(key: str, raw: str) -> str:
+    try:
+        return str(DeletePolicy.parse(raw))
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+# Per-topic keys: INI name -> (TopicConfig field, parser). They may also stand in [system] as defaults.
+TOPIC_KEYS: dict = {
+    "numPartitions": ("num_partitions", _int(1, 10_000)),
+    "unflushThreshold": ("unflush_threshold", _int(-1, 2 ** 31)),
+    "unflushInterval": ("unflush_interval_ms", _int(1, 86_400_000)),
+    "maxSegmentSize": ("max_segment_size", _int(4096, 2 ** 40)),
+    "maxMessageSize": ("max_message_size", _int(1, 2 ** 30)),
+    "deletePolicy": ("delete_policy", _policy),
+    "retentionBytes": ("retention_bytes", _int(-1, 2 ** 62)),
+}
+
+# [system]-only keys: INI name -> (BrokerConfig field, parser, default).
+SYSTEM_KEYS: dict = {
+    "brokerId": ("broker_id", _int(0, 1023), 0),
+    "hostName": ("host_name", _str, "127.0.0.1"),
+    "serverPort": ("server_port", _int(0, 65535), 8123),
+    "dataPath": ("data_path", _str, "metaq-data"),
+    "zk.connect": ("zk_connect", _str, "127.0.0.1:2181"),
+    "zk.root": ("zk_root", _root, "/meta"),
+    "zk.sessionTimeout": ("zk_session_timeout_ms", _int(1000, 600_000), 10_000),
+    "maxTransferSize": ("max_transfer_size", _int(1024, 1 << 30), 8 << 20),
+    "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000), 30_000),
+    "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400), 300),
+    "grpcWorkers": ("grpc_workers", _int(2, 1024), 64),
+}
+
+
+@dataclass
+class BrokerConfig:
+    broker_id: int = 0
+    host_name: str = "127.0.0.1"
+    server_port: int = 8123
+    data_path: str = "metaq-data"
+    zk_connect: str = "127.0.0.1:2181"
+    zk_root: str = "/meta"
+    zk_session_timeout_ms: int = 10_000
+    max_transfer_size: int = 8 << 20
+    max_fetch_wait_ms: int = 30_000
+    retention_check_interval_s: int = 300
+    grpc_workers: int = 64
+    topic_defaults: TopicConfig = field(default_factory=TopicConfig)
+    topics: dict = field(default_factory=dict)  # name -> TopicConfig
+    source: Optional[str] = None
+
+
+def topic_config_from(base: TopicConfig, overrides: Mapping[str, str], where: str) -> TopicConfig:
+    """``base`` with per-topic INI keys applied; ``where`` names the source in errors."""
+    changes = {}
+    for key, raw in overrides.items():
+        if key not in TOPIC_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r}; per-topic keys are {', '.join(sorted(TOPIC_KEYS))}")
+        attr, parse = TOPIC_KEYS[key]
+        changes[attr] = parse(f"{where} {key}", raw)
+    try:
+        return base.with_(**changes)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def topic_ini_values(topic: TopicConfig) -> dict:
+    return {key: str(getattr(topic, attr)) for key, (attr, _) in TOPIC_KEYS.items()}
+
+
+def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = None) -> BrokerConfig:
+    """Read the INI file (if any), apply ``overrides`` (flags) to [system], and check everything."""
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str  # keys are case-sensitive, as in MetaQ
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            parser.read(path, encoding="utf-8")
+        except configparser.Error as e:
+            raise ConfigError(f"{path}: {e}") from None
+    system = dict(parser["system"]) if parser.has_section("system") else {}
+    system.update(overrides or {})
+    for section in parser.sections():
+        if section != "system" and not section.startswith("topic="):
+            raise ConfigError(f"unknown section [{section}]; expected [system] or [topic=NAME]")
+
+    cfg = BrokerConfig(source=str(path) if path else None)
+    topic_defaults = {}
+    for key, raw in system.items():
+        if key in SYSTEM_KEYS:
+            attr, parse, _ = SYSTEM_KEYS[key]
+            setattr(cfg, attr, parse(f"[system] {key}", raw))
+        elif key in TOPIC_KEYS:
+            topic_defaults[key] = raw
+        else:
+            known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS)
+            raise ConfigError(f"[system]: unknown key {key!r}; known keys are {', '.join(known)}")
+    cfg.topic_defaults = topic_config_from(TopicConfig(), topic_defaults, "[system]")
+    for section in parser.sections():
+        if section.startswith("topic="):
+            name = section[len("topic="):].strip()
+            try:
+                validate_topic_name(name)
+            except InvalidTopicError as e:
+                raise ConfigError(f"[{section}]: {e}") from None
+            cfg.topics[name] = topic_config_from(cfg.topic_defaults, dict(parser[section]), f"[{section}]")
+    return cfg

@@ -1,0 +1,107 @@
+"""What producers, consumers and admins share: where brokers and partitions are (ZooKeeper or a static
+broker list), and connections to them. A partition is named ``<brokerId>-<n>`` as in MetaQ."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Optional, Union
+
+from ..errors import InvalidPartitionError, UnknownTopicError
+from ..proto import metaq_pb2 as pb
+from ..zkpaths import parse_partition_name, partition_name
+from .cluster import ClusterView
+from .connection import BrokerConnection, ConnectionPool
+
+BrokerList = Union[None, str, Mapping[int, str]]
+
+
+def parse_broker_list(brokers: BrokerList) -> Optional[dict]:
+    """``"1=host:port,2=host:port"`` or ``{1: "host:port"}`` or ``"host:port"`` (a single broker, id asked
+    from the broker itself)."""
+    if brokers is None or isinstance(brokers, Mapping):
+        return None if brokers is None else {int(k): v for k, v in brokers.items()}
+    out = {}
+    for item in str(brokers).split(","):
+        item = item.strip()
+        if "=" in item:
+            bid, addr = item.split("=", 1)
+            out[int(bid)] = addr.strip()
+        elif item:
+            out[-1 - len(out)] = item  # id unknown until asked
+    return out
+
+
+class ClientBase:
+    def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers: BrokerList = None,
+                 timeout: float = 30.0):
+        if (zk_connect is None) == (brokers is None):
+            raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
+        self.pool = ConnectionPool(timeout)
+        static = parse_broker_list(brokers)
+        if static is not None:
+            static = self._resolve_ids(static)
+        self.cluster = ClusterView(zk_connect=zk_connect, root=zk_root, brokers=static,
+                                   static_topics=self._static_topics if static else None)
+
+    def _resolve_ids(self, static: dict) -> dict:
+        resolved = {}
+        for bid, addr in static.items():
+            if bid < 0:
+                bid = self.pool.get(addr).call("ListTopics", pb.ListTopicsRequest(), retries=3).broker_id
+            resolved[bid] = addr
+        return resolved
+
+    def _static_topics(self) -> dict:
+        """{topic: [(brokerId, n)]}, asked from every broker of a static list."""
+        out: dict = {}
+        for bid, addr in sorted(self.cluster.brokers().items()):
+            for t in self.pool.get(addr).call("ListTopics", pb.ListTopicsRequest(), retries=3).topics:
+                out.setdefault(t.topic, []).extend((bid, n) for n in range(t.num_partitions))
+        return out
+
+    # -- routing --------------------------------------------------------------------------------------
+    def partitions(self, topic: str) -> list:
+        """The topic's partitions on live brokers, as ``<brokerId>-<n>`` names, in a stable order."""
+        parts = self.cluster.topic_partitions(topic)
+        if not parts:
+            raise UnknownTopicError(f"topic {topic!r} is not on any live broker")
+        return [partition_name(b, n) for b, n in parts]
+
+    def connection(self, broker_id: int) -> BrokerConnection:
+        addr = self.cluster.brokers().get(broker_id)
+        if addr is None:
+            raise InvalidPartitionError(f"broker {broker_id} is not alive (not registered)")
+        return self.pool.get(addr)
+
+    def route(self, partition: str):
+        """(connection, partition number on that broker) for a ``<brokerId>-<n>`` name."""
+        try:
+            bid, n = parse_partition_name(partition)
+        except ValueError as e:
+            raise InvalidPartitionError(str(e)) from None
+        return self.connection(bid), n
+
+    # -- offsets --------------------------------------------------------------------------------------
+    def offsets(self, topic: str, partitions: Optional[Iterable[str]] = None, timestamp_ms: Optional[int] = None) -> dict:
+        """{partition: (earliest, latest[, offset for timestamp])}, one GetOffsets call per broker."""
+        by_broker: dict = {}
+        for name in partitions or self.partitions(topic):
+            bid, n = parse_partition_name(name)
+            by_broker.setdefault(bid, []).append(n)
+        out = {}
+        for bid, numbers in by_broker.items():
+            queries = [pb.OffsetQuery(topic=topic, partition=n, **({} if timestamp_ms is None else
+                                                                   {"timestamp_ms": timestamp_ms})) for n in numbers]
+            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
+            for o in r.offsets:
+                item = (o.earliest, o.latest) if timestamp_ms is None else (o.earliest, o.latest, o.for_timestamp)
+                out[f"{bid}-{o.partition}"] = item
+        return out
+
+    def close(self) -> None:
+        self.cluster.close()
+        self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

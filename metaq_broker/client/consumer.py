@@ -1,0 +1,145 @@
+"""The consumer: fetch any partition from any offset and decode to Arrow (checksums verified on the
+client, end to end) or to message objects; keep a group's offsets in ZooKeeper; and, outside Spark,
+share a group's partitions among its members with MetaQ's ids/owners scheme."""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable, Optional
+
+import pyarrow as pa
+
+from .. import records
+from ..proto import metaq_pb2 as pb
+from .base import ClientBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Message:
+    topic: str
+    partition: str
+    offset: int
+    key: Optional[bytes]
+    value: bytes
+    timestamp: datetime
+    msg_id: int
+    flag: int
+    attribute: Optional[str]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Messages [start_offset, next_offset) of one partition, and the partition's range at fetch time."""
+
+    topic: str
+    partition: str
+    batch: pa.RecordBatch
+    start_offset: int
+    next_offset: int
+    earliest: int
+    latest: int
+
+    def messages(self) -> list:
+        d = self.batch.to_pydict()
+        return [Message(self.topic, self.partition, *row) for row in zip(
+            d["offset"], d["key"], d["value"], d["timestamp"], d["msgId"], d["flag"], d["attribute"])]
+
+
+class Consumer(ClientBase):
+    def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
+                 group: Optional[str] = None, timeout: float = 30.0):
+        super().__init__(zk_connect, zk_root, brokers, timeout)
+        self.group = group
+        self._groups = None
+        self.consumer_id = f"{uuid.uuid4().hex[:12]}"
+        self._owned: dict = {}  # topic -> partitions this member owns
+        self.positions: dict = {}  # (topic, partition) -> next offset to fetch
+
+    # -- reading --------------------------------------------------------------------------------------
+    def fetch(self, topic: str, partition: str, offset: int, max_bytes: int = 1 << 20,
+              max_messages: Optional[int] = None, max_wait_ms: int = 0) -> Fetched:
+        conn, number = self.route(partition)
+        r = conn.call("Fetch", pb.FetchRequest(topic=topic, partition=number, offset=offset, max_bytes=max_bytes,
+                                               max_messages=max_messages or 0, max_wait_ms=max_wait_ms),
+                      timeout=conn.timeout + max_wait_ms / 1000, retries=3)
+        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
+        return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)
+
+    def read_range(self, topic: str, partition: str, start: int, end: int, max_bytes: int = 8 << 20) -> pa.Table:
+        """Every message of [start, end) as one Arrow table (several fetches when needed)."""
+        batches, offset = [], start
+        while offset < end:
+            f = self.fetch(topic, partition, offset, max_bytes, max_messages=end - offset)
+            if f.next_offset == offset:
+                raise records.RecordFormatError(f"{topic} {partition}: no messages at {offset}, latest is {f.latest}", 0)
+            batches.append(f.batch)
+            offset = f.next_offset
+        return pa.Table.from_batches(batches, schema=records.SCHEMA)
+
+    # -- group offsets (ZooKeeper) --------------------------------------------------------------------
+    def _group_store(self):
+        if self._groups is None:
+            from .group_offsets import GroupStore
+            if self.cluster.zk is None:
+                raise RuntimeError("group offsets live in ZooKeeper: create the consumer with zk_connect")
+            if not self.group:
+                raise ValueError("this consumer has no group")
+            self._groups = GroupStore(self.cluster.zk, self.cluster.root)
+        return self._groups
+
+    def commit(self, topic: str, offsets: dict) -> None:
+        """Record ``{partition: next offset}`` as the group's position in ZooKeeper."""
+        self._group_store().commit(self.group, topic, {p: int(o) for p, o in offsets.items()})
+
+    def committed(self, topic: str) -> dict:
+        return self._group_store().fetch(self.group, topic)
+
+    # -- balanced group consumption -------------------------------------------------------------------
+    def subscribe(self, topic: str, start: str = "committed") -> list:
+        """Join the group for ``topic`` and take this member's share of its partitions (MetaQ's range
+        assignment over ids/owners). Positions start from the committed offsets (earliest where none),
+        or ``earliest``/``latest``. Returns the owned partitions; call again to rebalance."""
+        groups = self._group_store()
+        groups.join(self.group, self.consumer_id, [topic])
+        share = groups.assign(self.group, self.consumer_id, topic, self.partitions(topic))
+        for p in set(self._owned.get(topic, [])) - set(share):
+            groups.release(self.group, topic, p, self.consumer_id)
+        owned = [p for p in share if groups.claim(self.group, topic, p, self.consumer_id)]
+        self._owned[topic] = owned
+        committed = groups.fetch(self.group, topic) if start == "committed" else {}
+        ranges = self.offsets(topic, owned) if owned else {}
+        for p in owned:
+            if (topic, p) in self.positions:
+                continue
+            earliest, latest = ranges[p][:2]
+            self.positions[(topic, p)] = (committed.get(p, earliest) if start == "committed" else
+                                          earliest if start == "earliest" else latest)
+        return owned
+
+    def poll(self, topic: str, max_bytes: int = 1 << 20, max_wait_ms: int = 500) -> list:
+        """Fetch once from each owned partition at its position; advance the positions."""
+        out = []
+        for p in self._owned.get(topic, []):
+            pos = self.positions[(topic, p)]
+            f = self.fetch(topic, p, pos, max_bytes, max_wait_ms=max_wait_ms if len(self._owned[topic]) == 1 else 0)
+            if f.batch.num_rows:
+                out.append(f)
+            self.positions[(topic, p)] = f.next_offset
+        return out
+
+    def commit_positions(self, topic: str) -> None:
+        owned = self._owned.get(topic, [])
+        if owned:
+            self.commit(topic, {p: self.positions[(topic, p)] for p in owned})
+
+    def close(self) -> None:
+        if self._groups is not None:
+            for topic, parts in self._owned.items():
+                for p in parts:
+                    self._groups.release(self.group, topic, p, self.consumer_id)
+            self._groups.leave(self.group, self.consumer_id)
+        super().close()

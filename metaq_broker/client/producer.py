@@ -1,0 +1,191 @@
+"""The producer: picks partitions (explicit, key hash or round robin), batches, and sends synchronously
+(``send_batch``) or asynchronously (``send`` returns a future; a sender thread groups messages into one
+batch per partition every ``linger_ms`` or ``batch_size`` messages).
+
+Delivery: a call waits for a restarting broker (gRPC wait-for-ready) instead of failing, so nothing is
+resent blindly; when the broker acknowledges, the message is stored under the topic's flush policy
+(``PutResult.fsynced`` says whether an fsync covered it)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+import numpy as np
+import pyarrow as pa
+
+from .. import records
+from ..proto import metaq_pb2 as pb
+from .base import ClientBase
+from .connection import to_error
+from .partitioner import RoundRobin, partitions_for_keys
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """One stored batch: offsets [base_offset, base_offset + count) of ``partition``."""
+
+    topic: str
+    partition: str
+    base_offset: int
+    count: int
+    base_msg_id: int
+    timestamp: int
+    fsynced: bool
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Where one message sent with ``Producer.send`` was stored."""
+
+    topic: str
+    partition: str
+    offset: int
+    msg_id: int
+    timestamp: int
+
+
+def _put_request(topic: str, partition: int, body: records.EncodedBody) -> pb.PutRequest:
+    data = b"".join(bytes(p) for p in body.parts) if len(body.parts) != 1 else bytes(body.parts[0])
+    return pb.PutRequest(topic=topic, partition=partition, batch=pb.MessageBatch(
+        count=body.count, attributes=body.attributes, body=data, body_crc=body.crc))
+
+
+class Producer(ClientBase):
+    def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
+                 partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0):
+        if partitioner not in ("hash", "round_robin"):
+            raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
+        super().__init__(zk_connect, zk_root, brokers, timeout)
+        self.partitioner = partitioner
+        self.batch_size = batch_size
+        self.linger = linger_ms / 1000
+        self._rr = RoundRobin()
+        self._pending: dict = {}  # (topic, partition) -> list of (value, key, attribute, flag, future)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._sender = threading.Thread(target=self._run_sender, name="metaq-producer", daemon=True)
+        self._sender.start()
+
+    # -- choosing partitions --------------------------------------------------------------------------
+    def _assign(self, topic: str, n: int, keys: Optional[pa.Array], partition: Optional[str]) -> tuple:
+        """(partition names, per-message index into them)."""
+        if partition is not None:
+            self.route(partition)  # check it names a live broker
+            return [partition], np.zeros(n, dtype=np.int64)
+        names = self.partitions(topic)
+        if keys is not None and self.partitioner == "hash" and keys.null_count < len(keys):
+            return names, partitions_for_keys(keys, len(names))
+        return names, np.full(n, self._rr.next(len(names)), dtype=np.int64)
+
+    # -- synchronous ----------------------------------------------------------------------------------
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None,
+                   partition: Optional[str] = None) -> list:
+        """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
+        partition used). Messages with a key go by key hash; without, the whole call goes to one
+        partition, round robin across calls."""
+        body_cols = _columns(values, keys, attributes, flags)
+        n = len(body_cols[0])
+        names, which = self._assign(topic, n, body_cols[1], partition)
+        order = np.argsort(which, kind="stable")
+        bounds = np.flatnonzero(np.diff(which[order])) + 1
+        calls = []
+        for group in np.split(order, bounds):
+            if not len(group):
+                continue
+            name = names[int(which[group[0]])]
+            take = None if len(group) == n else pa.array(group)
+            cols = [c if c is None or take is None else c.take(take) for c in body_cols]
+            body = records.encode_body(*cols[:3], flags=None if cols[3] is None else cols[3])
+            conn, number = self.route(name)
+            calls.append((name, conn.future("Put", _put_request(topic, number, body))))
+        return [self._result(topic, name, fut) for name, fut in calls]
+
+    def _result(self, topic: str, name: str, fut) -> PutResult:
+        try:
+            r = fut.result()
+        except grpc.RpcError as e:
+            raise to_error(e, name) from None
+        return PutResult(topic, name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
+
+    # -- asynchronous ---------------------------------------------------------------------------------
+    def send(self, topic: str, value, key=None, attribute: Optional[str] = None, flag: int = 0,
+             partition: Optional[str] = None) -> Future:
+        """Queue one message; the future resolves to a SendResult once its batch is stored."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        if partition is None:
+            names = self.partitions(topic)
+            if key is not None and self.partitioner == "hash":
+                kb = key.encode() if isinstance(key, str) else key
+                partition = names[int(partitions_for_keys(pa.array([kb], pa.binary()), len(names))[0])]
+            else:
+                partition = names[self._rr.next(len(names))]
+        else:
+            self.route(partition)
+        fut: Future = Future()
+        with self._cond:
+            q = self._pending.setdefault((topic, partition), [])
+            q.append((value, key, attribute, flag, fut))
+            if len(q) >= self.batch_size:
+                self._cond.notify()
+        return fut
+
+    def _run_sender(self) -> None:
+        while True:
+            with self._cond:
+                if not self._closed:
+                    self._cond.wait(self.linger)
+                batches, self._pending = self._pending, {}
+                closed = self._closed
+            for (topic, partition), items in batches.items():
+                self._send_items(topic, partition, items)
+            if closed and not batches:
+                return
+
+    def _send_items(self, topic: str, partition: str, items: list) -> None:
+        try:
+            values, keys, attrs, flags, futs = zip(*items)
+            result = self.send_batch(topic, list(values), None if all(k is None for k in keys) else list(keys),
+                                     None if all(a is None for a in attrs) else list(attrs),
+                                     list(flags), partition=partition)[0]
+        except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
+            for item in items:
+                item[4].set_exception(e)
+            return
+        for i, item in enumerate(items):
+            item[4].set_result(SendResult(topic, partition, result.base_offset + i, result.base_msg_id + i,
+                                          result.timestamp))
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Send everything queued and wait until it is acknowledged (or failed)."""
+        with self._cond:
+            futs = [item[4] for items in self._pending.values() for item in items]
+            self._cond.notify()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in futs:
+            f.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._sender.join()
+        super().close()
+
+
+def _columns(values, keys, attributes, flags) -> list:
+    """Normalise the four message columns to Arrow arrays (flags stay as given)."""
+    def arr(col, typ):
+        if col is None:
+            return None
+        if isinstance(col, pa.ChunkedArray):
+            return col.combine_chunks()
+        if isinstance(col, pa.Array):
+            return col
+        return pa.array(col, typ)  # str is taken as UTF-8 bytes for binary columns
+    flag_arr = None if flags is None else (flags if isinstance(flags, pa.Array) else pa.array(np.asarray(flags), pa.int32()))
+    return [arr(values, pa.binary()), arr(keys, pa.binary()), arr(attributes, pa.string()), flag_arr]

@@ -1,0 +1,206 @@
+"""The gRPC service: a thin layer that turns requests into MessageStore calls and metaq errors into
+gRPC status codes. Record bytes pass through untouched (producers send encoded batch bodies, fetches
+return stored batches), so the broker does no per-message work."""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+
+import grpc
+
+from . import __version__, records
+from .errors import (ConfigError, CorruptLogError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
+                     InvalidTopicError, MessageTooLargeError, MetaqError, OffsetOutOfRangeError, StoreClosedError,
+                     UnknownTopicError)
+from .proto import metaq_pb2 as pb
+from .proto import metaq_pb2_grpc as pb_grpc
+from .stats import BrokerStats
+
+log = logging.getLogger(__name__)
+
+STATUS_OF = [  # most specific first
+    (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnknownTopicError, grpc.StatusCode.NOT_FOUND),
+    (OffsetOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
+    ((InvalidPartitionError, InvalidOffsetError, InvalidTopicError, InvalidMessageError, ConfigError,
+      records.RecordFormatError), grpc.StatusCode.INVALID_ARGUMENT),
+    (CorruptLogError, grpc.StatusCode.DATA_LOSS),
+    (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+class PartitionClosedError(MetaqError):
+    """The partition was closed by an operator (MetaQ's closePartitions)."""
+
+
+def _status(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, PartitionClosedError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    for kinds, code in STATUS_OF:
+        if isinstance(exc, kinds):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc(method):
+    """Run a handler; turn a metaq error into a status with its message, log anything unexpected."""
+    @functools.wraps(method)
+    def handler(self, request, context):
+        try:
+            return method(self, request, context)
+        except (MetaqError, records.RecordFormatError) as e:
+            context.abort(_status(e), str(e))
+        except Exception as e:  # noqa: BLE001 - a bad request must never take the broker down
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(e).__name__}: {e}")
+    return handler
+
+
+class BrokerService(pb_grpc.BrokerServicer):
+    def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
+                 create_topic, stats: BrokerStats):
+        self.store = store
+        self.broker_id = broker_id
+        self.max_transfer_size = max_transfer_size
+        self.max_fetch_wait_ms = max_fetch_wait_ms
+        self._create_topic = create_topic  # the broker persists and registers new topics
+        self.stats = stats
+        self._closed = set()  # (topic, partition) closed by an operator
+        self._closed_lock = threading.Lock()
+        self._round_robin = itertools.count()
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _name(self, partition: int) -> str:
+        return f"{self.broker_id}-{partition}"
+
+    def _open_partition(self, topic: str, partition: int):
+        log_ = self.store.partition(topic, partition)
+        if (topic, partition) in self._closed:
+            raise PartitionClosedError(f"partition {self._name(partition)} of topic {topic!r} is closed")
+        return log_
+
+    def _describe(self, topic: str) -> pb.TopicDescription:
+        from .broker_config import topic_ini_values
+        config = self.store.topic_config(topic)
+        parts = []
+        for p in self.store.partitions(topic):
+            parts.append(pb.PartitionDescription(
+                partition=p.partition, name=self._name(p.partition), earliest=p.earliest_offset,
+                latest=p.latest_offset, bytes=p.size_bytes, segments=len(p.segments()),
+                closed=(topic, p.partition) in self._closed))
+        return pb.TopicDescription(topic=topic, broker_id=self.broker_id, partitions=parts,
+                                   config=topic_ini_values(config))
+
+    # -- data -----------------------------------------------------------------------------------------
+    @rpc
+    def Put(self, request, context):
+        topic, partition = request.topic, request.partition
+        config = self.store.topic_config(topic)
+        if partition == -1:
+            open_parts = [p for p in range(config.num_partitions) if (topic, p) not in self._closed]
+            if not open_parts:
+                raise PartitionClosedError(f"every partition of topic {topic!r} is closed")
+            partition = open_parts[next(self._round_robin) % len(open_parts)]
+        self.store.partition(topic, partition)  # counters exist only for real partitions
+        counters = self.stats.partition(topic, self._name(partition))
+        try:
+            log_ = self._open_partition(topic, partition)
+            b = request.batch
+            body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            result = log_.append_body(body)
+        except BaseException:
+            counters.record_failure("put")
+            raise
+        counters.record_put(result.count, len(request.batch.body))
+        return pb.PutResponse(topic=topic, partition=partition, base_offset=result.base_offset, count=result.count,
+                              base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
+                              fsynced=config.group_commit or config.unflush_threshold == 1)
+
+    @rpc
+    def Fetch(self, request, context):
+        topic, partition = request.topic, request.partition
+        self.store.partition(topic, partition)
+        counters = self.stats.partition(topic, self._name(partition))
+        try:
+            log_ = self._open_partition(topic, partition)
+            if request.max_bytes < 0 or request.max_messages < 0 or request.max_wait_ms < 0:
+                raise InvalidOffsetError("max_bytes, max_messages and max_wait_ms must not be negative")
+            max_bytes = min(request.max_bytes or (1 << 20), self.max_transfer_size)
+            wait_ms = min(request.max_wait_ms, self.max_fetch_wait_ms)
+            result = log_.read(request.offset, max_bytes, request.max_messages or None)
+            if result.end_offset == result.start_offset and wait_ms:
+                deadline = time.monotonic() + wait_ms / 1000
+                while context.is_active() and time.monotonic() < deadline:
+                    if log_.wait_for_data(request.offset, min(0.5, deadline - time.monotonic())):
+                        result = log_.read(request.offset, max_bytes, request.max_messages or None)
+                        break
+        except BaseException:
+            counters.record_failure("get")
+            raise
+        counters.record_get(result.end_offset - result.start_offset, result.data.size)
+        return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
+                                records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
+                                earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset)
+
+    @rpc
+    def GetOffsets(self, request, context):
+        out = []
+        for q in request.queries:
+            p = self.store.partition(q.topic, q.partition)
+            item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
+                                       latest=p.latest_offset, for_timestamp=-1, after_bytes=-1)
+            if q.HasField("timestamp_ms"):
+                item.for_timestamp = p.offset_for_timestamp(q.timestamp_ms)
+            if q.HasField("max_bytes") or q.HasField("from_offset"):
+                if not (q.HasField("max_bytes") and q.HasField("from_offset")):
+                    raise InvalidOffsetError("from_offset and max_bytes go together")
+                item.after_bytes = p.offset_after_bytes(q.from_offset, q.max_bytes)
+            out.append(item)
+        return pb.GetOffsetsResponse(offsets=out)
+
+    # -- admin ----------------------------------------------------------------------------------------
+    @rpc
+    def ListTopics(self, request, context):
+        return pb.ListTopicsResponse(broker_id=self.broker_id, topics=[
+            pb.TopicSummary(topic=t, num_partitions=self.store.topic_config(t).num_partitions)
+            for t in self.store.topics()])
+
+    @rpc
+    def DescribeTopic(self, request, context):
+        return self._describe(request.topic)
+
+    @rpc
+    def CreateTopic(self, request, context):
+        if request.num_partitions < 0:
+            raise ConfigError(f"num_partitions must not be negative, got {request.num_partitions}")
+        self._create_topic(request.topic, request.num_partitions or None, dict(request.config))
+        return self._describe(request.topic)
+
+    @rpc
+    def ClosePartitions(self, request, context):
+        n = self.store.topic_config(request.topic).num_partitions
+        if not 0 <= request.start <= request.end < n:
+            raise InvalidPartitionError(f"partitions {request.start}..{request.end} are not within 0..{n - 1} "
+                                        f"of topic {request.topic!r}")
+        with self._closed_lock:
+            self._closed |= {(request.topic, p) for p in range(request.start, request.end + 1)}
+        log.info("closed partitions %d..%d of %s", request.start, request.end, request.topic)
+        return self._describe(request.topic)
+
+    @rpc
+    def OpenPartitions(self, request, context):
+        self.store.topic_config(request.topic)
+        with self._closed_lock:
+            self._closed = {tp for tp in self._closed if tp[0] != request.topic}
+        log.info("opened all partitions of %s", request.topic)
+        return self._describe(request.topic)
+
+    @rpc
+    def Stats(self, request, context):
+        if request.topic:
+            self.store.topic_config(request.topic)
+        return pb.StatsResponse(broker_id=self.broker_id, version=__version__, uptime_seconds=self.stats.uptime(),
+                                partitions=self.stats.snapshot(request.topic or None))

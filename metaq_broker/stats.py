@@ -1,0 +1,63 @@
+"""MetaQ's broker counters (puts, gets, misses, failures, bytes) per topic and partition, and uptime."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, fields
+
+from .proto import metaq_pb2 as pb
+
+
+@dataclass
+class PartitionCounters:
+    puts: int = 0
+    put_messages: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    get_messages: int = 0
+    get_bytes: int = 0
+    get_misses: int = 0
+    get_failures: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_put(self, messages: int, nbytes: int) -> None:
+        with self._lock:
+            self.puts += 1
+            self.put_messages += messages
+            self.put_bytes += nbytes
+
+    def record_get(self, messages: int, nbytes: int) -> None:
+        with self._lock:
+            self.gets += 1
+            self.get_messages += messages
+            self.get_bytes += nbytes
+            if not messages:
+                self.get_misses += 1
+
+    def record_failure(self, kind: str) -> None:
+        with self._lock:
+            setattr(self, f"{kind}_failures", getattr(self, f"{kind}_failures") + 1)
+
+
+class BrokerStats:
+    def __init__(self):
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._counters: dict = {}
+
+    def partition(self, topic: str, partition_name: str) -> PartitionCounters:
+        key = (topic, partition_name)
+        c = self._counters.get(key)
+        if c is None:
+            with self._lock:
+                c = self._counters.setdefault(key, PartitionCounters())
+        return c
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+    def snapshot(self, topic=None) -> list:
+        names = [f.name for f in fields(PartitionCounters) if not f.name.startswith("_")]
+        return [pb.PartitionStats(topic=t, partition=p, **{n: getattr(c, n) for n in names})
+                for (t, p), c in sorted(self._counters.items()) if topic is None or t == topic]
