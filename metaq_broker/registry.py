@@ -1,6 +1,16 @@
-"""The broker's presence in ZooKeeper: an ephemeral ``/brokers/ids/<id>`` node with its address, and its
-topics under ``topics-pub`` / ``topics-sub``. Registration comes back by itself after a ZooKeeper
-restart or a session expiry; a second broker with the same id is refused."""
+"""The broker's presence in ZooKeeper (MetaQ's ``registerBrokerInZk`` / ``registerTopicsInZk``).
+
+* ``<root>/brokers/ids/<id>``: ephemeral, JSON address. Ephemeral so that a broker that dies drops out
+  of every client's view by itself when its session expires.
+* ``<root>/brokers/topics-pub|topics-sub/<topic>/<id>-m``: persistent, ``{"numPartitions": n,
+  "brokerId": id}``. Clients keep only the entries of brokers that are alive.
+
+Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an expired session the
+ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because
+kazoo state listeners must not block). A second broker with an id that a live session holds is
+refused; when the holder has *our* address it is this broker's previous, crashed run, whose session
+will expire shortly, so we wait for that instead (Kafka does the same).
+"""
 from __future__ import annotations
 
 import json
@@ -10,7 +20,8 @@ import time
 from typing import Optional
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from .errors import MetaqError
@@ -20,14 +31,34 @@ log = logging.getLogger(__name__)
 
 
 class BrokerIdInUseError(MetaqError):
-    """Another live broker holds this broker id."""
+    """Another live ZooKeeper session holds this broker id. ``holder`` is the address stored there."""
+
+    def __init__(self, message: str, broker_id: int = -1, holder=None):
+        super().__init__(message)
+        self.broker_id, self.holder = broker_id, holder
+
+
+class ZooKeeperUnavailableError(MetaqError):
+    """ZooKeeper did not accept a session in time."""
 
 
 def new_client(zk_connect: str, session_timeout: float = 10.0) -> KazooClient:
-    """A kazoo client that keeps reconnecting (forever) and retries commands a few times."""
+    """A kazoo client that reconnects forever (a broker must come back after any ZooKeeper outage) and
+    retries single commands a few times."""
     return KazooClient(hosts=zk_connect, timeout=session_timeout,
                        connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
                        command_retry=KazooRetry(max_tries=5, max_delay=2.0))
+
+
+def start_client(client: KazooClient, zk_connect: str, timeout: float) -> None:
+    """``client.start`` with a clear error; on failure the client is stopped (it would retry forever)."""
+    try:
+        client.start(timeout)
+    except KazooTimeoutError:
+        client.stop()
+        client.close()
+        raise ZooKeeperUnavailableError(
+            f"cannot connect to ZooKeeper at {zk_connect} within {timeout:.0f}s; is it running (zk.connect)?") from None
 
 
 class BrokerRegistration:
@@ -35,115 +66,209 @@ class BrokerRegistration:
                  session_timeout: float = 10.0):
         self.paths = ZkPaths(root)
         self.broker_id = broker_id
-        self.address = address
-        self.topics = dict(topics)
-        self.client = new_client(zk_connect, session_timeout)
-        self.state_history: list = []
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._waited = False
+        self.address = dict(address)
+        self.topics: dict = dict(topics)
         self.session_timeout = session_timeout
+        self.client = new_client(zk_connect, session_timeout)
+        self.zk_connect = zk_connect
+        self.state_history: list = []  # every KazooState seen, in order (for tests and diagnosis)
+        self.registrations = 0  # successful (re-)registrations
+        self._lock = threading.RLock()  # serialises ZooKeeper writes of this registration
+        self._kick_lock = threading.Lock()
+        self._dirty = False
+        self._worker: Optional[threading.Thread] = None
+        self._started = self._stopped = False
+        self._warned = False
+
+    @property
+    def node(self) -> str:
+        return self.paths.broker(self.broker_id)
 
     @property
     def connected(self) -> bool:
         return self.client.state == KazooState.CONNECTED
 
+    # -- start ----------------------------------------------------------------------------------------
     def start(self, timeout: float = 15.0) -> "BrokerRegistration":
-        """Connect and register. A node left by this broker's previous, crashed process disappears when
-        that session times out, so wait that long before calling the id taken."""
+        """Connect and register; BrokerIdInUseError if a live broker holds the id, ZooKeeperUnavailableError
+        if ZooKeeper does not answer within ``timeout``."""
         self.client.add_listener(self._on_state)
+        start_client(self.client, self.zk_connect, timeout)
+        stale_deadline = time.monotonic() + 2 * self.session_timeout + 2
         try:
-            self.client.start(timeout)
-            deadline = time.monotonic() + self.session_timeout * 1.5 + 2
             while True:
                 try:
                     self._register()
                     break
-                except BrokerIdInUseError:
-                    if time.monotonic() > deadline:
+                except BrokerIdInUseError as e:
+                    if not self._same_address(e.holder) or time.monotonic() > stale_deadline:
                         raise
-                    if not self._waited:
-                        log.warning("broker id %d is registered by another session; waiting up to %.0fs for it "
-                                    "to expire (a crashed previous run?)", self.broker_id, deadline - time.monotonic())
-                        self._waited = True
-                    time.sleep(0.2)
+                    if not self._warned:
+                        self._warned = True
+                        log.warning("broker id %d is still held by a session with our own address (a crashed "
+                                    "previous run?); waiting for it to expire", self.broker_id)
+                    time.sleep(0.25)
         except BaseException:
+            self._stopped = True
             self._close_client()
             raise
+        self._started = True
         return self
 
+    def _same_address(self, holder) -> bool:
+        return isinstance(holder, dict) and all(
+            holder.get(k) == self.address.get(k) for k in ("host", "port", "brokerId"))
+
     def _register(self) -> None:
+        """Create (or confirm) our ephemeral node, then write every topic node."""
+        data = json.dumps(self.address, sort_keys=True).encode()
         with self._lock:
-            if self._stopped:
-                return
-            node = self.paths.broker(self.broker_id)
-            data = json.dumps(self.address, sort_keys=True).encode()
-            try:
-                self.client.create(node, data, ephemeral=True, makepath=True)
-            except NodeExistsError:
-                held, stat = self.client.get(node)
-                if stat.ephemeralOwner != self.client.client_id[0]:
+            while True:
+                try:
+                    self.client.create(self.node, data, ephemeral=True, makepath=True)
+                    break
+                except NodeExistsError:
+                    try:
+                        held, stat = self.client.get(self.node)
+                    except NoNodeError:
+                        continue  # it just went away: create it
+                    if stat.ephemeralOwner == self.client.client_id[0]:
+                        if held != data:
+                            self.client.set(self.node, data, version=stat.version)
+                        break
+                    try:
+                        holder = json.loads(held)
+                    except ValueError:
+                        holder = held.decode(errors="replace")
                     raise BrokerIdInUseError(
-                        f"broker id {self.broker_id} is already registered in ZooKeeper at {node} by a live "
-                        f"broker ({held.decode(errors='replace')}); give this broker another brokerId") from None
-            for topic, n in self.topics.items():
+                        f"broker id {self.broker_id} is already registered in ZooKeeper ({self.node}) by another "
+                        f"live session, address {held.decode(errors='replace')}; stop that broker or give this "
+                        f"one another brokerId", self.broker_id, holder) from None
+            for topic, n in list(self.topics.items()):
                 self._write_topic(topic, n)
-        log.info("registered broker %d in ZooKeeper at %s", self.broker_id, node)
+            self.registrations += 1
+        log.info("broker %d registered in ZooKeeper at %s with %d topic(s)", self.broker_id, self.node,
+                 len(self.topics))
 
     def _write_topic(self, topic: str, num_partitions: int) -> None:
-        data = json.dumps({"numPartitions": num_partitions, "brokerId": self.broker_id}).encode()
+        data = json.dumps({"numPartitions": int(num_partitions), "brokerId": self.broker_id}).encode()
         for path in (self.paths.topic_pub_broker(topic, self.broker_id),
                      self.paths.topic_sub_broker(topic, self.broker_id)):
             try:
                 self.client.create(path, data, makepath=True)
             except NodeExistsError:
-                self.client.set(path, data)
+                if self.client.get(path)[0] != data:
+                    self.client.set(path, data)
 
+    def _delete_topic(self, topic: str) -> None:
+        for path in (self.paths.topic_pub_broker(topic, self.broker_id),
+                     self.paths.topic_sub_broker(topic, self.broker_id)):
+            try:
+                self.client.delete(path)
+            except NoNodeError:
+                pass
+
+    # -- topics at runtime ----------------------------------------------------------------------------
     def add_topic(self, topic: str, num_partitions: int) -> None:
-        with self._lock:
-            self.topics[topic] = num_partitions
-            if self.connected:
-                self._write_topic(topic, num_partitions)
-            # otherwise the next (re)registration writes it
+        """Publish one (new or resized) topic."""
+        self._update({**self.topics, topic: num_partitions}, only=[topic])
 
+    def set_topics(self, topics: dict) -> None:
+        """Publish exactly ``topics`` ({topic: numPartitions}); unpublish the ones no longer listed."""
+        self._update(dict(topics), only=None)
+
+    def _update(self, topics: dict, only) -> None:
+        for t in topics:
+            self.paths.topic_pub(t)  # ValueError now for a name that cannot be a znode
+        with self._lock:
+            removed = [t for t in self.topics if t not in topics]
+            self.topics = topics
+            if not self._started or self._stopped:
+                return
+            try:
+                for t in only if only is not None else list(topics):
+                    self._write_topic(t, topics[t])
+                for t in removed:
+                    self._delete_topic(t)
+            except KazooException as e:
+                # Not connected: the re-registration that follows the reconnect writes self.topics.
+                log.warning("could not publish topics of broker %d now (%s); will on reconnect",
+                            self.broker_id, type(e).__name__)
+                self._kick()
+
+    # -- reconnects -----------------------------------------------------------------------------------
     def _on_state(self, state) -> None:
+        """Kazoo's connection thread calls this: record and hand off, never block."""
         self.state_history.append(state)
-        if state == KazooState.CONNECTED and len(self.state_history) > 1:
-            # Never block inside the listener: re-register from another thread.
-            self.client.handler.spawn(self._reregister)
-        elif state == KazooState.LOST and not self._stopped:
-            log.warning("ZooKeeper session of broker %d expired; will register again on reconnect", self.broker_id)
+        if state == KazooState.LOST and not self._stopped:
+            log.warning("ZooKeeper session of broker %d expired; registering again once reconnected",
+                        self.broker_id)
+        elif state == KazooState.SUSPENDED and not self._stopped:
+            log.warning("broker %d lost its ZooKeeper connection; reconnecting", self.broker_id)
+        elif state == KazooState.CONNECTED and self._started:
+            self._kick()
 
-    def _reregister(self) -> None:
-        try:
-            self._register()
-        except BrokerIdInUseError as e:
-            log.error("%s", e)
-        except Exception:  # noqa: BLE001 - the next reconnect tries again
-            log.exception("re-registering broker %d failed", self.broker_id)
+    def _kick(self) -> None:
+        with self._kick_lock:
+            if self._stopped:
+                return
+            self._dirty = True
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._reregister_loop, daemon=True,
+                                                name=f"metaq-zk-register-{self.broker_id}")
+                self._worker.start()
 
-    def stop(self) -> None:
-        """Remove this broker's nodes (only if they are ours) and close the session."""
-        with self._lock:
-            self._stopped = True
-            if self.connected:
+    def _reregister_loop(self) -> None:
+        complained = False
+        while True:
+            with self._kick_lock:
+                if not self._dirty or self._stopped:
+                    self._worker = None
+                    return
+                self._dirty = False
+            while not self._stopped and self.connected:
                 try:
-                    node = self.paths.broker(self.broker_id)
-                    _, stat = self.client.get(node)
-                    if stat.ephemeralOwner == self.client.client_id[0]:
-                        self.client.delete(node)
-                    for topic in self.topics:
-                        for path in (self.paths.topic_pub_broker(topic, self.broker_id),
-                                     self.paths.topic_sub_broker(topic, self.broker_id)):
-                            try:
-                                self.client.delete(path)
-                            except NoNodeError:
-                                pass
-                except NoNodeError:
-                    pass
+                    self._register()
+                    break
+                except BrokerIdInUseError as e:
+                    # Usually our own expired session whose node ZooKeeper has not removed yet.
+                    if not complained:
+                        complained = True
+                        (log.info if self._same_address(e.holder) else log.error)("%s; retrying", e)
+                    time.sleep(0.5)
+                except KazooException:
+                    time.sleep(0.2)  # connection trouble; the loop ends if we are disconnected
+                except Exception:  # noqa: BLE001 - keep the thread alive, try again
+                    log.exception("re-registering broker %d failed", self.broker_id)
+                    time.sleep(1.0)
+
+    # -- stop -----------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Remove our broker node and this broker's topic nodes, then close the session. Nodes held by
+        another session (a broker that took over the id) are left alone."""
+        with self._kick_lock:
+            self._stopped = True
+        locked = self._lock.acquire(timeout=self.session_timeout)
+        try:
+            if self._started and self.connected:
+                try:
+                    try:
+                        _, stat = self.client.get(self.node)
+                        ours = stat.ephemeralOwner == self.client.client_id[0]
+                        if ours:
+                            self.client.delete(self.node, version=stat.version)
+                    except NoNodeError:
+                        ours = True
+                    if ours:
+                        for topic in list(self.topics):
+                            self._delete_topic(topic)
                 except Exception:  # noqa: BLE001 - the session ends below anyway
                     log.exception("deregistering broker %d failed", self.broker_id)
-        self._close_client()
+        finally:
+            if locked:
+                self._lock.release()
+            self._close_client()
+        log.info("broker %d left ZooKeeper", self.broker_id)
 
     def _close_client(self) -> None:
         try:

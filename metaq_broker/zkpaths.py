@@ -1,93 +1,151 @@
-"""Every ZooKeeper path metaq uses, in one place (MetaQ's layout under ``zk.root``)."""
+"""Every ZooKeeper path metaq uses, in one place.
+
+The layout is MetaQ's (``MetaZookeeper``) under a configurable root (``zk.root``, default ``/meta``), so
+brokers, clients, the CLI and the Spark connector cannot drift apart on a path spelling::
+
+    <root>/brokers/ids/<brokerId>                         ephemeral, JSON address of a live broker
+    <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
+    <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
+    <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics
+    <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
+    <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
+    <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
+
+Names that become one path component are checked here, so a bad topic or group name fails with a
+clear ValueError instead of silently addressing some other node (``a/b``, ``..``).
+"""
 from __future__ import annotations
 
+import operator
 import re
 
-_PARTITION = re.compile(r"^(\d+)-(\d+)$")
+_PARTITION = re.compile(r"(0|[1-9][0-9]*)-(0|[1-9][0-9]*)")
 
 
-def partition_name(broker_id: int, partition: int) -> str:
-    return f"{int(broker_id)}-{int(partition)}"
+def partition_name(broker_id: int, n: int) -> str:
+    """``(3, 12)`` → ``"3-12"``, the name users see for partition 12 of broker 3."""
+    return f"{_int('broker id', broker_id)}-{_int('partition number', n)}"
 
 
-def parse_partition_name(name: str) -> tuple:
-    """``"3-12"`` → ``(3, 12)``."""
-    m = _PARTITION.match(str(name))
-    if not m:
-        raise ValueError(f"partition {name!r} is not of the form <brokerId>-<n>, e.g. '1-0'")
-    return int(m.group(1)), int(m.group(2))
+def parse_partition_name(name: str) -> tuple[int, int]:
+    """``"3-12"`` → ``(3, 12)``. Only the canonical spelling is accepted (no signs, spaces or leading
+    zeros), so one partition always maps to one znode."""
+    if not isinstance(name, str) or not _PARTITION.fullmatch(name):
+        raise ValueError(f"partition {name!r} is not of the form <brokerId>-<n> (e.g. '1-0')")
+    b, n = name.split("-")
+    return int(b), int(n)
 
 
-def _component(kind: str, value: str) -> str:
-    value = str(value)
-    if not value or "/" in value or value in (".", ".."):
-        raise ValueError(f"{kind} {value!r} cannot be used in a ZooKeeper path")
+def check_component(kind: str, value: str) -> str:
+    """Return ``value`` if it can be one path component; ValueError naming ``kind`` otherwise."""
+    if not isinstance(value, str):
+        raise ValueError(f"{kind} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{kind} is empty")
+    if "/" in value:
+        raise ValueError(f"{kind} {value!r} contains '/'")
+    if value in (".", ".."):
+        raise ValueError(f"{kind} {value!r} is not allowed")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xF8FF or ord(c) in (0xFFFE, 0xFFFF)
+           for c in value):  # characters ZooKeeper rejects in a path
+        raise ValueError(f"{kind} {value!r} contains a control or reserved character")
     return value
 
 
-class ZkPaths:
-    def __init__(self, root: str = "/meta"):
-        root = "/" + str(root or "").strip("/")
-        self.root = "" if root == "/" else root
+def normalize_root(root: str | None) -> str:
+    """``"meta/"`` → ``"/meta"``; ``""``, ``"/"`` and None → ``""`` (no prefix)."""
+    parts = [p for p in str(root or "").split("/") if p]
+    for p in parts:
+        check_component("zk root component", p)
+    return "".join("/" + p for p in parts)
 
-    # brokers
+
+class ZkPaths:
+    """Path builder for one root. Methods return absolute znode paths."""
+
+    def __init__(self, root: str = "/meta"):
+        self.root = normalize_root(root)
+
+    def __repr__(self) -> str:
+        return f"ZkPaths({self.root or '/'!r})"
+
+    # -- brokers --------------------------------------------------------------------------------------
     def broker_ids(self) -> str:
         return f"{self.root}/brokers/ids"
 
     def broker(self, broker_id: int) -> str:
-        return f"{self.broker_ids()}/{int(broker_id)}"
+        return f"{self.broker_ids()}/{_int('broker id', broker_id)}"
 
     def topics_pub(self) -> str:
         return f"{self.root}/brokers/topics-pub"
 
     def topic_pub(self, topic: str) -> str:
-        return f"{self.topics_pub()}/{_component('topic', topic)}"
+        return f"{self.topics_pub()}/{check_component('topic', topic)}"
 
     def topic_pub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_pub(topic)}/{int(broker_id)}-m"
+        return f"{self.topic_pub(topic)}/{_int('broker id', broker_id)}-m"
 
     def topics_sub(self) -> str:
         return f"{self.root}/brokers/topics-sub"
 
     def topic_sub(self, topic: str) -> str:
-        return f"{self.topics_sub()}/{_component('topic', topic)}"
+        return f"{self.topics_sub()}/{check_component('topic', topic)}"
 
     def topic_sub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_sub(topic)}/{int(broker_id)}-m"
+        return f"{self.topic_sub(topic)}/{_int('broker id', broker_id)}-m"
 
-    # consumer groups
+    # -- consumer groups ------------------------------------------------------------------------------
     def consumers(self) -> str:
         return f"{self.root}/consumers"
 
     def group(self, group: str) -> str:
-        return f"{self.consumers()}/{_component('group', group)}"
+        return f"{self.consumers()}/{check_component('group', group)}"
 
     def group_ids(self, group: str) -> str:
         return f"{self.group(group)}/ids"
 
     def group_member(self, group: str, consumer_id: str) -> str:
-        return f"{self.group_ids(group)}/{_component('consumer id', consumer_id)}"
+        return f"{self.group_ids(group)}/{check_component('consumer id', consumer_id)}"
+
+    def group_offset_topics(self, group: str) -> str:
+        """Parent of the per-topic offset nodes (its children are the topics the group committed for)."""
+        return f"{self.group(group)}/offsets"
 
     def group_offsets(self, group: str, topic: str) -> str:
-        return f"{self.group(group)}/offsets/{_component('topic', topic)}"
+        return f"{self.group_offset_topics(group)}/{check_component('topic', topic)}"
 
-    def group_offset(self, group: str, topic: str, partition: str) -> str:
-        parse_partition_name(partition)
-        return f"{self.group_offsets(group, topic)}/{partition}"
+    def group_offset(self, group: str, topic: str, partition_name: str) -> str:
+        parse_partition_name(partition_name)
+        return f"{self.group_offsets(group, topic)}/{partition_name}"
 
     def group_owners(self, group: str, topic: str) -> str:
-        return f"{self.group(group)}/owners/{_component('topic', topic)}"
+        return f"{self.group(group)}/owners/{check_component('topic', topic)}"
 
-    def group_owner(self, group: str, topic: str, partition: str) -> str:
-        parse_partition_name(partition)
-        return f"{self.group_owners(group, topic)}/{partition}"
+    def group_owner(self, group: str, topic: str, partition_name: str) -> str:
+        parse_partition_name(partition_name)
+        return f"{self.group_owners(group, topic)}/{partition_name}"
 
-    # exactly-once sink decisions (the sink issue)
+    # -- exactly-once sink decisions ------------------------------------------------------------------
     def sinks(self) -> str:
         return f"{self.root}/sinks"
 
     def sink_batches(self, sink_id: str) -> str:
-        return f"{self.sinks()}/{_component('sink id', sink_id)}/batches"
+        return f"{self.sinks()}/{check_component('sink id', sink_id)}/batches"
 
     def sink_batch(self, sink_id: str, batch_id: int) -> str:
-        return f"{self.sink_batches(sink_id)}/{int(batch_id):020d}"
+        """Zero-padded to 20 digits (any int64 fits) so ZooKeeper's string order is numeric order."""
+        return f"{self.sink_batches(sink_id)}/{_int('batch id', batch_id):020d}"
+
+
+def _int(what: str, v, limit: int = 10**20) -> int:
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        i = operator.index(v)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {v!r}") from None
+    if i < 0:
+        raise ValueError(f"{what} must be non-negative, got {i}")
+    if i >= limit:
+        raise ValueError(f"{what} {i} is too large (at most {limit - 1})")
+    return i

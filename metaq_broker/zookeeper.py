@@ -1,39 +1,84 @@
-"""A local ZooKeeper for development, tests and the quickstart, run from the ZooKeeper jars that the
-pyspark wheel ships (so nothing else needs installing), on a loopback port."""
+"""A local, standalone ZooKeeper for development, tests and the quickstart.
+
+It runs ``org.apache.zookeeper.server.ZooKeeperServerMain PORT DIR`` from the ZooKeeper jars that the
+pyspark wheel already ships, so a machine with Python and Java needs nothing else installed. The
+AdminServer is disabled (it would grab port 8080) and four-letter-word commands stay at ZooKeeper's
+default (off), so readiness is probed with a real client session rather than ``ruok``.
+"""
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+log = logging.getLogger(__name__)
+
+_running: "set[LocalZooKeeper]" = set()  # stopped at interpreter exit so no JVM is orphaned
+
 
 def pyspark_jars() -> Path:
-    import pyspark
-    return Path(pyspark.__file__).parent / "jars"
+    """The jars directory of the installed pyspark wheel (holds zookeeper-*.jar and its dependencies)."""
+    try:
+        import pyspark
+    except ImportError:
+        raise RuntimeError("pyspark is not installed; its wheel provides the ZooKeeper jars") from None
+    jars = Path(pyspark.__file__).parent / "jars"
+    if not any(jars.glob("zookeeper-*.jar")):
+        raise RuntimeError(f"no zookeeper-*.jar in {jars}; is the pyspark installation complete?")
+    return jars
+
+
+def java_executable() -> Optional[str]:
+    """``$JAVA_HOME/bin/java`` if it exists, else ``java`` on PATH, else None."""
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(os.path.join(home, "bin", "java"), os.X_OK):
+        return os.path.join(home, "bin", "java")
+    return shutil.which("java")
 
 
 def java_available() -> bool:
-    return shutil.which("java") is not None
+    return java_executable() is not None
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZooKeeper binds; ignores TIME_WAIT
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 class LocalZooKeeper:
-    def __init__(self, data_dir=None, port: Optional[int] = None, host: str = "127.0.0.1"):
+    """One ZooKeeper server process. ``restart()`` keeps port and data, as tests of reconnection need.
+
+    ``tick_time_ms`` (ZooKeeper's default is 3000) bounds session timeouts to 2–20 ticks; tests that
+    want sessions to expire quickly pass a smaller one.
+    """
+
+    def __init__(self, data_dir=None, port: Optional[int] = None, host: str = "127.0.0.1",
+                 tick_time_ms: Optional[int] = None):
         self._temporary = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="metaq-zk-") if data_dir is None else data_dir)
-        self.port = port or _free_port()
         self.host = host
+        self.port = port if port else free_port(host)
+        self.tick_time_ms = tick_time_ms
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -44,34 +89,64 @@ class LocalZooKeeper:
     def log_path(self) -> Path:
         return self.data_dir / "zookeeper.log"
 
-    def start(self, timeout: float = 60.0) -> "LocalZooKeeper":
-        if not java_available():
-            raise RuntimeError("java is not on PATH; ZooKeeper needs Java 17")
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 30.0) -> "LocalZooKeeper":
+        """Launch the server and return once a client session can be opened; RuntimeError (with the
+        tail of the server log) if Java is missing, the port is taken, or it does not come up."""
+        if self.running:
+            return self
+        java = java_executable()
+        if java is None:
+            raise RuntimeError("java is not installed (or not on PATH / JAVA_HOME); ZooKeeper needs Java 17")
+        if not _port_free(self.host, self.port):
+            raise RuntimeError(f"cannot start ZooKeeper: port {self.port} on {self.host} is already in use")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            ["java", "-Dzookeeper.admin.enableServer=false", "-Dzookeeper.4lw.commands.whitelist=ruok,srvr",
-             "-Xmx256m", "-cp", f"{pyspark_jars()}/*", "org.apache.zookeeper.server.ZooKeeperServerMain",
-             str(self.port), str(self.data_dir / "data")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not self._answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ZooKeeper exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"ZooKeeper did not answer on {self.connect_string} in {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.1)
+        cmd = [java, "-Dzookeeper.admin.enableServer=false", "-Xmx256m", "-cp", f"{pyspark_jars()}/*",
+               "org.apache.zookeeper.server.ZooKeeperServerMain", str(self.port), str(self.data_dir / "data")]
+        if self.tick_time_ms:
+            cmd.append(str(int(self.tick_time_ms)))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # Ctrl-C in a terminal is ours to handle
+        _running.add(self)
+        try:
+            self._wait_ready(time.monotonic() + timeout, timeout)
+        except BaseException:
+            self._stop_process()
+            raise
+        log.info("ZooKeeper up at %s (data in %s)", self.connect_string, self.data_dir)
         return self
 
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection((self.host, self.port), timeout=1) as s:
-                s.sendall(b"ruok")
-                return s.recv(4) == b"imok"
-        except OSError:
-            return False
+    def _wait_ready(self, deadline: float, timeout: float) -> None:
+        from kazoo.client import KazooClient
+        quiet = logging.getLogger(__name__ + ".probe")
+        quiet.setLevel(logging.CRITICAL)  # connection refusals while the JVM boots are expected
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ZooKeeper exited with code {self.proc.returncode} while starting; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"ZooKeeper did not accept a session on {self.connect_string} within "
+                                   f"{timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=1).close()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            probe = KazooClient(hosts=self.connect_string, logger=quiet)
+            try:
+                probe.start(timeout=min(left, 5.0))
+                probe.get_children("/")
+                return
+            except Exception:  # noqa: BLE001 - not serving yet; try again until the deadline
+                time.sleep(0.1)
+            finally:
+                probe.stop()
+                probe.close()
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -79,39 +154,89 @@ class LocalZooKeeper:
         except OSError:
             return "(no log)"
 
-    def stop(self, remove: bool = True) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if remove and self._temporary:
+    def _stop_process(self, timeout: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        _running.discard(self)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("ZooKeeper (pid %d) ignored SIGTERM for %.0fs; killing it", proc.pid, timeout)
+            proc.kill()
+            proc.wait()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (SIGKILL after ``timeout``). A temporary data dir is removed; a given one is kept."""
+        self._stop_process(timeout)
+        if self._temporary:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def restart(self, down_for: float = 0.0) -> None:
-        """Stop and start again on the same port with the same data (sessions may expire meanwhile)."""
-        self.stop(remove=False)
+    def restart(self, down_for: float = 0.0, timeout: float = 30.0) -> "LocalZooKeeper":
+        """Stop and start again on the same port with the same data. Sessions survive if clients
+        reconnect within their timeout; ``down_for`` keeps the server down that many seconds first."""
+        self._stop_process()
         time.sleep(down_for)
-        self.start()
+        return self.start(timeout)
 
-    def __enter__(self):
+    def __enter__(self) -> "LocalZooKeeper":
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.stop()
 
+    def __repr__(self) -> str:
+        return f"LocalZooKeeper({self.connect_string}, data_dir={str(self.data_dir)!r}, running={self.running})"
 
-def run_foreground(port: int, data_dir=None) -> None:
-    """``metaq zookeeper``: run until Ctrl-C or SIGTERM."""
+
+@atexit.register
+def _stop_all() -> None:
+    for zk in list(_running):
+        zk._stop_process(timeout=5)
+
+
+def run_foreground(port: int = 2181, data_dir=None) -> int:
+    """``metaq zookeeper``: start, print the connect string, run until Ctrl-C or SIGTERM, then stop.
+    Returns 0, or 1 if the server died on its own."""
     zk = LocalZooKeeper(data_dir=data_dir, port=port).start()
-    print(f"ZooKeeper listening on {zk.connect_string} (data in {zk.data_dir}); Ctrl-C stops it", flush=True)
-    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    print(f"ZooKeeper listening on {zk.connect_string} (data in {zk.data_dir}"
+          f"{', removed on exit' if data_dir is None else ''}); Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while zk.proc.poll() is None:
-            time.sleep(0.5)
+        while not stop.is_set() and zk.running:
+            stop.wait(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        died = not stop.is_set() and zk.proc is not None and zk.proc.poll() is not None
+        tail = zk.log_tail() if died else ""
         zk.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if died:
+        print(f"ZooKeeper exited on its own:\n{tail}", flush=True)
+        return 1
+    print("ZooKeeper stopped", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m metaq_broker.zookeeper [--port N] [--data DIR]``."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--port", type=int, default=2181)
+    ap.add_argument("--data", dest="data_dir", default=None)
+    args = ap.parse_args(argv)
+    try:
+        return run_foreground(args.port, args.data_dir)
+    except RuntimeError as e:
+        print(e, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

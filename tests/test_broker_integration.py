@@ -244,3 +244,29 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
         assert log.verify() == []
         log.close()
     assert not (b.workdir / "data" / "..").joinpath("evil-0").exists()
+
+
+def test_broker_registers_again_after_zookeeper_restarts(tmp_path):
+    from conftest import Cluster
+    from metaq_broker.zookeeper import LocalZooKeeper
+    with LocalZooKeeper(data_dir=tmp_path / "zk") as zk_server:
+        c = Cluster(tmp_path, zk_server.connect_string, "/meta")
+        try:
+            c.start_broker(1, topics={"t": {}})
+            watcher = KazooClient(zk_server.connect_string)
+            watcher.start()
+            wait_until(lambda: watcher.exists("/meta/brokers/ids/1"), what="registration")
+            watcher.stop()
+            zk_server.restart(down_for=5.0)  # longer than the broker's 4 s session timeout
+            watcher = KazooClient(zk_server.connect_string)
+            watcher.start()
+            try:
+                wait_until(lambda: watcher.exists("/meta/brokers/ids/1"), timeout=40, what="registration after restart")
+            finally:
+                watcher.stop()
+            with c.client(Producer) as producer, c.client(Consumer) as consumer:
+                wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic")
+                producer.send_batch("t", [b"after zk restart"])
+                assert consumer.fetch("t", "1-0", 0).messages()[0].value == b"after zk restart"
+        finally:
+            c.stop()
