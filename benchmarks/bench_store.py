@@ -215,7 +215,7 @@ def table(base, rows):
              f"{r['x_memcpy']:.4f}") for r in rows]
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([f"baselines (same run, same directory; ratios use the mean of start and end):",
+    return "\n".join(["baselines (same run, same directory; ratios use the mean of start and end):",
                       f"  start: {describe(base['start'])}", f"  end:   {describe(base['end'])}",
                       fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
 

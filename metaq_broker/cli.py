@@ -21,19 +21,19 @@ def _client(cls, ctx_obj, **kw):
             return cls(brokers=ctx_obj["brokers"], **kw)
         return cls(zk_connect=ctx_obj["zk"], zk_root=ctx_obj["zk_root"], **kw)
     except (MetaqError, ValueError) as e:
-        raise click.ClickException(str(e))
+        raise click.ClickException(str(e)) from None
 
 
 class Fail(click.ClickException):
     exit_code = 1
 
 
-def _run(fn):
-    """Turn metaq errors into a one-line message and exit code 1."""
+def _run(fn, *args, **kwargs):
+    """Call ``fn``; turn metaq errors into a one-line message and exit code 1."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except (MetaqError, ValueError, RuntimeError) as e:
-        raise Fail(str(e))
+        raise Fail(str(e)) from None
 
 
 @click.group()
@@ -56,7 +56,7 @@ def main(ctx, zk, zk_root, brokers):
 def zookeeper(port, data_dir):
     """Run a local ZooKeeper from the jars inside the pyspark wheel, for development (Ctrl-C stops it)."""
     from .zookeeper import run_foreground
-    _run(lambda: run_foreground(port, data_dir))
+    _run(run_foreground, port, data_dir)
 
 
 # -- topics -------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def topics_list(obj):
 def topics_describe(obj, topic):
     from .client.admin import Admin
     with _client(Admin, obj) as admin:
-        rows = _run(lambda: admin.describe(topic))
+        rows = _run(admin.describe, topic)
         click.echo(f"{'partition':<10} {'earliest':>12} {'latest':>12} {'bytes':>14} {'segments':>8}  state")
         for p in rows:
             click.echo(f"{p.partition:<10} {p.earliest:>12} {p.latest:>12} {p.bytes:>14} {p.segments:>8}  "
@@ -102,7 +102,7 @@ def topics_create(obj, topic, partitions, broker_ids, settings):
         k, v = item.split("=", 1)
         config[k.strip()] = v.strip()
     with _client(Admin, obj) as admin:
-        names = _run(lambda: admin.create_topic(topic, partitions, list(broker_ids) or None, config))
+        names = _run(admin.create_topic, topic, partitions, list(broker_ids) or None, config)
         click.echo(f"topic {topic}: partitions {','.join(names)}")
 
 
@@ -120,30 +120,28 @@ def produce(obj, topic, path, count, size, key, partition, batch):
     """Send messages: lines of a file or stdin, or --count generated ones (with a progress bar)."""
     from .client.producer import Producer
     with _client(Producer, obj) as producer:
+        def send(values) -> int:
+            keys = None if key is None else [key] * len(values)
+            _run(producer.send_batch, topic, values, keys=keys, partition=partition)
+            return len(values)
+
         sent = 0
         if count is not None:
             with click.progressbar(length=count, label=f"producing to {topic}", file=sys.stderr) as bar:
                 while sent < count:
-                    n = min(batch, count - sent)
-                    values = [(b"%012d " % (sent + i)).ljust(size, b".")[:size] for i in range(n)]
-                    _run(lambda: producer.send_batch(topic, values, keys=None if key is None else [key] * n,
-                                                     partition=partition))
+                    n = send([(b"%012d " % (sent + i)).ljust(size, b".")[:size]
+                              for i in range(min(batch, count - sent))])
                     sent += n
                     bar.update(n)
         else:
-            stream = path or click.get_binary_stream("stdin")
             lines = []
-            for line in stream:
+            for line in path or click.get_binary_stream("stdin"):
                 lines.append(line.rstrip(b"\r\n"))
                 if len(lines) == batch:
-                    _run(lambda: producer.send_batch(topic, lines, keys=None if key is None else [key] * len(lines),
-                                                     partition=partition))
-                    sent += len(lines)
+                    sent += send(lines)
                     lines = []
             if lines:
-                _run(lambda: producer.send_batch(topic, lines, keys=None if key is None else [key] * len(lines),
-                                                 partition=partition))
-                sent += len(lines)
+                sent += send(lines)
         click.echo(f"sent {sent} messages to {topic}", err=True)
 
 
@@ -161,8 +159,8 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
     if start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
         raise click.BadParameter("use earliest, latest or an offset", param_hint="--from")
     with _client(Consumer, obj) as consumer:
-        parts = list(partitions) or _run(lambda: consumer.partitions(topic))
-        ranges = _run(lambda: consumer.offsets(topic, parts))
+        parts = list(partitions) or _run(consumer.partitions, topic)
+        ranges = _run(consumer.offsets, topic, parts)
         pos = {p: ranges[p][0] if start == "earliest" else ranges[p][1] if start == "latest" else int(start)
                for p in parts}
         printed = 0
@@ -170,7 +168,7 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
         while max_messages is None or printed < max_messages:
             got = 0
             for p in parts:
-                f = _run(lambda: consumer.fetch(topic, p, pos[p], max_wait_ms=200 if follow else 0))
+                f = _run(consumer.fetch, topic, p, pos[p], max_wait_ms=200 if follow else 0)
                 pos[p] = f.next_offset
                 for m in f.messages():
                     if max_messages is not None and printed >= max_messages:
@@ -199,7 +197,7 @@ def offsets(obj, topic, timestamp):
     """Earliest and latest offsets of each partition (and the offset for a time)."""
     from .client.consumer import Consumer
     with _client(Consumer, obj) as consumer:
-        for p, item in sorted(_run(lambda: consumer.offsets(topic, timestamp_ms=timestamp)).items()):
+        for p, item in sorted(_run(consumer.offsets, topic, timestamp_ms=timestamp).items()):
             click.echo(f"{topic}\t{p}\t" + "\t".join(str(x) for x in item))
 
 
@@ -214,7 +212,7 @@ def groups(obj, group, topic):
         names = [group] if group else _run(admin.groups)
         click.echo(f"{'group':<24} {'topic':<20} {'partition':<10} {'committed':>12} {'latest':>12} {'lag':>10}")
         for g in names:
-            for row in _run(lambda: admin.group_lag(g, topic)):
+            for row in _run(admin.group_lag, g, topic):
                 committed = "-" if row.committed is None else row.committed
                 click.echo(f"{g:<24} {row.topic:<20} {row.partition:<10} {committed:>12} {row.latest:>12} {row.lag:>10}")
 
@@ -228,7 +226,7 @@ def stats(obj, broker_ids, topic):
     from .client.admin import Admin
     with _client(Admin, obj) as admin:
         for bid in broker_ids or sorted(_run(admin.brokers)):
-            s = _run(lambda: admin.stats(bid, topic))
+            s = _run(admin.stats, bid, topic)
             click.echo(f"broker {s.broker_id} version {s.version} uptime {s.uptime_seconds:.0f}s")
             for p in s.partitions:
                 click.echo(f"  {p.topic:<20} {p.partition:<8} puts {p.puts} ({p.put_messages} msgs, {p.put_bytes} B, "
@@ -245,7 +243,7 @@ def stats(obj, broker_ids, topic):
 def quickstart(workdir, messages, keep_running):
     """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back."""
     from .quickstart import run
-    _run(lambda: run(workdir, messages, keep_running))
+    _run(run, workdir, messages, keep_running)
 
 
 # -- offline inspection -------------------------------------------------------------------------------
@@ -267,7 +265,7 @@ def _open_partition(directory: Path):
 @click.argument("partition_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def describe(partition_dir: Path):
     """List a partition's segments: offsets, bytes and last store time."""
-    p = _run(lambda: _open_partition(partition_dir))
+    p = _run(_open_partition, partition_dir)
     try:
         click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.latest_offset} (next), {p.size_bytes} bytes")
         for s in p.segments():

@@ -1,7 +1,6 @@
 """Crash simulations: torn and damaged tails, damaged older segments, lost or wrong indexes, missing
 segments, torn segment creation, and a real process killed while appending."""
 import logging
-import os
 import signal
 import subprocess
 import sys

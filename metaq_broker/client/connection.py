@@ -7,8 +7,7 @@ from typing import Optional
 
 import grpc
 
-from ..errors import (InvalidMessageError, MessageTooLargeError, MetaqError, OffsetOutOfRangeError,
-                      UnknownTopicError)
+from ..errors import (MessageTooLargeError, MetaqError, UnknownTopicError)
 from ..proto import metaq_pb2_grpc as pb_grpc
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]

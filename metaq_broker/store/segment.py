@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import records
 from ..errors import CorruptLogError
 
 log = logging.getLogger(__name__)
