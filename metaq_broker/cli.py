@@ -56,7 +56,7 @@ def main(ctx, zk, zk_root, brokers):
 def zookeeper(port, data_dir):
     """Run a local ZooKeeper from the jars inside the pyspark wheel, for development (Ctrl-C stops it)."""
     from .zookeeper import run_foreground
-    _run(run_foreground, port, data_dir)
+    sys.exit(_run(run_foreground, port, data_dir))
 
 
 # -- topics -------------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ class BrokerRegistration:
         """Create (or confirm) our ephemeral node, then write every topic node."""
         data = json.dumps(self.address, sort_keys=True).encode()
         with self._lock:
+            if self._stopped:
+                return  # stop() won the lock: writing now would leave topic nodes behind
             while True:
                 try:
                     self.client.create(self.node, data, ephemeral=True, makepath=True)
@@ -265,9 +267,9 @@ class BrokerRegistration:
                 except Exception:  # noqa: BLE001 - the session ends below anyway
                     log.exception("deregistering broker %d failed", self.broker_id)
         finally:
+            self._close_client()
             if locked:
                 self._lock.release()
-            self._close_client()
         log.info("broker %d left ZooKeeper", self.broker_id)
 
     def _close_client(self) -> None:

@@ -37,18 +37,21 @@ def parse_partition_name(name: str) -> tuple[int, int]:
 
 
 def check_component(kind: str, value: str) -> str:
-    """Return ``value`` if it can be one path component; ValueError naming ``kind`` otherwise."""
+    """Return ``value`` if it can be one path component; ValueError naming ``kind`` and the problem."""
     if not isinstance(value, str):
-        raise ValueError(f"{kind} must be a string, got {type(value).__name__}")
+        raise ValueError(f"{kind} must be a string to be used in a ZooKeeper path, got {type(value).__name__}")
+    problem = None
     if not value:
-        raise ValueError(f"{kind} is empty")
-    if "/" in value:
-        raise ValueError(f"{kind} {value!r} contains '/'")
-    if value in (".", ".."):
-        raise ValueError(f"{kind} {value!r} is not allowed")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xF8FF or ord(c) in (0xFFFE, 0xFFFF)
-           for c in value):  # characters ZooKeeper rejects in a path
-        raise ValueError(f"{kind} {value!r} contains a control or reserved character")
+        problem = "it is empty"
+    elif "/" in value:
+        problem = "it contains '/'"
+    elif value in (".", ".."):
+        problem = f"{value!r} is reserved"
+    elif any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xF8FF or ord(c) in (0xFFFE, 0xFFFF)
+             for c in value):
+        problem = "it contains a control or reserved character"  # ZooKeeper rejects these in paths
+    if problem:
+        raise ValueError(f"{kind} {value!r} cannot be used in a ZooKeeper path: {problem}")
     return value
 
 

@@ -77,6 +77,7 @@ class LocalZooKeeper:
         self._temporary = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="metaq-zk-") if data_dir is None else data_dir)
         self.host = host
+        self._pick_port = not port  # ours to choose: choose again if taken before the first start
         self.port = port if port else free_port(host)
         self.tick_time_ms = tick_time_ms
         self.proc: Optional[subprocess.Popen] = None
@@ -101,6 +102,8 @@ class LocalZooKeeper:
         java = java_executable()
         if java is None:
             raise RuntimeError("java is not installed (or not on PATH / JAVA_HOME); ZooKeeper needs Java 17")
+        if self._pick_port and not _port_free(self.host, self.port):
+            self.port = free_port(self.host)
         if not _port_free(self.host, self.port):
             raise RuntimeError(f"cannot start ZooKeeper: port {self.port} on {self.host} is already in use")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,7 @@ class LocalZooKeeper:
         except BaseException:
             self._stop_process()
             raise
+        self._pick_port = False  # restarts keep the port clients know
         log.info("ZooKeeper up at %s (data in %s)", self.connect_string, self.data_dir)
         return self
 
@@ -193,7 +197,7 @@ class LocalZooKeeper:
 @atexit.register
 def _stop_all() -> None:
     for zk in list(_running):
-        zk._stop_process(timeout=5)
+        zk.stop(timeout=5)
 
 
 def run_foreground(port: int = 2181, data_dir=None) -> int:

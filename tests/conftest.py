@@ -32,7 +32,7 @@ _roots = itertools.count()
 def zookeeper(tmp_path_factory):
     """One real ZooKeeper (from the pyspark jars) for the whole run; tests isolate by zk root."""
     from metaq_broker.zookeeper import LocalZooKeeper
-    zk = LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zookeeper"))
+    zk = LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zookeeper"), tick_time_ms=500)  # allows 4 s sessions
     zk.start()
     yield zk
     zk.stop()

@@ -1,151 +1,118 @@
-"""ZooKeeper pieces against a real server: paths, broker registration surviving a ZooKeeper restart and
-a session expiry, duplicate ids, the clients' cluster view and group state."""
-import json
+"""LocalZooKeeper against a real server: start, data kept across a restart on the same port, stop,
+temporary data removed, clear errors (port taken, no Java), and the ``metaq zookeeper`` foreground
+runner stopping on SIGTERM. (Registration, cluster view and groups: test_registry.py.)"""
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from kazoo.client import KazooClient
 
-from conftest import wait_until
-from metaq_broker.client.cluster import ClusterView
-from metaq_broker.client.group_offsets import GroupStore
-from metaq_broker.registry import BrokerIdInUseError, BrokerRegistration
-from metaq_broker.zkpaths import ZkPaths, parse_partition_name, partition_name
-from metaq_broker.zookeeper import LocalZooKeeper
+from metaq_broker.zookeeper import LocalZooKeeper, free_port, java_available
+
+pytestmark = pytest.mark.skipif(not java_available(), reason="needs Java")
 
 
-def test_paths_follow_metaq_layout():
-    p = ZkPaths("/meta/")
-    assert p.broker(3) == "/meta/brokers/ids/3"
-    assert p.topic_pub_broker("orders", 3) == "/meta/brokers/topics-pub/orders/3-m"
-    assert p.topic_sub_broker("orders", 3) == "/meta/brokers/topics-sub/orders/3-m"
-    assert p.group_offset("g", "orders", "3-1") == "/meta/consumers/g/offsets/orders/3-1"
-    assert p.group_owner("g", "orders", "3-1") == "/meta/consumers/g/owners/orders/3-1"
-    assert p.group_member("g", "c1") == "/meta/consumers/g/ids/c1"
-    assert p.sink_batch("s", 7) == "/meta/sinks/s/batches/00000000000000000007"
-    assert ZkPaths("/").broker(1) == "/brokers/ids/1" == ZkPaths("").broker(1)
-    assert parse_partition_name("12-3") == (12, 3) and partition_name(12, 3) == "12-3"
-    for bad in ["3", "a-1", "1-", "-1-2", "1-2-3"]:
-        with pytest.raises(ValueError, match="<brokerId>-<n>"):
-            parse_partition_name(bad)
-    for bad in ["a/b", "..", ".", ""]:
-        with pytest.raises(ValueError, match="ZooKeeper path"):
-            p.group(bad)
+@pytest.fixture(scope="module")
+def zk_server(tmp_path_factory):
+    """One ZooKeeper for this module; the restart test restarts it, which later tests must survive."""
+    with LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zk")) as zk:
+        yield zk
 
 
-def registration(zk, root, broker_id=1, topics=None, port=9000):
-    return BrokerRegistration(zk.connect_string, root, broker_id, {"host": "127.0.0.1", "port": port},
-                              topics or {"orders": 2}, session_timeout=4.0)
+def client(zk):
+    c = KazooClient(zk.connect_string)
+    c.start(10)
+    return c
 
 
-def test_registration_nodes_and_duplicate_ids(zookeeper, zk_root):
-    reg = registration(zookeeper, zk_root).start()
-    zk = KazooClient(zookeeper.connect_string)
-    zk.start()
+def test_start_restart_keeps_port_and_data(zk_server):
+    assert zk_server.running and zk_server.connect_string == f"127.0.0.1:{zk_server.port}"
+    c = client(zk_server)
     try:
-        p = ZkPaths(zk_root)
-        data, stat = zk.get(p.broker(1))
-        assert json.loads(data) == {"host": "127.0.0.1", "port": 9000} and stat.ephemeralOwner
-        assert json.loads(zk.get(p.topic_pub_broker("orders", 1))[0]) == {"numPartitions": 2, "brokerId": 1}
-        assert zk.exists(p.topic_sub_broker("orders", 1))
-        with pytest.raises(BrokerIdInUseError, match="broker id 1 is already registered.*9000"):
-            registration(zookeeper, zk_root, port=9001).start()
-        reg.add_topic("logs", 5)
-        assert json.loads(zk.get(p.topic_pub_broker("logs", 1))[0])["numPartitions"] == 5
-        reg.stop()
-        assert zk.exists(p.broker(1)) is None and zk.exists(p.topic_pub_broker("orders", 1)) is None
+        c.create("/kept", b"v1", makepath=True)
     finally:
-        zk.stop()
-
-
-def test_registration_survives_session_expiry(zookeeper, zk_root):
-    reg = registration(zookeeper, zk_root).start()
-    node = ZkPaths(zk_root).broker(1)
+        c.stop()
+    port, pid = zk_server.port, zk_server.proc.pid
+    zk_server.restart()
+    assert zk_server.port == port and zk_server.proc.pid != pid and zk_server.running
+    c = client(zk_server)
     try:
-        first_session = reg.client.client_id[0]
-        # Expire the session from outside: a second client takes it over and closes it.
-        thief = KazooClient(zookeeper.connect_string, client_id=reg.client.client_id)
-        thief.start()
-        thief.stop()
-        thief.close()
-        watcher = KazooClient(zookeeper.connect_string)
-        watcher.start()
-        try:
-            def registered_again():
-                stat = watcher.exists(node)
-                return stat is not None and stat.ephemeralOwner != first_session
-            wait_until(registered_again, timeout=30, what="re-registration after session expiry")
-            assert stat_owner(watcher, node) == reg.client.client_id[0]
-        finally:
-            watcher.stop()
+        assert c.get("/kept")[0] == b"v1"
     finally:
-        reg.stop()
+        c.stop()
+    assert zk_server.log_path.exists() and zk_server.log_path.parent == zk_server.data_dir
 
 
-def stat_owner(zk, node):
-    return zk.exists(node).ephemeralOwner
-
-
-def test_registration_survives_a_zookeeper_restart(tmp_path):
-    with LocalZooKeeper(data_dir=tmp_path / "zk") as zk_server:
-        reg = registration(zk_server, "/meta").start()
-        try:
-            zk_server.restart(down_for=1.0)
-            wait_until(lambda: reg.connected, timeout=30, what="reconnection")
-            watcher = KazooClient(zk_server.connect_string)
-            watcher.start()
+def test_a_client_session_survives_a_quick_restart(zk_server):
+    c = client(zk_server)
+    try:
+        session = c.client_id[0]
+        c.create("/eph", b"", ephemeral=True)
+        zk_server.restart()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
             try:
-                wait_until(lambda: watcher.exists("/meta/brokers/ids/1"), timeout=30, what="registration")
-            finally:
-                watcher.stop()
-        finally:
-            reg.stop()
-
-
-def test_cluster_view_follows_brokers(zookeeper, zk_root):
-    reg1 = registration(zookeeper, zk_root, 1, {"orders": 2}, port=9001).start()
-    reg2 = registration(zookeeper, zk_root, 2, {"orders": 1, "logs": 3}, port=9002).start()
-    view = ClusterView(zk_connect=zookeeper.connect_string, root=zk_root)
-    try:
-        wait_until(lambda: len(view.brokers()) == 2, what="two brokers")
-        assert view.brokers() == {1: "127.0.0.1:9001", 2: "127.0.0.1:9002"}
-        assert view.topics() == ["logs", "orders"]
-        wait_until(lambda: view.topic_partitions("orders") == [(1, 0), (1, 1), (2, 0)], what="partitions")
-        changes = []
-        view.on_change(lambda: changes.append(1))
-        reg2.stop()
-        wait_until(lambda: view.brokers() == {1: "127.0.0.1:9001"}, what="broker 2 gone")
-        wait_until(lambda: view.topic_partitions("orders") == [(1, 0), (1, 1)], what="its partitions gone")
-        assert changes
+                if c.exists("/eph") is not None:
+                    break
+            except Exception:  # noqa: BLE001 - still reconnecting
+                pass
+            time.sleep(0.1)
+        assert c.client_id[0] == session and c.exists("/eph").ephemeralOwner == session
     finally:
-        view.close()
-        reg1.stop()
+        c.stop()
 
 
-def test_group_store_offsets_members_and_owners(zookeeper, zk_root):
-    zk = KazooClient(zookeeper.connect_string)
-    zk.start()
+def test_temporary_data_dir_is_removed_on_stop_and_given_one_kept(tmp_path):
+    zk = LocalZooKeeper().start()
+    data = zk.data_dir
+    assert data.is_dir()
+    zk.stop()
+    assert not zk.running and not data.exists()
+    zk.stop()  # idempotent
+
+    given = tmp_path / "given"
+    with LocalZooKeeper(data_dir=given) as zk2:
+        proc = zk2.proc
+    assert proc.poll() is not None and (given / "data").is_dir() and (given / "zookeeper.log").exists()
+
+
+def test_port_in_use_is_a_clear_error(zk_server):
+    with pytest.raises(RuntimeError, match=f"port {zk_server.port} .* in use"):
+        LocalZooKeeper(port=zk_server.port).start()
+
+
+def test_missing_java_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    assert not java_available()
+    zk = LocalZooKeeper()
     try:
-        g = GroupStore(zk, zk_root)
-        assert g.fetch("g", "t") == {} and g.groups() == []
-        g.commit("g", "t", {"1-0": 5, "1-1": 7})
-        g.commit("g", "t", {"1-0": 6})
-        assert g.fetch("g", "t") == {"1-0": 6, "1-1": 7}
-        assert zk.get(f"{zk_root}/consumers/g/offsets/t/1-0")[0] == b"6"  # ASCII decimal, as MetaQ
-        assert g.groups() == ["g"] and g.group_topics("g") == ["t"]
-        parts = ["1-0", "1-1", "2-0", "2-1", "10-0"]
-        g.join("g", "a", ["t"])
-        g.join("g", "b", ["t"])
-        assert g.members("g") == ["a", "b"]
-        assert g.assign("g", "a", "t", parts) == ["1-0", "1-1", "2-0"]
-        assert g.assign("g", "b", "t", parts) == ["2-1", "10-0"]
-        assert g.assign("g", "stranger", "t", parts) == []
-        assert g.claim("g", "t", "1-0", "a") and g.claim("g", "t", "1-0", "a")
-        assert not g.claim("g", "t", "1-0", "b")
-        g.release("g", "t", "1-0", "b")  # not the owner: no effect
-        assert not g.claim("g", "t", "1-0", "b")
-        g.release("g", "t", "1-0", "a")
-        assert g.claim("g", "t", "1-0", "b")
-        g.leave("g", "a")
-        assert g.members("g") == ["b"]
+        with pytest.raises(RuntimeError, match="java"):
+            zk.start()
     finally:
         zk.stop()
+
+
+def test_run_foreground_stops_on_sigterm(tmp_path):
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "metaq_broker.zookeeper", "--port", str(port),
+                          "--data", str(tmp_path / "fg")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = p.stdout.readline()
+        assert f"127.0.0.1:{port}" in line, line
+        c = KazooClient(f"127.0.0.1:{port}")
+        c.start(10)
+        c.stop()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        assert "stopped" in p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # The server is gone with the runner: the port can be used again.
+    LocalZooKeeper(port=port, data_dir=tmp_path / "again").start().stop()

@@ -1,114 +1,209 @@
-"""Where brokers and partitions are, for clients: read from ZooKeeper (kept current by watches), or a
-static broker list asked over gRPC."""
+"""Where brokers and partitions are, for clients: a read-only view of the cluster.
+
+With ZooKeeper the view is a cache kept current by kazoo watches, so routing a message costs no
+ZooKeeper round trip: a ChildrenWatch on ``brokers/ids`` plus a DataWatch per broker (address, and
+whether it is alive), a ChildrenWatch on ``topics-pub`` (topic names), and, for each topic a caller
+asked about, a ChildrenWatch on ``topics-pub/<topic>`` plus a DataWatch per ``<brokerId>-m`` entry
+(its partition count). Topic entries are persistent, so a topic's partitions are those of entries
+whose broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
+
+Without ZooKeeper (a static broker list) the caller supplies how to learn topics (the gRPC client
+asks the brokers), through ``static_topic_lookup`` (topic → pairs) or ``static_topics`` (→ a map).
+"""
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import threading
 import time
 from typing import Callable, Optional
 
-from kazoo.exceptions import NoNodeError
+from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
-from ..registry import new_client
+from ..registry import new_client, start_client
 from ..zkpaths import ZkPaths
 
 log = logging.getLogger(__name__)
 
-STATIC_TTL = 1.0  # seconds a static-list topic map is reused before asking the brokers again
+STATIC_TTL = 1.0  # seconds a ``static_topics`` map is reused before asking the brokers again
+_TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
 
 
 class ClusterView:
     def __init__(self, zk_connect: Optional[str] = None, root: str = "/meta", brokers: Optional[dict] = None,
+                 static_topic_lookup: Optional[Callable[[str], list]] = None,
                  static_topics: Optional[Callable[[], dict]] = None, timeout: float = 15.0):
+        if (zk_connect is None) == (brokers is None):
+            raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
         self.root = root
         self.paths = ZkPaths(root)
         self.zk = None
-        self._static = brokers
+        self._static = {int(b): str(a) for b, a in (brokers or {}).items()}
+        self._static_lookup = static_topic_lookup
         self._static_topics = static_topics
-        self._static_cache = (0.0, {})
-        self._lock = threading.Lock()
-        self._brokers: dict = {}
-        self._topics: dict = {}  # topic -> [(brokerId, n)], kept by watches
+        self._static_cache: tuple = (float("-inf"), {})
+        self._lock = threading.RLock()
         self._listeners: list = []
+        self._brokers: dict = {}           # live brokerId -> "host:port"
+        self._broker_watched: set = set()
+        self._topic_names: list = []       # children of topics-pub
+        self._wanted: set = set()          # topics a caller asked about (watched while they exist)
+        self._topic_watch: dict = {}       # topic -> token of its current ChildrenWatch
+        self._parts: dict = {}             # topic -> {brokerId: numPartitions}
+        self._entry_watched: set = set()   # (topic, brokerId) with a DataWatch
         if zk_connect is not None:
             self.zk = new_client(zk_connect)
-            self.zk.start(timeout)
-            self.zk.ensure_path(self.paths.broker_ids())
-            self.zk.ensure_path(self.paths.topics_pub())
-            self.zk.ChildrenWatch(self.paths.broker_ids(), self._on_brokers)
-
-    # -- brokers --------------------------------------------------------------------------------------
-    def _on_brokers(self, children) -> None:
-        found = {}
-        for child in children:
+            start_client(self.zk, zk_connect, timeout)
             try:
-                info = json.loads(self.zk.get(self.paths.broker(int(child)))[0])
-                found[int(child)] = f"{info['host']}:{info['port']}"
-            except (NoNodeError, ValueError, KeyError):
-                continue
-        with self._lock:
-            self._brokers = found
-        self._changed()
+                self.zk.ensure_path(self.paths.broker_ids())  # a watch needs its node to exist
+                self.zk.ensure_path(self.paths.topics_pub())
+                ChildrenWatch(self.zk, self.paths.broker_ids(), self._on_broker_ids)
+                ChildrenWatch(self.zk, self.paths.topics_pub(), self._on_topic_names)
+            except BaseException:
+                self.close()
+                raise
 
+    # -- queries --------------------------------------------------------------------------------------
     def brokers(self) -> dict:
-        """{brokerId: "host:port"} of live brokers."""
+        """{brokerId: "host:port"} of live brokers (the static list as given)."""
         if self.zk is None:
             return dict(self._static)
         with self._lock:
             return dict(self._brokers)
 
-    # -- topics ---------------------------------------------------------------------------------------
     def topics(self) -> list:
+        """Names of the topics any broker has registered (static: as ``static_topics`` reports;
+        with only ``static_topic_lookup`` there is no way to list them, so [])."""
         if self.zk is None:
-            return sorted(self._static_map())
-        return sorted(self.zk.get_children(self.paths.topics_pub()))
+            return sorted(self._static_map()) if self._static_topics else []
+        with self._lock:
+            return list(self._topic_names)
 
     def topic_partitions(self, topic: str) -> list:
-        """Sorted (brokerId, partition) pairs of ``topic`` on live brokers."""
+        """Sorted (brokerId, partition number) pairs of ``topic`` on live brokers; [] if unknown."""
         if self.zk is None:
-            return list(self._static_map().get(topic, []))
+            if self._static_lookup is not None:
+                return sorted((int(b), int(n)) for b, n in self._static_lookup(topic))
+            return sorted(self._static_map().get(topic, [])) if self._static_topics else []
+        self.paths.topic_pub(topic)  # ValueError for a name that cannot be a topic
+        self._want(topic)
         with self._lock:
-            known = topic in self._topics
-        if not known:
-            self.zk.ensure_path(self.paths.topic_pub(topic))
-            self.zk.ChildrenWatch(self.paths.topic_pub(topic), lambda children: self._on_topic(topic, children))
-        with self._lock:
-            parts = self._topics.get(topic, [])
+            counts = dict(self._parts.get(topic, {}))
             alive = set(self._brokers)
-        return [(b, n) for b, n in parts if b in alive]
+        return sorted((b, n) for b, count in counts.items() if b in alive for n in range(count))
 
-    def _on_topic(self, topic: str, children) -> None:
-        parts = []
-        for child in children:
-            try:
-                info = json.loads(self.zk.get(f"{self.paths.topic_pub(topic)}/{child}")[0])
-                parts.extend((int(info["brokerId"]), n) for n in range(int(info["numPartitions"])))
-            except (NoNodeError, ValueError, KeyError):
-                continue
-        with self._lock:
-            self._topics[topic] = sorted(parts)
-        self._changed()
-
-    def _static_map(self) -> dict:
-        at, cached = self._static_cache
-        if time.monotonic() - at > STATIC_TTL:
-            cached = self._static_topics() if self._static_topics else {}
-            self._static_cache = (time.monotonic(), cached)
-        return cached
-
-    # -- changes --------------------------------------------------------------------------------------
-    def on_change(self, callback) -> None:
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on a kazoo thread; it must not block) whenever brokers or watched topics
+        change."""
         self._listeners.append(callback)
-
-    def _changed(self) -> None:
-        for cb in list(self._listeners):
-            try:
-                cb()
-            except Exception:  # noqa: BLE001
-                log.exception("cluster change listener failed")
 
     def close(self) -> None:
         if self.zk is not None:
             self.zk.stop()
             self.zk.close()
+
+    def __enter__(self) -> "ClusterView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- brokers --------------------------------------------------------------------------------------
+    def _on_broker_ids(self, children) -> None:
+        ids = {int(c) for c in children if c.isdigit()}  # skips e.g. master_config_checksum
+        with self._lock:
+            new = ids - self._broker_watched
+            self._broker_watched |= new
+        # Each DataWatch follows its node for good (through deletes and re-creates) and alone keeps
+        # _brokers, so the order in which the two kinds of watch fire cannot leave a stale entry.
+        for bid in sorted(new):
+            DataWatch(self.zk, self.paths.broker(bid), functools.partial(self._on_broker_data, bid))
+
+    def _on_broker_data(self, bid: int, data, stat, event=None) -> None:
+        address = None
+        if data is not None:
+            try:
+                info = json.loads(data)
+                address = f"{info['host']}:{int(info['port'])}"
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
+        with self._lock:
+            if address is None:
+                self._brokers.pop(bid, None)
+            else:
+                self._brokers[bid] = address
+        self._changed()
+
+    # -- topics ---------------------------------------------------------------------------------------
+    def _on_topic_names(self, children) -> None:
+        names = sorted(children)
+        with self._lock:
+            self._topic_names = names
+            for t in list(self._topic_watch):
+                if t not in names:  # deleted: its ChildrenWatch has stopped; watch again if it returns
+                    del self._topic_watch[t]
+            start = [t for t in names if t in self._wanted and t not in self._topic_watch]
+        for t in start:
+            self._watch_topic(t)
+        self._changed()
+
+    def _want(self, topic: str) -> None:
+        with self._lock:
+            if topic in self._topic_watch:
+                return
+            self._wanted.add(topic)
+            exists = topic in self._topic_names
+        if exists:
+            self._watch_topic(topic)
+        # otherwise _on_topic_names starts the watch when the topic appears
+
+    def _watch_topic(self, topic: str) -> None:
+        token = object()
+        with self._lock:
+            if topic in self._topic_watch:
+                return
+            self._topic_watch[topic] = token
+        ChildrenWatch(self.zk, self.paths.topic_pub(topic), functools.partial(self._on_topic_entries, topic, token))
+
+    def _on_topic_entries(self, topic: str, token, children):
+        with self._lock:
+            if self._topic_watch.get(topic) is not token:
+                return False  # superseded: stop this watch
+            ids = {int(m.group(1)) for m in map(_TOPIC_ENTRY.fullmatch, children) if m}
+            new = [b for b in sorted(ids) if (topic, b) not in self._entry_watched]
+            self._entry_watched.update((topic, b) for b in new)
+        for bid in new:  # the entry's DataWatch alone keeps _parts: present with data, or absent
+            DataWatch(self.zk, self.paths.topic_pub_broker(topic, bid),
+                      functools.partial(self._on_topic_entry_data, topic, bid))
+
+    def _on_topic_entry_data(self, topic: str, bid: int, data, stat, event=None) -> None:
+        count = None
+        if data is not None:
+            try:
+                count = int(json.loads(data)["numPartitions"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring topic %s on broker %d: unreadable entry %r", topic, bid, data[:200])
+        with self._lock:
+            parts = self._parts.setdefault(topic, {})
+            if count is None or count <= 0:
+                parts.pop(bid, None)
+            else:
+                parts[bid] = count
+        self._changed()
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _static_map(self) -> dict:
+        at, cached = self._static_cache
+        if time.monotonic() - at > STATIC_TTL:
+            cached = self._static_topics()
+            self._static_cache = (time.monotonic(), cached)
+        return cached
+
+    def _changed(self) -> None:
+        for cb in list(self._listeners):
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - one bad listener must not break the watches
+                log.exception("cluster change listener failed")

@@ -104,7 +104,8 @@ class Consumer(ClientBase):
         assignment over ids/owners). Positions start from the committed offsets (earliest where none),
         or ``earliest``/``latest``. Returns the owned partitions; call again to rebalance."""
         groups = self._group_store()
-        groups.join(self.group, self.consumer_id, [topic])
+        self._owned.setdefault(topic, [])
+        groups.join(self.group, self.consumer_id, sorted(self._owned))  # every topic this member follows
         share = groups.assign(self.group, self.consumer_id, topic, self.partitions(topic))
         for p in set(self._owned.get(topic, [])) - set(share):
             groups.release(self.group, topic, p, self.consumer_id)

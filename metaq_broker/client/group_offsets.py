@@ -1,38 +1,76 @@
-"""Consumer-group state in ZooKeeper, MetaQ's layout: committed offsets (ASCII decimal), members
-(ephemeral ``ids/<consumerId>``) and partition owners (ephemeral ``owners/<topic>/<partition>``)."""
+"""Consumer-group state in ZooKeeper, in MetaQ's layout (``<root>/consumers/<group>/...``):
+
+* ``offsets/<topic>/<brokerId>-<n>``: the committed offset as ASCII decimal, as MetaQ's ZooKeeper
+  offset storage writes it, so the tools can read it without a schema. One topic's offsets are
+  written in one ZooKeeper transaction, so a commit is all-or-nothing.
+* ``ids/<consumerId>`` (ephemeral): a live member; data = its topics, comma-separated.
+* ``owners/<topic>/<partition>`` (ephemeral): the member consuming that partition. Ephemeral so a
+  member that dies frees its partitions when its session ends.
+
+Balancing is MetaQ's/Kafka's range rule, which every member computes alone from the same sorted
+inputs; the owner nodes make the hand-over safe while members disagree during a rebalance.
+"""
 from __future__ import annotations
 
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from typing import Iterable, Optional
 
-from ..zkpaths import ZkPaths, parse_partition_name
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
+
+from ..errors import MetaqError
+from ..zkpaths import ZkPaths, check_component, parse_partition_name
+
+
+class ConsumerIdInUseError(MetaqError):
+    """Another live session already joined the group under this consumer id."""
+
+
+def range_assign(members: Iterable[str], partitions: Iterable[str], consumer_id: str) -> list:
+    """``consumer_id``'s share: members sorted as strings, partitions by (brokerId, n); member i takes
+    a contiguous run, and the first ``len(partitions) % len(members)`` members one extra."""
+    members = sorted(set(members))
+    if consumer_id not in members:
+        return []
+    parts = sorted(set(partitions), key=parse_partition_name)
+    i, k = members.index(consumer_id), len(members)
+    per, extra = divmod(len(parts), k)
+    start = i * per + min(i, extra)
+    return parts[start: start + per + (1 if i < extra else 0)]
 
 
 class GroupStore:
-    def __init__(self, zk, root: str = "/meta"):
+    def __init__(self, zk: KazooClient, root: str = "/meta"):
         self.zk = zk
+        self.root = root
         self.paths = ZkPaths(root)
 
     # -- offsets --------------------------------------------------------------------------------------
     def commit(self, group: str, topic: str, offsets: dict) -> None:
-        """Write ``{partition: next offset}`` in one ZooKeeper transaction."""
-        if not offsets:
+        """Record ``{partition name: next offset to read}`` for the group, atomically for the topic."""
+        values = {}
+        for p, o in offsets.items():
+            path = self.paths.group_offset(group, topic, p)
+            if isinstance(o, bool) or not isinstance(o, int) or o < 0:
+                raise ValueError(f"offset of partition {p} must be a non-negative integer, got {o!r}")
+            values[path] = str(o).encode("ascii")
+        if not values:
             return
-        parent = self.paths.group_offsets(group, topic)
-        self.zk.ensure_path(parent)
-        tx = self.zk.transaction()
-        for partition, offset in offsets.items():
-            path = self.paths.group_offset(group, topic, partition)
-            data = str(int(offset)).encode()
-            if self.zk.exists(path):
-                tx.set_data(path, data)
-            else:
-                tx.create(path, data)
-        results = tx.commit()
-        errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
-            raise errors[0]
+        self.zk.ensure_path(self.paths.group_offsets(group, topic))
+        for attempt in range(5):  # another committer may create or delete a node between check and commit
+            tx = self.zk.transaction()
+            for path, data in values.items():
+                if self.zk.exists(path):
+                    tx.set_data(path, data)
+                else:
+                    tx.create(path, data)
+            failures = [r for r in tx.commit() if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+            if not failures:
+                return
+            if not isinstance(failures[0], (NodeExistsError, NoNodeError)) or attempt == 4:
+                raise failures[0]
 
     def fetch(self, group: str, topic: str) -> dict:
+        """``{partition name: committed offset}``; {} if the group never committed for the topic."""
         try:
             children = self.zk.get_children(self.paths.group_offsets(group, topic))
         except NoNodeError:
@@ -42,8 +80,8 @@ class GroupStore:
             try:
                 out[p] = int(self.zk.get(self.paths.group_offset(group, topic, p))[0])
             except (NoNodeError, ValueError):
-                continue
-        return out
+                continue  # vanished, or not ours (a foreign child or a non-number)
+        return dict(sorted(out.items(), key=lambda kv: parse_partition_name(kv[0])))
 
     def groups(self) -> list:
         try:
@@ -52,19 +90,29 @@ class GroupStore:
             return []
 
     def group_topics(self, group: str) -> list:
+        """Topics the group has committed offsets for."""
         try:
-            return sorted(self.zk.get_children(f"{self.paths.group(group)}/offsets"))
+            return sorted(self.zk.get_children(self.paths.group_offset_topics(group)))
         except NoNodeError:
             return []
 
-    # -- membership and balancing ---------------------------------------------------------------------
-    def join(self, group: str, consumer_id: str, topics) -> None:
+    # -- membership -----------------------------------------------------------------------------------
+    def join(self, group: str, consumer_id: str, topics: Iterable[str]) -> None:
+        """Register this live member (ephemeral, gone with our session) and its topics."""
+        topics = list(topics)
+        for t in topics:
+            if "," in check_component("topic", t):
+                raise ValueError(f"topic {t!r} contains ','")
         path = self.paths.group_member(group, consumer_id)
-        self.zk.ensure_path(self.paths.group_ids(group))
         data = ",".join(topics).encode()
+        self.zk.ensure_path(self.paths.group_ids(group))
         try:
             self.zk.create(path, data, ephemeral=True)
         except NodeExistsError:
+            _, stat = self.zk.get(path)
+            if stat.ephemeralOwner != self.zk.client_id[0]:
+                raise ConsumerIdInUseError(f"consumer id {consumer_id!r} is already a member of group "
+                                           f"{group!r} in another live session") from None
             self.zk.set(path, data)
 
     def leave(self, group: str, consumer_id: str) -> None:
@@ -73,41 +121,65 @@ class GroupStore:
         except NoNodeError:
             pass
 
-    def members(self, group: str) -> list:
+    def members(self, group: str, topic: Optional[str] = None) -> list:
+        """Sorted consumer ids of live members (only those subscribed to ``topic`` if given)."""
         try:
-            return sorted(self.zk.get_children(self.paths.group_ids(group)))
+            ids = sorted(self.zk.get_children(self.paths.group_ids(group)))
         except NoNodeError:
             return []
+        if topic is None:
+            return ids
+        out = []
+        for cid in ids:
+            try:
+                if topic in self.zk.get(self.paths.group_member(group, cid))[0].decode().split(","):
+                    out.append(cid)
+            except NoNodeError:
+                continue
+        return out
 
-    def assign(self, group: str, consumer_id: str, topic: str, partitions) -> list:
-        """This member's share by the range rule: sorted members take contiguous runs of the sorted
-        partitions, the first ``len(partitions) % len(members)`` members one extra."""
-        members = self.members(group)
-        if consumer_id not in members:
-            return []
-        parts = sorted(partitions, key=parse_partition_name)
-        i, k = members.index(consumer_id), len(members)
-        per, extra = divmod(len(parts), k)
-        start = i * per + min(i, extra)
-        return parts[start: start + per + (1 if i < extra else 0)]
+    # -- balancing ------------------------------------------------------------------------------------
+    def assign(self, group: str, consumer_id: str, topic: str, partitions: Iterable[str]) -> list:
+        """This member's share of ``partitions`` among the group's members subscribed to ``topic``."""
+        return range_assign(self.members(group, topic), partitions, consumer_id)
+
+    def owners(self, group: str, topic: str) -> dict:
+        """``{partition name: owning consumer id}``."""
+        out = {}
+        try:
+            children = self.zk.get_children(self.paths.group_owners(group, topic))
+        except NoNodeError:
+            return out
+        for p in children:
+            try:
+                out[p] = self.zk.get(self.paths.group_owner(group, topic, p))[0].decode()
+            except (NoNodeError, ValueError):
+                continue
+        return out
 
     def claim(self, group: str, topic: str, partition: str, consumer_id: str) -> bool:
-        """Own ``partition`` (ephemeral node); False while another member still owns it."""
+        """Take ownership of ``partition``: True if we own it now, False while another member does."""
         path = self.paths.group_owner(group, topic, partition)
+        check_component("consumer id", consumer_id)
         self.zk.ensure_path(self.paths.group_owners(group, topic))
-        try:
-            self.zk.create(path, consumer_id.encode(), ephemeral=True)
-            return True
-        except NodeExistsError:
+        while True:
             try:
-                return self.zk.get(path)[0].decode() == consumer_id
-            except NoNodeError:
-                return self.claim(group, topic, partition, consumer_id)
+                self.zk.create(path, consumer_id.encode(), ephemeral=True)
+                return True
+            except NodeExistsError:
+                try:
+                    return self.zk.get(path)[0].decode() == consumer_id
+                except NoNodeError:
+                    continue  # released meanwhile: try again
 
-    def release(self, group: str, topic: str, partition: str, consumer_id: str) -> None:
+    def release(self, group: str, topic: str, partition: str, consumer_id: str) -> bool:
+        """Give ``partition`` up if we own it; True if we did."""
         path = self.paths.group_owner(group, topic, partition)
         try:
-            if self.zk.get(path)[0].decode() == consumer_id:
-                self.zk.delete(path)
-        except NoNodeError:
-            pass
+            data, stat = self.zk.get(path)
+            if data.decode() != consumer_id:
+                return False
+            self.zk.delete(path, version=stat.version)
+            return True
+        except (NoNodeError, BadVersionError):
+            return False
