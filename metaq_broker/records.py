@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from .errors import InvalidMessageError
 
-MAGIC = 0x4D51  # "MQ" read as a little-endian u16
+MAGIC = 0x4D51  # u16 at byte 8, stored little-endian: the bytes 51 4D
 VERSION = 1
 HEADER = struct.Struct("<IIHBBIqqqII")
 HEADER_SIZE = HEADER.size  # 48

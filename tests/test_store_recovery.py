@@ -1,6 +1,7 @@
 """Crash simulations: torn and damaged tails, damaged older segments, lost or wrong indexes, missing
 segments, torn segment creation, and a real process killed while appending."""
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def test_damage_in_an_older_segment_is_reported_when_read_and_by_verify(tmp_path
     log = open_log(tmp_path)  # opening checks structure, not every checksum of sealed segments
     with pytest.raises(CorruptLogError, match=first.name) as e:
         log.read_arrow(0)
-    assert e.value.path == first
+    assert e.value.path == first and e.value.position == SEGMENT_HEADER_SIZE  # the first batch, in the file
     # Data after the damaged batch is still served.
     assert log.read_arrow(3).column("value").to_pylist()[0] == values[3]
     problems = log.verify()
@@ -198,6 +199,19 @@ def test_torn_segment_creation_is_repaired(tmp_path, caplog):
     assert all_values(log) == values
     assert log.append([b"next"]).base_offset == len(values)
     assert all_values(log) == values + [b"next"]
+    log.close()
+
+
+def test_recovered_tail_is_fsynced_before_it_is_served(tmp_path, monkeypatch):
+    log = open_log(tmp_path, TopicConfig(unflush_threshold=10 ** 6, unflush_interval_ms=10 ** 6))
+    log.append([b"written, never fsynced"])
+    del log  # a process crash: the batch is in the page cache only
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    log = open_log(tmp_path, TopicConfig())
+    assert log.latest_offset == 1
+    assert any(path.endswith("00000000000000000000.meta") for path in synced)
     log.close()
 
 

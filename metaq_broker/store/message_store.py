@@ -139,7 +139,7 @@ class MessageStore:
 
     def _background(self, interval: float) -> None:
         next_retention = self._clock() + self._retention_interval
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self._tick(interval)):
             try:
                 self.flush_due()
                 if self._clock() >= next_retention:
@@ -147,6 +147,11 @@ class MessageStore:
                     self.run_retention()
             except Exception:  # noqa: BLE001 - keep maintaining the other partitions
                 log.exception("store maintenance failed")
+
+    def _tick(self, interval: float) -> float:
+        """Wake at least twice per shortest ``unflushInterval``, so idle partitions meet it too."""
+        intervals = [c.unflush_interval_ms / 1000 for c in self._configs.values() if not c.group_commit]
+        return max(0.01, min([interval] + [i / 2 for i in intervals]))
 
     def _check_open(self):
         if self._closed:

@@ -330,8 +330,9 @@ class PartitionLog:
             return result.decode(verify=True)
         except records.RecordFormatError as e:
             seg = self._segment_for(self._segments, offset)
-            raise CorruptLogError(f"{seg.path}: {e} (reading offset {offset})", seg.path,
-                                  e.position) from None
+            file_pos = int(seg.index()[offset - seg.base_offset]["position"]) - seg.start + e.position
+            raise CorruptLogError(f"{seg.path}: damaged batch at byte {file_pos} ({e}; reading offset {offset})",
+                                  seg.path, file_pos) from None
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
@@ -501,12 +502,17 @@ def _recover(directory: Path, name: str, repair: bool) -> list:
                 raise CorruptLogError(f"{entry}: a segment file must be named by its 20-digit start position", entry)
             starts.append(start)
         elif entry.name.endswith(INDEX_SUFFIX + ".tmp"):
+            log.info("%s: removing %s left by an interrupted index write", name, entry.name)
             entry.unlink()
     starts.sort()
     for entry in directory.iterdir():  # indexes whose segment is gone (e.g. a crash during deletion)
         if entry.name.endswith(INDEX_SUFFIX) and _parse_segment_name(entry.name[: -len(INDEX_SUFFIX)] + LOG_SUFFIX) \
                 not in starts:
+            log.info("%s: removing index %s, whose segment is gone", name, entry.name)
             entry.unlink()
+    for tmp in (directory / ARCHIVE_DIR).glob("*.gz.tmp"):  # an archive interrupted by a crash
+        log.info("%s: removing unfinished archive %s", name, tmp.name)
+        tmp.unlink()
     if not starts:
         return [Segment.create(directory, 0, 0)]
 
@@ -605,10 +611,14 @@ def _open_tail(directory: Path, path: Path, start: int, base: int, name: str, re
     entries, good_end, reason = _scan_segment(fd, path, start, size, base, lookahead=not repair, strict=False)
     if good_end < size:
         os.ftruncate(fd, good_end)
-        os.fsync(fd)
-        log.warning("%s: recovery truncated %d bytes at the tail of %s (from byte %d: %s); "
-                    "no acknowledged message is affected", name, size - good_end, path.name, good_end, reason)
+        log.warning("%s: recovery truncated %d bytes at the tail of %s (from byte %d: %s); %s", name,
+                    size - good_end, path.name, good_end, reason,
+                    "repair was asked for: messages after the damage are gone" if repair
+                    else "only a torn, unacknowledged tail was cut")
         size = good_end
+    # What recovery keeps becomes readable now, so it must be durable now: after a process crash the
+    # tail may hold written but never fsynced batches.
+    os.fsync(fd)
     capacity = max(1024, 2 * len(entries))
     index = np.empty(capacity, INDEX_DTYPE)
     index[: len(entries)] = entries
