@@ -27,6 +27,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2"],
+        # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
+        "bench": ["redis>=5", "nats-py>=2.6"],
     },
     entry_points={
         "console_scripts": [

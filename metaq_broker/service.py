@@ -12,6 +12,7 @@ import time
 import grpc
 
 from . import __version__, records
+from .broker_config import topic_ini_values
 from .errors import (ConfigError, CorruptLogError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
                      InvalidTopicError, MessageTooLargeError, MetaqError, OffsetOutOfRangeError, StoreClosedError,
                      UnknownTopicError)
@@ -83,7 +84,6 @@ class BrokerService(pb_grpc.BrokerServicer):
         return log_
 
     def _describe(self, topic: str) -> pb.TopicDescription:
-        from .broker_config import topic_ini_values
         config = self.store.topic_config(topic)
         parts = []
         for p in self.store.partitions(topic):
@@ -117,7 +117,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         counters.record_put(result.count, len(request.batch.body))
         return pb.PutResponse(topic=topic, partition=partition, base_offset=result.base_offset, count=result.count,
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
-                              fsynced=config.group_commit or config.unflush_threshold == 1)
+                              fsynced=result.fsynced)
 
     @rpc
     def Fetch(self, request, context):

@@ -200,10 +200,10 @@ def test_group_commit_shares_one_fsync_among_waiting_appends(tmp_path, monkeypat
 def test_unflush_threshold_fsyncs_by_count(tmp_path, monkeypatch, clock):
     log = open_log(tmp_path, TopicConfig(unflush_threshold=3, unflush_interval_ms=10 ** 6), clock=clock)
     spy = FsyncSpy(monkeypatch)
-    log.append([b"a"])
-    log.append([b"b"])
+    assert not log.append([b"a"]).fsynced
+    assert not log.append([b"b"]).fsynced
     assert spy.calls == 0 and log.latest_offset == 2  # acknowledged and visible before any fsync
-    log.append([b"c"])
+    assert log.append([b"c"]).fsynced  # this append reached the threshold: fsynced before its ack
     assert spy.calls == 1
     log.append([b"d", b"e", b"f"])
     assert spy.calls == 2

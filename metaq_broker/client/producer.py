@@ -97,19 +97,18 @@ class Producer(ClientBase):
             if not len(group):
                 continue
             name = names[int(which[group[0]])]
-            take = None if len(group) == n else pa.array(group)
-            cols = [c if c is None or take is None else c.take(take) for c in body_cols]
-            body = records.encode_body(*cols[:3], flags=None if cols[3] is None else cols[3])
+            whole = len(group) == n
+            take = None if whole else pa.array(group)
+            arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3]]
+            flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
+            body = records.encode_body(*arrays, flags=flags)
             conn, number = self.route(name)
-            calls.append((name, conn.future("Put", _put_request(topic, number, body))))
-        return [self._result(topic, name, fut) for name, fut in calls]
-
-    def _result(self, topic: str, name: str, fut) -> PutResult:
-        try:
-            r = fut.result()
-        except grpc.RpcError as e:
-            raise to_error(e, name) from None
-        return PutResult(topic, name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
+            calls.append((name, conn, _put_request(topic, number, body)))
+        if len(calls) == 1:  # the common case: a plain blocking call (a future costs a thread)
+            name, conn, request = calls[0]
+            return [_put_result(topic, name, conn.call("Put", request))]
+        futures = [(name, conn, conn.future("Put", request)) for name, conn, request in calls]
+        return [_put_result(topic, name, _wait(conn, fut)) for name, conn, fut in futures]
 
     # -- asynchronous ---------------------------------------------------------------------------------
     def send(self, topic: str, value, key=None, attribute: Optional[str] = None, flag: int = 0,
@@ -177,8 +176,19 @@ class Producer(ClientBase):
         super().close()
 
 
+def _wait(conn, fut):
+    try:
+        return fut.result()
+    except grpc.RpcError as e:
+        raise to_error(e, conn.address) from None
+
+
+def _put_result(topic: str, name: str, r) -> PutResult:
+    return PutResult(topic, name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
+
+
 def _columns(values, keys, attributes, flags) -> list:
-    """Normalise the four message columns to Arrow arrays (flags stay as given)."""
+    """Normalise values, keys and attributes to Arrow arrays and flags to numpy (checked on encoding)."""
     def arr(col, typ):
         if col is None:
             return None
@@ -187,5 +197,7 @@ def _columns(values, keys, attributes, flags) -> list:
         if isinstance(col, pa.Array):
             return col
         return pa.array(col, typ)  # str is taken as UTF-8 bytes for binary columns
-    flag_arr = None if flags is None else (flags if isinstance(flags, pa.Array) else pa.array(np.asarray(flags), pa.int32()))
-    return [arr(values, pa.binary()), arr(keys, pa.binary()), arr(attributes, pa.string()), flag_arr]
+    if isinstance(flags, (pa.Array, pa.ChunkedArray)):
+        flags = flags.to_numpy(zero_copy_only=False)
+    return [arr(values, pa.binary()), arr(keys, pa.binary()), arr(attributes, pa.string()),
+            None if flags is None else np.asarray(flags)]

@@ -43,6 +43,7 @@ class AppendResult:
     count: int
     base_msg_id: int
     timestamp: int  # store time, ms since the epoch
+    fsynced: bool = True  # an fsync covering the batch completed before the append returned
 
     @property
     def offsets(self) -> np.ndarray:
@@ -164,16 +165,18 @@ class PartitionLog:
             seg.append([header] + body.parts, nbytes, entries)
             self._next_offset = end = base + body.count
             self._last_ts = ts
-            if not self.config.group_commit:
+            fsynced = self.config.group_commit
+            if not fsynced:
                 self._publish(end)  # acknowledged after the page-cache write
                 self._unflushed += body.count
                 now = self._clock()
                 if (self._unflushed >= self.config.unflush_threshold
                         or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
                     self._fsync_active_locked()
+                    fsynced = True
         if self.config.group_commit:
             self._await_durable(end)
-        return AppendResult(base, body.count, msg_id, ts)
+        return AppendResult(base, body.count, msg_id, ts, fsynced)
 
     def _roll(self) -> Segment:
         old = self._segments[-1]
