@@ -1,0 +1,236 @@
+"""Options of the ``metaq`` source, checked once at load()/start(): every unknown or malformed option
+fails with a message that names it. Names follow Spark's Kafka source where the meaning is the same.
+Spark hands options over lower-cased; messages use the documented spelling."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from metaq_broker.zkpaths import parse_partition_name
+
+SOURCE_OPTIONS = {
+    "metaq.zk.connect", "metaq.zk.root", "subscribe", "subscribePattern", "assign", "startingOffsets",
+    "startingTimestamp", "startingOffsetsByTimestamp", "startingOffsetsByTimestampStrategy", "endingOffsets",
+    "endingTimestamp", "maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
+    "failOnDataLoss", "minPartitions", "group", "commitOffsets", "fetchMaxBytes",
+}
+_SPELLING = {name.lower(): name for name in SOURCE_OPTIONS}
+_IGNORED = {"path"}  # Spark may pass these itself
+
+EARLIEST, LATEST = -2, -1
+
+
+class OptionError(ValueError):
+    """A metaq source option is unknown or has a bad value."""
+
+
+@dataclass
+class SourceOptions:
+    zk_connect: str
+    zk_root: str = "/meta"
+    subscribe: Optional[list] = None
+    subscribe_pattern: Optional[str] = None
+    assign: Optional[dict] = None  # topic -> [partition names]
+    starting: object = "earliest"  # "earliest" | "latest" | "group" | {topic: {partition: offset}}
+    starting_timestamp: Optional[int] = None
+    starting_by_timestamp: Optional[dict] = None
+    timestamp_strategy: str = "error"
+    ending: object = "latest"
+    ending_timestamp: Optional[int] = None
+    max_offsets: Optional[int] = None
+    max_bytes: Optional[int] = None
+    min_offsets: Optional[int] = None
+    max_trigger_delay_ms: int = 15 * 60 * 1000
+    fail_on_data_loss: bool = True
+    min_partitions: Optional[int] = None
+    group: Optional[str] = None
+    commit_offsets: bool = True
+    fetch_max_bytes: int = 8 << 20
+    raw: dict = field(default_factory=dict)
+
+    def topic_matcher(self):
+        if self.subscribe is not None:
+            wanted = set(self.subscribe)
+            return lambda t: t in wanted
+        if self.subscribe_pattern is not None:
+            pattern = re.compile(self.subscribe_pattern)
+            return lambda t: pattern.fullmatch(t) is not None
+        return lambda t: t in self.assign
+
+    def default_group(self) -> str:
+        """A stable group name derived from the subscription, so restarts keep the same group."""
+        if self.subscribe is not None:
+            what = "subscribe-" + "+".join(sorted(self.subscribe))
+        elif self.subscribe_pattern is not None:
+            what = "pattern-" + re.sub(r"[^A-Za-z0-9._-]", "_", self.subscribe_pattern)
+        else:
+            what = "assign-" + "+".join(sorted(self.assign))
+        return f"spark-metaq-{what}"[:200]
+
+
+def _int(name: str, raw: str, lo: int = 0) -> int:
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise OptionError(f"option {name}: {raw!r} is not an integer") from None
+    if value < lo:
+        raise OptionError(f"option {name}: must be at least {lo}, got {value}")
+    return value
+
+
+def _bool(name: str, raw: str) -> bool:
+    value = str(raw).strip().lower()
+    if value not in ("true", "false"):
+        raise OptionError(f"option {name}: expected true or false, got {raw!r}")
+    return value == "true"
+
+
+def _duration_ms(name: str, raw: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|min|h)?\s*", str(raw))
+    if not m:
+        raise OptionError(f"option {name}: {raw!r} is not a duration like '30s', '5m' or '500ms'")
+    unit = {"ms": 1, None: 1000, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000}[m.group(2)]
+    return int(m.group(1)) * unit
+
+
+def _offset_json(name: str, raw: str, allow_latest: bool = True) -> dict:
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"option {name}: not valid JSON ({e})") from None
+    if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
+        raise OptionError(f'option {name}: expected {{"topic": {{"<brokerId>-<n>": offset}}}}')
+    out = {}
+    for topic, parts in parsed.items():
+        out[topic] = {}
+        for p, offset in parts.items():
+            try:
+                parse_partition_name(p)
+            except ValueError as e:
+                raise OptionError(f"option {name}: {e}") from None
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < EARLIEST:
+                raise OptionError(f"option {name}: offset of {topic} {p} must be an integer >= -2, got {offset!r}")
+            if offset == LATEST and not allow_latest:
+                raise OptionError(f"option {name}: -1 (latest) is not allowed here")
+            out[topic][p] = offset
+    return out
+
+
+def parse(options, streaming: bool) -> SourceOptions:
+    opts = {}
+    for key, value in dict(options).items():
+        name = _SPELLING.get(key.lower())
+        if name is None:
+            if key.lower() in _IGNORED:
+                continue
+            raise OptionError(f"unknown option {key!r} for the metaq source; known options: "
+                              f"{', '.join(sorted(SOURCE_OPTIONS))}")
+        opts[name] = value
+    if not opts.get("metaq.zk.connect"):
+        raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
+    o = SourceOptions(zk_connect=opts["metaq.zk.connect"], raw=opts)
+    if "metaq.zk.root" in opts:
+        o.zk_root = opts["metaq.zk.root"]
+        if not o.zk_root.startswith("/"):
+            raise OptionError(f"option metaq.zk.root: {o.zk_root!r} must start with '/'")
+
+    chosen = [k for k in ("subscribe", "subscribePattern", "assign") if k in opts]
+    if len(chosen) != 1:
+        raise OptionError("give exactly one of the options subscribe, subscribePattern or assign"
+                          + (f" (got {', '.join(chosen)})" if chosen else ""))
+    if "subscribe" in opts:
+        topics = [t.strip() for t in opts["subscribe"].split(",") if t.strip()]
+        if not topics:
+            raise OptionError("option subscribe: no topic given")
+        o.subscribe = topics
+    elif "subscribePattern" in opts:
+        try:
+            re.compile(opts["subscribePattern"])
+        except re.error as e:
+            raise OptionError(f"option subscribePattern: not a valid regular expression ({e})") from None
+        o.subscribe_pattern = opts["subscribePattern"]
+    else:
+        try:
+            parsed = json.loads(opts["assign"])
+        except json.JSONDecodeError as e:
+            raise OptionError(f"option assign: not valid JSON ({e})") from None
+        if not isinstance(parsed, dict) or not parsed or not all(isinstance(v, list) for v in parsed.values()):
+            raise OptionError('option assign: expected {"topic": ["<brokerId>-<n>", ...]}')
+        for topic, parts in parsed.items():
+            for p in parts:
+                try:
+                    parse_partition_name(p)
+                except ValueError as e:
+                    raise OptionError(f"option assign: {e}") from None
+        o.assign = {t: sorted(set(ps), key=parse_partition_name) for t, ps in parsed.items()}
+
+    starts = [k for k in ("startingOffsets", "startingTimestamp", "startingOffsetsByTimestamp") if k in opts]
+    if len(starts) > 1:
+        raise OptionError(f"give at most one of {', '.join(starts)}")
+    if "startingOffsets" in opts:
+        value = opts["startingOffsets"].strip()
+        if value in ("earliest", "latest", "group"):
+            if value == "latest" and not streaming:
+                raise OptionError("option startingOffsets: 'latest' is only for streaming queries")
+            o.starting = value
+        else:
+            o.starting = _offset_json("startingOffsets", value, allow_latest=streaming)
+    elif not streaming:
+        o.starting = "earliest"
+    if "startingTimestamp" in opts:
+        o.starting_timestamp = _int("startingTimestamp", opts["startingTimestamp"])
+    if "startingOffsetsByTimestamp" in opts:
+        o.starting_by_timestamp = _offset_json("startingOffsetsByTimestamp", opts["startingOffsetsByTimestamp"])
+    if "startingOffsetsByTimestampStrategy" in opts:
+        o.timestamp_strategy = opts["startingOffsetsByTimestampStrategy"].strip().lower()
+        if o.timestamp_strategy not in ("error", "latest"):
+            raise OptionError("option startingOffsetsByTimestampStrategy: expected error or latest, "
+                              f"got {opts['startingOffsetsByTimestampStrategy']!r}")
+
+    for name in ("endingOffsets", "endingTimestamp"):
+        if name in opts and streaming:
+            raise OptionError(f"option {name} is only for batch queries (spark.read)")
+    if "endingOffsets" in opts:
+        value = opts["endingOffsets"].strip()
+        if value == "latest":
+            o.ending = "latest"
+        elif value == "earliest":
+            raise OptionError("option endingOffsets: 'earliest' would read nothing; use latest or JSON")
+        else:
+            o.ending = _offset_json("endingOffsets", value)
+    if "endingTimestamp" in opts:
+        if "endingOffsets" in opts:
+            raise OptionError("give at most one of endingOffsets, endingTimestamp")
+        o.ending_timestamp = _int("endingTimestamp", opts["endingTimestamp"])
+
+    batch_only = ("maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay")
+    for name in batch_only:
+        if name in opts and not streaming:
+            raise OptionError(f"option {name} is only for streaming queries")
+    if "maxOffsetsPerTrigger" in opts:
+        o.max_offsets = _int("maxOffsetsPerTrigger", opts["maxOffsetsPerTrigger"], 1)
+    if "maxBytesPerTrigger" in opts:
+        o.max_bytes = _int("maxBytesPerTrigger", opts["maxBytesPerTrigger"], 1)
+    if "minOffsetsPerTrigger" in opts:
+        o.min_offsets = _int("minOffsetsPerTrigger", opts["minOffsetsPerTrigger"], 1)
+        if o.max_offsets is not None and o.min_offsets > o.max_offsets:
+            raise OptionError("option minOffsetsPerTrigger must not exceed maxOffsetsPerTrigger")
+    if "maxTriggerDelay" in opts:
+        o.max_trigger_delay_ms = _duration_ms("maxTriggerDelay", opts["maxTriggerDelay"])
+    if "failOnDataLoss" in opts:
+        o.fail_on_data_loss = _bool("failOnDataLoss", opts["failOnDataLoss"])
+    if "minPartitions" in opts:
+        o.min_partitions = _int("minPartitions", opts["minPartitions"], 1)
+    if "group" in opts:
+        o.group = opts["group"].strip()
+        if not o.group or "/" in o.group:
+            raise OptionError(f"option group: {opts['group']!r} is not a usable group name")
+    if "commitOffsets" in opts:
+        o.commit_offsets = _bool("commitOffsets", opts["commitOffsets"])
+    if "fetchMaxBytes" in opts:
+        o.fetch_max_bytes = _int("fetchMaxBytes", opts["fetchMaxBytes"], 1024)
+    if o.group is None:
+        o.group = o.default_group()
+    return o

@@ -1,0 +1,406 @@
+"""``spark.readStream.format("metaq")`` and ``spark.read.format("metaq")``.
+
+Offsets are ``{"topic": {"<brokerId>-<n>": next offset}}`` with sorted keys, so Spark's checkpoint is
+the truth and a replayed batch reads exactly the same rows. The driver plans with one offsets call per
+broker and topic; each task fetches its range from the partition's broker through the client library
+and yields Arrow batches (no Python loop per message)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows, ReadMinRows,
+                                              SupportsTriggerAvailableNow)
+
+from metaq_broker import records
+from metaq_broker.client.connection import ConnectionPool, RemoteOffsetOutOfRangeError
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.zkpaths import parse_partition_name
+
+from .options import EARLIEST, LATEST, OptionError, SourceOptions, parse
+
+log = logging.getLogger(__name__)
+
+SCHEMA = ("key binary, value binary, topic string, partition string, offset long, timestamp timestamp, "
+          "msgId long, flag int, attribute string")
+
+
+class DataLossError(RuntimeError):
+    """Offsets the query needs are gone (retention removed them, or a partition vanished)."""
+
+
+class MetaqDataSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "metaq"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema) -> "MetaqBatchReader":
+        return MetaqBatchReader(parse(self.options, streaming=False))
+
+    def streamReader(self, schema) -> "MetaqStreamReader":
+        return MetaqStreamReader(parse(self.options, streaming=True))
+
+
+# -- driver side --------------------------------------------------------------------------------------
+
+class Planner:
+    """What the driver asks the cluster: the subscribed partitions, their offset ranges, addresses."""
+
+    def __init__(self, opts: SourceOptions):
+        from metaq_broker.client.consumer import Consumer
+        self.opts = opts
+        self.consumer = Consumer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, group=opts.group)
+
+    def partitions(self) -> dict:
+        """{topic: [partition names]} currently subscribed (assign: as given, if their broker lives)."""
+        if self.opts.assign is not None:
+            return {t: list(ps) for t, ps in self.opts.assign.items()}
+        match = self.opts.topic_matcher()
+        out = {}
+        for topic in self.consumer.cluster.topics():
+            if match(topic):
+                parts = [f"{b}-{n}" for b, n in self.consumer.cluster.topic_partitions(topic)]
+                if parts:
+                    out[topic] = parts
+        return out
+
+    def ranges(self, timestamp_ms: Optional[int] = None) -> dict:
+        """{topic: {partition: (earliest, latest[, for_timestamp])}}; one call per broker and topic."""
+        return {t: self.consumer.offsets(t, ps, timestamp_ms=timestamp_ms) for t, ps in self.partitions().items()}
+
+    def address(self, partition: str) -> str:
+        bid, _ = parse_partition_name(partition)
+        addr = self.consumer.cluster.brokers().get(bid)
+        if addr is None:
+            raise DataLossError(f"broker {bid} of partition {partition} is not alive")
+        return addr
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _sorted(offsets: dict) -> dict:
+    return {t: {p: int(offsets[t][p]) for p in sorted(offsets[t], key=parse_partition_name)}
+            for t in sorted(offsets) if offsets[t]}
+
+
+def resolve_start(opts: SourceOptions, planner: Planner) -> dict:
+    """Starting offsets from startingOffsets / startingTimestamp / startingOffsetsByTimestamp."""
+    ranges = planner.ranges()
+    if opts.starting_timestamp is not None or opts.starting_by_timestamp is not None:
+        out = {}
+        for topic, parts in ranges.items():
+            for p in parts:
+                ts = opts.starting_timestamp
+                if opts.starting_by_timestamp is not None:
+                    ts = opts.starting_by_timestamp.get(topic, {}).get(p)
+                    if ts is None:
+                        continue
+                found = planner.consumer.offsets(topic, [p], timestamp_ms=ts)[p]
+                earliest, latest, offset = found
+                if offset >= latest and opts.timestamp_strategy == "error":
+                    raise OptionError(f"no message at or after timestamp {ts} in {topic} {p} "
+                                      f"(startingOffsetsByTimestampStrategy=error)")
+                out.setdefault(topic, {})[p] = offset
+        return _sorted(out)
+    committed = {}
+    if opts.starting == "group":
+        committed = {t: planner.consumer.committed(t) for t in ranges}
+    out = {}
+    for topic, parts in ranges.items():
+        for p, (earliest, latest) in parts.items():
+            if isinstance(opts.starting, dict):
+                if topic not in opts.starting or p not in opts.starting[topic]:
+                    if opts.assign is None:
+                        continue
+                    raise OptionError(f"option startingOffsets: no offset for assigned {topic} {p}")
+                want = opts.starting[topic][p]
+                value = earliest if want == EARLIEST else latest if want == LATEST else want
+            elif opts.starting == "latest":
+                value = latest
+            elif opts.starting == "group":
+                value = committed[topic].get(p, earliest)
+            else:
+                value = earliest
+            out.setdefault(topic, {})[p] = value
+    return _sorted(out)
+
+
+def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
+    """Start offsets below a partition's earliest (retention removed them) fail the query, or with
+    failOnDataLoss=false move up to the earliest with a warning."""
+    fixed = {t: dict(ps) for t, ps in start.items()}
+    for topic, parts in start.items():
+        for p, offset in parts.items():
+            have = ranges.get(topic, {}).get(p)
+            if have is None:
+                message = f"partition {p} of topic {topic} is gone (needed from offset {offset})"
+                if opts.fail_on_data_loss:
+                    raise DataLossError(message + "; set failOnDataLoss=false to continue without it")
+                log.warning("%s; continuing without it", message)
+                del fixed[topic][p]
+            elif offset < have[0]:
+                message = (f"offsets {offset} to {have[0] - 1} of {topic} {p} are gone (retention removed them); "
+                           f"the earliest available is {have[0]}")
+                if opts.fail_on_data_loss:
+                    raise DataLossError(message + "; set failOnDataLoss=false to continue from there")
+                log.warning("%s; continuing from %d", message, have[0])
+                fixed[topic][p] = have[0]
+    return _sorted(fixed)
+
+
+class MetaqPartition(InputPartition):
+    def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
+                 fail_on_data_loss: bool):
+        super().__init__((topic, partition, start, end))
+        self.topic, self.partition, self.address = topic, partition, address
+        self.start, self.end = start, end
+        self.fetch_max_bytes = fetch_max_bytes
+        self.fail_on_data_loss = fail_on_data_loss
+
+
+def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict) -> list:
+    """One Spark partition per MetaQ partition range, split further to reach minPartitions."""
+    ranges = [(t, p, start.get(t, {}).get(p, 0), e) for t, parts in end.items() for p, e in parts.items()]
+    ranges = [(t, p, s, e) for t, p, s, e in ranges if e > s]
+    total = sum(e - s for _, _, s, e in ranges)
+    pieces = []
+    for t, p, s, e in ranges:
+        n = 1
+        if opts.min_partitions and total and opts.min_partitions > len(ranges):
+            n = max(1, round(opts.min_partitions * (e - s) / total))
+        bounds = np.linspace(s, e, n + 1).astype(np.int64)
+        addr = planner.address(p)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss))
+    return pieces
+
+
+# -- executor side ------------------------------------------------------------------------------------
+
+_POOL: Optional[ConnectionPool] = None  # connections reused by every task of one Python worker
+
+
+def _pool() -> ConnectionPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = ConnectionPool()
+    return _POOL
+
+
+def _constant_strings(value: str, n: int) -> pa.Array:
+    """A string column holding ``value`` n times, built from buffers (no per-row Python)."""
+    data = value.encode()
+    offsets = np.arange(n + 1, dtype=np.int32) * len(data)
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
+
+
+def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatch:
+    n = batch.num_rows
+    return pa.RecordBatch.from_arrays(
+        [batch.column("key"), batch.column("value"), _constant_strings(topic, n), _constant_strings(partition, n),
+         batch.column("offset"), batch.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
+         batch.column("msgId"), batch.column("flag"), batch.column("attribute")],
+        names=["key", "value", "topic", "partition", "offset", "timestamp", "msgId", "flag", "attribute"])
+
+
+def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
+    """Every message of [start, end) of one partition, or an error: never a silently short range."""
+    conn = _pool().get(part.address)
+    _, number = parse_partition_name(part.partition)
+    offset = part.start
+    while offset < part.end:
+        request = pb.FetchRequest(topic=part.topic, partition=number, offset=offset,
+                                  max_bytes=part.fetch_max_bytes, max_messages=part.end - offset)
+        try:
+            r = conn.call("Fetch", request, retries=5)
+        except RemoteOffsetOutOfRangeError as e:
+            earliest = conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
+                pb.OffsetQuery(topic=part.topic, partition=number)]), retries=5).offsets[0].earliest
+            if offset >= earliest:
+                raise  # above the log end: the broker lost acknowledged data, never hide that
+            message = (f"offsets {offset} to {min(earliest, part.end) - 1} of {part.topic} {part.partition} "
+                       f"are gone (retention removed them)")
+            if part.fail_on_data_loss:
+                raise DataLossError(message + "; set failOnDataLoss=false to skip them") from e
+            log.warning("%s; skipping to %d", message, earliest)
+            offset = earliest
+            continue
+        if r.end_offset <= offset:
+            raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
+                                f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
+        yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
+                       part.partition)
+        offset = r.end_offset
+
+
+# -- readers ------------------------------------------------------------------------------------------
+
+class _PlannerMixin:
+    """Keeps the driver's ZooKeeper/gRPC clients out of what Spark pickles for the executors."""
+
+    _planner: Optional[Planner] = None
+
+    @property
+    def planner(self) -> Planner:
+        if self._planner is None:
+            self._planner = Planner(self.opts)
+        return self._planner
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_planner"] = None
+        return state
+
+
+class MetaqBatchReader(_PlannerMixin, DataSourceReader):
+    def __init__(self, opts: SourceOptions):
+        self.opts = opts
+
+    def partitions(self):
+        ranges = self.planner.ranges()
+        start = check_data_loss(self.opts, resolve_start(self.opts, self.planner), ranges)
+        if self.opts.ending_timestamp is not None:
+            end = {t: {p: self.planner.consumer.offsets(t, [p], timestamp_ms=self.opts.ending_timestamp)[p][2]
+                       for p in ps} for t, ps in start.items()}
+        elif isinstance(self.opts.ending, dict):
+            end = {t: {p: (ranges[t][p][1] if o == LATEST else o) for p, o in ps.items() if p in ranges.get(t, {})}
+                   for t, ps in self.opts.ending.items()}
+        else:
+            end = {t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()}
+        return plan_partitions(self.opts, self.planner, start, _sorted(end)) or [InputPartition(None)]
+
+    def read(self, partition):
+        if partition.value is None:
+            return iter(())
+        return read_partition(partition)
+
+
+class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, opts: SourceOptions):
+        self.opts = opts
+        self._available_now: Optional[dict] = None
+        self._last_trigger = time.monotonic()
+        self._latest: Optional[dict] = None
+
+    def initialOffset(self) -> dict:
+        return resolve_start(self.opts, self.planner)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_offsets is not None:
+            return ReadMaxRows(self.opts.max_offsets)
+        if self.opts.max_bytes is not None:
+            return ReadMaxBytes(self.opts.max_bytes)
+        if self.opts.min_offsets is not None:
+            return ReadMinRows(self.opts.min_offsets)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._available_now = {t: {p: r[1] for p, r in ps.items()} for t, ps in self.planner.ranges().items()}
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        ranges = self.planner.ranges()
+        self._latest = _sorted({t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()})
+        full_start = {t: dict(ps) for t, ps in start.items()}
+        for t, ps in ranges.items():  # partitions that appeared since: from their earliest offset
+            for p, r in ps.items():
+                full_start.setdefault(t, {}).setdefault(p, r[0])
+        full_start = check_data_loss(self.opts, _sorted(full_start), ranges)
+        cap = self._available_now or self._latest
+        target = {t: {p: max(s, min(cap.get(t, {}).get(p, s), ranges[t][p][1])) for p, s in ps.items()}
+                  for t, ps in full_start.items()}
+        if not isinstance(limit, ReadAllAvailable):
+            target = self._limit(full_start, target, limit)
+        if target != full_start:
+            self._last_trigger = time.monotonic()
+        return _sorted(target)
+
+    def _limit(self, start: dict, target: dict, limit: ReadLimit) -> dict:
+        waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
+        total = sum(waiting.values())
+        if isinstance(limit, ReadMinRows) or self.opts.min_offsets is not None:
+            min_rows = limit.min_rows if isinstance(limit, ReadMinRows) else self.opts.min_offsets
+            overdue = (time.monotonic() - self._last_trigger) * 1000 >= self.opts.max_trigger_delay_ms
+            if total < min_rows and not overdue and self._available_now is None:
+                return start
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.opts.max_offsets
+        if max_rows is not None and total > max_rows:
+            target = _proportional(start, waiting, max_rows)
+            waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
+        max_bytes = limit.max_bytes if isinstance(limit, ReadMaxBytes) else self.opts.max_bytes
+        if max_bytes is not None:
+            target = self._byte_limit(start, target, waiting, max_bytes)
+        return target
+
+    def _byte_limit(self, start: dict, target: dict, waiting: dict, max_bytes: int) -> dict:
+        total = sum(waiting.values())
+        if not total:
+            return target
+        out = {t: dict(ps) for t, ps in target.items()}
+        for (t, p), n in waiting.items():
+            if not n:
+                continue
+            share = max(1, max_bytes * n // total)
+            bid, number = parse_partition_name(p)
+            q = pb.OffsetQuery(topic=t, partition=number, from_offset=start[t][p], max_bytes=share)
+            after = self.planner.consumer.connection(bid).call(
+                "GetOffsets", pb.GetOffsetsRequest(queries=[q]), retries=3).offsets[0].after_bytes
+            out[t][p] = min(target[t][p], max(after, start[t][p]))
+        if all(out[t][p] == start[t][p] for t, ps in start.items() for p in ps):
+            # Progress: a single message larger than the budget still gets read.
+            (t, p) = max(waiting, key=waiting.get)
+            out[t][p] = start[t][p] + 1
+        return out
+
+    def reportLatestOffset(self) -> Optional[dict]:
+        return self._latest
+
+    def partitions(self, start: dict, end: dict):
+        return plan_partitions(self.opts, self.planner, start, end)
+
+    def read(self, partition):
+        return read_partition(partition)
+
+    def commit(self, end: dict) -> None:
+        """Record the committed batch's end offsets as the group's offsets in ZooKeeper. Retried; a
+        failure is logged and never fails or stalls the stream."""
+        if not self.opts.commit_offsets:
+            return
+        for topic, parts in end.items():
+            for attempt in range(3):
+                try:
+                    self.planner.consumer.commit(topic, parts)
+                    break
+                except Exception as e:  # noqa: BLE001 - reported, never fatal
+                    if attempt == 2:
+                        log.warning("could not record offsets of %s for group %s in ZooKeeper: %s",
+                                    topic, self.opts.group, e)
+                    time.sleep(0.2 * (attempt + 1))
+
+    def stop(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+
+
+def _proportional(start: dict, waiting: dict, budget: int) -> dict:
+    """Split ``budget`` rows across partitions in proportion to what each has waiting."""
+    total = sum(waiting.values())
+    keys = sorted(waiting)
+    exact = np.array([budget * waiting[k] / total for k in keys])
+    share = np.floor(exact).astype(np.int64)
+    left = budget - int(share.sum())
+    for i in np.argsort(-(exact - share), kind="stable")[:left]:
+        share[i] += 1
+    out = {t: dict(ps) for t, ps in start.items()}
+    for (t, p), s in zip(keys, share):
+        out[t][p] = start[t][p] + int(min(s, waiting[(t, p)]))
+    return out
