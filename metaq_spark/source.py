@@ -75,12 +75,22 @@ class Planner:
         """{topic: {partition: (earliest, latest[, for_timestamp])}}; one call per broker and topic."""
         return {t: self.consumer.offsets(t, ps, timestamp_ms=timestamp_ms) for t, ps in self.partitions().items()}
 
-    def address(self, partition: str) -> str:
+    def broker_alive(self, partition: str) -> bool:
+        return parse_partition_name(partition)[0] in self.consumer.cluster.brokers()
+
+    def address(self, partition: str, wait: float = 30.0) -> str:
+        """The partition's broker address; waits a while for a broker that is restarting."""
         bid, _ = parse_partition_name(partition)
-        addr = self.consumer.cluster.brokers().get(bid)
-        if addr is None:
-            raise DataLossError(f"broker {bid} of partition {partition} is not alive")
+        deadline = time.monotonic() + wait
+        while (addr := self.consumer.cluster.brokers().get(bid)) is None:
+            if time.monotonic() > deadline:
+                raise DataLossError(f"broker {bid} of partition {partition} has not been alive for {wait:.0f}s")
+            time.sleep(0.2)
         return addr
+
+    def offsets_at(self, topic: str, partitions, timestamp_ms: int) -> dict:
+        """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
+        return {p: r[2] for p, r in self.consumer.offsets(topic, partitions, timestamp_ms=timestamp_ms).items()}
 
     def close(self) -> None:
         self.consumer.close()
@@ -97,18 +107,17 @@ def resolve_start(opts: SourceOptions, planner: Planner) -> dict:
     if opts.starting_timestamp is not None or opts.starting_by_timestamp is not None:
         out = {}
         for topic, parts in ranges.items():
-            for p in parts:
-                ts = opts.starting_timestamp
-                if opts.starting_by_timestamp is not None:
-                    ts = opts.starting_by_timestamp.get(topic, {}).get(p)
-                    if ts is None:
-                        continue
-                found = planner.consumer.offsets(topic, [p], timestamp_ms=ts)[p]
-                earliest, latest, offset = found
-                if offset >= latest and opts.timestamp_strategy == "error":
-                    raise OptionError(f"no message at or after timestamp {ts} in {topic} {p} "
-                                      f"(startingOffsetsByTimestampStrategy=error)")
-                out.setdefault(topic, {})[p] = offset
+            if opts.starting_timestamp is not None:
+                wanted = {p: opts.starting_timestamp for p in parts}
+            else:
+                wanted = {p: ts for p, ts in opts.starting_by_timestamp.get(topic, {}).items() if p in parts}
+            for ts in sorted(set(wanted.values())):  # one call per broker for each distinct time
+                same = [p for p, t in wanted.items() if t == ts]
+                for p, offset in planner.offsets_at(topic, same, ts).items():
+                    if offset >= ranges[topic][p][1] and opts.timestamp_strategy == "error":
+                        raise OptionError(f"no message at or after timestamp {ts} in {topic} {p} "
+                                          f"(startingOffsetsByTimestampStrategy=error)")
+                    out.setdefault(topic, {})[p] = offset
         return _sorted(out)
     committed = {}
     if opts.starting == "group":
@@ -269,8 +278,7 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
         ranges = self.planner.ranges()
         start = check_data_loss(self.opts, resolve_start(self.opts, self.planner), ranges)
         if self.opts.ending_timestamp is not None:
-            end = {t: {p: self.planner.consumer.offsets(t, [p], timestamp_ms=self.opts.ending_timestamp)[p][2]
-                       for p in ps} for t, ps in start.items()}
+            end = {t: self.planner.offsets_at(t, list(ps), self.opts.ending_timestamp) for t, ps in start.items()}
         elif isinstance(self.opts.ending, dict):
             end = {t: {p: (ranges[t][p][1] if o == LATEST else o) for p, o in ps.items() if p in ranges.get(t, {})}
                    for t, ps in self.opts.ending.items()}
@@ -313,10 +321,17 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         for t, ps in ranges.items():  # partitions that appeared since: from their earliest offset
             for p, r in ps.items():
                 full_start.setdefault(t, {}).setdefault(p, r[0])
-        full_start = check_data_loss(self.opts, _sorted(full_start), ranges)
+        # A partition whose broker is down for a moment is not lost: it just has nothing new now.
+        paused = {(t, p): o for t, ps in full_start.items() for p, o in ps.items()
+                  if p not in ranges.get(t, {}) and not self.planner.broker_alive(p)}
+        checked = check_data_loss(self.opts, _sorted({t: {p: o for p, o in ps.items() if (t, p) not in paused}
+                                                      for t, ps in full_start.items()}), ranges)
+        for (t, p), o in paused.items():
+            checked.setdefault(t, {})[p] = o
+        full_start = _sorted(checked)
         cap = self._available_now or self._latest
-        target = {t: {p: max(s, min(cap.get(t, {}).get(p, s), ranges[t][p][1])) for p, s in ps.items()}
-                  for t, ps in full_start.items()}
+        target = {t: {p: max(s, min(cap.get(t, {}).get(p, s), ranges.get(t, {}).get(p, (s, s))[1]))
+                      for p, s in ps.items()} for t, ps in full_start.items()}
         if not isinstance(limit, ReadAllAvailable):
             target = self._limit(full_start, target, limit)
         if target != full_start:
@@ -345,15 +360,19 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         if not total:
             return target
         out = {t: dict(ps) for t, ps in target.items()}
+        by_broker: dict = {}  # one GetOffsets call per broker
         for (t, p), n in waiting.items():
-            if not n:
-                continue
-            share = max(1, max_bytes * n // total)
-            bid, number = parse_partition_name(p)
-            q = pb.OffsetQuery(topic=t, partition=number, from_offset=start[t][p], max_bytes=share)
-            after = self.planner.consumer.connection(bid).call(
-                "GetOffsets", pb.GetOffsetsRequest(queries=[q]), retries=3).offsets[0].after_bytes
-            out[t][p] = min(target[t][p], max(after, start[t][p]))
+            if n:
+                bid, number = parse_partition_name(p)
+                share = max(1, max_bytes * n // total)
+                by_broker.setdefault(bid, []).append(
+                    pb.OffsetQuery(topic=t, partition=number, from_offset=start[t][p], max_bytes=share))
+        for bid, queries in by_broker.items():
+            reply = self.planner.consumer.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries),
+                                                              retries=3)
+            for o in reply.offsets:
+                p = f"{bid}-{o.partition}"
+                out[o.topic][p] = min(target[o.topic][p], max(o.after_bytes, start[o.topic][p]))
         if all(out[t][p] == start[t][p] for t, ps in start.items() for p in ps):
             # Progress: a single message larger than the budget still gets read.
             (t, p) = max(waiting, key=waiting.get)
