@@ -240,10 +240,13 @@ def stats(obj, broker_ids, topic):
               help="where ZooKeeper and the broker keep data (default: a temporary directory, removed on exit)")
 @click.option("--messages", type=click.IntRange(1), default=10_000, show_default=True)
 @click.option("--keep-running", is_flag=True, help="leave ZooKeeper and the broker up until Ctrl-C")
-def quickstart(workdir, messages, keep_running):
-    """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back."""
+@click.option("--spark/--no-spark", default=True, show_default=True,
+              help="also run a Spark streaming query from one topic into another")
+def quickstart(workdir, messages, keep_running, spark):
+    """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back,
+    then pipe it through a Spark streaming query into a second topic."""
     from .quickstart import run
-    _run(run, workdir, messages, keep_running)
+    _run(run, workdir, messages, keep_running, spark)
 
 
 # -- offline inspection -------------------------------------------------------------------------------

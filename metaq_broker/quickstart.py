@@ -19,6 +19,7 @@ from .local import BrokerProcess
 from .zookeeper import LocalZooKeeper
 
 TOPIC = "quickstart-events"
+OUT_TOPIC = "quickstart-upper"
 GROUP = "quickstart-readers"
 
 
@@ -26,7 +27,7 @@ def say(text: str) -> None:
     click.echo(click.style("» ", fg="green") + text)
 
 
-def run(workdir: Optional[Path], messages: int, keep_running: bool = False) -> dict:
+def run(workdir: Optional[Path], messages: int, keep_running: bool = False, spark: bool = True) -> dict:
     temporary = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="metaq-quickstart-")) if temporary else Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +77,10 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False) -> d
             say(f"group {GROUP} committed its offsets in ZooKeeper; total lag {lag}")
             if sum(counts.values()) != messages:
                 raise RuntimeError(f"read {sum(counts.values())} messages back, expected {messages}")
+            if spark:
+                piped = _spark_pipeline(zk.connect_string, workdir, admin, producer, consumer)
+                if piped != messages:
+                    raise RuntimeError(f"the Spark pipeline wrote {piped} messages, expected {messages}")
             if keep_running:
                 say(f"leaving ZooKeeper ({zk.connect_string}) and the broker running; Ctrl-C stops them")
                 try:
@@ -92,6 +97,57 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False) -> d
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
         say("stopped the broker and ZooKeeper" + (" and removed the work directory" if temporary else ""))
+
+
+def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -> int:
+    """Spark reads the topic as a stream, upper-cases each value and writes it to a second topic."""
+    import os
+    import sys
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession, functions as F
+
+    import metaq_spark
+
+    admin.create_topic(OUT_TOPIC, 2)
+    _wait_for_partitions(producer, OUT_TOPIC, 2)
+    say("starting Spark (local[2]) ...")
+    spark = (SparkSession.builder.master("local[2]").appName("metaq-quickstart").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .config("spark.sql.shuffle.partitions", "2").config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        metaq_spark.register(spark)
+        source = (spark.readStream.format("metaq").option("metaq.zk.connect", zk_connect)
+                  .option("subscribe", TOPIC).option("maxOffsetsPerTrigger", 4000).load())
+        upper = source.select("key", F.upper(F.col("value").cast("string")).alias("value"))
+
+        def write_batch(batch_df, batch_id):
+            # Until the exactly-once metaq sink exists, each micro-batch goes through the producer.
+            table = batch_df.toArrow()
+            if table.num_rows:
+                producer.send_batch(OUT_TOPIC, table.column("value").combine_chunks(),
+                                    keys=table.column("key").combine_chunks())
+
+        started = time.monotonic()
+        query = (upper.writeStream.foreachBatch(write_batch).trigger(availableNow=True)
+                 .option("checkpointLocation", str(workdir / "spark-checkpoint")).start())
+        query.awaitTermination()
+        batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+        elapsed = time.monotonic() - started
+        say(f"Spark read {sum(batches)} messages from {TOPIC} in {len(batches)} micro-batches "
+            f"({', '.join(map(str, batches))} rows) and wrote them upper-cased to {OUT_TOPIC} in {elapsed:.1f}s")
+        out = consumer.offsets(OUT_TOPIC)
+        written = sum(latest for _, latest in out.values())
+        sample = consumer.fetch(OUT_TOPIC, sorted(out)[0], 0, max_messages=1).messages()
+        if sample:
+            say(f"  {sample[0].partition} offset 0: {sample[0].value.decode()}")
+        say(f"{OUT_TOPIC} now holds {written} messages")
+        return written
+    finally:
+        spark.stop()
 
 
 def _wait_for_partitions(client, topic: str, count: int, timeout: float = 15.0) -> None:

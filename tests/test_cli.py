@@ -75,4 +75,6 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert "produced 3000 messages" in out and "total lag 0" in out
     counts = out.split("read back per partition: ")[1].splitlines()[0]
     assert sum(int(part.split(": ")[1]) for part in counts.split(", ")) == 3000
+    assert "Spark read 3000 messages from quickstart-events" in out
+    assert "quickstart-upper now holds 3000 messages" in out
     assert "stopped the broker and ZooKeeper" in out
