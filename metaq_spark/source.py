@@ -176,8 +176,14 @@ class MetaqPartition(InputPartition):
 
 
 def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict) -> list:
-    """One Spark partition per MetaQ partition range, split further to reach minPartitions."""
-    ranges = [(t, p, start.get(t, {}).get(p, 0), e) for t, parts in end.items() for p, e in parts.items()]
+    """One Spark partition per MetaQ partition range, split further to reach minPartitions. A partition
+    missing from ``start`` appeared during the batch: it is read from its earliest offset."""
+    new = [(t, p) for t, parts in end.items() for p in parts if p not in start.get(t, {})]
+    earliest = {}
+    for t in {t for t, _ in new}:
+        earliest[t] = {p: r[0] for p, r in planner.consumer.offsets(t, [p for tt, p in new if tt == t]).items()}
+    ranges = [(t, p, start[t][p] if p in start.get(t, {}) else earliest[t][p], e)
+              for t, parts in end.items() for p, e in parts.items()]
     ranges = [(t, p, s, e) for t, p, s, e in ranges if e > s]
     total = sum(e - s for _, _, s, e in ranges)
     pieces = []
