@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Iterator, Optional
 
+import grpc
 import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
@@ -17,7 +18,7 @@ from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadM
                                               SupportsTriggerAvailableNow)
 
 from metaq_broker import records
-from metaq_broker.client.connection import ConnectionPool, RemoteOffsetOutOfRangeError
+from metaq_broker.client.connection import TRANSIENT, ConnectionPool, RemoteOffsetOutOfRangeError, to_error
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zkpaths import parse_partition_name
 
@@ -227,16 +228,33 @@ def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatc
         names=["key", "value", "topic", "partition", "offset", "timestamp", "msgId", "flag", "attribute"])
 
 
+def _fetch(conn, part: MetaqPartition, number: int, offset: int):
+    """Start fetching [offset, end) of the partition; the reply is awaited by ``_reply``."""
+    request = pb.FetchRequest(topic=part.topic, partition=number, offset=offset, max_bytes=part.fetch_max_bytes,
+                              max_messages=part.end - offset)
+    return request, conn.future("Fetch", request)
+
+
+def _reply(conn, request, future):
+    """The fetch reply; a transient failure is retried as a blocking call."""
+    try:
+        return future.result()
+    except grpc.RpcError as e:
+        if e.code() not in TRANSIENT:
+            raise to_error(e, conn.address) from None
+        return conn.call("Fetch", request, retries=5)
+
+
 def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
-    """Every message of [start, end) of one partition, or an error: never a silently short range."""
+    """Every message of [start, end) of one partition, or an error: never a silently short range. The
+    next fetch is in flight while the current batch is decoded and handed to Spark."""
     conn = _pool().get(part.address)
     _, number = parse_partition_name(part.partition)
     offset = part.start
-    while offset < part.end:
-        request = pb.FetchRequest(topic=part.topic, partition=number, offset=offset,
-                                  max_bytes=part.fetch_max_bytes, max_messages=part.end - offset)
+    pending = _fetch(conn, part, number, offset) if offset < part.end else None
+    while pending is not None:
         try:
-            r = conn.call("Fetch", request, retries=5)
+            r = _reply(conn, *pending)
         except RemoteOffsetOutOfRangeError as e:
             earliest = conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
                 pb.OffsetQuery(topic=part.topic, partition=number)]), retries=5).offsets[0].earliest
@@ -248,13 +266,15 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
                 raise DataLossError(message + "; set failOnDataLoss=false to skip them") from e
             log.warning("%s; skipping to %d", message, earliest)
             offset = earliest
+            pending = _fetch(conn, part, number, offset) if offset < part.end else None
             continue
         if r.end_offset <= offset:
             raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
                                 f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
+        offset = r.end_offset
+        pending = _fetch(conn, part, number, offset) if offset < part.end else None
         yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
                        part.partition)
-        offset = r.end_offset
 
 
 # -- readers ------------------------------------------------------------------------------------------
