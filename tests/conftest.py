@@ -84,3 +84,15 @@ def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """A loopback-only local[2] SparkSession with the metaq source registered, one per test module."""
+    import metaq_spark
+    from spark_helpers import spark_builder
+    session = spark_builder().getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    metaq_spark.register(session)
+    yield session
+    session.stop()

@@ -14,9 +14,8 @@ from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.group_offsets import ConsumerIdInUseError, GroupStore, range_assign
 from metaq_broker.registry import BrokerIdInUseError, BrokerRegistration, ZooKeeperUnavailableError
 from metaq_broker.zkpaths import ZkPaths, parse_partition_name, partition_name
-from metaq_broker.zookeeper import LocalZooKeeper, free_port, java_available
+from metaq_broker.zookeeper import LocalZooKeeper, free_port
 
-needs_java = pytest.mark.skipif(not java_available(), reason="needs Java")
 
 
 # -- paths (no server) ----------------------------------------------------------------------------------
@@ -90,8 +89,6 @@ def test_range_assignment_rule():
 @pytest.fixture(scope="module")
 def zk_server(tmp_path_factory):
     """This module's own ZooKeeper (tests restart it). A short tick lets sessions be a few seconds."""
-    if not java_available():
-        pytest.skip("needs Java")
     with LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zk"), tick_time_ms=500) as zk:
         yield zk
 
@@ -124,7 +121,6 @@ def exists(zk, path):
         return None
 
 
-@needs_java
 def test_registration_writes_the_nodes_and_stop_removes_them(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, topics={"orders": 2, "logs": 1}).start()
@@ -153,7 +149,6 @@ def test_registration_writes_the_nodes_and_stop_removes_them(zk_server, zk, root
         assert zk.exists(path) is None, path
 
 
-@needs_java
 def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
     first = registration(zk_server, root, broker_id=7, port=9000).start()
     try:
@@ -171,7 +166,6 @@ def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
         first.stop()
 
 
-@needs_java
 def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
     """A crashed previous run of this broker leaves its ephemeral node until its session expires."""
     ghost = KazooClient(zk_server.connect_string)
@@ -187,7 +181,6 @@ def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
         reg.stop()
 
 
-@needs_java
 def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=2).start()
@@ -208,7 +201,6 @@ def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
         reg.stop()
 
 
-@needs_java
 def test_registration_comes_back_after_session_expiry(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=4).start()
@@ -259,7 +251,6 @@ def test_cluster_view_static_list():
         ClusterView()
 
 
-@needs_java
 def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
     reg1 = registration(zk_server, root, 1, {"orders": 2}, port=9001).start()
     reg2 = registration(zk_server, root, 2, {"orders": 1, "logs": 3}, port=9002).start()
@@ -301,7 +292,6 @@ def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
 
 
 # -- consumer groups ------------------------------------------------------------------------------------
-@needs_java
 def test_group_offsets_round_trip(zk, root):
     g = GroupStore(zk, root)
     assert g.fetch("g1", "t") == {} and g.groups() == [] and g.group_topics("g1") == []
@@ -322,7 +312,6 @@ def test_group_offsets_round_trip(zk, root):
     assert g.fetch("g1", "t") == {"1-0": 6, "1-1": 7, "10-0": 0}
 
 
-@needs_java
 def test_group_membership_assignment_and_ownership(zk_server, zk, root):
     other = KazooClient(zk_server.connect_string)  # the second consumer has its own session
     other.start(15)

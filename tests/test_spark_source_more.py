@@ -3,8 +3,6 @@ byte and minimum read limits, new partitions, Trigger.Once, ZooKeeper group offs
 between runs, and (last, with its own session) a local-cluster master."""
 import datetime
 import json
-import os
-import sys
 import time
 
 import pytest
@@ -13,35 +11,17 @@ from conftest import wait_until
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-
-os.environ["PYSPARK_PYTHON"] = sys.executable
-os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only
+from spark_helpers import fill, reader, run_available_now, spark_builder
 
 
-def _builder(master, app):
-    from pyspark.sql import SparkSession
-    return (SparkSession.builder.master(master).appName(app)
-            .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2"))
 
 
-@pytest.fixture(scope="module")
-def spark():
-    import metaq_spark
-    session = _builder("local[2]", "metaq-tests-more").getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    metaq_spark.register(session)
-    yield session
-    session.stop()
 
 
-def fill(cluster, topic, per_partition, partitions, batch=1000):
-    with cluster.client(Producer) as producer:
-        wait_until(lambda: len(producer.cluster.topic_partitions(topic)) == len(partitions), what=f"{topic}")
-        for p in partitions:
-            values = [b"%s:%d" % (p.encode(), i) for i in range(per_partition)]
-            for i in range(0, per_partition, batch):
-                producer.send_batch(topic, values[i: i + batch], partition=p)
+
+
+
+
 
 
 def send(cluster, topic, partition, values):
@@ -49,23 +29,10 @@ def send(cluster, topic, partition, values):
         producer.send_batch(topic, list(values), partition=partition)
 
 
-def reader(spark, cluster, streaming=False, **options):
-    r = (spark.readStream if streaming else spark.read).format("metaq")
-    r = r.option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root", cluster.zk_root)
-    for k, v in options.items():
-        r = r.option(k, v)
-    return r.load()
 
 
-def run_available_now(df, checkpoint, name=None, path=None):
-    """Run to the end of what is there now into a memory table ``name`` or Parquet files at ``path``
-    (which, unlike memory, restarts from its checkpoint); returns each batch's row count."""
-    w = df.writeStream.option("checkpointLocation", str(checkpoint)).trigger(availableNow=True)
-    w = w.format("memory").queryName(name) if path is None else w.format("parquet").option("path", str(path))
-    q = w.start()
-    q.awaitTermination(180)
-    assert q.exception() is None, q.exception()
-    return [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+
+
 
 
 def end_offsets(q):
@@ -391,7 +358,7 @@ def test_batch_read_on_local_cluster(spark, cluster):
     fill(cluster, "lc", 500, parts)
     spark.stop()  # only one SparkContext per process
     assert SparkSession.getActiveSession() is None
-    session = _builder("local-cluster[2,1,1024]", "metaq-local-cluster").config("spark.executor.memory", "512m") \
+    session = spark_builder("local-cluster[2,1,1024]", "metaq-local-cluster").config("spark.executor.memory", "512m") \
         .getOrCreate()
     try:
         session.sparkContext.setLogLevel("ERROR")

@@ -12,7 +12,6 @@ from kazoo.client import KazooClient
 
 from metaq_broker.zookeeper import LocalZooKeeper, free_port, java_available
 
-pytestmark = pytest.mark.skipif(not java_available(), reason="needs Java")
 
 
 @pytest.fixture(scope="module")

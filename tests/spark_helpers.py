@@ -1,0 +1,45 @@
+"""Helpers shared by the Spark tests: a loopback-only SparkSession with metaq registered, filling topics,
+building readers, and running AvailableNow queries."""
+import os
+import sys
+
+from conftest import wait_until
+from metaq_broker.client.producer import Producer
+
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only
+
+
+def spark_builder(master="local[2]", app="metaq-tests"):
+    from pyspark.sql import SparkSession
+    return (SparkSession.builder.master(master).appName(app)
+            .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+            .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2"))
+
+
+def fill(cluster, topic, per_partition, partitions, batch=1000):
+    with cluster.client(Producer) as producer:
+        wait_until(lambda: len(producer.cluster.topic_partitions(topic)) == len(partitions), what=f"{topic}")
+        for p in partitions:
+            values = [b"%s:%d" % (p.encode(), i) for i in range(per_partition)]
+            for i in range(0, per_partition, batch):
+                producer.send_batch(topic, values[i: i + batch], partition=p)
+
+
+def reader(spark, cluster, streaming=False, **options):
+    r = (spark.readStream if streaming else spark.read).format("metaq")
+    r = r.option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root", cluster.zk_root)
+    for k, v in options.items():
+        r = r.option(k, v)
+    return r.load()
+
+
+def run_available_now(df, checkpoint, name=None, path=None):
+    """Run to the end of what is there now into a memory table ``name`` or Parquet files at ``path``
+    (which, unlike memory, restarts from its checkpoint); returns each batch's row count."""
+    w = df.writeStream.option("checkpointLocation", str(checkpoint)).trigger(availableNow=True)
+    w = w.format("memory").queryName(name) if path is None else w.format("parquet").option("path", str(path))
+    q = w.start()
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    return [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
