@@ -85,7 +85,7 @@ def _padding(n: int) -> int:
 # Encoding
 
 
-def _binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
+def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
     """Normalise a column given as a sequence or an Arrow array to a flat Arrow binary/string array."""
     if values is None:
         if not nullable:
@@ -161,12 +161,12 @@ def encode_body(
 ) -> EncodedBody:
     """Encode a batch body from column data (Python sequences or Arrow arrays); no per-message loop
     in Python for Arrow input. The header (offsets, ids, time) is added at append time."""
-    value_arr = _binary_column(values, "value", nullable=False)
+    value_arr = binary_column(values, "value", nullable=False)
     n = len(value_arr)
     if n == 0:
         raise MessageValueError("a batch needs at least one message")
-    key_arr = _binary_column(keys, "key", nullable=True)
-    attr_arr = _binary_column(attributes, "attribute", nullable=True)
+    key_arr = binary_column(keys, "key", nullable=True)
+    attr_arr = binary_column(attributes, "attribute", nullable=True)
     for name, arr in (("key", key_arr), ("attribute", attr_arr)):
         if arr is not None and len(arr) != n:
             raise MessageValueError(f"{name} column has {len(arr)} entries but value has {n}")
@@ -302,20 +302,6 @@ def check_batch(buf, pos: int = 0) -> BatchHeader:
     if zlib.crc32(memoryview(buf)[pos + HEADER_SIZE: end]) != h.body_crc:
         raise RecordFormatError(f"batch body checksum mismatch at byte {pos}", pos)
     return h
-
-
-def scan_batches(buf, verify: bool = True):
-    """Yield (position, header) for each whole batch in ``buf``; raises on a bad batch.
-
-    One step per batch (not per message); with verify the step also checks both checksums."""
-    pos, size = 0, len(buf)
-    check = check_batch if verify else parse_header
-    while pos < size:
-        h = check(buf, pos)
-        if pos + h.batch_len > size:
-            raise RecordFormatError(f"truncated batch at byte {pos}", pos)
-        yield pos, h
-        pos += h.batch_len
 
 
 def _gather(u8: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ from kazoo.client import KazooClient
 
 from conftest import wait_until
 from metaq_broker import records
+from metaq_broker.errors import InvalidMessageError
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.connection import (PartitionClosedError, RemoteInvalidArgumentError,
                                             RemoteMessageTooLargeError, RemoteOffsetOutOfRangeError,
@@ -126,6 +127,8 @@ def test_every_error_has_its_status_and_a_clear_message(cluster):
             conn.call("Fetch", pb.FetchRequest(topic="t", partition=0, offset=-3))
         with pytest.raises(RemoteOffsetOutOfRangeError, match=r"offset 9 .* valid offsets are 0 .* to 2"):
             consumer.fetch("t", "1-0", 9)
+        with pytest.raises(InvalidMessageError, match="value"):  # checked before anything is sent
+            producer.send_batch("t", [1, 2], partition="1-0")
         with pytest.raises(RemoteMessageTooLargeError, match="1001 bytes.*limit.*1000"):
             producer.send_batch("t", [b"x" * 1001], partition="1-0")
         with pytest.raises(RemoteInvalidArgumentError, match="checksum"):

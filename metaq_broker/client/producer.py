@@ -188,16 +188,10 @@ def _put_result(topic: str, name: str, r) -> PutResult:
 
 
 def _columns(values, keys, attributes, flags) -> list:
-    """Normalise values, keys and attributes to Arrow arrays and flags to numpy (checked on encoding)."""
-    def arr(col, typ):
-        if col is None:
-            return None
-        if isinstance(col, pa.ChunkedArray):
-            return col.combine_chunks()
-        if isinstance(col, pa.Array):
-            return col
-        return pa.array(col, typ)  # str is taken as UTF-8 bytes for binary columns
+    """Values, keys and attributes as checked Arrow arrays (records.binary_column, so bad input is an
+    InvalidMessageError), flags as numpy (checked on encoding)."""
     if isinstance(flags, (pa.Array, pa.ChunkedArray)):
         flags = flags.to_numpy(zero_copy_only=False)
-    return [arr(values, pa.binary()), arr(keys, pa.binary()), arr(attributes, pa.string()),
+    return [records.binary_column(values, "value", nullable=False), records.binary_column(keys, "key", nullable=True),
+            records.binary_column(attributes, "attribute", nullable=True),
             None if flags is None else np.asarray(flags)]
