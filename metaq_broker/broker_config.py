@@ -56,19 +56,19 @@ TOPIC_KEYS: dict = {
     "retentionBytes": ("retention_bytes", _int(-1, 2 ** 62)),
 }
 
-# [system]-only keys: INI name -> (BrokerConfig field, parser, default).
+# [system]-only keys: INI name -> (BrokerConfig field, parser); defaults live in BrokerConfig.
 SYSTEM_KEYS: dict = {
-    "brokerId": ("broker_id", _int(0, 1023), 0),
-    "hostName": ("host_name", _str, "127.0.0.1"),
-    "serverPort": ("server_port", _int(0, 65535), 8123),
-    "dataPath": ("data_path", _str, "metaq-data"),
-    "zk.connect": ("zk_connect", _str, "127.0.0.1:2181"),
-    "zk.root": ("zk_root", _root, "/meta"),
-    "zk.sessionTimeout": ("zk_session_timeout_ms", _int(1000, 600_000), 10_000),
-    "maxTransferSize": ("max_transfer_size", _int(1024, 1 << 30), 8 << 20),
-    "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000), 30_000),
-    "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400), 300),
-    "grpcWorkers": ("grpc_workers", _int(2, 1024), 64),
+    "brokerId": ("broker_id", _int(0, 1023)),
+    "hostName": ("host_name", _str),
+    "serverPort": ("server_port", _int(0, 65535)),
+    "dataPath": ("data_path", _str),
+    "zk.connect": ("zk_connect", _str),
+    "zk.root": ("zk_root", _root),
+    "zk.sessionTimeout": ("zk_session_timeout_ms", _int(1000, 600_000)),
+    "maxTransferSize": ("max_transfer_size", _int(1024, 1 << 30)),
+    "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000)),
+    "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400)),
+    "grpcWorkers": ("grpc_workers", _int(2, 1024)),
 }
 
 
@@ -129,7 +129,7 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
     topic_defaults = {}
     for key, raw in system.items():
         if key in SYSTEM_KEYS:
-            attr, parse, _ = SYSTEM_KEYS[key]
+            attr, parse = SYSTEM_KEYS[key]
             setattr(cfg, attr, parse(f"[system] {key}", raw))
         elif key in TOPIC_KEYS:
             topic_defaults[key] = raw
