@@ -237,16 +237,15 @@ def test_unreachable_zookeeper_is_a_clear_error():
 def test_cluster_view_static_list():
     calls = []
 
-    def lookup(topic):
-        calls.append(topic)
-        return [(2, 1), (1, 0), (2, 0)] if topic == "t" else []
+    def topics():
+        calls.append(1)
+        return {"t": [(2, 1), (1, 0), (2, 0)], "a": [(1, 1), (1, 0)]}
 
-    view = ClusterView(brokers={1: "h1:1", 2: "h2:2"}, static_topic_lookup=lookup)
+    view = ClusterView(brokers={1: "h1:1", 2: "h2:2"}, static_topics=topics)
     assert view.brokers() == {1: "h1:1", 2: "h2:2"} and view.zk is None
     assert view.topic_partitions("t") == [(1, 0), (2, 0), (2, 1)] and view.topic_partitions("x") == []
-    assert view.topics() == [] and calls == ["t", "x"]
-    view = ClusterView(brokers={1: "h1:1"}, static_topics=lambda: {"a": [(1, 1), (1, 0)]})
-    assert view.topics() == ["a"] and view.topic_partitions("a") == [(1, 0), (1, 1)]
+    assert view.topics() == ["a", "t"] and view.topic_partitions("a") == [(1, 0), (1, 1)]
+    assert len(calls) == 1  # the map is reused for a while, not asked for on every lookup
     with pytest.raises(ValueError, match="exactly one"):
         ClusterView()
 

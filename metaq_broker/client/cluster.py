@@ -8,7 +8,7 @@ asked about, a ChildrenWatch on ``topics-pub/<topic>`` plus a DataWatch per ``<b
 whose broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
 
 Without ZooKeeper (a static broker list) the caller supplies how to learn topics (the gRPC client
-asks the brokers), through ``static_topic_lookup`` (topic → pairs) or ``static_topics`` (→ a map).
+asks the brokers) through ``static_topics``, a callable returning {topic: [(brokerId, n)]}.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ _TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
 
 class ClusterView:
     def __init__(self, zk_connect: Optional[str] = None, root: str = "/meta", brokers: Optional[dict] = None,
-                 static_topic_lookup: Optional[Callable[[str], list]] = None,
                  static_topics: Optional[Callable[[], dict]] = None, timeout: float = 15.0):
         if (zk_connect is None) == (brokers is None):
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
@@ -41,7 +40,6 @@ class ClusterView:
         self.paths = ZkPaths(root)
         self.zk = None
         self._static = {int(b): str(a) for b, a in (brokers or {}).items()}
-        self._static_lookup = static_topic_lookup
         self._static_topics = static_topics
         self._static_cache: tuple = (float("-inf"), {})
         self._lock = threading.RLock()
@@ -74,8 +72,7 @@ class ClusterView:
             return dict(self._brokers)
 
     def topics(self) -> list:
-        """Names of the topics any broker has registered (static: as ``static_topics`` reports;
-        with only ``static_topic_lookup`` there is no way to list them, so [])."""
+        """Names of the topics any broker has registered (static: as ``static_topics`` reports)."""
         if self.zk is None:
             return sorted(self._static_map()) if self._static_topics else []
         with self._lock:
@@ -84,8 +81,6 @@ class ClusterView:
     def topic_partitions(self, topic: str) -> list:
         """Sorted (brokerId, partition number) pairs of ``topic`` on live brokers; [] if unknown."""
         if self.zk is None:
-            if self._static_lookup is not None:
-                return sorted((int(b), int(n)) for b, n in self._static_lookup(topic))
             return sorted(self._static_map().get(topic, [])) if self._static_topics else []
         self.paths.topic_pub(topic)  # ValueError for a name that cannot be a topic
         self._want(topic)
