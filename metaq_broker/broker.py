@@ -36,6 +36,8 @@ class Broker:
     def __init__(self, config: BrokerConfig):
         self.config = config
         self.port: Optional[int] = None
+        self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
+        self.stats, self.metrics = BrokerStats(), None
         self.store = self.server = self.registration = None
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
@@ -60,8 +62,12 @@ class Broker:
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
                                   retention_interval=cfg.retention_check_interval_s)
         try:
+            if cfg.metrics_port >= 0:
+                from .metrics import BrokerMetrics
+                self.metrics = BrokerMetrics(self)
             service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
-                                    self.create_topic, BrokerStats())
+                                    self.create_topic, self.stats,
+                                    observe=self.metrics.observe_rpc if self.metrics else None)
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -73,6 +79,8 @@ class Broker:
                 self.port = self.server.add_insecure_port(f"{cfg.host_name}:{cfg.server_port}")
             except RuntimeError as e:
                 raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
+            if self.metrics is not None:
+                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
             self.server.start()
             if self.uses_zookeeper:
                 from .registry import BrokerRegistration
@@ -105,6 +113,8 @@ class Broker:
     def _shutdown_local(self, grace: float) -> None:
         if self.server is not None:
             self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
+        if self.metrics is not None:
+            self.metrics.stop()  # before the store closes: scrapes read it
         if self.store is not None:
             self.store.close()  # fsyncs every partition
 

@@ -61,6 +61,7 @@ SYSTEM_KEYS: dict = {
     "brokerId": ("broker_id", _int(0, 1023)),
     "hostName": ("host_name", _str),
     "serverPort": ("server_port", _int(0, 65535)),
+    "metricsPort": ("metrics_port", _int(-1, 65535)),
     "dataPath": ("data_path", _str),
     "zk.connect": ("zk_connect", _str),
     "zk.root": ("zk_root", _root),
@@ -77,6 +78,7 @@ class BrokerConfig:
     broker_id: int = 0
     host_name: str = "127.0.0.1"
     server_port: int = 8123
+    metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
     data_path: str = "metaq-data"
     zk_connect: str = "127.0.0.1:2181"
     zk_root: str = "/meta"

@@ -47,9 +47,11 @@ def _status(exc: BaseException) -> grpc.StatusCode:
 
 
 def rpc(method):
-    """Run a handler; turn a metaq error into a status with its message, log anything unexpected."""
+    """Run a handler; turn a metaq error into a status with its message, log anything unexpected; report
+    its duration to ``self.observe`` (the metrics' latency histogram) when metrics are on."""
     @functools.wraps(method)
     def handler(self, request, context):
+        start = time.perf_counter()
         try:
             return method(self, request, context)
         except (MetaqError, records.RecordFormatError) as e:
@@ -57,18 +59,22 @@ def rpc(method):
         except Exception as e:  # noqa: BLE001 - a bad request must never take the broker down
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(e).__name__}: {e}")
+        finally:
+            if self.observe is not None:
+                self.observe(method.__name__, time.perf_counter() - start)
     return handler
 
 
 class BrokerService(pb_grpc.BrokerServicer):
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
-                 create_topic, stats: BrokerStats):
+                 create_topic, stats: BrokerStats, observe=None):
         self.store = store
         self.broker_id = broker_id
         self.max_transfer_size = max_transfer_size
         self.max_fetch_wait_ms = max_fetch_wait_ms
         self._create_topic = create_topic  # the broker persists and registers new topics
         self.stats = stats
+        self.observe = observe  # (method name, seconds) -> None, or None without metrics
         self._closed = set()  # (topic, partition) closed by an operator
         self._closed_lock = threading.Lock()
         self._round_robin = itertools.count()

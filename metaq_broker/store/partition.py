@@ -105,6 +105,7 @@ class PartitionLog:
         self._durable_offset = self._next_offset
         self._unflushed = 0
         self._last_flush = clock()
+        self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
         last_id = _last_msg_id(segments)
         if last_id is not None:
             self._ids.observe(last_id)
@@ -187,9 +188,15 @@ class PartitionLog:
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
         return new
 
+    def _fsync(self, seg: Segment) -> None:
+        """``seg.fsync()``, counted and timed for the broker's metrics."""
+        t = time.perf_counter()
+        seg.fsync()
+        self.fsync_count, self.fsync_seconds = self.fsync_count + 1, self.fsync_seconds + time.perf_counter() - t
+
     def _fsync_active_locked(self) -> None:
         try:
-            self._segments[-1].fsync()
+            self._fsync(self._segments[-1])
         except OSError as e:
             self._failed = e
             raise
@@ -215,7 +222,7 @@ class PartitionLog:
                 try:
                     with self._write_lock:
                         target, seg = self._next_offset, self._segments[-1]
-                    seg.fsync()  # earlier segments were fsynced when they were sealed
+                    self._fsync(seg)  # earlier segments were fsynced when they were sealed
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter below
                     error = e
                 finally:

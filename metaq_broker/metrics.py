@@ -1,0 +1,156 @@
+"""Prometheus metrics of one broker, served over HTTP on ``metricsPort`` (docs/metrics.md lists them).
+
+Each broker has its own registry, so several brokers in one process (tests, benchmarks) never mix their
+numbers. Apart from the RPC latency histogram, which the service feeds, nothing is counted on the hot
+paths: a collector reads what the broker already keeps (``BrokerStats``, the partitions, the ZooKeeper
+client) when Prometheus scrapes."""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import __version__
+from .errors import ConfigError, MetaqError
+
+log = logging.getLogger(__name__)
+
+# Fetch latencies include long-poll waits (up to maxFetchWait), hence the long tail of buckets.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ZK_STATES = ("connected", "suspended", "lost", "connecting", "disabled")
+PARTITION = ["topic", "partition"]
+
+# metric (without _total) -> (PartitionCounters field of stats.py, help)
+STATS_COUNTERS = {
+    "metaq_messages_in": ("put_messages", "Messages appended"),
+    "metaq_bytes_in": ("put_bytes", "Batch body bytes appended (as sent by producers)"),
+    "metaq_put_requests": ("puts", "Put calls that stored a batch"),
+    "metaq_put_failures": ("put_failures", "Put calls refused or failed"),
+    "metaq_messages_out": ("get_messages", "Messages fetched"),
+    "metaq_bytes_out": ("get_bytes", "Stored batch bytes sent by fetches"),
+    "metaq_fetch_requests": ("gets", "Fetch calls answered, empty ones included"),
+    "metaq_fetch_misses": ("get_misses", "Fetch calls that found no new message"),
+    "metaq_fetch_failures": ("get_failures", "Fetch calls refused or failed"),
+}
+
+
+class BrokerMetrics:
+    """The registry, RPC latency histogram and HTTP endpoint of one ``Broker``."""
+
+    def __init__(self, broker):
+        self.registry = CollectorRegistry()
+        self.rpc_latency = Histogram("metaq_rpc_latency_seconds", "Time to serve a gRPC call, by method",
+                                     ["method"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self._latency = {}  # method -> histogram child: .labels() takes a lock, a dict lookup does not
+        self.registry.register(BrokerCollector(broker))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.server = self.thread = None
+        self.port = None
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        child = self._latency.get(method)
+        if child is None:
+            child = self._latency.setdefault(method, self.rpc_latency.labels(method))
+        child.observe(seconds)
+
+    def start(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on host:port (0: any free port); returns the port."""
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise ConfigError(f"metricsPort: cannot listen on {host}:{port}: {e}") from None
+        self.port = self.server.server_port
+        log.info("Prometheus metrics at http://%s:%d/metrics", host, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket, so the port is free when this returns."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self.thread.join()
+
+
+class BrokerCollector:
+    """Reads a broker's state at scrape time. ``Broker.open_transactions`` (optional, absent until
+    transactions exist) may be a callable or value: a mapping state -> count, or a plain count."""
+
+    def __init__(self, broker):
+        self.broker = broker
+
+    def collect(self):
+        b = self.broker
+        bid = b.config.broker_id
+        info = GaugeMetricFamily("metaq_broker_info", "Broker id and version (value 1)",
+                                 labels=["broker_id", "version"])
+        info.add_metric([str(bid), __version__], 1)
+        yield info
+        yield GaugeMetricFamily("metaq_uptime_seconds", "Seconds since the broker started", value=b.stats.uptime())
+        yield from self._partitions(b, bid)
+        yield from self._zookeeper(b)
+        txn = GaugeMetricFamily("metaq_open_transactions", "Open transactions, by state", labels=["state"])
+        value = getattr(b, "open_transactions", None)
+        value = value() if callable(value) else value or 0
+        for state, n in (value.items() if isinstance(value, Mapping) else [("open", value)]):
+            txn.add_metric([str(state)], n)
+        yield txn
+
+    @staticmethod
+    def _partitions(b, bid):
+        store = b.store
+        counters = {name: CounterMetricFamily(name, help_, labels=PARTITION)
+                    for name, (_, help_) in STATS_COUNTERS.items()}
+        gauges = {
+            "segments": GaugeMetricFamily("metaq_segments", "Segment files", labels=PARTITION),
+            "disk": GaugeMetricFamily("metaq_disk_bytes", "Bytes in segment files (indexes not counted)",
+                                      labels=PARTITION),
+            "earliest": GaugeMetricFamily("metaq_earliest_offset", "First offset still stored", labels=PARTITION),
+            "latest": GaugeMetricFamily("metaq_latest_offset", "Next offset to be written (log end)",
+                                        labels=PARTITION),
+        }
+        fsyncs = CounterMetricFamily("metaq_fsyncs", "fsyncs that made appends durable", labels=PARTITION)
+        fsync_s = CounterMetricFamily("metaq_fsync_seconds", "Time spent in those fsyncs", labels=PARTITION)
+        stats = {(s.topic, s.partition): s for s in b.stats.snapshot()}
+        for topic in store.topics():
+            try:
+                parts = store.partitions(topic)
+            except MetaqError:  # created this very moment: its partitions are still opening
+                continue
+            for p in parts:
+                labels = [topic, f"{bid}-{p.partition}"]
+                s = stats.get(tuple(labels))
+                for name, (field, _) in STATS_COUNTERS.items():
+                    counters[name].add_metric(labels, getattr(s, field) if s is not None else 0)
+                gauges["segments"].add_metric(labels, len(p.segments()))
+                gauges["disk"].add_metric(labels, p.size_bytes)
+                gauges["earliest"].add_metric(labels, p.earliest_offset)
+                gauges["latest"].add_metric(labels, p.latest_offset)
+                fsyncs.add_metric(labels, p.fsync_count)
+                fsync_s.add_metric(labels, p.fsync_seconds)
+        yield from counters.values()
+        yield from gauges.values()
+        yield fsyncs
+        yield fsync_s
+
+    @staticmethod
+    def _zookeeper(b):
+        reg = b.registration
+        if not b.uses_zookeeper:
+            state = "disabled"
+        elif reg is None:
+            state = "connecting"  # before the first session
+        else:
+            state = str(reg.client.state).lower()  # KazooState: CONNECTED, SUSPENDED, LOST
+        yield GaugeMetricFamily("metaq_zookeeper_connected", "1 while the ZooKeeper session is connected",
+                                value=int(state == "connected"))
+        states = GaugeMetricFamily("metaq_zookeeper_state", "ZooKeeper session state (1 for the current one)",
+                                   labels=["state"])
+        for s in ZK_STATES:
+            states.add_metric([s], int(s == state))
+        yield states
+        yield CounterMetricFamily("metaq_zookeeper_registrations", "Times the broker (re-)registered in ZooKeeper",
+                                  value=reg.registrations if reg is not None else 0)
