@@ -1,11 +1,14 @@
 """Spark 4 Python Data Source for metaq: ``metaq_spark.register(spark)``, then
 ``spark.readStream.format("metaq")`` / ``spark.read.format("metaq")``."""
+from .group_commit import install as _install_group_commit
 from .source import MetaqDataSource
 
 
 def register(spark) -> None:
-    """Register the ``metaq`` format with a SparkSession (once per session)."""
+    """Register the ``metaq`` format with a SparkSession, and the listener that records each committed
+    batch's offsets for the consumer group in ZooKeeper. Calling it again is harmless."""
     spark.dataSource.register(MetaqDataSource)
+    _install_group_commit(spark)
 
 
 __all__ = ["MetaqDataSource", "register"]

@@ -22,6 +22,7 @@ from metaq_broker.client.connection import TRANSIENT, ConnectionPool, RemoteOffs
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zkpaths import parse_partition_name
 
+from .group_commit import RECORDER, mark, unmark
 from .options import EARLIEST, LATEST, OptionError, SourceOptions, parse
 
 log = logging.getLogger(__name__)
@@ -325,8 +326,12 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         self._last_trigger = time.monotonic()
         self._latest: Optional[dict] = None
 
+    def _mark(self, offsets: dict) -> dict:
+        return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
+                    self.opts.group if self.opts.commit_offsets else None)
+
     def initialOffset(self) -> dict:
-        return resolve_start(self.opts, self.planner)
+        return self._mark(resolve_start(self.opts, self.planner))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_offsets is not None:
@@ -341,6 +346,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         self._available_now = {t: {p: r[1] for p, r in ps.items()} for t, ps in self.planner.ranges().items()}
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        start = unmark(start)
         ranges = self.planner.ranges()
         self._latest = _sorted({t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()})
         full_start = {t: dict(ps) for t, ps in start.items()}
@@ -362,7 +368,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
             target = self._limit(full_start, target, limit)
         if target != full_start:
             self._last_trigger = time.monotonic()
-        return _sorted(target)
+        return self._mark(_sorted(target))
 
     def _limit(self, start: dict, target: dict, limit: ReadLimit) -> dict:
         waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
@@ -409,26 +415,16 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         return self._latest
 
     def partitions(self, start: dict, end: dict):
-        return plan_partitions(self.opts, self.planner, start, end)
+        return plan_partitions(self.opts, self.planner, unmark(start), unmark(end))
 
     def read(self, partition):
         return read_partition(partition)
 
     def commit(self, end: dict) -> None:
-        """Record the committed batch's end offsets as the group's offsets in ZooKeeper. Retried; a
-        failure is logged and never fails or stalls the stream."""
-        if not self.opts.commit_offsets:
-            return
-        for topic, parts in end.items():
-            for attempt in range(3):
-                try:
-                    self.planner.consumer.commit(topic, parts)
-                    break
-                except Exception as e:  # noqa: BLE001 - reported, never fatal
-                    if attempt == 2:
-                        log.warning("could not record offsets of %s for group %s in ZooKeeper: %s",
-                                    topic, self.opts.group, e)
-                    time.sleep(0.2 * (attempt + 1))
+        """Record the batch's end offsets for the group (Spark calls this one batch late; the listener
+        of ``group_commit`` records the last batch too). Never fails or stalls the stream."""
+        if self.opts.commit_offsets:
+            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self.opts.group, unmark(end))
 
     def stop(self) -> None:
         if self._planner is not None:

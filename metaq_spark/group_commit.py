@@ -1,0 +1,152 @@
+"""Consumer-group offsets in ZooKeeper that follow Spark's commit log, the last batch included.
+
+Spark calls a Python source's ``commit(end)`` for batch N only when it plans batch N+1, so offsets
+written from ``commit`` alone trail the checkpoint by a batch (an AvailableNow run never records its
+last batch; an idle stream shows a lag that is not there). A ``StreamingQueryListener`` sees
+``onQueryProgress`` after the batch's commit-log entry is written, so it records exactly the committed
+batches: never one that failed or was not logged.
+
+The listener runs in the driver's Python process, not in the process that holds the source, so it
+cannot see the source's options. Each offset the source hands Spark therefore carries a small marker
+(``"@metaq": {"zk", "root", "group"}``; no topic can be named ``@metaq``) that says where and for which
+group to record it. A query with ``commitOffsets=false`` carries no marker and is never recorded."""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+from typing import Optional
+
+from pyspark.sql.streaming import StreamingQueryListener
+
+log = logging.getLogger(__name__)
+
+MARKER = "@metaq"
+ATTEMPTS = 5
+
+
+def mark(offsets: dict, zk_connect: str, zk_root: str, group: Optional[str]) -> dict:
+    """``offsets`` with the recording marker first (``group`` None: no marker, nothing is recorded)."""
+    if group is None:
+        return offsets
+    return {MARKER: {"group": group, "root": zk_root, "zk": zk_connect}, **offsets}
+
+
+def unmark(offsets: Optional[dict]) -> Optional[dict]:
+    """The topic offsets alone."""
+    if offsets is None or MARKER not in offsets:
+        return offsets
+    return {t: ps for t, ps in offsets.items() if t != MARKER}
+
+
+class _Recorder:
+    """One kazoo client per ZooKeeper ensemble, shared by every query of this process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stores: dict = {}
+
+    def _store(self, zk_connect: str, root: str):
+        from kazoo.client import KazooClient
+        from kazoo.retry import KazooRetry
+
+        from metaq_broker.client.group_offsets import GroupStore
+        from metaq_broker.registry import start_client
+        with self._lock:
+            store = self._stores.get((zk_connect, root))
+            if store is None:
+                # Bounded reconnects: a client whose ZooKeeper went away is dropped and made anew at the
+                # next write, rather than retrying (and logging) forever in the driver.
+                client = KazooClient(hosts=zk_connect, timeout=10.0,
+                                     connection_retry=KazooRetry(max_tries=3, max_delay=1.0),
+                                     command_retry=KazooRetry(max_tries=3, max_delay=1.0))
+                start_client(client, zk_connect, 10.0)
+                store = self._stores[(zk_connect, root)] = GroupStore(client, root)
+            return store
+
+    def _forget(self, zk_connect: str, root: str) -> None:
+        with self._lock:
+            store = self._stores.pop((zk_connect, root), None)
+        if store is not None:
+            store.zk.stop()
+            store.zk.close()
+
+    def record(self, zk_connect: str, root: str, group: str, offsets: dict) -> bool:
+        """Write ``{topic: {partition: offset}}`` for ``group``; retried, and a failure is logged, never
+        raised: ZooKeeper being away must not fail or stall a stream."""
+        for attempt in range(ATTEMPTS):
+            try:
+                store = self._store(zk_connect, root)
+                for topic, parts in offsets.items():
+                    store.commit(group, topic, {p: int(o) for p, o in parts.items()})
+                return True
+            except Exception as e:  # noqa: BLE001 - reported, never fatal
+                self._forget(zk_connect, root)
+                if attempt == ATTEMPTS - 1:
+                    log.warning("could not record offsets of group %s in ZooKeeper %s%s: %s",
+                                group, zk_connect, root, e)
+                    return False
+                time.sleep(0.2 * 2 ** attempt)
+        return False
+
+    def close(self) -> None:
+        for zk_connect, root in list(self._stores):
+            self._forget(zk_connect, root)
+
+
+RECORDER = _Recorder()
+atexit.register(RECORDER.close)
+
+
+def record_marked(offsets_json: Optional[str]) -> bool:
+    """Record a source's end offsets as Spark reports them (JSON); False if they carry no marker."""
+    if not offsets_json:
+        return False
+    try:
+        offsets = json.loads(offsets_json)
+    except ValueError:
+        return False
+    meta = offsets.get(MARKER) if isinstance(offsets, dict) else None
+    if not isinstance(meta, dict):
+        return False
+    return RECORDER.record(meta["zk"], meta["root"], meta["group"], unmark(offsets))
+
+
+class GroupCommitListener(StreamingQueryListener):
+    """Records every metaq source's end offsets once Spark has logged the batch as committed. Events
+    arrive in order on Spark's listener bus, so the recorded offsets only move forward."""
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        for source in event.progress.sources:
+            record_marked(source.endOffset)
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        pass
+
+
+def install(spark) -> None:
+    """Add the listener to ``spark`` once, and before the process exits let Spark deliver the progress
+    events it still holds (an AvailableNow script that ends right after its query must not lose the
+    last batch's offsets)."""
+    if getattr(spark, "_metaq_group_commit", None) is not None:
+        return
+    listener = GroupCommitListener()
+    spark.streams.addListener(listener)
+    spark._metaq_group_commit = listener
+    atexit.register(_drain, spark)
+
+
+def _drain(spark, timeout_ms: int = 10_000) -> None:
+    """Wait until Spark's listener bus is empty (classic sessions; a no-op elsewhere)."""
+    try:
+        spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty(timeout_ms)
+    except Exception:  # noqa: BLE001 - the session may be stopped already; nothing left to deliver then
+        pass
