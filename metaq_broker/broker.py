@@ -20,6 +20,8 @@ from .proto import metaq_pb2_grpc as pb_grpc
 from .service import BrokerService
 from .stats import BrokerStats
 from .store import MessageStore, validate_topic_name
+from .store.transactions import TransactionManager
+from .txn_resolver import TransactionResolver
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Broker:
         self.port: Optional[int] = None
         self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
         self.stats, self.metrics = BrokerStats(), None
-        self.store = self.server = self.registration = None
+        self.store = self.server = self.registration = self.transactions = self.resolver = None
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
         self._stop_lock = threading.Lock()
@@ -62,18 +64,22 @@ class Broker:
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
                                   retention_interval=cfg.retention_check_interval_s)
         try:
+            self.transactions = TransactionManager(self.store, data / "transactions",
+                                                   cfg.transaction_timeout_ms / 1000)
             if cfg.metrics_port >= 0:
                 from .metrics import BrokerMetrics
                 self.metrics = BrokerMetrics(self)
             service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
                                     self.create_topic, self.stats,
-                                    observe=self.metrics.observe_rpc if self.metrics else None)
+                                    observe=self.metrics.observe_rpc if self.metrics else None,
+                                    transactions=self.transactions)
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                          ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
+            self.server.add_generic_rpc_handlers((service.raw_handler(),))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
                 self.port = self.server.add_insecure_port(f"{cfg.host_name}:{cfg.server_port}")
@@ -90,6 +96,8 @@ class Broker:
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000)
                 self.registration.start()
+            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._zk_if_connected,
+                                                cfg.transaction_timeout_ms / 1000).start()
         except BaseException:
             self._shutdown_local(grace=0)
             raise
@@ -110,9 +118,21 @@ class Broker:
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
 
+    def open_transactions(self) -> dict:
+        """Transactions by state (open, prepared, committing), for the metrics."""
+        return self.transactions.counts() if self.transactions is not None else {}
+
+    def _zk_if_connected(self):
+        r = self.registration
+        return r.client if r is not None and r.connected else None
+
     def _shutdown_local(self, grace: float) -> None:
         if self.server is not None:
             self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
+        if self.resolver is not None:
+            self.resolver.stop()
+        if self.transactions is not None:
+            self.transactions.close()
         if self.metrics is not None:
             self.metrics.stop()  # before the store closes: scrapes read it
         if self.store is not None:

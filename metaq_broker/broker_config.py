@@ -70,6 +70,7 @@ SYSTEM_KEYS: dict = {
     "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000)),
     "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400)),
     "grpcWorkers": ("grpc_workers", _int(2, 1024)),
+    "transactionTimeout": ("transaction_timeout_ms", _int(100, 86_400_000)),
 }
 
 
@@ -87,6 +88,7 @@ class BrokerConfig:
     max_fetch_wait_ms: int = 30_000
     retention_check_interval_s: int = 300
     grpc_workers: int = 64
+    transaction_timeout_ms: int = 60_000  # open: rolled back after this; prepared in-doubt: abort recorded after
     topic_defaults: TopicConfig = field(default_factory=TopicConfig)
     topics: dict = field(default_factory=dict)  # name -> TopicConfig
     source: Optional[str] = None

@@ -54,3 +54,11 @@ class CorruptLogError(MetaqError):
 
 class StoreClosedError(MetaqError):
     """The store or partition was closed."""
+
+
+class TransactionError(MetaqError):
+    """A transaction request that cannot be honoured (bad xid, wrong state)."""
+
+
+class UnknownTransactionError(TransactionError):
+    """No open or prepared transaction has this xid, and none finished under it recently."""

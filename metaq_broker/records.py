@@ -5,21 +5,23 @@ columns, then each variable-width column's bytes back to back). The same bytes a
 files and sent to consumers, so the broker never re-encodes, and a consumer turns any run of batches
 into Arrow arrays with numpy and Arrow kernels instead of a Python loop per message: the only Python
 loop is one step per batch, to check its checksums. docs/storage-format.md gives the layout byte by byte.
+
+Every checksum is CRC-32C and goes through ``crc``.
 """
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import google_crc32c
 import numpy as np
 import pyarrow as pa
 
 from .errors import InvalidMessageError
 
 MAGIC = 0x4D51  # u16 at byte 8, stored little-endian: the bytes 51 4D
-VERSION = 1
+VERSION = 2  # 1 used CRC-32 (zlib); 2 uses CRC-32C
 HEADER = struct.Struct("<IIHBBIqqqII")
 HEADER_SIZE = HEADER.size  # 48
 assert HEADER_SIZE == 48
@@ -70,11 +72,24 @@ class BatchHeader:
     base_msg_id: int
     timestamp: int
     body_crc: int
-    reserved: int
+    txn: int  # broker transaction number that committed the batch; 0: a plain append
 
     @property
     def next_offset(self) -> int:
         return self.base_offset + self.count
+
+
+_crc32c_extend = google_crc32c.extend
+
+
+def crc(data, value: int = 0) -> int:
+    """CRC-32C (Castagnoli, as in Kafka's record batch v2) of ``data``, continuing from ``value``: the one
+    checksum of the format. google-crc32c uses the CPU's CRC instruction, about 5x zlib.crc32, and every
+    consumer checks every body."""
+    try:
+        return _crc32c_extend(value, data)
+    except TypeError:  # its C function takes bytes and numpy arrays, not memoryviews: view those with numpy
+        return _crc32c_extend(value, np.frombuffer(data, np.uint8))
 
 
 def _padding(n: int) -> int:
@@ -218,10 +233,10 @@ def encode_body(
         size += pad
     if HEADER_SIZE + size > MAX_BATCH_BYTES:
         raise MessageValueError(f"batch of {n} messages encodes to {HEADER_SIZE + size} bytes; the limit is {MAX_BATCH_BYTES}")
-    crc = 0
+    body_crc = 0
     for p in parts:
-        crc = zlib.crc32(p, crc)
-    return EncodedBody(n, attr_bits, parts, size, crc, sizes.astype(np.uint32), max_message_size)
+        body_crc = crc(p, body_crc)
+    return EncodedBody(n, attr_bits, parts, size, body_crc, sizes.astype(np.uint32), max_message_size)
 
 
 def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
@@ -234,7 +249,7 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
         raise RecordFormatError(f"unknown batch attributes {attributes:#x}", 0)
     if len(body) % ALIGN or HEADER_SIZE + len(body) > MAX_BATCH_BYTES:
         raise RecordFormatError(f"batch body of {len(body)} bytes is not a multiple of {ALIGN} or too large", 0)
-    if zlib.crc32(body) != body_crc:
+    if crc(body) != body_crc:
         raise RecordFormatError("batch body checksum mismatch (damaged in transit?)", 0)
     ncols = 2 + bool(attributes & HAS_KEYS) + bool(attributes & HAS_ATTRIBUTES)
     fixed = 4 * ncols * count
@@ -263,11 +278,11 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
                        int(data.sum(axis=0).max()))
 
 
-def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int) -> bytes:
+def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int, txn: int = 0) -> bytes:
     batch_len = HEADER_SIZE + body.size
     tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes, body.count, base_offset,
-                       base_msg_id, timestamp_ms, body.crc, 0)
-    header_crc = zlib.crc32(memoryview(tail)[8:])
+                       base_msg_id, timestamp_ms, body.crc, txn)
+    header_crc = crc(tail[8:])
     return struct.pack("<II", batch_len, header_crc) + tail[8:]
 
 
@@ -280,12 +295,14 @@ def parse_header(buf, pos: int = 0) -> BatchHeader:
     if len(buf) - pos < HEADER_SIZE:
         raise RecordFormatError(f"truncated batch header at byte {pos}: {len(buf) - pos} of {HEADER_SIZE} bytes", pos)
     h = BatchHeader(*HEADER.unpack_from(buf, pos))
-    crc = zlib.crc32(memoryview(buf)[pos + 8: pos + HEADER_SIZE])
-    if crc != h.header_crc:
+    if h.magic == MAGIC and h.version == 1:  # checked before the checksum, which version 1 computed otherwise
+        raise RecordFormatError(f"batch at byte {pos} is in format version 1 (CRC-32 checksums), written by an "
+                                f"older metaq; this version reads only version {VERSION} (CRC-32C)", pos)
+    if crc(memoryview(buf)[pos + 8: pos + HEADER_SIZE]) != h.header_crc:
         raise RecordFormatError(f"batch header checksum mismatch at byte {pos}", pos)
     if h.magic != MAGIC or h.version != VERSION:
         raise RecordFormatError(f"unknown batch magic/version {h.magic:#x}/{h.version} at byte {pos}", pos)
-    if h.attributes & ~KNOWN_ATTRIBUTE_BITS or h.reserved:
+    if h.attributes & ~KNOWN_ATTRIBUTE_BITS:
         raise RecordFormatError(f"unknown batch attributes {h.attributes:#x} at byte {pos}", pos)
     ncols = 2 + bool(h.attributes & HAS_KEYS) + bool(h.attributes & HAS_ATTRIBUTES)
     if h.count < 1 or h.batch_len < HEADER_SIZE + 4 * ncols * h.count or h.batch_len % ALIGN:
@@ -299,50 +316,30 @@ def check_batch(buf, pos: int = 0) -> BatchHeader:
     end = pos + h.batch_len
     if end > len(buf):
         raise RecordFormatError(f"truncated batch at byte {pos}: needs {h.batch_len} bytes, {len(buf) - pos} present", pos)
-    if zlib.crc32(memoryview(buf)[pos + HEADER_SIZE: end]) != h.body_crc:
+    if crc(memoryview(buf)[pos + HEADER_SIZE: end]) != h.body_crc:
         raise RecordFormatError(f"batch body checksum mismatch at byte {pos}", pos)
     return h
 
 
-def _gather(u8: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate byte ranges of ``u8``: a view for one range, a memcpy per range for large ranges,
-    one vectorised gather for many small ones."""
+def _gather(arr: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ranges of ``arr``: a view for one range, a memcpy per range for large ranges, one
+    vectorised gather for many small ones."""
     if len(starts) == 1:
         s = int(starts[0])
-        return u8[s: s + int(lengths[0])]
+        return arr[s: s + int(lengths[0])]
     total = int(lengths.sum())
     if total == 0:
-        return np.empty(0, dtype=np.uint8)
+        return arr[:0].copy()
     if total >= 256 * len(starts):
-        return np.concatenate([u8[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
+        return np.concatenate([arr[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
     out_starts = np.cumsum(lengths) - lengths
     idx = np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
-    return u8[idx]
-
-
-def _var_column(u8, typ, lengths, batch_data_start, batch_of, within_starts, valid):
-    """Build an Arrow binary/string column from per-message lengths and per-batch data regions."""
-    n = len(lengths)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > MAX_BATCH_BYTES:
-        raise RecordFormatError("decoded column exceeds 2 GiB; fetch a smaller range", 0)
-    # Each batch's bytes for this column are contiguous, so gather one range per batch.
-    first_in_batch = np.flatnonzero(np.r_[True, batch_of[1:] != batch_of[:-1]])
-    region_len = np.add.reduceat(lengths, first_in_batch) if n else np.empty(0, np.int64)
-    data = _gather(u8, batch_data_start[batch_of[first_in_batch]] + within_starts[first_in_batch], region_len)
-    validity = None
-    null_count = 0
-    if valid is not None and not valid.all():
-        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
-        null_count = int(n - valid.sum())
-    return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)],
-                                 null_count=null_count)
+    return arr[idx]
 
 
 _HEADER_DTYPE = np.dtype([("batch_len", "<u4"), ("header_crc", "<u4"), ("magic", "<u2"), ("version", "u1"),
                           ("attributes", "u1"), ("count", "<u4"), ("base_offset", "<i8"), ("base_msg_id", "<i8"),
-                          ("timestamp", "<i8"), ("body_crc", "<u4"), ("reserved", "<u4")])
+                          ("timestamp", "<i8"), ("body_crc", "<u4"), ("txn", "<u4")])
 assert _HEADER_DTYPE.itemsize == HEADER_SIZE
 
 
@@ -351,10 +348,11 @@ def empty_batch() -> pa.RecordBatch:
 
 
 class _Layout:
-    """Where every message's fields sit in a buffer of whole batches, computed with numpy."""
+    """Where every message's fields sit in a buffer of whole batches. Within a batch each column (fixed
+    or variable width) is one contiguous run, so a column is gathered as one range per batch: a view of
+    the buffer when there is one batch, one memcpy per batch when batches are large."""
 
     def __init__(self, u8: np.ndarray, positions: np.ndarray):
-        k = len(positions)
         self.u8, self.positions = u8, positions
         self.h = h = u8[positions[:, None] + np.arange(HEADER_SIZE)].reshape(-1).view(_HEADER_DTYPE)
         self.counts = counts = h["count"].astype(np.int64)
@@ -362,73 +360,93 @@ class _Layout:
         has_attrs = (h["attributes"] & HAS_ATTRIBUTES) != 0
         self.ncols = ncols = 2 + has_keys.astype(np.int64) + has_attrs.astype(np.int64)
         bad = ((h["magic"] != MAGIC) | (h["version"] != VERSION) | ((h["attributes"] & np.uint8(0xFF ^ KNOWN_ATTRIBUTE_BITS)) != 0)
-               | (h["reserved"] != 0) | (counts < 1) | (h["batch_len"] % ALIGN != 0)
+               | (counts < 1) | (h["batch_len"] % ALIGN != 0)
                | (h["batch_len"] < HEADER_SIZE + 4 * ncols * counts))
         if bad.any():
             parse_header(u8, int(positions[np.argmax(bad)]))  # raises, naming the field
         self.n = n = int(counts.sum())
-        self.batch_of = batch_of = np.repeat(np.arange(k), counts)
         self.first_msg = first_msg = np.cumsum(counts) - counts
-        self.within = within = np.arange(n, dtype=np.int64) - first_msg[batch_of]
 
         # Batches start 8-aligned and columns are 4-byte ints, so one int32 view reads every column.
         i32 = u8[: len(u8) - len(u8) % 4].view("<i4")
-        col_start = positions + HEADER_SIZE
+        col_start = (positions + HEADER_SIZE) // 4
 
-        def fixed_col(col_no: np.ndarray, present: Optional[np.ndarray] = None) -> np.ndarray:
+        def fixed_col(col_no: np.ndarray, present: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+            starts = col_start + col_no * counts
+            if present is None or present.all():
+                return _gather(i32, starts, counts)
+            if not present.any():
+                return None  # no batch has this column: every entry is null
             out = np.full(n, NULL_LENGTH, dtype=np.int32)
-            sel = np.ones(n, dtype=bool) if present is None else present[batch_of]
-            if sel.any():
-                b = batch_of[sel]
-                out[sel] = i32[(col_start[b] + 4 * (col_no[b] * counts[b] + within[sel])) // 4]
+            out[np.repeat(present, counts)] = _gather(i32, starts[present], counts[present])
             return out
 
-        zero = np.zeros(k, dtype=np.int64)
+        zero = np.zeros(len(positions), dtype=np.int64)
         self.flags = fixed_col(zero)
-        self.key_len = fixed_col(zero + 2, has_keys)
-        self.attr_len = fixed_col(2 + has_keys.astype(np.int64), has_attrs)
-        self.vlen = vlen = fixed_col(zero + 1).astype(np.int64)
-        self.klen = klen = np.maximum(self.key_len, 0).astype(np.int64)
-        self.alen = alen = np.maximum(self.attr_len, 0).astype(np.int64)
-        value_total = np.add.reduceat(vlen, first_msg)
-        key_total = np.add.reduceat(klen, first_msg)
-        attr_total = np.add.reduceat(alen, first_msg)
-        self.value_region = col_start + 4 * ncols * counts
-        self.key_region = self.value_region + value_total
-        self.attr_region = self.key_region + key_total
-        if (vlen < 0).any() or (self.key_len < NULL_LENGTH).any() or (self.attr_len < NULL_LENGTH).any() or \
-                (self.attr_region + attr_total > positions + h["batch_len"]).any():
+        # value, key and attribute lengths (-1: null; None: all null), and each column's offsets and regions
+        self.lengths = [fixed_col(zero + 1), fixed_col(zero + 2, has_keys), fixed_col(2 + has_keys, has_attrs)]
+        if (self.lengths[0] < 0).any() or any(x is not None and (x < NULL_LENGTH).any() for x in self.lengths[1:]):
+            raise RecordFormatError(f"negative message length (batches from byte {int(positions[0])})",
+                                    int(positions[0]))
+        region = positions + HEADER_SIZE + 4 * ncols * counts
+        self.regions = []
+        for lengths in self.lengths:
+            if lengths is None:
+                self.regions.append(None)
+                continue
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.maximum(lengths, 0), out=offsets[1:])
+            totals = offsets[first_msg + counts] - offsets[first_msg]
+            self.regions.append((offsets, region, totals))
+            region = region + totals
+        if (region > positions + h["batch_len"]).any():
             raise RecordFormatError(f"message lengths overrun their batch (batches from byte {int(positions[0])})",
                                     int(positions[0]))
 
-    def within_batch_starts(self, lengths: np.ndarray) -> np.ndarray:
-        c = np.cumsum(lengths) - lengths
-        return c - c[self.first_msg][self.batch_of]
+    def per_message(self, per_batch: np.ndarray) -> np.ndarray:
+        return np.repeat(per_batch, self.counts)
 
-    def column(self, typ, lengths, region, valid) -> pa.Array:
-        return _var_column(self.u8, typ, lengths, region, self.batch_of, self.within_batch_starts(lengths), valid)
+    def numbered(self, base: np.ndarray) -> np.ndarray:
+        """base[b] + i for message i of batch b: offsets and message ids."""
+        return self.per_message(base - self.first_msg) + np.arange(self.n, dtype=np.int64)
+
+    def column(self, which: int, typ) -> pa.Array:
+        """Column ``which`` (0 value, 1 key, 2 attribute) as an Arrow binary/string array."""
+        if self.regions[which] is None:
+            return pa.nulls(self.n, typ)
+        offsets, region, totals = self.regions[which]
+        if offsets[-1] > MAX_BATCH_BYTES:
+            raise RecordFormatError("decoded column exceeds 2 GiB; fetch a smaller range", 0)
+        validity, null_count = None, 0
+        if which:
+            valid = self.lengths[which] >= 0
+            null_count = self.n - int(np.count_nonzero(valid))
+            if null_count:
+                validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+        data = _gather(self.u8, region, totals)
+        return pa.Array.from_buffers(typ, self.n, [validity, pa.py_buffer(offsets.astype(np.int32)),
+                                                   pa.py_buffer(data)], null_count=null_count)
 
 
 _LEN_AND_CRC = struct.Struct("<II")
 _BODY_CRC = struct.Struct("<I")
 
 
-def _batch_positions(buf, verify: bool) -> np.ndarray:
+def _batch_positions(u8: np.ndarray, verify: bool) -> np.ndarray:
     """Walk the batch headers (one cheap step per batch), checking the header checksum and, with
     ``verify``, the body checksum. Field-by-field checks happen vectorised in ``_Layout``; on any
     failure ``check_batch`` re-reads the batch to say exactly what is wrong."""
-    mv = memoryview(buf)
-    size, pos = len(mv), 0
+    size, pos = len(u8), 0
     out = []
-    crc32, unpack = zlib.crc32, _LEN_AND_CRC.unpack_from
+    unpack = _LEN_AND_CRC.unpack_from
     while pos < size:
         if size - pos < HEADER_SIZE:
-            check_batch(buf, pos)
-        batch_len, header_crc = unpack(mv, pos)
+            check_batch(u8, pos)
+        batch_len, header_crc = unpack(u8, pos)
         end = pos + batch_len
-        if crc32(mv[pos + 8: pos + HEADER_SIZE]) != header_crc or batch_len < HEADER_SIZE or end > size or (
-                verify and crc32(mv[pos + HEADER_SIZE: end]) != _BODY_CRC.unpack_from(mv, pos + 40)[0]):
-            check_batch(buf, pos)  # raises the precise error
+        if crc(u8[pos + 8: pos + HEADER_SIZE]) != header_crc or batch_len < HEADER_SIZE or end > size or (
+                verify and crc(u8[pos + HEADER_SIZE: end]) != _BODY_CRC.unpack_from(u8, pos + 40)[0]):
+            check_batch(u8, pos)  # raises the precise error
             raise RecordFormatError(f"bad batch at byte {pos}", pos)
         out.append(pos)
         pos = end
@@ -438,8 +456,8 @@ def _batch_positions(buf, verify: bool) -> np.ndarray:
 def index_columns(u8: np.ndarray, positions: np.ndarray):
     """For the offset index: each message's encoded size, and each batch's count, time and length."""
     layout = _Layout(u8, np.asarray(positions, dtype=np.int64))
-    sizes = layout.vlen + layout.klen + layout.alen + 4 * layout.ncols[layout.batch_of]
-    return sizes, layout.counts, layout.h["timestamp"], layout.h["batch_len"]
+    sizes = sum(np.maximum(x, 0).astype(np.int64) for x in layout.lengths if x is not None)
+    return sizes + 4 * layout.per_message(layout.ncols), layout.counts, layout.h["timestamp"], layout.h["batch_len"]
 
 
 def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = None, verify: bool = True,
@@ -447,29 +465,26 @@ def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = 
     """Decode the whole batches in ``buf`` to an Arrow RecordBatch with ``SCHEMA``, keeping offsets in
     [start_offset, end_offset).
 
-    With ``verify`` each batch's checksums are checked (one zlib call per batch). ``positions`` (where
+    With ``verify`` each batch's checksums are checked (one CRC-32C call per batch). ``positions`` (where
     each batch starts, e.g. from the broker's index) lets an unverified decode skip the header walk.
-    Everything per message is numpy or Arrow work."""
-    if isinstance(buf, np.ndarray):
-        u8 = buf.view(np.uint8).reshape(-1)
-        buf = memoryview(u8)
-    else:
-        u8 = np.frombuffer(buf, dtype=np.uint8)
+    Everything per message is numpy or Arrow work; values, keys and attributes of a single batch are
+    views of ``buf``, never copies."""
+    u8 = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     if positions is None or verify:
-        positions = _batch_positions(buf, verify)
+        positions = _batch_positions(u8, verify)
     positions = np.asarray(positions, dtype=np.int64)
     if len(positions) == 0:
         return empty_batch()
     L = _Layout(u8, positions)
-    offsets_col = L.h["base_offset"][L.batch_of] + L.within
+    offsets_col = L.numbered(L.h["base_offset"])
     columns = [
-        L.column(pa.binary(), L.klen, L.key_region, L.key_len >= 0),
-        L.column(pa.binary(), L.vlen, L.value_region, None),
+        L.column(1, pa.binary()),
+        L.column(0, pa.binary()),
         pa.array(offsets_col, pa.int64()),
-        pa.array(L.h["timestamp"][L.batch_of], pa.int64()).cast(pa.timestamp("ms")),
-        pa.array(L.h["base_msg_id"][L.batch_of] + L.within, pa.int64()),
+        pa.array(L.per_message(L.h["timestamp"]), pa.int64()).cast(pa.timestamp("ms")),
+        pa.array(L.numbered(L.h["base_msg_id"]), pa.int64()),
         pa.array(L.flags, pa.int32()),
-        L.column(pa.string(), L.alen, L.attr_region, L.attr_len >= 0),
+        L.column(2, pa.string()),
     ]
     batch = pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
     lo = 0 if start_offset is None else int(np.searchsorted(offsets_col, start_offset, "left"))

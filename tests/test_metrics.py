@@ -102,8 +102,8 @@ def test_traffic_storage_latency_and_zookeeper_are_exported(tmp_path, zookeeper,
         assert m("metaq_fsync_seconds_total", **one) > 0 and p0.fsync_count == 6
         assert m("metaq_rpc_latency_seconds_count", method="Put") == puts
         assert m("metaq_rpc_latency_seconds_bucket", method="Put", le="+Inf") == puts
-        assert m("metaq_rpc_latency_seconds_count", method="Fetch") == fetches
-        assert m("metaq_rpc_latency_seconds_sum", method="Fetch") > 0
+        assert m("metaq_rpc_latency_seconds_count", method="FetchRaw") == fetches  # the client fetches raw
+        assert m("metaq_rpc_latency_seconds_sum", method="FetchRaw") > 0
         assert m.types["metaq_rpc_latency_seconds"] == "histogram" and m.types["metaq_messages_in"] == "counter"
         assert m.types["metaq_segments"] == "gauge"
         assert m("metaq_zookeeper_connected") == 1 and m("metaq_zookeeper_state", state="connected") == 1

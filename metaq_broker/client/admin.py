@@ -77,6 +77,11 @@ class Admin(ClientBase):
     def stats(self, broker_id: int, topic: str = "") -> pb.StatsResponse:
         return self.connection(broker_id).call("Stats", pb.StatsRequest(topic=topic), retries=3)
 
+    def prepared_transactions(self, broker_id: int) -> list:
+        """The broker's prepared transactions awaiting an outcome (XA recover)."""
+        return list(self.connection(broker_id).call("RecoverTransactions", pb.RecoverTransactionsRequest(),
+                                                    retries=3).transactions)
+
     # -- groups ---------------------------------------------------------------------------------------
     def _groups(self):
         from .group_offsets import GroupStore

@@ -7,10 +7,15 @@ from typing import Optional
 
 import grpc
 
-from ..errors import (MessageTooLargeError, MetaqError, UnknownTopicError)
+from .. import rawfetch
+from ..errors import MessageTooLargeError, MetaqError, TransactionError, UnknownTopicError
+from ..proto import metaq_pb2 as pb
 from ..proto import metaq_pb2_grpc as pb_grpc
 
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+# A restarted broker is reconnected to within a second, as in Kafka (reconnect.backoff.max.ms), not after
+# gRPC's default backoff of up to two minutes.
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 # Safe to resend: the call was refused or timed out before the broker did anything with it.
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -44,6 +49,10 @@ class PartitionClosedError(BrokerError):
     pass
 
 
+class RemoteTransactionError(BrokerError, TransactionError):
+    """The broker refused a transaction request (unknown xid, wrong state)."""
+
+
 class BrokerUnavailableError(BrokerError):
     pass
 
@@ -55,6 +64,7 @@ _ERROR_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: RemoteInvalidArgumentError,
     grpc.StatusCode.FAILED_PRECONDITION: PartitionClosedError,
     grpc.StatusCode.UNAVAILABLE: BrokerUnavailableError,
+    grpc.StatusCode.ABORTED: RemoteTransactionError,
     grpc.StatusCode.DEADLINE_EXCEEDED: BrokerUnavailableError,
 }
 
@@ -73,6 +83,10 @@ class BrokerConnection:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = pb_grpc.BrokerStub(self.channel)
+        # Not in metaq.proto: the reply is a struct header and the record bytes, handed over as a view.
+        self.stub.FetchRaw = self.channel.unary_unary(
+            rawfetch.PATH, request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=rawfetch.unpack, _registered_method=True)
 
     def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0):
         """Call ``method``; ``retries`` > 0 resends on transient errors (only for idempotent calls)."""

@@ -63,8 +63,8 @@ class Consumer(ClientBase):
     def fetch(self, topic: str, partition: str, offset: int, max_bytes: int = 1 << 20,
               max_messages: Optional[int] = None, max_wait_ms: int = 0) -> Fetched:
         conn, number = self.route(partition)
-        r = conn.call("Fetch", pb.FetchRequest(topic=topic, partition=number, offset=offset, max_bytes=max_bytes,
-                                               max_messages=max_messages or 0, max_wait_ms=max_wait_ms),
+        r = conn.call("FetchRaw", pb.FetchRequest(topic=topic, partition=number, offset=offset, max_bytes=max_bytes,
+                                                  max_messages=max_messages or 0, max_wait_ms=max_wait_ms),
                       timeout=conn.timeout + max_wait_ms / 1000, retries=3)
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)

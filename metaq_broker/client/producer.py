@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from .. import records
+from ..errors import InvalidPartitionError
+from ..zkpaths import parse_partition_name
 from ..proto import metaq_pb2 as pb
 from .base import ClientBase
 from .connection import to_error
@@ -71,8 +73,20 @@ class Producer(ClientBase):
         self._sender.start()
 
     # -- choosing partitions --------------------------------------------------------------------------
-    def _assign(self, topic: str, n: int, keys: Optional[pa.Array], partition: Optional[str]) -> tuple:
+    def _assign(self, topic: str, n: int, keys: Optional[pa.Array], partition) -> tuple:
         """(partition names, per-message index into them)."""
+        if isinstance(partition, (pa.Array, pa.ChunkedArray)):  # a partition name per message
+            if partition.null_count:
+                raise InvalidPartitionError("the partition column has nulls")
+            encoded = pa.chunked_array([partition]) if isinstance(partition, pa.Array) else partition
+            encoded = encoded.cast(pa.string()).combine_chunks().dictionary_encode()
+            names = encoded.dictionary.to_pylist()
+            live = set(self.partitions(topic))
+            for name in names:
+                if name not in live:
+                    raise InvalidPartitionError(f"partition {name!r} is not a live partition of topic {topic!r} "
+                                                f"(live: {', '.join(sorted(live))})")
+            return names, encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         if partition is not None:
             self.route(partition)  # check it names a live broker
             return [partition], np.zeros(n, dtype=np.int64)
@@ -81,27 +95,32 @@ class Producer(ClientBase):
             return names, partitions_for_keys(keys, len(names))
         return names, np.full(n, self._rr.next(len(names)), dtype=np.int64)
 
-    # -- synchronous ----------------------------------------------------------------------------------
-    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None,
-                   partition: Optional[str] = None) -> list:
-        """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
-        partition used). Messages with a key go by key hash; without, the whole call goes to one
-        partition, round robin across calls."""
+    def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
+        """[(partition name, encoded body)]: the messages split by partition (``partition`` is one name, an
+        Arrow array of a name per message, or None for key hash / round robin), no loop per message."""
         body_cols = _columns(values, keys, attributes, flags)
         n = len(body_cols[0])
         names, which = self._assign(topic, n, body_cols[1], partition)
         order = np.argsort(which, kind="stable")
         bounds = np.flatnonzero(np.diff(which[order])) + 1
-        calls = []
+        out = []
         for group in np.split(order, bounds):
             if not len(group):
                 continue
-            name = names[int(which[group[0]])]
             whole = len(group) == n
             take = None if whole else pa.array(group)
             arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3]]
-            flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
-            body = records.encode_body(*arrays, flags=flags)
+            group_flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
+            out.append((names[int(which[group[0]])], records.encode_body(*arrays, flags=group_flags)))
+        return out
+
+    # -- synchronous ----------------------------------------------------------------------------------
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
+        """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
+        partition used). Messages with a key go by key hash; without, the whole call goes to one
+        partition, round robin across calls."""
+        calls = []
+        for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition):
             conn, number = self.route(name)
             calls.append((name, conn, _put_request(topic, number, body)))
         if len(calls) == 1:  # the common case: a plain blocking call (a future costs a thread)
@@ -109,6 +128,12 @@ class Producer(ClientBase):
             return [_put_result(topic, name, conn.call("Put", request))]
         futures = [(name, conn, conn.future("Put", request)) for name, conn, request in calls]
         return [_put_result(topic, name, _wait(conn, fut)) for name, conn, fut in futures]
+
+    # -- transactions ---------------------------------------------------------------------------------
+    def transaction(self, xid_prefix: str, timeout_ms: int = 0, coordinator: str = "") -> "Transaction":
+        """A transaction spanning brokers: one broker transaction per broker touched, named
+        ``<xid_prefix>@<brokerId>``. Messages stay invisible until committed."""
+        return Transaction(self, xid_prefix, timeout_ms, coordinator)
 
     # -- asynchronous ---------------------------------------------------------------------------------
     def send(self, topic: str, value, key=None, attribute: Optional[str] = None, flag: int = 0,
@@ -174,6 +199,55 @@ class Producer(ClientBase):
             self._cond.notify()
         self._sender.join()
         super().close()
+
+
+class Transaction:
+    def __init__(self, producer: Producer, xid_prefix: str, timeout_ms: int, coordinator: str):
+        self.producer, self.prefix = producer, xid_prefix
+        self.timeout_ms, self.coordinator = timeout_ms, coordinator
+        self.xids: dict = {}  # broker id -> xid begun on it
+        self.messages = 0
+
+    def _xid(self, broker_id: int) -> str:
+        xid = self.xids.get(broker_id)
+        if xid is None:
+            xid = f"{self.prefix}@{broker_id}"
+            self.producer.connection(broker_id).call("BeginTransaction", pb.BeginTransactionRequest(
+                xid=xid, timeout_ms=self.timeout_ms, coordinator=self.coordinator))
+            self.xids[broker_id] = xid
+        return xid
+
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
+        """Add messages (routed as ``Producer.send_batch`` does); they stay invisible until commit."""
+        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
+            bid, number = parse_partition_name(name)
+            request = _put_request(topic, number, body)
+            request.xid = self._xid(bid)
+            self.producer.connection(bid).call("Put", request)
+            self.messages += body.count
+
+    def prepare(self) -> list:
+        """Prepare (durably) on every broker touched; returns [[brokerId, xid], ...]."""
+        for bid, xid in self.xids.items():
+            self.producer.connection(bid).call("PrepareTransaction", pb.TransactionRequest(xid=xid), retries=5)
+        return [[bid, xid] for bid, xid in sorted(self.xids.items())]
+
+    def commit(self) -> None:
+        for bid, xid in sorted(self.xids.items()):
+            commit_transaction(self.producer, bid, xid)
+
+    def rollback(self) -> None:
+        for bid, xid in sorted(self.xids.items()):
+            rollback_transaction(self.producer, bid, xid)
+
+
+def commit_transaction(client: ClientBase, broker_id: int, xid: str) -> None:
+    """Commit a prepared broker transaction; idempotent, so it is retried freely."""
+    client.connection(broker_id).call("CommitTransaction", pb.TransactionRequest(xid=xid), retries=5)
+
+
+def rollback_transaction(client: ClientBase, broker_id: int, xid: str) -> None:
+    client.connection(broker_id).call("RollbackTransaction", pb.TransactionRequest(xid=xid), retries=5)
 
 
 def _wait(conn, fut):

@@ -19,14 +19,16 @@ class MessageBatch(_message.Message):
     def __init__(self, count: _Optional[int] = ..., attributes: _Optional[int] = ..., body: _Optional[bytes] = ..., body_crc: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("topic", "partition", "batch")
+    __slots__ = ("topic", "partition", "batch", "xid")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     batch: MessageBatch
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ...) -> None: ...
+    xid: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ..., xid: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("topic", "partition", "base_offset", "count", "base_msg_id", "timestamp_ms", "fsynced")
@@ -253,3 +255,51 @@ class StatsResponse(_message.Message):
     uptime_seconds: float
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStats]
     def __init__(self, broker_id: _Optional[int] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ...) -> None: ...
+
+class BeginTransactionRequest(_message.Message):
+    __slots__ = ("xid", "timeout_ms", "coordinator")
+    XID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    xid: str
+    timeout_ms: int
+    coordinator: str
+    def __init__(self, xid: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., coordinator: _Optional[str] = ...) -> None: ...
+
+class TransactionRequest(_message.Message):
+    __slots__ = ("xid",)
+    XID_FIELD_NUMBER: _ClassVar[int]
+    xid: str
+    def __init__(self, xid: _Optional[str] = ...) -> None: ...
+
+class TransactionReply(_message.Message):
+    __slots__ = ("xid", "state", "messages")
+    XID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    xid: str
+    state: str
+    messages: int
+    def __init__(self, xid: _Optional[str] = ..., state: _Optional[str] = ..., messages: _Optional[int] = ...) -> None: ...
+
+class RecoverTransactionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PreparedTransaction(_message.Message):
+    __slots__ = ("xid", "coordinator", "messages", "prepared_seconds_ago")
+    XID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    xid: str
+    coordinator: str
+    messages: int
+    prepared_seconds_ago: float
+    def __init__(self, xid: _Optional[str] = ..., coordinator: _Optional[str] = ..., messages: _Optional[int] = ..., prepared_seconds_ago: _Optional[float] = ...) -> None: ...
+
+class RecoverTransactionsResponse(_message.Message):
+    __slots__ = ("transactions",)
+    TRANSACTIONS_FIELD_NUMBER: _ClassVar[int]
+    transactions: _containers.RepeatedCompositeFieldContainer[PreparedTransaction]
+    def __init__(self, transactions: _Optional[_Iterable[_Union[PreparedTransaction, _Mapping]]] = ...) -> None: ...

@@ -79,6 +79,31 @@ class BrokerStub:
                 request_serializer=metaq__pb2.StatsRequest.SerializeToString,
                 response_deserializer=metaq__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.BeginTransaction = channel.unary_unary(
+                '/metaq.v1.Broker/BeginTransaction',
+                request_serializer=metaq__pb2.BeginTransactionRequest.SerializeToString,
+                response_deserializer=metaq__pb2.TransactionReply.FromString,
+                _registered_method=True)
+        self.PrepareTransaction = channel.unary_unary(
+                '/metaq.v1.Broker/PrepareTransaction',
+                request_serializer=metaq__pb2.TransactionRequest.SerializeToString,
+                response_deserializer=metaq__pb2.TransactionReply.FromString,
+                _registered_method=True)
+        self.CommitTransaction = channel.unary_unary(
+                '/metaq.v1.Broker/CommitTransaction',
+                request_serializer=metaq__pb2.TransactionRequest.SerializeToString,
+                response_deserializer=metaq__pb2.TransactionReply.FromString,
+                _registered_method=True)
+        self.RollbackTransaction = channel.unary_unary(
+                '/metaq.v1.Broker/RollbackTransaction',
+                request_serializer=metaq__pb2.TransactionRequest.SerializeToString,
+                response_deserializer=metaq__pb2.TransactionReply.FromString,
+                _registered_method=True)
+        self.RecoverTransactions = channel.unary_unary(
+                '/metaq.v1.Broker/RecoverTransactions',
+                request_serializer=metaq__pb2.RecoverTransactionsRequest.SerializeToString,
+                response_deserializer=metaq__pb2.RecoverTransactionsResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -144,6 +169,42 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginTransaction(self, request, context):
+        """Transactions (MetaQ's local/XA transactions). Put with PutRequest.xid set adds to an open
+        transaction; its messages stay invisible to every reader until CommitTransaction.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareTransaction(self, request, context):
+        """Durable: the reply comes after the transaction's messages and its prepared state are fsynced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitTransaction(self, request, context):
+        """Appends the messages, atomically per partition, fsynced before the reply. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackTransaction(self, request, context):
+        """Discards an open or prepared transaction. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecoverTransactions(self, request, context):
+        """The prepared transactions whose outcome is pending (XA recover).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +252,31 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=metaq__pb2.StatsRequest.FromString,
                     response_serializer=metaq__pb2.StatsResponse.SerializeToString,
+            ),
+            'BeginTransaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTransaction,
+                    request_deserializer=metaq__pb2.BeginTransactionRequest.FromString,
+                    response_serializer=metaq__pb2.TransactionReply.SerializeToString,
+            ),
+            'PrepareTransaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareTransaction,
+                    request_deserializer=metaq__pb2.TransactionRequest.FromString,
+                    response_serializer=metaq__pb2.TransactionReply.SerializeToString,
+            ),
+            'CommitTransaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTransaction,
+                    request_deserializer=metaq__pb2.TransactionRequest.FromString,
+                    response_serializer=metaq__pb2.TransactionReply.SerializeToString,
+            ),
+            'RollbackTransaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackTransaction,
+                    request_deserializer=metaq__pb2.TransactionRequest.FromString,
+                    response_serializer=metaq__pb2.TransactionReply.SerializeToString,
+            ),
+            'RecoverTransactions': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecoverTransactions,
+                    request_deserializer=metaq__pb2.RecoverTransactionsRequest.FromString,
+                    response_serializer=metaq__pb2.RecoverTransactionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +522,141 @@ class Broker:
             '/metaq.v1.Broker/Stats',
             metaq__pb2.StatsRequest.SerializeToString,
             metaq__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTransaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/BeginTransaction',
+            metaq__pb2.BeginTransactionRequest.SerializeToString,
+            metaq__pb2.TransactionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareTransaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/PrepareTransaction',
+            metaq__pb2.TransactionRequest.SerializeToString,
+            metaq__pb2.TransactionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTransaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/CommitTransaction',
+            metaq__pb2.TransactionRequest.SerializeToString,
+            metaq__pb2.TransactionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackTransaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/RollbackTransaction',
+            metaq__pb2.TransactionRequest.SerializeToString,
+            metaq__pb2.TransactionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecoverTransactions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/RecoverTransactions',
+            metaq__pb2.RecoverTransactionsRequest.SerializeToString,
+            metaq__pb2.RecoverTransactionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

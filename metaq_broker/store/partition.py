@@ -7,6 +7,8 @@ after an fsync, so a reader never sees a message that was not acknowledged, and 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import bisect
 import gzip
 import logging
@@ -14,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -143,41 +145,66 @@ class PartitionLog:
         return self.append_body(records.encode_body(values, keys, attributes, flags))
 
     def append_body(self, body: records.EncodedBody) -> AppendResult:
+        return self.append_bodies([body])[0]
+
+    def append_bodies(self, bodies: list, txn: int = 0) -> list:
+        """Append batches back to back; readers see all of them or none (one write-lock hold, one
+        publish). ``txn`` (a broker transaction number, stamped in each header) makes the append
+        fsynced whatever the topic's flush policy, and findable by ``count_txn_batches``."""
+        for body in bodies:
+            self.check_size(body)
+        results = []
+        with self._write_lock:
+            self._check_open()
+            ts = max(int(self._clock() * 1000), self._last_ts)
+            for body in bodies:
+                base = self._next_offset
+                msg_id = self._ids.allocate(body.count)
+                header = records.encode_header(body, base, msg_id, ts, txn)
+                nbytes = len(header) + body.size
+                seg = self._segments[-1]
+                if seg.count and seg.size + nbytes > self.config.max_segment_size:
+                    seg = self._roll()
+                entries = np.empty(body.count, INDEX_DTYPE)
+                entries["position"] = seg.end
+                entries["timestamp"] = ts
+                entries["size"] = body.message_sizes
+                entries["batch_len"] = nbytes
+                seg.append([header] + body.parts, nbytes, entries)
+                self._next_offset = end = base + body.count
+                results.append(AppendResult(base, body.count, msg_id, ts, self.config.group_commit))
+            self._last_ts = ts
+            if not self.config.group_commit:
+                self._unflushed += sum(b.count for b in bodies)
+                now = self._clock()
+                if (txn or self._unflushed >= self.config.unflush_threshold
+                        or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
+                    self._fsync_active_locked()
+                    results = [replace(r, fsynced=True) for r in results]
+                self._publish(end)  # acknowledged after the page-cache write (or the fsync above)
+        if self.config.group_commit:
+            self._await_durable(end)
+        return results
+
+    def check_size(self, body: records.EncodedBody) -> None:
         if body.max_message_size > self.config.max_message_size:
             big = int(np.argmax(body.message_sizes))
             raise MessageTooLargeError(
                 f"message {big} of the batch is {body.max_message_size} bytes (key + value + attribute); "
                 f"the limit for topic {self.topic} is {self.config.max_message_size}")
-        with self._write_lock:
-            self._check_open()
-            base = self._next_offset
-            ts = max(int(self._clock() * 1000), self._last_ts)
-            msg_id = self._ids.allocate(body.count)
-            header = records.encode_header(body, base, msg_id, ts)
-            nbytes = len(header) + body.size
-            seg = self._segments[-1]
-            if seg.count and seg.size + nbytes > self.config.max_segment_size:
-                seg = self._roll()
-            entries = np.empty(body.count, INDEX_DTYPE)
-            entries["position"] = seg.end
-            entries["timestamp"] = ts
-            entries["size"] = body.message_sizes
-            entries["batch_len"] = nbytes
-            seg.append([header] + body.parts, nbytes, entries)
-            self._next_offset = end = base + body.count
-            self._last_ts = ts
-            fsynced = self.config.group_commit
-            if not fsynced:
-                self._publish(end)  # acknowledged after the page-cache write
-                self._unflushed += body.count
-                now = self._clock()
-                if (self._unflushed >= self.config.unflush_threshold
-                        or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
-                    self._fsync_active_locked()
-                    fsynced = True
-        if self.config.group_commit:
-            self._await_durable(end)
-        return AppendResult(base, body.count, msg_id, ts, fsynced)
+
+    def count_txn_batches(self, from_offset: int, txn: int) -> int:
+        """How many batches stamped with transaction number ``txn`` lie at or after ``from_offset``
+        (recovery's test of whether a commit already reached this partition)."""
+        found, offset = 0, max(from_offset, self.earliest_offset)
+        while offset < self.latest_offset:
+            r = self.read(offset, 8 << 20)
+            data = r.data
+            for pos in r.batch_positions:
+                if records.parse_header(data, int(pos)).txn == txn:
+                    found += 1
+            offset = r.end_offset
+        return found
 
     def _roll(self) -> Segment:
         old = self._segments[-1]
@@ -310,19 +337,15 @@ class PartitionLog:
         if offset == end:
             return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
         seg = self._segment_for(segs, offset)
-        idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:]
-        # Only entries that can fit matter: every message takes at least 8 bytes of its batch, and the
-        # first batch is returned whole even when it alone is over budget.
-        cap = max(max_bytes, int(idx[0]["batch_len"])) // 8 + 1
-        idx = idx[: cap if max_messages is None else min(cap, max_messages)]
-        pos = idx["position"]
-        batch_end = pos + idx["batch_len"]
-        first = int(pos[0])
-        n = int(np.searchsorted(batch_end - first, max_bytes, "right"))
-        if n == 0:  # the first batch alone is over budget: return it anyway
-            n = int(np.searchsorted(pos, first, "right"))
-        data = seg.read(first, int(batch_end[n - 1]) - first)
-        starts = pos[:n]
+        idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:][:max_messages]
+        first = int(idx[0]["position"])
+        # Messages whose batch ends within the budget (the first batch whole even when it alone is over).
+        # Batch ends only grow along the index, so a binary search finds them, not a pass over a
+        # segment's worth of entries per fetch.
+        limit = first + max(max_bytes, int(idx[0]["batch_len"]))
+        n = bisect.bisect_right(idx, limit, key=lambda e: int(e["position"]) + int(e["batch_len"]))
+        data = seg.read(first, int(idx[n - 1]["position"]) + int(idx[n - 1]["batch_len"]) - first)
+        starts = idx["position"][:n]
         batch_positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
         return FetchResult(offset, offset + n, data, batch_positions)
 

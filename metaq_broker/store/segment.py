@@ -10,12 +10,12 @@ import logging
 import os
 import struct
 import weakref
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CorruptLogError
+from ..records import crc
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ LOG_SUFFIX = ".meta"
 INDEX_SUFFIX = ".idx"
 NAME_DIGITS = 20
 
-SEGMENT_MAGIC = b"MQSEGMT1"
+SEGMENT_MAGIC = b"MQSEGMT2"  # MQSEGMT1 segments held version 1 batches, with CRC-32 checksums
 SEGMENT_HEADER = struct.Struct("<8sqqI")  # magic, base offset, start position, crc of the preceding bytes
 SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size + 4  # padded to 32
 assert SEGMENT_HEADER_SIZE == 32
@@ -39,15 +39,18 @@ def segment_name(start: int) -> str:
 
 def encode_segment_header(base_offset: int, start: int) -> bytes:
     body = struct.pack("<8sqq", SEGMENT_MAGIC, base_offset, start)
-    return body + struct.pack("<I", zlib.crc32(body)) + b"\0" * 4
+    return body + struct.pack("<I", crc(body)) + b"\0" * 4
 
 
 def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
     """Return the base offset recorded in a segment header, or raise CorruptLogError."""
     if len(raw) < SEGMENT_HEADER_SIZE:
         raise CorruptLogError(f"{path}: segment header is {len(raw)} of {SEGMENT_HEADER_SIZE} bytes", path, 0)
-    magic, base, recorded_start, crc = SEGMENT_HEADER.unpack_from(raw)
-    if magic != SEGMENT_MAGIC or zlib.crc32(raw[:24]) != crc:
+    magic, base, recorded_start, header_crc = SEGMENT_HEADER.unpack_from(raw)
+    if magic == b"MQSEGMT1":
+        raise CorruptLogError(f"{path}: segment format 1 (CRC-32 checksums), written by an older metaq; this "
+                              f"version reads only {SEGMENT_MAGIC.decode()} (CRC-32C)", path, 0)
+    if magic != SEGMENT_MAGIC or crc(raw[:24]) != header_crc:
         raise CorruptLogError(f"{path}: bad segment header (magic or checksum)", path, 0)
     if recorded_start != start:
         raise CorruptLogError(f"{path}: header says the segment starts at {recorded_start}, the name says {start}",

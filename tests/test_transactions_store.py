@@ -1,0 +1,182 @@
+"""Broker transactions at the storage level: invisible until commit, durable prepare, idempotent
+outcomes, and recovery of a commit cut short or a torn journal."""
+import pytest
+
+from metaq_broker import records
+from metaq_broker.errors import CorruptLogError, MessageTooLargeError, UnknownTopicError
+from metaq_broker.store import MessageStore, TopicConfig
+from metaq_broker.store.transactions import (COMMIT, JOURNAL, TransactionError, TransactionManager,
+                                             UnknownTransactionError)
+
+
+def open_all(path, clock=None):
+    store = MessageStore(path / "data", {"t": TopicConfig(num_partitions=2, max_message_size=1000)},
+                         background_interval=None)
+    kw = {"clock": clock} if clock else {}
+    return store, TransactionManager(store, path / "data" / "transactions", default_timeout_s=5, **kw)
+
+
+def body(*values):
+    return records.encode_body([v.encode() for v in values])
+
+
+def values(store, partition):
+    log = store.partition("t", partition)
+    if log.latest_offset == 0:
+        return []
+    return [v.as_py().decode() for v in log.read_arrow(0, log.latest_offset).column("value")]
+
+
+def test_invisible_until_commit_then_atomic_per_partition(tmp_path):
+    store, tx = open_all(tmp_path)
+    store.partition("t", 0).append([b"plain"])
+    tx.begin("x1")
+    tx.put("x1", "t", 0, body("a", "b"))
+    tx.put("x1", "t", 1, body("c"))
+    tx.put("x1", "t", 0, body("d"))
+    assert tx.prepare("x1").messages == 4
+    assert values(store, 0) == ["plain"] and values(store, 1) == []
+    assert tx.commit("x1") == "committed"
+    assert values(store, 0) == ["plain", "a", "b", "d"] and values(store, 1) == ["c"]
+    assert tx.commit("x1") == "committed"  # idempotent
+    assert values(store, 0) == ["plain", "a", "b", "d"]
+    with pytest.raises(TransactionError, match="committed; it cannot be rolled back"):
+        tx.rollback("x1")
+    tx.close()
+    store.close()
+
+
+def test_rollback_discards_and_is_idempotent(tmp_path):
+    store, tx = open_all(tmp_path)
+    tx.begin("r1")
+    tx.put("r1", "t", 0, body("gone"))
+    tx.prepare("r1")
+    assert tx.rollback("r1") == "rolled_back"
+    assert tx.rollback("r1") == "rolled_back"
+    assert values(store, 0) == []
+    with pytest.raises(TransactionError, match="rolled back"):
+        tx.commit("r1")
+    tx.close()
+    store.close()
+
+
+def test_bad_requests_name_the_problem(tmp_path):
+    store, tx = open_all(tmp_path)
+    with pytest.raises(TransactionError, match="transaction id"):
+        tx.begin("")
+    with pytest.raises(UnknownTransactionError, match="unknown transaction 'nope'"):
+        tx.put("nope", "t", 0, body("x"))
+    tx.begin("b1")
+    with pytest.raises(TransactionError, match="already exists"):
+        tx.begin("b1")
+    with pytest.raises(TransactionError, match="prepare it first"):
+        tx.commit("b1")
+    with pytest.raises(UnknownTopicError):
+        tx.put("b1", "nosuch", 0, body("x"))
+    with pytest.raises(MessageTooLargeError):
+        tx.put("b1", "t", 0, body("y" * 2000))
+    tx.prepare("b1")
+    with pytest.raises(TransactionError, match="prepared; it takes no more messages"):
+        tx.put("b1", "t", 0, body("late"))
+    with pytest.raises(UnknownTransactionError):
+        tx.commit("never-begun")
+    tx.close()
+    store.close()
+
+
+def test_prepared_survives_restart_open_does_not(tmp_path):
+    store, tx = open_all(tmp_path)
+    tx.begin("p1", coordinator='{"path": "/sinks/s/batches/7"}')
+    tx.put("p1", "t", 1, body("kept"))
+    tx.prepare("p1")
+    tx.begin("o1")
+    tx.put("o1", "t", 1, body("lost"))
+    tx.begin("c1")
+    tx.put("c1", "t", 0, body("done"))
+    tx.prepare("c1")
+    tx.commit("c1")
+    tx.close()
+    store.close()
+
+    store, tx = open_all(tmp_path)
+    assert [(t.xid, t.coordinator, t.messages) for t in tx.prepared()] == [("p1", '{"path": "/sinks/s/batches/7"}', 1)]
+    assert tx.state("o1") is None and tx.state("c1") == "committed"
+    with pytest.raises(UnknownTransactionError):
+        tx.prepare("o1")
+    assert tx.commit("c1") == "committed"  # still idempotent after a restart
+    tx.commit("p1")
+    assert values(store, 0) == ["done"] and values(store, 1) == ["kept"]
+    tx.close()
+    store.close()
+
+
+def test_commit_cut_short_by_a_crash_is_finished_once(tmp_path):
+    store, tx = open_all(tmp_path)
+    tx.begin("k1")
+    tx.put("k1", "t", 0, body("a"))
+    tx.put("k1", "t", 1, body("b"))
+    tx.prepare("k1")
+    # The crash point: decision journalled, partition 0 reached, partition 1 not, no DONE record.
+    t = tx.get("k1")
+    t.state, t.number, t.before = "committing", 9, {"t/0": 0, "t/1": 0}
+    tx._write(COMMIT, [b'{"xid": "k1", "number": 9, "before": {"t/0": 0, "t/1": 0}}'], fsync=True)
+    store.partition("t", 0).append_bodies([tx._body(t.puts[0])], txn=9)
+    tx.close()
+    store.close()
+
+    store, tx = open_all(tmp_path)
+    assert values(store, 0) == ["a"] and values(store, 1) == ["b"]
+    assert tx.state("k1") == "committed"
+    tx.begin("k2")  # numbers continue after the recovered one
+    tx.put("k2", "t", 0, body("c"))
+    tx.prepare("k2")
+    tx.commit("k2")
+    assert store.partition("t", 0).count_txn_batches(0, 9) == 1
+    assert store.partition("t", 0).count_txn_batches(0, 10) == 1
+    tx.close()
+    store.close()
+
+
+def test_torn_journal_tail_is_cut_damage_inside_refuses(tmp_path):
+    store, tx = open_all(tmp_path)
+    tx.begin("p1")
+    tx.put("p1", "t", 0, body("prepared"))
+    tx.prepare("p1")
+    tx.begin("o1")
+    tx.put("o1", "t", 0, body("torn"))
+    tx.close()
+    store.close()
+    journal = tmp_path / "data" / "transactions" / JOURNAL
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-3])  # the open transaction's last record is torn
+    store, tx = open_all(tmp_path)
+    assert [t.xid for t in tx.prepared()] == ["p1"]
+    tx.commit("p1")
+    assert values(store, 0) == ["prepared"]
+    tx.begin("p2")
+    tx.put("p2", "t", 0, body("more"))
+    tx.prepare("p2")
+    tx.close()
+    store.close()
+
+    data = bytearray(journal.read_bytes())
+    data[10] ^= 0xFF  # inside the first record; valid ones follow
+    journal.write_bytes(bytes(data))
+    store = MessageStore(tmp_path / "data", {"t": TopicConfig(num_partitions=2)}, background_interval=None)
+    with pytest.raises(CorruptLogError, match="damaged transaction record"):
+        TransactionManager(store, tmp_path / "data" / "transactions")
+    store.close()
+
+
+def test_open_transactions_time_out_prepared_never(tmp_path, clock):
+    store, tx = open_all(tmp_path, clock)
+    tx.begin("slow")
+    tx.put("slow", "t", 0, body("x"))
+    tx.begin("ready", timeout_s=1)
+    tx.prepare("ready")
+    clock.now += 6
+    assert tx.expire() == ["slow"]
+    assert tx.state("slow") == "rolled_back" and tx.state("ready") == "prepared"
+    assert tx.counts() == {"open": 0, "prepared": 1, "committing": 0}
+    tx.close()
+    store.close()
