@@ -115,9 +115,12 @@ def topics_create(obj, topic, partitions, broker_ids, settings):
 @click.option("--key", default=None, help="the key of every message (same key, same partition)")
 @click.option("--partition", default=None, help="send everything to this partition (<brokerId>-<n>)")
 @click.option("--batch", type=click.IntRange(1, 1_000_000), default=1000, show_default=True)
+@click.option("--progress/--no-progress", default=None,
+              help="progress bar on stderr for --count (default: when stderr is a terminal)")
 @click.pass_obj
-def produce(obj, topic, path, count, size, key, partition, batch):
+def produce(obj, topic, path, count, size, key, partition, batch, progress):
     """Send messages: lines of a file or stdin, or --count generated ones (with a progress bar)."""
+    import io
     from .client.producer import Producer
     with _client(Producer, obj) as producer:
         def send(values) -> int:
@@ -127,7 +130,13 @@ def produce(obj, topic, path, count, size, key, partition, batch):
 
         sent = 0
         if count is not None:
-            with click.progressbar(length=count, label=f"producing to {topic}", file=sys.stderr) as bar:
+            show = sys.stderr.isatty() if progress is None else progress
+            bar = click.progressbar(length=count, label=f"producing to {topic}",
+                                    file=sys.stderr if show else io.StringIO())
+            if show:  # --progress: draw the bar even when stderr is not a terminal (click would not)
+                bar._is_atty = True  # click >= 8.2
+                bar.is_hidden = False  # click 8.1
+            with bar:
                 while sent < count:
                     n = send([(b"%012d " % (sent + i)).ljust(size, b".")[:size]
                               for i in range(min(batch, count - sent))])
