@@ -7,7 +7,6 @@ client) when Prometheus scrapes."""
 from __future__ import annotations
 
 import logging
-from typing import Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -76,8 +75,7 @@ class BrokerMetrics:
 
 
 class BrokerCollector:
-    """Reads a broker's state at scrape time. ``Broker.open_transactions`` (optional, absent until
-    transactions exist) may be a callable or value: a mapping state -> count, or a plain count."""
+    """Reads a broker's state at scrape time (nothing is added to the hot paths)."""
 
     def __init__(self, broker):
         self.broker = broker
@@ -93,10 +91,8 @@ class BrokerCollector:
         yield from self._partitions(b, bid)
         yield from self._zookeeper(b)
         txn = GaugeMetricFamily("metaq_open_transactions", "Open transactions, by state", labels=["state"])
-        value = getattr(b, "open_transactions", None)
-        value = value() if callable(value) else value or 0
-        for state, n in (value.items() if isinstance(value, Mapping) else [("open", value)]):
-            txn.add_metric([str(state)], n)
+        for state, n in b.open_transactions().items():
+            txn.add_metric([state], n)
         yield txn
 
     @staticmethod
