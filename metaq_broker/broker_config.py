@@ -62,6 +62,7 @@ SYSTEM_KEYS: dict = {
     "hostName": ("host_name", _str),
     "serverPort": ("server_port", _int(0, 65535)),
     "metricsPort": ("metrics_port", _int(-1, 65535)),
+    "dataPort": ("data_port", _int(-1, 65535)),
     "dataPath": ("data_path", _str),
     "zk.connect": ("zk_connect", _str),
     "zk.root": ("zk_root", _root),
@@ -80,6 +81,7 @@ class BrokerConfig:
     host_name: str = "127.0.0.1"
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
+    data_port: int = 0  # bulk fetches over plain TCP with sendfile (dataport.py): -1 off, 0 any free port
     data_path: str = "metaq-data"
     zk_connect: str = "127.0.0.1:2181"
     zk_root: str = "/meta"

@@ -14,7 +14,7 @@ SOURCE_OPTIONS = {
     "metaq.zk.connect", "metaq.zk.root", "subscribe", "subscribePattern", "assign", "startingOffsets",
     "startingTimestamp", "startingOffsetsByTimestamp", "startingOffsetsByTimestampStrategy", "endingOffsets",
     "endingTimestamp", "maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
-    "failOnDataLoss", "minPartitions", "group", "commitOffsets", "fetchMaxBytes",
+    "failOnDataLoss", "minPartitions", "group", "commitOffsets", "fetchMaxBytes", "fetchTimeoutMs",
 }
 _SPELLING = {name.lower(): name for name in SOURCE_OPTIONS}
 _IGNORED = {"path"}  # Spark may pass these itself
@@ -48,6 +48,7 @@ class SourceOptions:
     group: Optional[str] = None
     commit_offsets: bool = True
     fetch_max_bytes: int = 8 << 20
+    fetch_timeout_ms: int = 120_000  # a task's wait for a partition's broker that is down (Kafka: pollTimeoutMs)
     raw: dict = field(default_factory=dict)
 
     def topic_matcher(self):
@@ -231,6 +232,8 @@ def parse(options, streaming: bool) -> SourceOptions:
         o.commit_offsets = _bool("commitOffsets", opts["commitOffsets"])
     if "fetchMaxBytes" in opts:
         o.fetch_max_bytes = _int("fetchMaxBytes", opts["fetchMaxBytes"], 1024)
+    if "fetchTimeoutMs" in opts:
+        o.fetch_timeout_ms = _int("fetchTimeoutMs", opts["fetchTimeoutMs"], 1)
     if o.group is None:
         o.group = o.default_group()
     return o

@@ -18,7 +18,9 @@ from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadM
                                               SupportsTriggerAvailableNow)
 
 from metaq_broker import records
-from metaq_broker.client.connection import TRANSIENT, ConnectionPool, RemoteOffsetOutOfRangeError, to_error
+from metaq_broker.client.connection import BrokerError, ConnectionPool, RemoteOffsetOutOfRangeError, to_error
+from metaq_broker.client.dataconn import DataConnectionPool
+from metaq_broker.dataport import ProtocolError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zkpaths import parse_partition_name
 
@@ -48,6 +50,16 @@ class MetaqDataSource(DataSource):
 
     def streamReader(self, schema) -> "MetaqStreamReader":
         return MetaqStreamReader(parse(self.options, streaming=True))
+
+    def writer(self, schema, overwrite: bool):
+        """``df.write.format("metaq")``: see ``metaq_spark.sink``."""
+        from .sink import writer
+        return writer(self.options, schema, streaming=False)
+
+    def streamWriter(self, schema, overwrite: bool):
+        """``df.writeStream.format("metaq")``: exactly once by default, see ``metaq_spark.sink``."""
+        from .sink import writer
+        return writer(self.options, schema, streaming=True)
 
 
 # -- driver side --------------------------------------------------------------------------------------
@@ -89,6 +101,10 @@ class Planner:
                 raise DataLossError(f"broker {bid} of partition {partition} has not been alive for {wait:.0f}s")
             time.sleep(0.2)
         return addr
+
+    def data_address(self, partition: str) -> Optional[str]:
+        """The partition's broker's data port, if it registered one (else tasks fetch with FetchRaw)."""
+        return self.consumer.cluster.data_address(parse_partition_name(partition)[0])
 
     def offsets_at(self, topic: str, partitions, timestamp_ms: int) -> dict:
         """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
@@ -169,12 +185,14 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
 
 class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
-                 fail_on_data_loss: bool):
+                 fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None):
         super().__init__((topic, partition, start, end))
         self.topic, self.partition, self.address = topic, partition, address
+        self.data_address = data_address  # the broker's data port ("host:port"), None: FetchRaw only
         self.start, self.end = start, end
         self.fetch_max_bytes = fetch_max_bytes
         self.fail_on_data_loss = fail_on_data_loss
+        self.fetch_timeout_ms = fetch_timeout_ms
 
 
 def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict) -> list:
@@ -194,16 +212,18 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
         if opts.min_partitions and total and opts.min_partitions > len(ranges):
             n = max(1, round(opts.min_partitions * (e - s) / total))
         bounds = np.linspace(s, e, n + 1).astype(np.int64)
-        addr = planner.address(p)
+        addr, data_addr = planner.address(p), planner.data_address(p)
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
-                pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss))
+                pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
+                                             opts.fetch_timeout_ms, data_addr))
     return pieces
 
 
 # -- executor side ------------------------------------------------------------------------------------
 
 _POOL: Optional[ConnectionPool] = None  # connections reused by every task of one Python worker
+_DATA_POOL: Optional[DataConnectionPool] = None  # data port connections, likewise
 
 
 def _pool() -> ConnectionPool:
@@ -211,6 +231,13 @@ def _pool() -> ConnectionPool:
     if _POOL is None:
         _POOL = ConnectionPool()
     return _POOL
+
+
+def _data_pool() -> DataConnectionPool:
+    global _DATA_POOL
+    if _DATA_POOL is None:
+        _DATA_POOL = DataConnectionPool()
+    return _DATA_POOL
 
 
 def _constant_strings(value: str, n: int) -> pa.Array:
@@ -229,33 +256,110 @@ def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatc
         names=["key", "value", "topic", "partition", "offset", "timestamp", "msgId", "flag", "attribute"])
 
 
-def _fetch(conn, part: MetaqPartition, number: int, offset: int):
-    """Start fetching [offset, end) of the partition; the reply is awaited by ``_reply``."""
+_RESEND = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # the broker is down or restarting
+
+
+def _fetch(conn, part: MetaqPartition, number: int, offset: int, data=None):
+    """Send the fetch of [offset, end) of the partition; ``_reply`` awaits it. With ``data`` (the broker's
+    data port, ``_DataPort``) it goes there, else (or when that cannot be sent) as gRPC FetchRaw."""
     request = pb.FetchRequest(topic=part.topic, partition=number, offset=offset, max_bytes=part.fetch_max_bytes,
                               max_messages=part.end - offset)
-    return request, conn.future("Fetch", request)
+    if data is not None and data.send(request):
+        return request, None
+    return request, conn.future("FetchRaw", request, timeout=part.fetch_timeout_ms / 1000)
 
 
-def _reply(conn, request, future):
-    """The fetch reply; a transient failure is retried as a blocking call."""
-    try:
-        return future.result()
-    except grpc.RpcError as e:
-        if e.code() not in TRANSIENT:
-            raise to_error(e, conn.address) from None
-        return conn.call("Fetch", request, retries=5)
+def _named(error, part: MetaqPartition, request, conn, late: str = ""):
+    return type(error)(error.code, f"{part.topic} {part.partition} at offset {request.offset}: {error.details}{late}",
+                       conn.address)
+
+
+def _reply(conn, part: MetaqPartition, request, future, data=None):
+    """The fetch reply. While the broker is down or restarting the fetch is sent again (each call waits
+    for the connection) for up to ``fetchTimeoutMs`` from when the task started waiting for it; then, or on
+    any other refusal, the error names the partition, the offset and the broker. A fetch sent to the data
+    port (``future`` None) that finds the port gone is sent again as FetchRaw within the same deadline."""
+    deadline = time.monotonic() + part.fetch_timeout_ms / 1000
+    if future is None:
+        try:
+            return data.receive()
+        except BrokerError as e:
+            if e.code not in _RESEND:
+                raise _named(e, part, request, conn) from None
+            data.drop(e)  # the broker is stopping: wait for it over gRPC
+        future = conn.future("FetchRaw", request, timeout=max(deadline - time.monotonic(), 0.001))
+    while True:
+        try:
+            return future.result()
+        except grpc.RpcError as e:
+            left = deadline - time.monotonic()
+            if e.code() not in _RESEND or left <= 0:
+                late = f" (still failing after fetchTimeoutMs={part.fetch_timeout_ms})" if e.code() in _RESEND else ""
+                raise _named(to_error(e, conn.address), part, request, conn, late) from None
+        time.sleep(min(0.05, left))
+        future = conn.future("FetchRaw", request, timeout=max(deadline - time.monotonic(), 0.001))
+
+
+class _DataPort:
+    """A task's use of its broker's data port: one pooled connection, given up for the rest of the task
+    (which goes on with FetchRaw) as soon as it fails, so a broker that restarts on another port or a port
+    the executor cannot reach costs one failed attempt."""
+
+    def __init__(self, part: MetaqPartition):
+        self.part = part
+        self.conn = _data_pool().acquire(part.data_address)
+
+    def send(self, request) -> bool:
+        if self.conn is None:
+            return False
+        try:
+            self.conn.send(request.topic, request.partition, request.offset, request.max_bytes, request.max_messages,
+                           timeout=self.part.fetch_timeout_ms / 1000)
+            return True
+        except OSError as e:
+            self.drop(e)
+            return False
+
+    def receive(self):
+        """The reply; OSError and ProtocolError (the connection broke) become an UNAVAILABLE BrokerError."""
+        try:
+            return self.conn.receive(timeout=self.part.fetch_timeout_ms / 1000)
+        except (OSError, ProtocolError) as e:
+            raise BrokerError(grpc.StatusCode.UNAVAILABLE, f"data port: {type(e).__name__}: {e}",
+                              self.conn.address) from None
+
+    def drop(self, reason) -> None:
+        if self.conn is not None:
+            log.info("%s %s: data port %s failed (%s); fetching with FetchRaw", self.part.topic,
+                     self.part.partition, self.conn.address, reason)
+            self.conn.close()
+            self.conn = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            _data_pool().release(self.conn)  # closed instead when a reply is still pending
+            self.conn = None
 
 
 def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
     """Every message of [start, end) of one partition, or an error: never a silently short range. The
     next fetch is in flight while the current batch is decoded and handed to Spark."""
     conn = _pool().get(part.address)
+    data = _DataPort(part) if getattr(part, "data_address", None) else None
+    try:
+        yield from _read_partition(part, conn, data)
+    finally:
+        if data is not None:
+            data.close()
+
+
+def _read_partition(part: MetaqPartition, conn, data) -> Iterator[pa.RecordBatch]:
     _, number = parse_partition_name(part.partition)
     offset = part.start
-    pending = _fetch(conn, part, number, offset) if offset < part.end else None
+    pending = _fetch(conn, part, number, offset, data) if offset < part.end else None
     while pending is not None:
         try:
-            r = _reply(conn, *pending)
+            r = _reply(conn, part, *pending, data)
         except RemoteOffsetOutOfRangeError as e:
             earliest = conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
                 pb.OffsetQuery(topic=part.topic, partition=number)]), retries=5).offsets[0].earliest
@@ -267,13 +371,13 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
                 raise DataLossError(message + "; set failOnDataLoss=false to skip them") from e
             log.warning("%s; skipping to %d", message, earliest)
             offset = earliest
-            pending = _fetch(conn, part, number, offset) if offset < part.end else None
+            pending = _fetch(conn, part, number, offset, data) if offset < part.end else None
             continue
         if r.end_offset <= offset:
             raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
                                 f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
         offset = r.end_offset
-        pending = _fetch(conn, part, number, offset) if offset < part.end else None
+        pending = _fetch(conn, part, number, offset, data) if offset < part.end else None
         yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
                        part.partition)
 

@@ -227,10 +227,9 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
                     payload = bytes(v)
                 else:  # a well-formed Put whose batch body is hostile
                     body = rng.randbytes(rng.choice([8, 16, 64]))
-                    import zlib
                     payload = pb.PutRequest(topic="t", partition=rng.choice([0, 1, -1]), batch=pb.MessageBatch(
                         count=rng.randint(0, 5), attributes=rng.randint(0, 3), body=body,
-                        body_crc=zlib.crc32(body))).SerializeToString()
+                        body_crc=records.crc(body))).SerializeToString()
                 try:
                     _raw_call(channel, rng.choice(methods) if kind < 3 else "Put", payload)
                 except grpc.RpcError as e:
@@ -273,3 +272,20 @@ def test_broker_registers_again_after_zookeeper_restarts(tmp_path):
                 assert consumer.fetch("t", "1-0", 0).messages()[0].value == b"after zk restart"
         finally:
             c.stop()
+
+
+def test_fetch_raw_returns_what_fetch_returns(cluster):
+    cluster.start_broker(1, topics={"raw": {}})
+    with cluster.client(Producer) as producer, cluster.client(Consumer) as consumer:
+        wait_until(lambda: producer.cluster.topic_partitions("raw"), what="topic")
+        for i in range(5):
+            producer.send_batch("raw", [b"m%d-%d" % (i, j) for j in range(100)], partition="1-0")
+        conn, _ = consumer.route("1-0")
+        for offset, max_bytes, max_messages in ((0, 1 << 20, 0), (150, 1024, 0), (250, 1 << 20, 120), (500, 0, 0)):
+            request = pb.FetchRequest(topic="raw", partition=0, offset=offset, max_bytes=max_bytes,
+                                      max_messages=max_messages)
+            full, raw = conn.call("Fetch", request), conn.call("FetchRaw", request)
+            assert (raw.start_offset, raw.end_offset, raw.earliest_offset, raw.latest_offset, bytes(raw.records)) == \
+                (full.start_offset, full.end_offset, full.earliest_offset, full.latest_offset, full.records)
+        with pytest.raises(RemoteOffsetOutOfRangeError, match=r"0 \(earliest\) to 500"):
+            conn.call("FetchRaw", pb.FetchRequest(topic="raw", partition=0, offset=501))

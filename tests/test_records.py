@@ -113,6 +113,20 @@ def test_every_damaged_byte_is_detected():
                 records.decode(bytes(damaged))
 
 
+def test_checksums_are_crc32c_of_any_buffer():
+    check = b"123456789"  # the standard check value of CRC-32C
+    for buf in (check, bytearray(check), memoryview(check), np.frombuffer(check, np.uint8)):
+        assert records.crc(buf) == 0xE3069283
+    assert records.crc(check[4:], records.crc(check[:4])) == 0xE3069283
+
+
+def test_format_version_1_is_refused_by_name():
+    buf = bytearray(encode([b"old"]))
+    buf[10] = 1  # version 1 batches carried zlib CRC-32 checksums
+    with pytest.raises(records.RecordFormatError, match="version 1"):
+        records.decode(bytes(buf))
+
+
 def test_truncated_buffers_are_rejected_at_every_length():
     buf = encode([b"hello", b"world"] * 5)
     for cut in range(1, len(buf)):

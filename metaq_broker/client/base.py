@@ -71,6 +71,11 @@ class ClientBase:
             raise InvalidPartitionError(f"broker {broker_id} is not alive (not registered)")
         return self.pool.get(addr)
 
+    def data_address(self, broker_id: int) -> Optional[str]:
+        """``"host:dataPort"`` of the broker's data port (bulk fetches, ``client.dataconn``), or None when it
+        has none or is known only from a static broker list."""
+        return self.cluster.data_address(broker_id)
+
     def route(self, partition: str):
         """(connection, partition number on that broker) for a ``<brokerId>-<n>`` name."""
         try:

@@ -45,6 +45,7 @@ class ClusterView:
         self._lock = threading.RLock()
         self._listeners: list = []
         self._brokers: dict = {}           # live brokerId -> "host:port"
+        self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
         self._broker_watched: set = set()
         self._topic_names: list = []       # children of topics-pub
         self._wanted: set = set()          # topics a caller asked about (watched while they exist)
@@ -70,6 +71,14 @@ class ClusterView:
             return dict(self._static)
         with self._lock:
             return dict(self._brokers)
+
+    def data_address(self, broker_id: int) -> Optional[str]:
+        """``"host:dataPort"`` of a live broker that registered a data port (``dataport``), else None
+        (no data port, not alive, or a static broker list)."""
+        if self.zk is None:
+            return None
+        with self._lock:
+            return self._data.get(broker_id)
 
     def topics(self) -> list:
         """Names of the topics any broker has registered (static: as ``static_topics`` reports)."""
@@ -117,18 +126,28 @@ class ClusterView:
             DataWatch(self.zk, self.paths.broker(bid), functools.partial(self._on_broker_data, bid))
 
     def _on_broker_data(self, bid: int, data, stat, event=None) -> None:
-        address = None
+        address = data_address = None
         if data is not None:
             try:
                 info = json.loads(data)
                 address = f"{info['host']}:{int(info['port'])}"
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
+            else:
+                try:
+                    if int(info.get("dataPort", 0)) > 0:
+                        data_address = f"{info['host']}:{int(info['dataPort'])}"
+                except (ValueError, TypeError):
+                    log.warning("broker %d: unreadable dataPort in %r; fetching with FetchRaw", bid, data[:200])
         with self._lock:
             if address is None:
                 self._brokers.pop(bid, None)
             else:
                 self._brokers[bid] = address
+            if data_address is None:
+                self._data.pop(bid, None)
+            else:
+                self._data[bid] = data_address
         self._changed()
 
     # -- topics ---------------------------------------------------------------------------------------

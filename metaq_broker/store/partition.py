@@ -72,6 +72,40 @@ class FetchResult:
 
 
 @dataclass(frozen=True)
+class FileRange:
+    """Where the bytes that ``read`` would return lie in a segment file (``locate``): ``length`` bytes at
+    ``position`` of ``path``, whole batches covering offsets [start_offset, end_offset)."""
+
+    start_offset: int
+    end_offset: int
+    segment: Optional[Segment]  # held so the descriptor stays open; None when empty
+    position: int  # in the file (its header included)
+    length: int
+
+    @property
+    def path(self) -> Optional[Path]:
+        return None if self.segment is None else self.segment.path
+
+    def dup_fd(self) -> int:
+        """A descriptor of the segment file, valid however the partition changes (the caller closes it).
+        StoreClosedError once the partition has been closed; CorruptLogError, as ``read`` would raise it,
+        when the file is shorter than the range."""
+        fd = os.dup(self.segment.fd)
+        try:
+            if self.segment.closed:  # set before the segment's own descriptor closes: fd may name another file
+                raise StoreClosedError(f"segment {self.segment.path} is closed")
+            have = min(max(os.fstat(fd).st_size - self.position, 0), self.length)
+            if have < self.length:
+                path = self.segment.path
+                raise CorruptLogError(f"{path}: file ends at byte {self.position + have}, {self.length - have} "
+                                      f"bytes short", path, self.position + have)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+@dataclass(frozen=True)
 class SegmentInfo:
     path: Path
     start: int
@@ -325,9 +359,9 @@ class PartitionLog:
     def _segment_for(segs, offset: int) -> Segment:
         return segs[max(bisect.bisect_right([s.base_offset for s in segs], offset) - 1, 0)]
 
-    def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FetchResult:
-        """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
-        so a consumer always progresses) and ``max_messages``. Empty at the log end."""
+    def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int]):
+        """What ``read`` and ``locate`` return: None at the log end, else (segment, logical position,
+        length, message count, index entries of the messages)."""
         self._check_offset(offset)
         if not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
             raise InvalidOffsetError(f"max_bytes must be a positive integer, got {max_bytes!r}")
@@ -335,7 +369,7 @@ class PartitionLog:
             raise InvalidOffsetError(f"max_messages must be a positive integer, got {max_messages!r}")
         segs, end = self._snapshot(offset)
         if offset == end:
-            return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
+            return None
         seg = self._segment_for(segs, offset)
         idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:][:max_messages]
         first = int(idx[0]["position"])
@@ -344,10 +378,28 @@ class PartitionLog:
         # segment's worth of entries per fetch.
         limit = first + max(max_bytes, int(idx[0]["batch_len"]))
         n = bisect.bisect_right(idx, limit, key=lambda e: int(e["position"]) + int(e["batch_len"]))
-        data = seg.read(first, int(idx[n - 1]["position"]) + int(idx[n - 1]["batch_len"]) - first)
+        return seg, first, int(idx[n - 1]["position"]) + int(idx[n - 1]["batch_len"]) - first, n, idx
+
+    def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FetchResult:
+        """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
+        so a consumer always progresses) and ``max_messages``. Empty at the log end."""
+        plan = self._plan_read(offset, max_bytes, max_messages)
+        if plan is None:
+            return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
+        seg, first, length, n, idx = plan
+        data = seg.read(first, length)
         starts = idx["position"][:n]
         batch_positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
         return FetchResult(offset, offset + n, data, batch_positions)
+
+    def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FileRange:
+        """Where the bytes ``read`` would return with the same arguments are in the segment file, for a
+        caller that sends them from the file itself (the broker's data port, with ``sendfile``)."""
+        plan = self._plan_read(offset, max_bytes, max_messages)
+        if plan is None:
+            return FileRange(offset, offset, None, 0, 0)
+        seg, first, length, n, _ = plan
+        return FileRange(offset, offset + n, seg, first - seg.start, length)
 
     def read_arrow(self, offset: int, end_offset: Optional[int] = None, max_bytes: int = 1 << 20) -> pa.RecordBatch:
         """Read and decode (checksums verified) messages from ``offset``, stopping at ``end_offset``."""

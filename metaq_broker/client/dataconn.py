@@ -1,0 +1,160 @@
+"""Client side of the broker's data port (``metaq_broker.dataport``): fetches over a persistent TCP
+connection, each reply received straight into a buffer of its own (``recv_into``, no further copies), and
+returned as the ``rawfetch.FetchReply`` that ``FetchRaw`` gives, so decoding is the same.
+
+A refusal (unknown topic, offset out of range, closed partition...) raises the same ``BrokerError``
+subclass as over gRPC, naming the same status code, and leaves the connection usable. A broken connection
+raises ``OSError`` (or ``dataport.ProtocolError``) and is closed; it connects again on its next use. Callers
+that must ride out a broker restart (the Spark source) fall back to gRPC ``FetchRaw``, which knows how to
+wait for a broker.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Optional
+
+import grpc
+import numpy as np
+
+from .. import rawfetch
+from ..dataport import CONNECT_TIMEOUT, OK, REPLY, STATUS_BY_NUMBER, ProtocolError, pack_request, recv_exact
+from .connection import _ERROR_OF, BrokerError
+
+MAX_HEADER = 4096  # a longer header than this is not a data port reply
+
+
+class DataConnection:
+    """One connection to one broker's data port, used by one caller at a time. ``send`` may run ahead of
+    ``receive`` (replies come in request order), so the next fetch is on its way while a reply is decoded."""
+
+    def __init__(self, address: str, timeout: float = 30.0):
+        self.address = address
+        host, _, port = address.rpartition(":")
+        self._target = (host.strip("[]"), int(port))
+        self.timeout = timeout
+        self.sock: Optional[socket.socket] = None
+        self.outstanding = 0  # requests sent whose replies are not yet received
+        self.connects = 0  # connections made (a test sees reuse)
+        self._head = bytearray(REPLY.size)
+
+    def send(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
+             max_wait_ms: int = 0, timeout: Optional[float] = None) -> None:
+        """Send one fetch (connecting first if need be)."""
+        timeout = self.timeout if timeout is None else timeout
+        request = pack_request(topic, partition, offset, max_bytes, max_messages, max_wait_ms)
+        try:
+            if self.sock is None:
+                sock = socket.create_connection(self._target, timeout=min(CONNECT_TIMEOUT, timeout))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sock, self.outstanding = sock, 0
+                self.connects += 1
+            self.sock.settimeout(timeout)
+            self.sock.sendall(request)
+        except BaseException:
+            self.close()
+            raise
+        self.outstanding += 1
+
+    def receive(self, timeout: Optional[float] = None) -> rawfetch.FetchReply:
+        """The reply to the oldest request sent. ``timeout`` bounds each wait for bytes."""
+        if self.sock is None or not self.outstanding:
+            raise ProtocolError(f"data port {self.address}: no request awaits a reply")
+        sock = self.sock
+        try:
+            sock.settimeout(self.timeout if timeout is None else timeout)
+            if not recv_exact(sock, memoryview(self._head)):
+                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            header_len, status, start, end, earliest, latest, body_len = REPLY.unpack(self._head)
+            if not REPLY.size <= header_len <= MAX_HEADER or body_len < 0:
+                raise ProtocolError(f"data port {self.address}: bad reply header ({header_len}, {body_len} bytes)")
+            if header_len > REPLY.size:  # fields added later: skipped
+                if not recv_exact(sock, memoryview(bytearray(header_len - REPLY.size))):
+                    raise ConnectionResetError(f"data port {self.address} closed the connection")
+            body = np.empty(body_len, np.uint8)
+            if body_len and not recv_exact(sock, memoryview(body)):
+                raise ConnectionResetError(f"data port {self.address} closed the connection")
+        except BaseException:
+            self.close()
+            raise
+        self.outstanding -= 1
+        if status != OK:
+            code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+            raise _ERROR_OF.get(code, BrokerError)(code, body.tobytes().decode("utf-8", "replace"), self.address)
+        return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body))
+
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
+              max_wait_ms: int = 0, timeout: Optional[float] = None) -> rawfetch.FetchReply:
+        """``send`` then ``receive``. A connection that was idle and turns out broken (the broker restarted)
+        is replaced once; fetching is read-only, so sending again is safe."""
+        for attempt in (0, 1):
+            reused = self.sock is not None
+            try:
+                self.send(topic, partition, offset, max_bytes, max_messages, max_wait_ms, timeout)
+                return self.receive(timeout)
+            except (OSError, ProtocolError):
+                if attempt or not reused:
+                    raise
+        raise AssertionError("unreachable")
+
+    def alive(self) -> bool:
+        """False when the broker has closed the connection (checked without blocking)."""
+        if self.sock is None:
+            return True
+        if self.outstanding:
+            return False
+        try:
+            self.sock.settimeout(0)
+            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; any byte: nobody asked for it
+        except BlockingIOError:
+            return True  # nothing to read: still connected
+        except OSError:
+            pass
+        return False
+
+    def close(self) -> None:
+        sock, self.sock, self.outstanding = self.sock, None, 0
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self) -> "DataConnection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DataConnectionPool:
+    """Idle data connections by address. ``acquire`` hands one to a single caller (a fresh one when none
+    is idle or the idle ones were closed by the broker); ``release`` keeps it for the next caller when it
+    has no reply pending, else closes it."""
+
+    def __init__(self, timeout: float = 30.0):
+        self.timeout = timeout
+        self._idle: dict = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, address: str) -> DataConnection:
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                return DataConnection(address, self.timeout)
+            if conn.alive():
+                return conn
+            conn.close()
+
+    def release(self, conn: DataConnection) -> None:
+        if conn.sock is None or conn.outstanding:
+            conn.close()
+            return
+        with self._lock:
+            self._idle.setdefault(conn.address, []).append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()

@@ -1,0 +1,252 @@
+"""The broker's data port: bulk fetches over plain TCP, the record bytes sent from the segment file with
+``sendfile``.
+
+gRPC in Python costs about a millisecond of CPU per MB fetched, end to end (copies in its Python layer
+and HTTP/2 framing), and a Spark task shares its cores with the broker. The data port serves one request,
+the same fetch as ``FetchRaw``, on a persistent connection: a fixed 32-byte request and the topic, answered
+with ``rawfetch``'s 40-byte header (its ``flags`` field carrying a status code), the records' length, and
+the records copied by the kernel from the page cache to the socket. docs/protocol.md gives the layout.
+
+Everything but the transport is the gRPC fetch's: the same checks, errors (as gRPC status code numbers
+and the same messages), counters and long-poll wait. ``dataPort`` = -1 turns the port off; clients then
+fetch with ``FetchRaw``, as they do whenever the data port cannot be reached.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import NamedTuple
+
+import grpc
+
+from . import rawfetch, records
+from .errors import InvalidOffsetError, MetaqError
+
+log = logging.getLogger(__name__)
+
+FETCH = 1  # the one request kind
+# request_len (all of it, topic included), kind, topic_len, partition, offset, max_bytes, max_messages, max_wait_ms
+REQUEST = struct.Struct("<IHHiqiii")
+assert REQUEST.size == 32
+MAX_TOPIC_BYTES = 1024
+# rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len
+REPLY = struct.Struct("<IIqqqqq")
+assert REPLY.size == 48 and REPLY.format[:7] == rawfetch.HEADER.format
+OK = 0
+CONNECT_TIMEOUT = 5.0  # a client gives up on the data port (and uses FetchRaw) after this
+
+_SENDFILE_CHUNK = 1 << 30
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
+class Request(NamedTuple):
+    topic: str
+    partition: int
+    offset: int
+    max_bytes: int
+    max_messages: int
+    max_wait_ms: int
+
+
+def pack_request(topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
+                 max_wait_ms: int = 0) -> bytes:
+    name = topic.encode()
+    if len(name) > MAX_TOPIC_BYTES:
+        raise ValueError(f"topic name of {len(name)} bytes is over {MAX_TOPIC_BYTES}")
+    return REQUEST.pack(REQUEST.size + len(name), FETCH, len(name), partition, offset, max_bytes, max_messages,
+                        max_wait_ms) + name
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    return code.value[0]
+
+
+STATUS_BY_NUMBER = {code_number(c): c for c in grpc.StatusCode}
+
+
+class ProtocolError(MetaqError):
+    """The peer broke the data port's framing; the connection is closed."""
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed before the first byte, ProtocolError if it
+    closed part-way."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return False
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return True
+
+
+class DataServer:
+    """Accepts on ``host:port`` (0: any free port); one daemon thread per connection, each serving its
+    requests in order. ``service`` is the broker's ``BrokerService``: the store, closed partitions,
+    counters and limits are its."""
+
+    def __init__(self, service, host: str, port: int):
+        self.service = service
+        self._listener = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: a restart rebinds
+        self.port = self._listener.getsockname()[1]
+        self._conns: dict = {}  # socket -> thread
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name="metaq-data-accept", daemon=True)
+
+    def start(self) -> "DataServer":
+        self._acceptor.start()
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let each connection finish the request it is serving (up to ``grace`` seconds),
+        close every connection and free the port. Returns only once no reply is being sent: the store may
+        then be closed."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            conns = dict(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
+        except OSError:
+            pass
+        self._listener.close()
+        if self._acceptor.ident is not None:
+            self._acceptor.join(5)
+        for sock in conns:  # the next read of a request sees the end; a reply in progress goes on
+            _shutdown(sock, socket.SHUT_RD)
+        deadline = time.monotonic() + grace
+        for sock, thread in conns.items():
+            thread.join(max(deadline - time.monotonic(), 0))
+            if thread.is_alive():  # a client that does not read its reply: cut it off
+                _shutdown(sock, socket.SHUT_RDWR)
+                thread.join(5)
+
+    # -- connections ----------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._stopping:
+                    return
+                log.exception("data port: accept failed")
+                time.sleep(0.1)
+                continue
+            with self._lock:
+                if self._stopping:
+                    sock.close()
+                    return
+                thread = threading.Thread(target=self._serve, args=(sock,), name="metaq-data", daemon=True)
+                self._conns[sock] = thread
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        head = bytearray(REQUEST.size)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._stopping and recv_exact(sock, memoryview(head)):
+                length, kind, topic_len, *fields = REQUEST.unpack(head)
+                if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
+                    self._send_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"malformed data port request (kind {kind}, {length} bytes, topic of "
+                                     f"{topic_len} bytes); closing the connection")
+                    return
+                name = bytearray(topic_len)
+                if topic_len and not recv_exact(sock, memoryview(name)):
+                    raise ProtocolError("connection closed inside a request")
+                self._fetch(sock, name, *fields)
+        except (OSError, ProtocolError):
+            pass  # the client went away or broke the framing: nothing to answer
+        except Exception:  # noqa: BLE001 - a bad connection must never take the broker down
+            log.exception("data port connection failed")
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+            sock.close()
+
+    # -- one fetch ------------------------------------------------------------------------------------
+    def _fetch(self, sock: socket.socket, name: bytearray, partition: int, offset: int, max_bytes: int,
+               max_messages: int, max_wait_ms: int) -> None:
+        from .service import _status
+        start = time.perf_counter()
+        fd = -1
+        try:
+            try:
+                try:
+                    topic = name.decode()
+                except UnicodeDecodeError:
+                    raise InvalidOffsetError("the topic name is not UTF-8") from None
+                where, log_ = self._locate(Request(topic, partition, offset, max_bytes, max_messages, max_wait_ms))
+                if where.length:
+                    fd = where.dup_fd()
+            except (MetaqError, records.RecordFormatError) as e:
+                self._send_error(sock, _status(e), str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - answered like the gRPC service's INTERNAL
+                log.exception("data port fetch failed")
+                self._send_error(sock, grpc.StatusCode.INTERNAL, f"FetchData failed: {type(e).__name__}: {e}")
+                return
+            header = REPLY.pack(REPLY.size, OK, where.start_offset, where.end_offset, log_.earliest_offset,
+                                log_.latest_offset, where.length)
+            if not where.length:
+                sock.sendall(header)
+                return
+            sock.sendall(header, _MSG_MORE)
+            pos, left = where.position, where.length
+            while left:
+                n = os.sendfile(sock.fileno(), fd, pos, min(left, _SENDFILE_CHUNK))
+                if n == 0:  # the file is shorter than its index says: the client sees a cut reply
+                    raise ProtocolError(f"{where.path} ends at byte {pos}, {left} bytes short")
+                pos += n
+                left -= n
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if self.service.observe is not None:
+                self.service.observe("FetchData", time.perf_counter() - start)
+
+    def _locate(self, request: Request):
+        """``BrokerService._read`` with ``PartitionLog.locate`` in place of ``read``: same checks, counters and
+        long-poll wait."""
+        svc = self.service
+        topic, partition = request.topic, request.partition
+        svc.store.partition(topic, partition)
+        counters = svc.stats.partition(topic, svc._name(partition))
+        try:
+            log_ = svc._open_partition(topic, partition)
+            if request.max_bytes < 0 or request.max_messages < 0 or request.max_wait_ms < 0:
+                raise InvalidOffsetError("max_bytes, max_messages and max_wait_ms must not be negative")
+            max_bytes = min(request.max_bytes or (1 << 20), svc.max_transfer_size)
+            wait_ms = min(request.max_wait_ms, svc.max_fetch_wait_ms)
+            where = log_.locate(request.offset, max_bytes, request.max_messages or None)
+            if where.end_offset == where.start_offset and wait_ms:
+                deadline = time.monotonic() + wait_ms / 1000
+                while not self._stopping and time.monotonic() < deadline:
+                    if log_.wait_for_data(request.offset, min(0.5, deadline - time.monotonic())):
+                        where = log_.locate(request.offset, max_bytes, request.max_messages or None)
+                        break
+        except BaseException:
+            counters.record_failure("get")
+            raise
+        counters.record_get(where.end_offset - where.start_offset, where.length)
+        return where, log_
+
+    @staticmethod
+    def _send_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        body = message.encode("utf-8", "replace")
+        sock.sendall(REPLY.pack(REPLY.size, code_number(code), -1, -1, -1, -1, len(body)) + body)
+
+
+def _shutdown(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass

@@ -1,0 +1,267 @@
+"""The broker's data port (bulk fetches over TCP with sendfile): the same answers as FetchRaw, errors
+included; persistent pooled connections; restarts; registration in ZooKeeper; the Spark source over it,
+and over FetchRaw when it is off or unreachable."""
+import json
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from kazoo.client import KazooClient
+
+from conftest import wait_until
+from metaq_broker import dataport, records
+from metaq_broker.broker import Broker
+from metaq_broker.broker_config import load
+from metaq_broker.client.connection import BrokerConnection, BrokerError
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
+from metaq_broker.client.producer import Producer
+from metaq_broker.proto import metaq_pb2 as pb
+from test_metrics import Scrape, port_is_free
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_broker(tmp_path, name="b", **settings):
+    overrides = {"brokerId": 1, "serverPort": 0, "zk.connect": "none", "dataPath": tmp_path / name,
+                 "maxFetchWait": 5000, **settings}
+    broker = Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
+    broker.create_topic("t", None, {})  # a no-op when it is there from an earlier run
+    return broker
+
+
+def fill(broker, topic="t", batches=5, per_batch=100, partition="1-0"):
+    with Producer(brokers={1: broker.address}) as producer:
+        for i in range(batches):
+            producer.send_batch(topic, [b"m%d-%d" % (i, j) for j in range(per_batch)], partition=partition)
+
+
+def both(grpc_conn, data_conn, **request):
+    """(outcome over FetchRaw, outcome over the data port): the reply's fields, or the error's type,
+    status code and broker message."""
+    def outcome(call):
+        try:
+            r = call()
+        except BrokerError as e:
+            return type(e), e.code, e.details
+        return r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset, bytes(r.records)
+    raw = outcome(lambda: grpc_conn.call("FetchRaw", pb.FetchRequest(**request)))
+    data = outcome(lambda: data_conn.fetch(**request))
+    return raw, data
+
+
+def test_data_port_answers_exactly_what_fetch_raw_answers(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        fill(b)
+        g, d = BrokerConnection(b.address, timeout=10), DataConnection(f"127.0.0.1:{b.data_port}", timeout=10)
+        cases = [dict(offset=0), dict(offset=0, max_bytes=1 << 20), dict(offset=150, max_bytes=1024),
+                 dict(offset=250, max_messages=120), dict(offset=499, max_messages=1), dict(offset=500),
+                 dict(offset=501), dict(offset=-3), dict(offset=0, max_bytes=-1), dict(offset=0, max_messages=-1),
+                 dict(offset=0, partition=5), dict(offset=0, topic="nope"), dict(offset=0, topic="bad name!")]
+        for case in cases:
+            request = {"topic": "t", "partition": 0, **case}
+            raw, data = both(g, d, **request)
+            assert raw == data, request
+        assert d.connects == 1  # errors leave the connection usable
+        raw, data = both(g, d, topic="t", partition=0, offset=0)
+        assert len(raw[4]) > 0 and records.decode(data[4], data[0], data[1]).num_rows == 500
+
+        # an operator-closed partition, then reopened
+        g.call("ClosePartitions", pb.PartitionRangeRequest(topic="t", start=0, end=0))
+        raw, data = both(g, d, topic="t", partition=0, offset=0)
+        assert raw == data and "closed" in data[2] and data[1].name == "FAILED_PRECONDITION"
+        g.call("OpenPartitions", pb.TopicRequest(topic="t"))
+        assert both(g, d, topic="t", partition=0, offset=0)[1][1] == 500
+
+        # a long poll at the log end answers when data comes
+        later = threading.Timer(0.3, fill, (b,), {"batches": 1})
+        later.start()
+        t0 = time.monotonic()
+        r = d.fetch("t", 0, 500, max_wait_ms=4000)
+        later.join()
+        assert r.end_offset == 600 and time.monotonic() - t0 < 4
+
+        # a segment file cut short under the broker: DATA_LOSS with the same message
+        seg = b.store.partition("t", 0).segments()[-1].path
+        os.truncate(seg, seg.stat().st_size - 100)
+        raw, data = both(g, d, topic="t", partition=0, offset=500)
+        assert raw == data and data[1].name == "DATA_LOSS" and "bytes short" in data[2]
+        assert d.connects == 1
+
+        # counters: every data port fetch counted like a gRPC one
+        stats = b.stats.snapshot("t")
+        assert sum(p.gets for p in stats) > 0 and sum(p.get_failures for p in stats) > 0
+        d.close()
+        g.close()
+    finally:
+        b.stop(grace=1)
+
+
+def test_connections_are_persistent_pooled_and_pipelined(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        fill(b, batches=20, per_batch=10)
+        address = f"127.0.0.1:{b.data_port}"
+        pool = DataConnectionPool(timeout=10)
+        conn = pool.acquire(address)
+        for offset in range(0, 200, 10):  # pipelined: all sent before any reply is read
+            conn.send("t", 0, offset, max_messages=10)
+        assert conn.outstanding == 20
+        assert [conn.receive().start_offset for _ in range(20)] == list(range(0, 200, 10))
+        pool.release(conn)
+        again = pool.acquire(address)
+        assert again is conn and conn.connects == 1
+        assert again.fetch("t", 0, 0).end_offset == 200
+        assert len(b.data_server._conns) == 1
+        again.send("t", 0, 0)  # a reply left pending: not given to the next caller
+        pool.release(again)
+        assert again.sock is None and pool.acquire(address) is not again
+        pool.close()
+    finally:
+        b.stop(grace=1)
+
+
+def test_broker_restart_on_the_same_port_is_reconnected_and_stop_frees_the_port(tmp_path):
+    port = free_port()
+    b = start_broker(tmp_path, dataPort=port)
+    fill(b)
+    pool = DataConnectionPool(timeout=10)
+    conn = pool.acquire(f"127.0.0.1:{port}")
+    before = conn.fetch("t", 0, 0)
+    pool.release(conn)
+    b.stop(grace=1)
+    assert port_is_free(port)
+    b = start_broker(tmp_path, dataPort=port)
+    try:
+        stale = pool.acquire(f"127.0.0.1:{port}")
+        assert stale is not conn  # the idle connection was seen to be closed and dropped
+        assert conn.sock is None
+        after = stale.fetch("t", 0, 0)
+        assert (after.start_offset, after.end_offset, bytes(after.records)) == \
+            (before.start_offset, before.end_offset, bytes(before.records))
+        # a connection held across the restart reconnects once by itself
+        held = DataConnection(f"127.0.0.1:{port}", timeout=10)
+        held.fetch("t", 0, 0)
+        b.stop(grace=1)
+        b = start_broker(tmp_path, dataPort=port)
+        assert held.fetch("t", 0, 100).start_offset == 100 and held.connects == 2
+        held.close()
+    finally:
+        b.stop(grace=1)
+        pool.close()
+
+
+def test_a_malformed_request_is_refused_and_the_broker_serves_on(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        fill(b, batches=1)
+        with socket.create_connection(("127.0.0.1", b.data_port), timeout=10) as s:
+            s.sendall(struct.pack("<IHHiqiii", 999, 7, 1, 0, 0, 0, 0, 0) + b"t")
+            head = s.recv(dataport.REPLY.size, socket.MSG_WAITALL)
+            _, status, *_, n = dataport.REPLY.unpack(head)
+            assert status == 3 and b"malformed" in s.recv(n, socket.MSG_WAITALL)  # INVALID_ARGUMENT
+            try:  # and the connection closed (reset: the broker left the topic byte unread)
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        with socket.create_connection(("127.0.0.1", b.data_port), timeout=10) as s:
+            s.sendall(dataport.pack_request("t", 0, 0)[:20])  # half a request, then gone
+        with DataConnection(f"127.0.0.1:{b.data_port}") as d:
+            assert d.fetch("t", 0, 0).end_offset == 100
+    finally:
+        b.stop(grace=1)
+
+
+def test_off_with_minus_one(tmp_path):
+    b = start_broker(tmp_path, dataPort=-1)
+    try:
+        assert b.data_port is None and b.data_server is None
+    finally:
+        b.stop(grace=1)
+
+
+# -- ZooKeeper and the Spark source ------------------------------------------------------------------
+
+def zk_broker(tmp_path, zookeeper, zk_root, name, **settings):
+    return start_broker(tmp_path, name, **{"zk.connect": zookeeper.connect_string, "zk.root": zk_root,
+                                           "metricsPort": 0, **settings})
+
+
+def served(broker, method):
+    """Calls of ``method`` the broker's metrics have timed (FetchData: data port fetches)."""
+    return Scrape(broker.metrics_port).samples.get(("metaq_rpc_latency_seconds_count", (("method", method),)), 0)
+
+
+def registration(zookeeper, zk_root):
+    zk = KazooClient(zookeeper.connect_string)
+    zk.start()
+    try:
+        return json.loads(zk.get(f"{zk_root}/brokers/ids/1")[0])
+    finally:
+        zk.stop()
+
+
+def test_registered_in_zookeeper_and_read_partition_uses_it(tmp_path, zookeeper, zk_root):
+    from metaq_spark import source as src
+    b = zk_broker(tmp_path, zookeeper, zk_root, "zk")
+    try:
+        fill(b, batches=30, per_batch=100)
+        assert registration(zookeeper, zk_root)["dataPort"] == b.data_port
+        with Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
+            wait_until(lambda: consumer.data_address(1), what="data port in the cluster view")
+            assert consumer.data_address(1) == f"127.0.0.1:{b.data_port}"
+            assert consumer.data_address(2) is None
+
+        def read(data_address):
+            part = src.MetaqPartition("t", "1-0", b.address, 5, 2995, 4096, True, 10_000, data_address)
+            return [bt for bt in src.read_partition(part)]
+        raw0 = served(b, "FetchRaw")
+        via_raw = read(None)
+        raw1, data1 = served(b, "FetchRaw"), served(b, "FetchData")
+        via_data = read(f"127.0.0.1:{b.data_port}")
+        assert served(b, "FetchRaw") == raw1 > raw0
+        assert served(b, "FetchData") >= data1 + len(via_data)
+        assert [x.to_pydict() for x in via_data] == [x.to_pydict() for x in via_raw]
+        assert sum(x.num_rows for x in via_data) == 2990
+        conn = src._data_pool().acquire(f"127.0.0.1:{b.data_port}")  # the task gave its connection back
+        assert conn.connects == 1
+        src._data_pool().release(conn)
+
+        # a data port that cannot be reached (a broker restarted elsewhere): FetchRaw carries the task
+        unreachable = read(f"127.0.0.1:{free_port()}")
+        assert [x.to_pydict() for x in unreachable] == [x.to_pydict() for x in via_raw]
+        # errors name the partition, offset and broker as over gRPC
+        part = src.MetaqPartition("t", "1-0", b.address, 5000, 5001, 4096, True, 10_000, f"127.0.0.1:{b.data_port}")
+        with pytest.raises(BrokerError, match=rf"broker {b.address}: OUT_OF_RANGE: t 1-0 at offset 5000: "):
+            list(src.read_partition(part))
+    finally:
+        b.stop(grace=1)
+
+
+@pytest.mark.parametrize("data_port", [0, -1])
+def test_spark_source_reads_over_the_data_port_or_without_it(spark, tmp_path, zookeeper, zk_root, data_port):
+    b = zk_broker(tmp_path, zookeeper, zk_root, "spark", dataPort=data_port, numPartitions=2)
+    try:
+        for p in ("1-0", "1-1"):
+            fill(b, batches=10, per_batch=200, partition=p)
+        assert ("dataPort" in registration(zookeeper, zk_root)) == (data_port == 0)
+        df = (spark.read.format("metaq").option("metaq.zk.connect", zookeeper.connect_string)
+              .option("metaq.zk.root", zk_root).option("subscribe", "t").option("fetchMaxBytes", "8192").load())
+        rows = df.select("partition", "offset", "value").collect()
+        assert sorted((r.partition, r.offset, r.value) for r in rows) == sorted(
+            (p, i * 200 + j, b"m%d-%d" % (i, j)) for p in ("1-0", "1-1") for i in range(10) for j in range(200))
+        fetch_data, fetch_raw = served(b, "FetchData"), served(b, "FetchRaw")
+        if data_port == 0:
+            assert fetch_data > 0 and fetch_raw == 0
+        else:
+            assert fetch_data == 0 and fetch_raw > 0
+    finally:
+        b.stop(grace=1)
