@@ -76,13 +76,13 @@ def test_broker_dockerfile_runs_the_entrypoint_as_non_root_with_volume_ports_and
     assert "pip install --no-cache-dir ." in args["RUN"]
     assert args["USER"].split(":")[0] not in ("root", "0") and words.index("USER") > words.index("RUN")
     assert json.loads(args["VOLUME"]) == ["/var/lib/metaq"]
-    assert {"8123", "9123"} <= set(args["EXPOSE"].split())
+    assert {"8123", "8125", "9123"} <= set(args["EXPOSE"].split())
     assert args["HEALTHCHECK"].endswith('CMD ["python", "-m", "metaq_broker.container", "health"]')
     assert json.loads(args["ENTRYPOINT"]) == ["python", "-m", "metaq_broker.container"]  # exec form: no shell
     assert not re.search(r"openjdk|temurin|default-jre|\bjava\b", (DOCKER / "Dockerfile").read_text(), re.I)
     env = dockerfile_env(DOCKER / "Dockerfile")
     assert env["METAQ_DATA_PATH"] == "/var/lib/metaq" and env["METAQ_SERVER_PORT"] == "8123"
-    assert env["METAQ_METRICS_PORT"] == "9123"
+    assert env["METAQ_METRICS_PORT"] == "9123" and env["METAQ_DATA_PORT"] == "8125"
     unknown = {v for v in env if v.startswith("METAQ_")} - set(container.env_keys())
     assert not unknown
 
@@ -252,7 +252,7 @@ def test_compose_has_zookeeper_two_brokers_and_the_spark_job():
         ids.add(env["METAQ_BROKER_ID"])
         assert env["METAQ_HOST_NAME"] == name and env["METAQ_ZK_CONNECT"] == "zookeeper:2181"
         targets = {str(p).rsplit(":", 1)[-1] for p in s["ports"]}
-        assert {"8123", "9123"} <= targets
+        assert {"8123", "8125", "9123"} <= targets
         volume, path = s["volumes"][0].split(":")[:2]
         assert path == "/var/lib/metaq" and volume in spec["volumes"]
         assert s["healthcheck"]["test"] == ["CMD", "python", "-m", "metaq_broker.container", "health"]
