@@ -100,7 +100,8 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False, spar
 
 
 def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -> int:
-    """Spark reads the topic as a stream, upper-cases each value and writes it to a second topic."""
+    """Spark reads the topic as a stream, upper-cases each value and writes it to a second topic through
+    the exactly-once metaq sink (broker transactions, decision records in ZooKeeper)."""
     import os
     import sys
 
@@ -123,22 +124,16 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
         source = (spark.readStream.format("metaq").option("metaq.zk.connect", zk_connect)
                   .option("subscribe", TOPIC).option("maxOffsetsPerTrigger", 4000).load())
         upper = source.select("key", F.upper(F.col("value").cast("string")).alias("value"))
-
-        def write_batch(batch_df, batch_id):
-            # Until the exactly-once metaq sink exists, each micro-batch goes through the producer.
-            table = batch_df.toArrow()
-            if table.num_rows:
-                producer.send_batch(OUT_TOPIC, table.column("value").combine_chunks(),
-                                    keys=table.column("key").combine_chunks())
-
         started = time.monotonic()
-        query = (upper.writeStream.foreachBatch(write_batch).trigger(availableNow=True)
+        query = (upper.writeStream.format("metaq").option("metaq.zk.connect", zk_connect)
+                 .option("topic", OUT_TOPIC).trigger(availableNow=True)
                  .option("checkpointLocation", str(workdir / "spark-checkpoint")).start())
         query.awaitTermination()
         batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
         elapsed = time.monotonic() - started
         say(f"Spark read {sum(batches)} messages from {TOPIC} in {len(batches)} micro-batches "
-            f"({', '.join(map(str, batches))} rows) and wrote them upper-cased to {OUT_TOPIC} in {elapsed:.1f}s")
+            f"({', '.join(map(str, batches))} rows) and wrote them upper-cased, exactly once, to {OUT_TOPIC} "
+            f"in {elapsed:.1f}s")
         out = consumer.offsets(OUT_TOPIC)
         written = sum(latest for _, latest in out.values())
         sample = consumer.fetch(OUT_TOPIC, sorted(out)[0], 0, max_messages=1).messages()
@@ -148,6 +143,8 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
         return written
     finally:
         spark.stop()
+        from metaq_spark.group_commit import RECORDER
+        RECORDER.close()  # its ZooKeeper session ends before ZooKeeper does
 
 
 def _wait_for_partitions(client, topic: str, count: int, timeout: float = 15.0) -> None:

@@ -1,0 +1,429 @@
+"""``df.writeStream.format("metaq")`` and ``df.write.format("metaq")``: the exactly-once sink.
+
+Each task writes its rows in one broker transaction per broker it touches, named
+``<sinkId>/<batchId>/<run>/<partitionId>-<taskAttemptId>@<brokerId>`` and begun with the coordinator
+``{"path": <decision record>, "run": <run>}``, and prepares them. The driver's ``commit`` then records the
+decision for the batch in ZooKeeper (``<zk.root>/sinks/<sinkId>/batches/<batchId>``, listing the
+transactions to commit; ``metaq_broker.txn_decisions``) and commits them. A batch replayed after a driver
+crash finds the earlier run's decision, finishes its commits and rolls back its own transactions, so
+nothing is written twice; a broker holding an in-doubt transaction settles it from the same record.
+
+Spark creates a new writer for every micro-batch and again, from scratch, for the driver's commit and
+abort, so nothing is kept in memory: the run id and the record's path travel in the commit messages.
+The sink id is the ``sinkId`` option, else ``<last component of checkpointLocation>-<query id>``: Spark
+keeps the query id in the checkpoint, so a restarted query keeps its sink id and a fresh checkpoint at the
+same path gets a new one. Rows go to brokers as Arrow columns (``Producer.encode_batches``): no Python loop per row."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+import queue
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
+
+from metaq_broker import txn_decisions
+from metaq_broker.errors import InvalidMessageError, InvalidPartitionError
+from metaq_broker.client.connection import BrokerUnavailableError
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.zkpaths import ZkPaths, check_component
+
+from .options import OptionError, _int
+
+log = logging.getLogger(__name__)
+
+SINK_OPTIONS = {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId", "transactionTimeoutMs"}
+_SPELLING = {name.lower(): name for name in SINK_OPTIONS}
+_GIVEN_BY_SPARK = {"checkpointlocation", "path"}
+_SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+SETTLE_WAIT_S = 120.0  # how long the driver waits for a broker that is down to take a commit
+MAX_PUT_BYTES = 16 << 20  # Arrow batches larger than this go to the brokers in slices
+
+COLUMNS = {  # column -> (allowed Spark types, how the message uses it)
+    "value": ((BinaryType, StringType), "binary or string, required"),
+    "key": ((BinaryType, StringType), "binary or string"),
+    "partition": ((StringType,), "string <brokerId>-<n>"),
+    "attribute": ((StringType,), "string"),
+    "flag": ((IntegerType, ShortType, ByteType), "int"),
+    "topic": ((StringType,), "string"),
+}
+
+
+class SinkSchemaError(ValueError):
+    """The DataFrame written to metaq has a column the sink does not take, or one of the wrong type."""
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    zk_connect: str
+    zk_root: str = "/meta"
+    topic: Optional[str] = None
+    exactly_once: bool = True
+    sink_id: Optional[str] = None
+    timeout_ms: int = 0  # BeginTransaction's timeout_ms; 0: the broker's transactionTimeout
+    checkpoint: Optional[str] = None
+
+
+def parse_sink(options) -> SinkOptions:
+    """The sink's options; unknown ones are errors naming them (the source's options are not sink options)."""
+    opts, checkpoint = {}, None
+    for key, value in dict(options).items():
+        name = _SPELLING.get(key.lower())
+        if name is None:
+            if key.lower() == "checkpointlocation":
+                checkpoint = value
+            elif key.lower() not in _GIVEN_BY_SPARK:
+                raise OptionError(f"unknown option {key!r} for the metaq sink; known options: "
+                                  f"{', '.join(sorted(SINK_OPTIONS))}")
+            continue
+        opts[name] = value
+    if not opts.get("metaq.zk.connect"):
+        raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
+    root = opts.get("metaq.zk.root", "/meta")
+    if not root.startswith("/"):
+        raise OptionError(f"option metaq.zk.root: {root!r} must start with '/'")
+    topic = opts.get("topic")
+    if topic is not None:
+        try:
+            check_component("topic", topic)
+        except ValueError as e:
+            raise OptionError(f"option topic: {e}") from None
+    guarantee = opts.get("deliveryGuarantee", "exactly-once").strip().lower()
+    if guarantee not in ("exactly-once", "at-least-once"):
+        raise OptionError(f"option deliveryGuarantee: expected exactly-once or at-least-once, "
+                          f"got {opts['deliveryGuarantee']!r}")
+    sink_id = opts.get("sinkId")
+    if sink_id is not None and not _SINK_ID.fullmatch(sink_id):
+        raise OptionError(f"option sinkId: {sink_id!r} must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_', '-'")
+    if sink_id in (".", ".."):
+        raise OptionError(f"option sinkId: {sink_id!r} is reserved")
+    timeout = _int("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
+    return SinkOptions(opts["metaq.zk.connect"], root, topic, guarantee == "exactly-once", sink_id, timeout, checkpoint)
+
+
+def check_schema(schema: StructType, opts: SinkOptions) -> dict:
+    """{column: index} of the columns the sink uses; SinkSchemaError naming the column otherwise."""
+    allowed = ", ".join(f"{c} ({what})" for c, (_, what) in COLUMNS.items())
+    index = {}
+    for i, f in enumerate(schema.fields):
+        name = f.name.lower()
+        if name not in COLUMNS:
+            raise SinkSchemaError(f"column {f.name!r} is not written by the metaq sink; the columns are: {allowed}")
+        if name in index:
+            raise SinkSchemaError(f"column {f.name!r} appears twice")
+        types, what = COLUMNS[name]
+        if not isinstance(f.dataType, types):
+            raise SinkSchemaError(f"column {f.name!r} has type {f.dataType.simpleString()}; the metaq sink "
+                                  f"needs {what}")
+        index[name] = i
+    if "value" not in index:
+        raise SinkSchemaError(f"the metaq sink needs a column 'value' (binary or string); got "
+                              f"{', '.join(schema.fieldNames()) or 'no columns'}")
+    if "topic" not in index and opts.topic is None:
+        raise SinkSchemaError("no topic: give the option topic, or a string column 'topic'")
+    return index
+
+
+def default_sink_id(checkpoint: str, query_id: str) -> str:
+    """``<last component of the checkpoint path, 24 chars at most>-<query id>``. Spark keeps the query id
+    in the checkpoint: a query restarted from it keeps its sink id, a new checkpoint (even at the same
+    path) gets a new one. No path normalisation: executors may not share the driver's working directory."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", checkpoint.strip().rstrip("/").rsplit("/", 1)[-1])[:24].strip(".")
+    if not re.fullmatch(r"[0-9a-f-]{36}", query_id or ""):  # not seen with Spark 4.3; keep a stable name
+        query_id = hashlib.sha256(checkpoint.encode()).hexdigest()[:36]
+    return f"{name or 'query'}-{query_id}"
+
+
+@dataclass
+class SinkCommitMessage(WriterCommitMessage):
+    run: str
+    path: str  # the decision record the transactions name ("" for at-least-once)
+    xids: list  # [[brokerId, xid], ...] prepared by the task
+    rows: int
+
+
+# -- shared clients (one per Python process) -----------------------------------------------------------
+
+_PRODUCERS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _producer(opts: SinkOptions):
+    """One Producer per Python worker and cluster, reused by every task the worker runs."""
+    from metaq_broker.client.producer import Producer
+    key = (opts.zk_connect, opts.zk_root)
+    with _LOCK:
+        p = _PRODUCERS.get(key)
+        if p is None:
+            p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root)
+        return p
+
+
+# -- executors -----------------------------------------------------------------------------------------
+
+def _slices(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    pieces = -(-batch.nbytes // MAX_PUT_BYTES)
+    if pieces <= 1:
+        yield batch
+        return
+    step = -(-batch.num_rows // pieces)
+    for start in range(0, batch.num_rows, step):
+        yield batch.slice(start, step)
+
+
+def send_arrow(send, batch: pa.RecordBatch, index: dict, default_topic: Optional[str]) -> int:
+    """Send one Arrow batch with ``send(topic, values, keys, attributes, flags, partition=...)``, one call
+    per topic present (a ``topic`` column is split with Arrow kernels). Returns the rows sent."""
+    if not batch.num_rows:
+        return 0
+    col = {name: batch.column(i) for name, i in index.items()}
+    topics = col.get("topic")
+    if topics is None:
+        groups = [(default_topic, None)]
+    else:
+        if topics.null_count:
+            if default_topic is None:
+                raise InvalidMessageError("the topic column has nulls and there is no topic option for them")
+            topics = pc.fill_null(topics, default_topic)
+        encoded = topics.dictionary_encode()
+        names = encoded.dictionary.to_pylist()
+        groups = [(names[0], None)] if len(names) == 1 else \
+            [(t, pc.equal(encoded.indices, pa.scalar(i, encoded.indices.type))) for i, t in enumerate(names)]
+    for topic, mask in groups:
+        cols = col if mask is None else {k: pc.filter(v, mask) for k, v in col.items()}
+        flags = cols.get("flag")
+        if flags is not None and flags.null_count:
+            flags = pc.fill_null(flags, 0)
+        send(topic, cols["value"], cols.get("key"), cols.get("attribute"), flags, partition=cols.get("partition"))
+    return batch.num_rows
+
+
+class Pipeline:
+    """Sends Arrow batches from one background thread, in order, with at most ``depth`` queued: reading
+    the next batch from Spark overlaps with encoding and the broker's work on the previous ones, and a
+    partition still receives its messages in the order Spark produced them."""
+
+    def __init__(self, send, index: dict, topic: Optional[str], depth: int = 2):
+        self._send = lambda batch: send_arrow(send, batch, index, topic)
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._error: Optional[BaseException] = None
+        self._skip = False
+        self.rows = 0
+        self._thread = threading.Thread(target=self._run, name="metaq-sink-sender", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            if self._error is None and not self._skip:
+                try:
+                    self._send(batch)
+                except BaseException as e:  # noqa: BLE001 - raised in the task's thread
+                    self._error = e
+
+    def submit(self, batch: pa.RecordBatch) -> None:
+        for piece in _slices(batch):
+            if self._error is not None:
+                raise self._error
+            self._queue.put(piece)
+            self.rows += piece.num_rows
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self._skip = kind is not None  # failing: what is queued is not sent
+        self._queue.put(None)
+        self._thread.join()
+        if kind is None and self._error is not None:
+            raise self._error
+
+
+class _Writer:
+    """What the batch and the streaming writer share: the options, the columns, the run id."""
+
+    streaming = False
+
+    def __init__(self, opts: SinkOptions, schema: StructType):
+        self.opts = opts
+        self.index = check_schema(schema, opts)
+        self.run = uuid.uuid4().hex  # per writer; Spark makes a writer per micro-batch
+
+    # -- executor side ---------------------------------------------------------------------------------
+    def _where(self):
+        """(sink id, batch id) of the task running now."""
+        from pyspark import TaskContext
+        ctx = TaskContext.get()
+        if not self.streaming:  # one record per write, removed after it
+            return f"{self.opts.sink_id or 'write'}-{self.run[:16]}", 0, ctx
+        batch_id = int(ctx.getLocalProperty("streaming.sql.batchId"))
+        sink_id = self.opts.sink_id
+        if sink_id is None:
+            if not self.opts.checkpoint:
+                raise OptionError("the metaq sink needs a checkpointLocation or a sinkId option")
+            sink_id = default_sink_id(self.opts.checkpoint, ctx.getLocalProperty("sql.streaming.queryId") or "")
+        return sink_id, batch_id, ctx
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
+        producer = _producer(self.opts)
+        if not self.opts.exactly_once:
+            with Pipeline(producer.send_batch, self.index, self.opts.topic) as pipe:
+                for batch in iterator:
+                    pipe.submit(batch)
+            return SinkCommitMessage(self.run, "", [], pipe.rows)
+        sink_id, batch_id, ctx = self._where()
+        path = ZkPaths(self.opts.zk_root).sink_batch(sink_id, batch_id)
+        # taskAttemptId is unique in the application, also across stage re-attempts; the run keeps
+        # attempts of a replayed batch (a new driver) apart.
+        prefix = f"{sink_id}/{batch_id}/{self.run}/{ctx.partitionId()}-{ctx.taskAttemptId()}"
+        txn = producer.transaction(prefix, self.opts.timeout_ms, json.dumps({"path": path, "run": self.run}))
+        try:
+            with Pipeline(txn.send_batch, self.index, self.opts.topic) as pipe:
+                for batch in iterator:
+                    pipe.submit(batch)
+            xids = txn.prepare()
+        except BaseException:
+            for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
+                _rollback_quietly(producer, bid, xid)
+            raise
+        return SinkCommitMessage(self.run, path, xids, pipe.rows)
+
+    # -- driver side -----------------------------------------------------------------------------------
+    def _commit(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
+        """Decide, then commit; a replay commits the earlier run's decision and drops its own."""
+        done = [m for m in messages if m is not None]
+        if not self.opts.exactly_once or not done:
+            return  # no task reported (nothing ran): brokers settle any leftovers from the record
+        run, path = _one(done)
+        own = sorted({(int(b), x) for m in done for b, x in m.xids})
+        producer = _producer(self.opts)
+        zk = producer.cluster.zk
+        decision = txn_decisions.decide_commit(zk, path, run, [list(x) for x in own])
+        _settle(producer, decision.xids, "CommitTransaction")
+        if decision.run != run:
+            log.info("batch %d was committed by an earlier run (%s); dropping this run's %d transactions",
+                     batch_id, decision.run, len(own))
+            for bid, xid in own:
+                _rollback_quietly(producer, bid, xid)
+        self._clean(zk, path, batch_id)
+
+    def _abort(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
+        """Roll back this run's transactions, unless a commit decision for them is in force (Spark calls
+        abort also when commit failed part-way: then they stay, to be committed)."""
+        done = [m for m in messages if m is not None]
+        if not self.opts.exactly_once or not done:
+            return  # failed tasks rolled back their own; brokers time out any others
+        run, path = _one(done)
+        producer = _producer(self.opts)
+        decision = txn_decisions.decide_abort(producer.cluster.zk, path, run)
+        left = 0
+        for m in done:
+            for bid, xid in m.xids:
+                if not decision.commits(int(bid), xid):
+                    left += not _rollback_quietly(producer, int(bid), xid)
+        if not self.streaming and left == 0 and decision.outcome == "abort":
+            _delete(producer.cluster.zk, posixpath.dirname(posixpath.dirname(path)))
+
+    def _clean(self, zk, path: str, batch_id: int) -> None:
+        raise NotImplementedError
+
+
+def _one(messages: list) -> tuple:
+    runs = {(m.run, m.path) for m in messages}
+    if len(runs) != 1:
+        raise RuntimeError(f"commit messages of one batch name different runs or records: {sorted(runs)}")
+    return runs.pop()
+
+
+def _settle(producer, xids: list, method: str) -> None:
+    """Call ``method`` for every [brokerId, xid], brokers in parallel, waiting up to SETTLE_WAIT_S for a
+    broker that is down or restarting (both calls are idempotent, so resending is safe)."""
+    by_broker: dict = {}
+    for bid, xid in xids:
+        by_broker.setdefault(int(bid), []).append(xid)
+    deadline = time.monotonic() + SETTLE_WAIT_S
+
+    def one_broker(bid: int) -> None:
+        for xid in by_broker[bid]:
+            while True:
+                try:
+                    producer.connection(bid).call(method, pb.TransactionRequest(xid=xid), retries=3)
+                    break
+                except (InvalidPartitionError, BrokerUnavailableError) as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{method} of {xid} on broker {bid}: {e} (the decision is recorded: "
+                                           f"the broker settles the transaction when it is back)") from e
+                    time.sleep(0.2)
+
+    if len(by_broker) <= 1:
+        for bid in by_broker:
+            one_broker(bid)
+        return
+    with ThreadPoolExecutor(len(by_broker)) as pool:
+        for f in [pool.submit(one_broker, bid) for bid in sorted(by_broker)]:
+            f.result()
+
+
+def _rollback_quietly(producer, bid: int, xid: str) -> bool:
+    """Best effort: a transaction left behind is rolled back by its broker (timeout or decision)."""
+    try:
+        producer.connection(int(bid)).call("RollbackTransaction", pb.TransactionRequest(xid=xid), timeout=10,
+                                           retries=1)
+        return True
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not roll back transaction %s on broker %s (its broker will): %s", xid, bid, e)
+        return False
+
+
+def _delete(zk, path: str) -> None:
+    try:
+        zk.delete(path, recursive=True)
+    except Exception as e:  # noqa: BLE001 - housekeeping never fails a write
+        log.warning("could not delete %s: %s", path, e)
+
+
+class MetaqStreamWriter(_Writer, DataSourceStreamArrowWriter):
+    streaming = True
+
+    def commit(self, messages, batchId: int) -> None:
+        self._commit(messages, batchId)
+
+    def abort(self, messages, batchId: int) -> None:
+        self._abort(messages, batchId)
+
+    def _clean(self, zk, path: str, batch_id: int) -> None:
+        """Only the last batch can be replayed (Spark wrote batch N-1 to its commit log before running
+        N): keep the records of N and N-1, delete older ones (also those a broker recreated to abort)."""
+        parent = posixpath.dirname(path)
+        try:
+            for child in zk.get_children(parent):
+                if child.isdigit() and int(child) < batch_id - 1:
+                    zk.delete(f"{parent}/{child}")
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not clean up decision records under %s: %s", parent, e)
+
+
+class MetaqBatchWriter(_Writer, DataSourceArrowWriter):
+    def commit(self, messages) -> None:
+        self._commit(messages, 0)
+
+    def abort(self, messages) -> None:
+        self._abort(messages, 0)
+
+    def _clean(self, zk, path: str, batch_id: int) -> None:
+        _delete(zk, posixpath.dirname(posixpath.dirname(path)))  # this write's own sink node
+
+
+def writer(options, schema: StructType, streaming: bool):
+    opts = parse_sink(options)
+    return (MetaqStreamWriter if streaming else MetaqBatchWriter)(opts, schema)

@@ -1,0 +1,467 @@
+"""Issue 5: the metaq Spark sink, ``df.write`` and ``df.writeStream``, exactly once. Real ZooKeeper,
+broker processes and Spark; failures are injected at precise points (a UDF that pauses or fails on its
+first attempt, SIGKILL of the driver process group, SIGSTOP/SIGKILL of a broker), and in every case the
+output topic holds each input exactly once."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+from kazoo.client import KazooClient
+from pyspark import TaskContext
+from pyspark.sql import functions as F
+
+from conftest import wait_until
+from metaq_broker import txn_decisions
+from metaq_broker.client.admin import Admin
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.zookeeper import free_port
+from metaq_spark.options import OptionError
+from metaq_spark.sink import SinkOptions, SinkSchemaError, check_schema, parse_sink
+from spark_helpers import fill, reader, spark_builder
+
+PER_PARTITION = 200
+
+
+def expected(per_partition=PER_PARTITION):
+    return Counter(f"out:{p}:{i}" for p in ("1-0", "1-1") for i in range(per_partition))
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
+    import metaq_spark
+    session = spark_builder("local[2,4]", "metaq-sink-tests").getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    metaq_spark.register(session)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_queries(request):
+    """A test that fails mid-query leaves no query running into the next test."""
+    yield
+    if "spark" in request.fixturenames:
+        for q in request.getfixturevalue("spark").streams.active:
+            q.stop()
+
+
+@pytest.fixture
+def zk(zookeeper):
+    client = KazooClient(hosts=zookeeper.connect_string)
+    client.start(10)
+    yield client
+    client.stop()
+    client.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def pipeline(spark, zk_connect, root, checkpoint, hooks, route="hash", topic="out", **sink_options):
+    """``in`` -> transformation -> ``topic``, AvailableNow in batches of 200 rows (100 per input partition).
+    A file ``pause-<batch>-<partition>-<offset>`` in ``hooks`` makes that row's first visit write
+    ``paused`` and wait for ``go``; ``fail-<batch>-<partition>-<offset>`` fails that row's task on its
+    first attempt. route "split": rows of input 1-1 go to out 1-0 only, rows of 1-0 alternate 1-0/2-0."""
+    for conf, value in (("arrow.maxRecordsPerBatch", 10), ("python.udf.maxRecordsPerBatch", 10),
+                        ("python.udf.buffer.size", 256), ("pandas.udf.buffer.size", 256)):
+        spark.conf.set(f"spark.sql.execution.{conf}", str(value))  # rows reach the sink as they go
+
+    @F.udf("string")
+    def transform(value, partition, offset):
+        ctx = TaskContext.get()
+        where = f"{ctx.getLocalProperty('streaming.sql.batchId')}-{partition}-{offset}"
+        armed = os.path.join(hooks, f"pause-{where}")
+        if os.path.exists(armed):
+            os.remove(armed)
+            open(os.path.join(hooks, "paused"), "w").close()
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(hooks, "go")) and time.time() < deadline:
+                time.sleep(0.02)
+        if ctx.attemptNumber() > 0:
+            open(os.path.join(hooks, "retried"), "w").close()
+        if os.path.exists(os.path.join(hooks, f"fail-{where}")) and ctx.attemptNumber() == 0:
+            open(os.path.join(hooks, "failed"), "w").close()
+            raise RuntimeError(f"injected failure at {where} on the first attempt")
+        return "out:" + value
+
+    df = (spark.readStream.format("metaq").option("metaq.zk.connect", zk_connect).option("metaq.zk.root", root)
+          .option("subscribe", "in").option("maxOffsetsPerTrigger", 200).option("commitOffsets", "false").load())
+    cols = [transform(F.col("value").cast("string"), "partition", "offset").alias("value")]
+    if route == "split":
+        cols.append(F.when(F.col("partition") == "1-1", "1-0").when(F.col("offset") % 2 == 0, "1-0")
+                    .otherwise("2-0").alias("partition"))
+    out = df.select(*cols).withColumn("key", F.col("value"))
+    w = (out.writeStream.format("metaq").option("metaq.zk.connect", zk_connect).option("metaq.zk.root", root)
+         .option("topic", topic).option("checkpointLocation", str(checkpoint)).trigger(availableNow=True))
+    for k, v in sink_options.items():
+        w = w.option(k, v)
+    return w.start()
+
+
+def start_brokers(cluster, out_brokers=(1, 2), timeout_ms=60_000, per_partition=PER_PARTITION):
+    """``in`` (2 partitions) on broker 1; ``out`` with one partition on each of ``out_brokers``."""
+    for bid in sorted({1, *out_brokers}):
+        topics = {"out": {"numPartitions": 1}} if bid in out_brokers else {}
+        if bid == 1:
+            topics["in"] = {"numPartitions": 2}
+        cluster.start_broker(bid, settings={"transactionTimeout": timeout_ms, "metricsPort": free_port()},
+                             topics=topics)
+    fill(cluster, "in", per_partition, ["1-0", "1-1"])
+    with cluster.client(Producer) as p:
+        wait_until(lambda: len(p.cluster.topic_partitions("out")) == len(out_brokers), what="topic out")
+
+
+def restart_broker(cluster, bid):
+    b = cluster.brokers[bid]
+    b.kill()
+    cluster.start_broker(bid, settings=b.settings, topics=b.topics)
+
+
+def topic_values(cluster, topic):
+    """Every message of ``topic`` as the client sees it (all partitions, value as text)."""
+    out = []
+    with cluster.client(Consumer) as c:
+        for p, (earliest, latest) in c.offsets(topic).items():
+            if latest > earliest:
+                out += [v.decode() for v in c.read_range(topic, p, earliest, latest).column("value").to_pylist()]
+    return out
+
+
+def prepared(cluster, bid, batch=None):
+    """xids of prepared transactions on broker ``bid`` (of stream batch ``batch``)."""
+    with cluster.client(Admin) as admin:
+        xids = [t.xid for t in admin.prepared_transactions(bid)]
+    return [x for x in xids if batch is None or x.split("/")[1] == str(batch)]
+
+
+def open_transactions(broker):
+    """Open (not yet prepared) transactions on a broker, from its Prometheus metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.settings['metricsPort']}/metrics", timeout=5) as r:
+        m = re.search(r'metaq_open_transactions\{state="open"\} (\S+)', r.read().decode())
+    return int(float(m.group(1))) if m else 0
+
+
+def decisions(zk, root):
+    """{sinkId: {batchId: Decision}} of every decision record under ``root``."""
+    out = {}
+    for sink in zk.get_children(f"{root}/sinks") if zk.exists(f"{root}/sinks") else []:
+        base = f"{root}/sinks/{sink}/batches"
+        out[sink] = {int(b): txn_decisions.read(zk, f"{base}/{b}")[0] for b in zk.get_children(base)}
+    return out
+
+
+def arm(hooks, name):
+    hooks.mkdir(exist_ok=True)
+    (hooks / name).touch()
+
+
+def assert_exactly_once(cluster, topic="out", per_partition=PER_PARTITION):
+    values, want = Counter(topic_values(cluster, topic)), expected(per_partition)
+    assert values == want, f"missing {sum((want - values).values())}, duplicated {sum((values - want).values())}"
+    for bid in cluster.brokers:  # leftovers of failed attempts and replays are rolled back
+        wait_until(lambda b=bid: not prepared(cluster, b), timeout=20, what=f"no in-doubt transaction on {bid}")
+
+
+def writer(df, cluster, **options):
+    w = df.write.format("metaq").option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root",
+                                                                                       cluster.zk_root)
+    for k, v in options.items():
+        w = w.option(k, v)
+    return w.mode("append")
+
+
+# -- options, schema, batch writes -----------------------------------------------------------------------
+
+def test_bad_options_and_columns_fail_before_any_task(spark, cluster, tmp_path):
+    zk = {"metaq.zk.connect": cluster.zk_connect}
+    for options, message in [
+        ({"topic": "t"}, r"option metaq.zk.connect is required"),
+        ({**zk, "topic": "t", "subscribe": "t"}, r"unknown option 'subscribe' for the metaq sink; known options: "),
+        ({**zk, "deliveryGuarantee": "twice"}, r"option deliveryGuarantee: expected exactly-once or at-least-once"),
+        ({**zk, "sinkId": "a/b"}, r"option sinkId: 'a/b' must be 1 to 64 characters"),
+        ({**zk, "transactionTimeoutMs": "soon"}, r"option transactionTimeoutMs: 'soon' is not an integer"),
+        ({**zk, "metaq.zk.root": "meta"}, r"option metaq.zk.root: 'meta' must start with '/'"),
+        ({**zk, "topic": "a/b"}, r"option topic: topic 'a/b' cannot be used"),
+    ]:
+        with pytest.raises(OptionError, match=message):
+            parse_sink(options)
+    assert parse_sink({**zk, "checkpointLocation": "/ck", "path": "x", "DELIVERYGUARANTEE": "At-Least-Once"}) \
+        == SinkOptions(cluster.zk_connect, exactly_once=False, checkpoint="/ck")
+    for ddl, options, message in [
+        ("value string", {}, r"no topic: give the option topic, or a string column 'topic'"),
+        ("key string", {"topic": "t"}, r"the metaq sink needs a column 'value' \(binary or string\); got key"),
+        ("value int", {"topic": "t"}, r"column 'value' has type int; the metaq sink needs binary or string"),
+        ("value string, flag string", {"topic": "t"}, r"column 'flag' has type string; the metaq sink needs int"),
+        ("value string, partition int", {"topic": "t"}, r"column 'partition' has type int; .* needs string"),
+        ("value string, topic binary", {}, r"column 'topic' has type binary; the metaq sink needs string"),
+        ("value string, offset long", {"topic": "t"},
+         r"column 'offset' is not written by the metaq sink; the columns are: value \(binary or string, required\), "
+         r"key \(binary or string\), partition \(string <brokerId>-<n>\), attribute \(string\), flag \(int\), "
+         r"topic \(string\)"),
+    ]:
+        with pytest.raises(SinkSchemaError, match=message):
+            check_schema(spark.createDataFrame([], ddl).schema, parse_sink({**zk, **options}))
+    # Through Spark: save() and start() fail on the driver, before any task runs.
+    cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    with pytest.raises(Exception, match=r"unknown option 'subscribe' for the metaq sink"):
+        writer(spark.createDataFrame([("a",)], "value string"), cluster, topic="t", subscribe="t").save()
+    with pytest.raises(Exception, match=r"column 'offset' is not written by the metaq sink"):
+        writer(spark.createDataFrame([("a", 1)], "value string, offset long"), cluster, topic="t").save()
+    with pytest.raises(Exception, match=r"column 'partition' has type int"):
+        (spark.readStream.format("rate").load().select(F.col("value").cast("string").alias("value"),
+                                                       F.lit(1).alias("partition"))
+         .writeStream.format("metaq").option("metaq.zk.connect", cluster.zk_connect).option("topic", "t")
+         .option("checkpointLocation", str(tmp_path / "ck")).start().awaitTermination(60))
+    assert topic_values(cluster, "t") == []
+
+
+def test_batch_write_and_read_back(spark, cluster, zk):
+    cluster.start_broker(1, topics={"a": {"numPartitions": 2}, "b": {"numPartitions": 1}})
+    cluster.start_broker(2, topics={"a": {"numPartitions": 1}})
+    rows = [(f"v{i}".encode(), f"k{i % 7}" if i % 3 else None, ["1-0", "1-1", "2-0"][i % 3], f"n={i}", i % 5)
+            for i in range(300)]
+    df = spark.createDataFrame(rows, "value binary, key string, partition string, attribute string, flag int")
+    writer(df.repartition(3), cluster, topic="a").save()
+    got = reader(spark, cluster, subscribe="a").select("value", "key", "partition", "attribute", "flag").collect()
+    assert sorted((r.value, r.key.decode() if r.key else None, r.partition, r.attribute, r.flag) for r in got) == \
+        sorted(rows)
+    # string values, a topic column (nulls take the topic option), key hash without a partition column
+    mixed = spark.createDataFrame([(f"s{i}", ["a", "b", None][i % 3], f"key{i % 4}") for i in range(90)],
+                                  "value string, topic string, key string")
+    writer(mixed, cluster, topic="b", deliveryGuarantee="exactly-once").save()
+    b = reader(spark, cluster, subscribe="b").select("value").collect()
+    assert sorted(r.value.decode() for r in b) == sorted(f"s{i}" for i in range(90) if i % 3)
+    by_key = reader(spark, cluster, subscribe="a").where(F.col("value").cast("string").startswith("s")) \
+        .groupBy("key").agg(F.countDistinct("partition").alias("n")).collect()
+    assert len(by_key) == 4 and all(r.n == 1 for r in by_key)  # one key, one partition
+    # at-least-once: no transactions, same rows
+    writer(spark.createDataFrame([(f"x{i}",) for i in range(50)], "value string"), cluster, topic="b",
+           deliveryGuarantee="at-least-once").save()
+    assert sorted(v for v in topic_values(cluster, "b") if v.startswith("x")) == sorted(f"x{i}" for i in range(50))
+    assert decisions(zk, cluster.zk_root) == {}  # a write removes its record once committed
+    assert prepared(cluster, 1) == [] and prepared(cluster, 2) == []
+
+
+def test_bad_input_fails_the_whole_write_and_shows_nothing(spark, cluster, zk):
+    cluster.start_broker(1, topics={"t": {"numPartitions": 2, "maxMessageSize": 1000}})
+    good = [(f"ok{i}", "1-0") for i in range(100)]
+    cases = [
+        (good + [("bad", "1-7")], r"partition '1-7' is not a live partition of topic 't'"),
+        (good + [("x" * 2000, "1-1")], r"message 0 of the batch is 2000 bytes .*the limit for topic t is 1000"),
+        (good + [(None, "1-1")], r"value of message \d+ is null"),
+    ]
+    for rows, message in cases:  # two tasks: one has only good rows, and prepares them
+        df = spark.createDataFrame(rows, "value string, partition string").repartition(2)
+        with pytest.raises(Exception, match=message):
+            writer(df, cluster, topic="t").save()
+        assert topic_values(cluster, "t") == []  # the good task's prepared transactions were rolled back
+    wait_until(lambda: not prepared(cluster, 1), timeout=10, what="nothing in doubt")
+    assert all(d.outcome == "abort" for s in decisions(zk, cluster.zk_root).values() for d in s.values())
+
+
+def test_uncommitted_and_rolled_back_messages_are_never_visible(spark, cluster, zk):
+    cluster.start_broker(1, settings={"transactionTimeout": 2000}, topics={"t": {"numPartitions": 1}})
+    path = f"{cluster.zk_root}/sinks/manual/batches/{0:020d}"
+    with cluster.client(Producer) as p:
+        wait_until(lambda: p.cluster.topic_partitions("t"), what="topic")
+        pending = p.transaction("manual/pending")
+        pending.send_batch("t", [b"pending"], partition="1-0")
+        pending.prepare()
+        gone = p.transaction("manual/gone")
+        gone.send_batch("t", [b"gone"], partition="1-0")
+        gone.prepare()
+        gone.rollback()
+        undecided = p.transaction("manual/undecided", coordinator=json.dumps({"path": path, "run": "r"}))
+        undecided.send_batch("t", [b"undecided"], partition="1-0")
+        undecided.prepare()
+        p.send_batch("t", [b"plain"], partition="1-0")
+        assert topic_values(cluster, "t") == ["plain"]
+        assert [r.value for r in reader(spark, cluster, subscribe="t").collect()] == [b"plain"]
+        # No decision within transactionTimeout: the broker records an abort and rolls back.
+        wait_until(lambda: prepared(cluster, 1) == ["manual/pending@1"], timeout=15, what="undecided rolled back")
+        assert txn_decisions.read(zk, path)[0].aborted == ["r"]
+        pending.rollback()
+    assert [r.value for r in reader(spark, cluster, subscribe="t").collect()] == [b"plain"]
+    assert topic_values(cluster, "t") == ["plain"]
+
+
+# -- streaming pipeline in -> Spark -> out ---------------------------------------------------------------
+
+def test_pipeline_exactly_once_across_batches_and_restarts(spark, cluster, zk, tmp_path):
+    start_brokers(cluster)
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(tmp_path))
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == [200, 200]
+    assert_exactly_once(cluster)
+    [(sink, batches)] = decisions(zk, cluster.zk_root).items()
+    assert sorted(batches) == [0, 1] and all(d.outcome == "commit" for d in batches.values())
+    # more input, same checkpoint: the same sink id, only the new rows, old records cleaned up
+    with cluster.client(Producer) as p:
+        for part in ("1-0", "1-1"):
+            p.send_batch("in", [f"{part}:{i}".encode() for i in range(PER_PARTITION, 2 * PER_PARTITION)],
+                         partition=part)
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(tmp_path))
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    values = Counter(topic_values(cluster, "out"))
+    assert values == expected(2 * PER_PARTITION)
+    assert list(decisions(zk, cluster.zk_root)) == [sink]
+    assert sorted(decisions(zk, cluster.zk_root)[sink]) == [2, 3]
+    # at-least-once into another topic
+    with cluster.client(Admin) as admin:
+        admin.create_topic("fast", 2, [1])
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck-fast", str(tmp_path), topic="fast",
+                 deliveryGuarantee="at-least-once")
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert Counter(topic_values(cluster, "fast")) == values
+
+
+def test_task_failing_on_its_first_attempt(spark, cluster, tmp_path):
+    start_brokers(cluster)
+    arm(tmp_path / "hooks", "fail-1-1-0-150")  # batch 1, input partition 1-0, offset 150: mid-task
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(tmp_path / "hooks"))
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert (tmp_path / "hooks" / "failed").exists()
+    assert_exactly_once(cluster)
+
+
+def test_brokers_give_up_before_the_decision_then_a_restart_writes_once(spark, cluster, tmp_path):
+    """The driver is slower than the brokers' transactionTimeout: they roll the batch back and record
+    it, the commit fails with a clear error, and a restart from the checkpoint writes the batch once."""
+    start_brokers(cluster, timeout_ms=2000)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause-1-1-1-100")  # batch 1's task of input 1-1 waits; the other task prepares
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks), transactionTimeoutMs=60000)
+    wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 1, batch=1), timeout=120,
+               what="batch 1 half prepared")
+    wait_until(lambda: not prepared(cluster, 1, batch=1), timeout=20, what="the brokers' abort")
+    (hooks / "go").touch()
+    with pytest.raises(Exception, match=r"rolled back run \w+'s transactions before the commit decision"):
+        q.awaitTermination(180)
+    for bid in (1, 2):  # (and a SIGKILL of both) a patient timeout for the rerun
+        b = cluster.brokers[bid]
+        b.kill()
+        cluster.start_broker(bid, settings={**b.settings, "transactionTimeout": 60000}, topics=b.topics)
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks))
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert_exactly_once(cluster)
+
+
+def test_broker_killed_during_prepare(spark, cluster, tmp_path):
+    start_brokers(cluster)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause-1-1-0-150")  # batch 1, input 1-0, mid-task: its transactions are open
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks),
+                 transactionTimeoutMs=60000)
+    wait_until(lambda: (hooks / "paused").exists() and open_transactions(cluster.brokers[2]), timeout=120,
+               what="an open transaction on broker 2")
+    restart_broker(cluster, 2)  # SIGKILL: the open transaction is lost; its task fails and is retried
+    (hooks / "go").touch()
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert (hooks / "retried").exists()
+    assert_exactly_once(cluster)
+
+
+def test_broker_killed_during_commit(spark, cluster, zk, tmp_path):
+    start_brokers(cluster)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause-1-1-1-100")
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks), route="split")
+    broker2 = cluster.brokers[2]
+    wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2, batch=1), timeout=120,
+               what="batch 1 prepared on broker 2")
+    broker2.proc.send_signal(signal.SIGSTOP)  # the driver's commit will wait on it
+    try:
+        (hooks / "go").touch()
+        wait_until(lambda: any(1 in s for s in decisions(zk, cluster.zk_root).values())
+                   and not prepared(cluster, 1, batch=1), timeout=60, what="the decision, broker 1 committed")
+    finally:
+        restart_broker(cluster, 2)  # SIGKILL while stopped, mid-commit; its prepared transaction survives
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert_exactly_once(cluster)
+
+
+# -- the driver killed -----------------------------------------------------------------------------------
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from spark_helpers import spark_builder
+    import metaq_spark
+    from test_spark_sink import pipeline
+    spark = spark_builder("local[2,4]", "sink-driver").getOrCreate()
+    metaq_spark.register(spark)
+    q = pipeline(spark, {zk!r}, {root!r}, {ck!r}, {hooks!r}, route={route!r})
+    q.awaitTermination()
+    print("DONE", flush=True)
+""")
+
+
+def run_driver(cluster, tmp_path, route):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), zk=cluster.zk_connect, root=cluster.zk_root,
+                                    ck=str(tmp_path / "ck"), hooks=str(tmp_path / "hooks"), route=route))
+    return subprocess.Popen([sys.executable, str(script)], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def kill_driver(proc):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+def finish_driver(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "DONE" in out, err[-3000:]
+
+
+def test_driver_killed_before_the_decision_and_while_committing(cluster, zk, tmp_path):
+    """Two SIGKILLs of the driver process group, then a clean run: in batch 1 after one task prepared
+    and before the decision; in batch 2 after the decision, with the commit done on broker 1 and waiting
+    on broker 2 (SIGSTOPped), so Spark replays a batch whose decision is already recorded."""
+    start_brokers(cluster, per_partition=300)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause-1-1-1-100")
+    proc = run_driver(cluster, tmp_path, "split")
+    try:
+        wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 1, batch=1), timeout=180,
+                   what="batch 1 half prepared")
+    finally:
+        kill_driver(proc)
+    assert not any(1 in s for s in decisions(zk, cluster.zk_root).values())
+
+    (hooks / "paused").unlink()
+    arm(hooks, "pause-2-1-1-200")
+    proc = run_driver(cluster, tmp_path, "split")  # replays batch 1 under a new run, then batch 2
+    broker2 = cluster.brokers[2]
+    try:
+        wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2, batch=2), timeout=180,
+                   what="batch 2 prepared on broker 2")
+        broker2.proc.send_signal(signal.SIGSTOP)  # the commit reaches broker 1, then waits here
+        try:
+            (hooks / "go").touch()
+            wait_until(lambda: any(2 in s for s in decisions(zk, cluster.zk_root).values())
+                       and not prepared(cluster, 1, batch=2), timeout=60, what="the decision, broker 1 committed")
+        finally:
+            kill_driver(proc)
+    finally:
+        broker2.proc.send_signal(signal.SIGCONT)
+    assert not (tmp_path / "ck" / "commits" / "2").exists()  # Spark will replay batch 2
+
+    finish_driver(run_driver(cluster, tmp_path, "split"))  # finds the decision: commits it, drops its own
+    assert_exactly_once(cluster, per_partition=300)
