@@ -184,7 +184,8 @@ class DataServer:
                     topic = name.decode()
                 except UnicodeDecodeError:
                     raise InvalidOffsetError("the topic name is not UTF-8") from None
-                where, log_ = self._locate(Request(topic, partition, offset, max_bytes, max_messages, max_wait_ms))
+                where, log_ = self.service._read(Request(topic, partition, offset, max_bytes, max_messages, max_wait_ms),
+                                                 lambda: not self._stopping, locate=True)
                 if where.length:
                     fd = where.dup_fd()
             except (MetaqError, records.RecordFormatError) as e:
@@ -212,32 +213,6 @@ class DataServer:
                 os.close(fd)
             if self.service.observe is not None:
                 self.service.observe("FetchData", time.perf_counter() - start)
-
-    def _locate(self, request: Request):
-        """``BrokerService._read`` with ``PartitionLog.locate`` in place of ``read``: same checks, counters and
-        long-poll wait."""
-        svc = self.service
-        topic, partition = request.topic, request.partition
-        svc.store.partition(topic, partition)
-        counters = svc.stats.partition(topic, svc._name(partition))
-        try:
-            log_ = svc._open_partition(topic, partition)
-            if request.max_bytes < 0 or request.max_messages < 0 or request.max_wait_ms < 0:
-                raise InvalidOffsetError("max_bytes, max_messages and max_wait_ms must not be negative")
-            max_bytes = min(request.max_bytes or (1 << 20), svc.max_transfer_size)
-            wait_ms = min(request.max_wait_ms, svc.max_fetch_wait_ms)
-            where = log_.locate(request.offset, max_bytes, request.max_messages or None)
-            if where.end_offset == where.start_offset and wait_ms:
-                deadline = time.monotonic() + wait_ms / 1000
-                while not self._stopping and time.monotonic() < deadline:
-                    if log_.wait_for_data(request.offset, min(0.5, deadline - time.monotonic())):
-                        where = log_.locate(request.offset, max_bytes, request.max_messages or None)
-                        break
-        except BaseException:
-            counters.record_failure("get")
-            raise
-        counters.record_get(where.end_offset - where.start_offset, where.length)
-        return where, log_
 
     @staticmethod
     def _send_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:

@@ -131,8 +131,9 @@ class BrokerService(pb_grpc.BrokerServicer):
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
                               fsynced=result.fsynced)
 
-    def _read(self, request, context):
-        """What ``Fetch`` and ``FetchRaw`` return: the read result and the partition."""
+    def _read(self, request, is_active, locate: bool = False):
+        """What every fetch path returns: (FetchResult, or FileRange with ``locate``, and the partition),
+        with the checks, counters and long-poll wait (while ``is_active()``) they share."""
         topic, partition = request.topic, request.partition
         self.store.partition(topic, partition)
         counters = self.stats.partition(topic, self._name(partition))
@@ -142,22 +143,24 @@ class BrokerService(pb_grpc.BrokerServicer):
                 raise InvalidOffsetError("max_bytes, max_messages and max_wait_ms must not be negative")
             max_bytes = min(request.max_bytes or (1 << 20), self.max_transfer_size)
             wait_ms = min(request.max_wait_ms, self.max_fetch_wait_ms)
-            result = log_.read(request.offset, max_bytes, request.max_messages or None)
+            read = log_.locate if locate else log_.read
+            result = read(request.offset, max_bytes, request.max_messages or None)
             if result.end_offset == result.start_offset and wait_ms:
                 deadline = time.monotonic() + wait_ms / 1000
-                while context.is_active() and time.monotonic() < deadline:
+                while is_active() and time.monotonic() < deadline:
                     if log_.wait_for_data(request.offset, min(0.5, deadline - time.monotonic())):
-                        result = log_.read(request.offset, max_bytes, request.max_messages or None)
+                        result = read(request.offset, max_bytes, request.max_messages or None)
                         break
         except BaseException:
             counters.record_failure("get")
             raise
-        counters.record_get(result.end_offset - result.start_offset, result.data.size)
+        counters.record_get(result.end_offset - result.start_offset,
+                            result.length if locate else result.data.size)
         return result, log_
 
     @rpc
     def Fetch(self, request, context):
-        result, log_ = self._read(request, context)
+        result, log_ = self._read(request, context.is_active)
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
                                 earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset)
@@ -165,7 +168,7 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def FetchRaw(self, request, context):
         """``Fetch`` answered as a struct header and the record bytes (``rawfetch``): no protobuf copies."""
-        result, log_ = self._read(request, context)
+        result, log_ = self._read(request, context.is_active)
         return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.latest_offset,
                              result.data)
 
