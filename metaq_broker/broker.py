@@ -20,6 +20,7 @@ from .proto import metaq_pb2_grpc as pb_grpc
 from .service import BrokerService
 from .stats import BrokerStats
 from .store import MessageStore, validate_topic_name
+from .store.message_store import TRANSACTIONS_DIRECTORY
 from .store.transactions import TransactionManager
 from .txn_resolver import TransactionResolver
 
@@ -66,7 +67,7 @@ class Broker:
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
                                   retention_interval=cfg.retention_check_interval_s)
         try:
-            self.transactions = TransactionManager(self.store, data / "transactions",
+            self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
                                                    cfg.transaction_timeout_ms / 1000)
             if cfg.metrics_port >= 0:
                 from .metrics import BrokerMetrics

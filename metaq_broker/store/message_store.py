@@ -16,6 +16,8 @@ from ..ids import MessageIdAllocator
 from .config import TopicConfig, validate_topic_name
 from .partition import AppendResult, FetchResult, PartitionLog
 
+TRANSACTIONS_DIRECTORY = "transactions"  # the broker's transaction journal lives beside the partitions
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,7 @@ class MessageStore:
         self._closed = False
         on_disk: dict = {}
         for entry in sorted(self.data_path.iterdir()):
-            if not entry.is_dir():
+            if not entry.is_dir() or entry.name == TRANSACTIONS_DIRECTORY:
                 continue
             topic, sep, num = entry.name.rpartition("-")
             if not sep or not num.isdigit() or str(int(num)) != num:
