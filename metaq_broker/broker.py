@@ -3,8 +3,8 @@ registration, topics created at runtime, and an orderly shutdown."""
 from __future__ import annotations
 
 import configparser
+import io
 import logging
-import os
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -20,6 +20,7 @@ from .proto import metaq_pb2_grpc as pb_grpc
 from .service import BrokerService
 from .stats import BrokerStats
 from .store import MessageStore, validate_topic_name
+from .store.durable import make_dirs, replace_file
 from .store.message_store import TRANSACTIONS_DIRECTORY
 from .store.transactions import TransactionManager
 from .txn_resolver import TransactionResolver
@@ -34,10 +35,12 @@ MAX_GRPC_MESSAGE = 256 << 20
 class Broker:
     """``start()`` opens the store, serves gRPC and registers in ZooKeeper (unless ``zk.connect`` is
     ``none``); ``stop()`` stops accepting, lets in-flight calls finish, fsyncs and closes the store, then
-    deregisters."""
+    deregisters. ``repair``: recovery cuts a damaged log tail even where acknowledged messages follow the
+    damage (``metaq-broker --repair``), instead of refusing to start."""
 
-    def __init__(self, config: BrokerConfig):
+    def __init__(self, config: BrokerConfig, repair: bool = False):
         self.config = config
+        self.repair = repair
         self.port: Optional[int] = None
         self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
         self.data_port: Optional[int] = None  # the data port once started (dataPort >= 0)
@@ -62,10 +65,10 @@ class Broker:
     def start(self) -> "Broker":
         cfg = self.config
         data = Path(cfg.data_path)
-        data.mkdir(parents=True, exist_ok=True)
+        make_dirs(data)
         topics = {**self._runtime_topics(), **cfg.topics}
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
-                                  retention_interval=cfg.retention_check_interval_s)
+                                  retention_interval=cfg.retention_check_interval_s, repair=self.repair)
         try:
             self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
                                                    cfg.transaction_timeout_ms / 1000)
@@ -194,9 +197,6 @@ class Broker:
         if path.exists():
             parser.read(path, encoding="utf-8")
         parser[f"topic={topic}"] = topic_ini_values(config)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            parser.write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        text = io.StringIO()
+        parser.write(text)
+        replace_file(path, text.getvalue().encode("utf-8"))

@@ -16,6 +16,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="metaq-broker", description=__doc__)
     parser.add_argument("--config", help="INI file with a [system] section and [topic=NAME] sections")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--repair", action="store_true",
+                        help="cut a damaged partition tail even where valid batches follow the damage (they may "
+                             "have been acknowledged: topics with unflushThreshold > 0); what is cut is logged")
     for key in list(SYSTEM_KEYS) + list(TOPIC_KEYS):
         parser.add_argument(f"--{key}", dest=f"key:{key}", metavar="VALUE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -28,7 +31,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load(args.config, overrides)
-        broker = Broker(config).start()
+        broker = Broker(config, repair=args.repair).start()
     except (ConfigError, MetaqError) as e:
         sys.stderr.write(f"metaq-broker: {e}\n")
         sys.exit(2)

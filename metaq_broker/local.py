@@ -46,12 +46,14 @@ class BrokerProcess:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+    def start(self, timeout: float = 30.0, args=(), wrapper=()) -> "BrokerProcess":
+        """Start and wait until serving; ``args`` are extra ``metaq-broker`` flags, ``wrapper`` a command
+        the broker runs under (e.g. ``strace -f -o FILE``)."""
         config = self.write_config()
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.broker_main", "--config", str(config)],
-                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "metaq_broker.broker_main", "--config", str(config),
+                                      *args], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.wait_ready(timeout)
         return self

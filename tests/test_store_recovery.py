@@ -100,17 +100,39 @@ def test_flipping_bits_in_the_last_batch_drops_only_that_batch(tmp_path):
         log.close()
 
 
-def test_damage_followed_by_valid_batches_is_reported_not_cut(tmp_path):
-    values, starts = fill(tmp_path, 5, config=TopicConfig())
+def _damage_second_batch(tmp_path, config):
+    values, starts = fill(tmp_path, 5, config=config)
     seg = segment_files(tmp_path)[-1]
     data = bytearray(seg.read_bytes())
     second_offset, second_pos = starts[1]
     data[file_offset(seg, second_pos) + 60] ^= 0xFF  # inside the second batch's body
     seg.write_bytes(bytes(data))
-    with pytest.raises(CorruptLogError, match=r"followed by valid batches.*repair=True") as e:
-        open_log(tmp_path, TopicConfig())
-    assert e.value.path == seg and e.value.position == file_offset(seg, second_pos)
-    assert seg.read_bytes() == bytes(data)  # nothing was cut
+    return values, second_offset, file_offset(seg, second_pos), seg, bytes(data)
+
+
+def test_damage_followed_by_valid_batches_under_group_commit_is_cut(tmp_path, caplog):
+    """Under group commit an acknowledged batch was fsynced, and an fsync covers everything written
+    before it: a damaged batch and all after it were never acknowledged, so recovery may cut there."""
+    values, second_offset, _, seg, _ = _damage_second_batch(tmp_path, TopicConfig())
+    with caplog.at_level(logging.WARNING):
+        log = open_log(tmp_path, TopicConfig())
+    assert log.latest_offset == second_offset
+    assert all_values(log) == values[:second_offset]
+    assert f"offset {second_offset}" in caplog.text and "no fsync covered them" in caplog.text
+    assert log.append([b"next"]).base_offset == second_offset
+    log.close()
+
+
+def test_damage_followed_by_valid_batches_is_refused_where_acks_preceded_fsync(tmp_path):
+    """unflushThreshold > 0 acknowledges before fsync: cutting could drop acknowledged messages, also on
+    the first open after switching the topic back to group commit."""
+    unflushed = TopicConfig(unflush_threshold=100)
+    values, second_offset, second_pos, seg, data = _damage_second_batch(tmp_path, unflushed)
+    for config in (unflushed, TopicConfig()):
+        with pytest.raises(CorruptLogError, match=r"followed by valid batches.*unflushThreshold.*--repair") as e:
+            open_log(tmp_path, config)
+        assert e.value.path == seg and e.value.position == second_pos
+        assert seg.read_bytes() == data  # nothing was cut
     # The operator can choose to cut at the damage.
     log = open_log(tmp_path, TopicConfig(), repair=True)
     assert log.latest_offset == second_offset

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
 from ..ids import MessageIdAllocator
 from .config import TopicConfig, validate_topic_name
+from .durable import make_dirs
 from .partition import AppendResult, FetchResult, PartitionLog
 
 TRANSACTIONS_DIRECTORY = "transactions"  # the broker's transaction journal lives beside the partitions
@@ -32,7 +33,7 @@ class MessageStore:
                  background_interval: Optional[float] = 1.0, retention_interval: float = 300.0,
                  repair: bool = False):
         self.data_path = Path(data_path)
-        self.data_path.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.data_path)
         self.default_config = default_config
         self._clock = clock
         self._repair = repair

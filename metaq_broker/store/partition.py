@@ -7,13 +7,9 @@ after an fsync, so a reader never sees a message that was not acknowledged, and 
 """
 from __future__ import annotations
 
-import dataclasses
-
 import bisect
-import gzip
 import logging
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -28,13 +24,17 @@ from ..errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError,
                       StoreClosedError)
 from ..ids import MessageIdAllocator
 from .config import TopicConfig
-from .segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
-                      decode_segment_header, fsync_dir, load_index_map, read_exactly, segment_name,
-                      write_index)
+from .durable import fsync_dir, replace_file
+from .recovery import ARCHIVE_DIR, last_msg_id, last_timestamp, recover, scan_segment
+from .retention import archive_segment, removal_reason
+from .segment import INDEX_DTYPE, Segment
 
 log = logging.getLogger(__name__)
 
-ARCHIVE_DIR = "archive"
+# Present while the partition acknowledges appends before an fsync covers them (unflushThreshold > 0), and
+# until the first recovery after switching back to group commit: recovery must then not assume that every
+# acknowledged batch was fsynced.
+ACKS_BEFORE_FSYNC = "acks-before-fsync"
 
 
 @dataclass(frozen=True)
@@ -132,19 +132,35 @@ class PartitionLog:
         self._closed = False
         self._closing = False
         self._data_cond = threading.Condition()  # notified whenever the visible end moves
-        segments = _recover(self.directory, self.name, repair)
+        acks_before_fsync = not config.group_commit or (self.directory / ACKS_BEFORE_FSYNC).exists()
+        cut = ("repair was asked for: messages after the damage are gone" if repair
+               else None if acks_before_fsync
+               else "under group commit no fsync covered them, so none was acknowledged")
+        segments = recover(self.directory, self.name, cut)
+        self._record_flush_mode()
         self._segments: tuple = tuple(segments)
         active = segments[-1]
         self._next_offset = active.next_offset
-        self._last_ts = _last_timestamp(segments)
+        self._last_ts = last_timestamp(segments)
         self._visible_offset = self._next_offset  # everything recovered is on disk
         self._durable_offset = self._next_offset
         self._unflushed = 0
         self._last_flush = clock()
         self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
-        last_id = _last_msg_id(segments)
+        last_id = last_msg_id(segments)
         if last_id is not None:
             self._ids.observe(last_id)
+
+    def _record_flush_mode(self) -> None:
+        """Keep ACKS_BEFORE_FSYNC in step with the flush policy. Recovery has just fsynced the tail, so
+        under group commit every acknowledged batch is durable from here on and the marker can go."""
+        marker = self.directory / ACKS_BEFORE_FSYNC
+        if self.config.group_commit:
+            if marker.exists():
+                marker.unlink()
+                fsync_dir(self.directory)
+        elif not marker.exists():
+            replace_file(marker, b"")
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -477,7 +493,7 @@ class PartitionLog:
         segs = self._segments
         for seg in segs:
             try:
-                _scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset, lookahead=False, strict=True)
+                scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset, lookahead=False, strict=True)
             except CorruptLogError as e:
                 problems.append(str(e))
         return problems
@@ -485,10 +501,10 @@ class PartitionLog:
     # -- retention ------------------------------------------------------------------------------------
     def apply_retention(self, now_ms: Optional[int] = None) -> list:
         """Remove (or archive, then remove) the oldest segments that the delete policy or the size bound
-        makes due. The active segment is never removed. Returns the removed segments' infos."""
+        makes due (``retention.removal_reason``). The active segment is never removed. Returns the
+        removed segments' infos."""
         now_ms = int(self._clock() * 1000) if now_ms is None else now_ms
         policy = self.config.delete_policy
-        cutoff = now_ms - policy.hours * 3600 * 1000
         removed = []
         with self._write_lock:
             if self._closed:
@@ -497,14 +513,13 @@ class PartitionLog:
             total = sum(s.size for s in segs)
             while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self._visible_offset:
                 seg = segs[0]
-                expired = seg.count and int(seg.index()[-1]["timestamp"]) < cutoff
-                over = self.config.retention_bytes > 0 and total - seg.size >= self.config.retention_bytes
-                if not (expired or over):
+                reason = removal_reason(seg, total, self.config, now_ms)
+                if reason is None:
                     break
                 info = SegmentInfo(seg.path, seg.start, seg.size, seg.base_offset, seg.count,
                                    int(seg.index()[-1]["timestamp"]) if seg.count else None)
                 if policy.action == "archive":
-                    self._archive(seg)
+                    archive_segment(seg, self.directory / ARCHIVE_DIR)
                 segs.pop(0)
                 total -= seg.size
                 self._segments = tuple(segs)
@@ -515,23 +530,10 @@ class PartitionLog:
                 removed.append(info)
                 log.info("%s: %s segment %s (offsets %d-%d, %d bytes): %s", self.name,
                          "archived" if policy.action == "archive" else "deleted", seg.path.name,
-                         info.base_offset, info.base_offset + info.count - 1, info.size,
-                         "older than the delete policy" if expired else "over the size bound")
+                         info.base_offset, info.base_offset + info.count - 1, info.size, reason)
             if removed:
                 fsync_dir(self.directory)
         return removed
-
-    def _archive(self, seg: Segment) -> None:
-        archive = self.directory / ARCHIVE_DIR
-        archive.mkdir(exist_ok=True)
-        target = archive / (seg.path.name + ".gz")
-        tmp = target.with_suffix(".gz.tmp")
-        with open(seg.path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_dir(archive)
 
     # -- closing --------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -559,225 +561,3 @@ class PartitionLog:
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Opening and recovery
-
-
-def _parse_segment_name(name: str) -> Optional[int]:
-    stem = name[: -len(LOG_SUFFIX)]
-    if len(stem) == NAME_DIGITS and stem.isdigit():
-        return int(stem)
-    return None
-
-
-def _recover(directory: Path, name: str, repair: bool) -> list:
-    """Open a partition's segments: check names and contiguity, check or rebuild each sealed segment's
-    index, validate the tail segment batch by batch and cut a torn tail off."""
-    new_dir = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
-    if new_dir:
-        fsync_dir(directory.parent)
-    starts = []
-    for entry in directory.iterdir():
-        if entry.name.endswith(LOG_SUFFIX) and entry.is_file():
-            start = _parse_segment_name(entry.name)
-            if start is None:
-                raise CorruptLogError(f"{entry}: a segment file must be named by its 20-digit start position", entry)
-            starts.append(start)
-        elif entry.name.endswith(INDEX_SUFFIX + ".tmp"):
-            log.info("%s: removing %s left by an interrupted index write", name, entry.name)
-            entry.unlink()
-    starts.sort()
-    for entry in directory.iterdir():  # indexes whose segment is gone (e.g. a crash during deletion)
-        if entry.name.endswith(INDEX_SUFFIX) and _parse_segment_name(entry.name[: -len(INDEX_SUFFIX)] + LOG_SUFFIX) \
-                not in starts:
-            log.info("%s: removing index %s, whose segment is gone", name, entry.name)
-            entry.unlink()
-    for tmp in (directory / ARCHIVE_DIR).glob("*.gz.tmp"):  # an archive interrupted by a crash
-        log.info("%s: removing unfinished archive %s", name, tmp.name)
-        tmp.unlink()
-    if not starts:
-        return [Segment.create(directory, 0, 0)]
-
-    paths = [directory / (segment_name(start) + LOG_SUFFIX) for start in starts]
-    for prev, path, start in zip(paths, paths[1:], starts[1:]):
-        prev_end = int(prev.stem) + prev.stat().st_size
-        if prev_end != start:
-            raise CorruptLogError(f"{name}: segments are not contiguous: {prev.name} ends at {prev_end} "
-                                  f"but the next segment is {path.name}", path)
-    headers = []
-    for i, start in enumerate(starts):
-        path = directory / (segment_name(start) + LOG_SUFFIX)
-        with open(path, "rb") as f:
-            raw = f.read(SEGMENT_HEADER_SIZE)
-        last = i == len(starts) - 1
-        try:
-            headers.append(decode_segment_header(raw, path, start))
-        except CorruptLogError:
-            if not last or len(raw) == SEGMENT_HEADER_SIZE and os.path.getsize(path) > SEGMENT_HEADER_SIZE:
-                raise
-            # A torn segment creation: the header is fsynced before any batch goes in, so nothing was
-            # written to this file. Start it again.
-            if i == 0 and start != 0:
-                raise
-            log.warning("%s: segment %s has a torn header and no data; recreating it", name, path.name)
-            path.unlink()
-            headers.append(None)
-
-    segments = []
-    for i, start in enumerate(starts):
-        path = directory / (segment_name(start) + LOG_SUFFIX)
-        last = i == len(starts) - 1
-        base = headers[i]
-        if base is None:
-            prev = segments[-1] if segments else None
-            segments.append(Segment.create(directory, start, prev.next_offset if prev else 0))
-            continue
-        if segments:
-            prev = segments[-1]
-            if prev.next_offset != base:
-                raise CorruptLogError(f"{name}: {prev.path.name} ends at offset {prev.next_offset} but "
-                                      f"{path.name} starts at offset {base}", path)
-        if last:
-            segments.append(_open_tail(directory, path, start, base, name, repair))
-        else:
-            segments.append(_open_sealed(directory, path, start, base, headers[i + 1], name))
-    return segments
-
-
-def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: Optional[int], name: str) -> Segment:
-    fd = os.open(path, os.O_RDONLY)
-    size = os.fstat(fd).st_size
-    expected = None if next_base is None else next_base - base
-    idx_path = path.with_suffix(INDEX_SUFFIX)
-    index, problem = None, None
-    idx_size = idx_path.stat().st_size if idx_path.exists() else None
-    if idx_size is None:
-        problem = "missing"
-    elif expected is not None and idx_size != expected * INDEX_DTYPE.itemsize:
-        problem = f"has {idx_size // INDEX_DTYPE.itemsize} entries, the log holds {expected}"
-    else:
-        index = load_index_map(idx_path, idx_size // INDEX_DTYPE.itemsize)
-        problem = _index_problem(index, start, size)
-    if problem:
-        log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
-        entries, good_end, _ = _scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
-        if expected is not None and len(entries) != expected:
-            os.close(fd)
-            raise CorruptLogError(f"{path}: holds {len(entries)} messages but the next segment starts "
-                                  f"{expected} offsets later", path)
-        write_index(idx_path, entries)
-        index = load_index_map(idx_path, len(entries))
-    seg = Segment(directory, start, base, fd, size, index, len(index), mutable=False)
-    return seg
-
-
-def _index_problem(index: np.ndarray, start: int, size: int) -> Optional[str]:
-    if len(index) == 0:
-        return "is empty"
-    pos, blen = index["position"], index["batch_len"].astype(np.int64)
-    if pos[0] != start + SEGMENT_HEADER_SIZE:
-        return "does not start at the first batch"
-    if (np.diff(pos) < 0).any() or (np.diff(index["timestamp"]) < 0).any():
-        return "is out of order"
-    if pos[-1] + blen[-1] != start + size:
-        return "does not end at the end of the log"
-    boundary = np.flatnonzero(pos[1:] != pos[:-1])
-    if ((pos[boundary] + blen[boundary]) != pos[boundary + 1]).any():
-        return "has batches that do not follow one another"
-    return None
-
-
-def _open_tail(directory: Path, path: Path, start: int, base: int, name: str, repair: bool) -> Segment:
-    fd = os.open(path, os.O_RDWR)
-    size = os.fstat(fd).st_size
-    entries, good_end, reason = _scan_segment(fd, path, start, size, base, lookahead=not repair, strict=False)
-    if good_end < size:
-        os.ftruncate(fd, good_end)
-        log.warning("%s: recovery truncated %d bytes at the tail of %s (from byte %d: %s); %s", name,
-                    size - good_end, path.name, good_end, reason,
-                    "repair was asked for: messages after the damage are gone" if repair
-                    else "only a torn, unacknowledged tail was cut")
-        size = good_end
-    # What recovery keeps becomes readable now, so it must be durable now: after a process crash the
-    # tail may hold written but never fsynced batches.
-    os.fsync(fd)
-    capacity = max(1024, 2 * len(entries))
-    index = np.empty(capacity, INDEX_DTYPE)
-    index[: len(entries)] = entries
-    return Segment(directory, start, base, fd, size, index, len(entries), mutable=True)
-
-
-def _scan_segment(fd: int, path: Path, start: int, size: int, base: int, lookahead: bool, strict: bool):
-    """Validate a segment batch by batch (checksums, offsets continuing from ``base``).
-
-    Returns (index entries, end of the last good batch, why the scan stopped). ``strict`` raises at the
-    first bad batch. Otherwise a bad batch ends the log (a torn tail), except that with ``lookahead`` a
-    valid batch after the damage raises instead: cutting there would drop messages that may have been
-    acknowledged."""
-    buf = read_exactly(fd, path, 0, size)
-    pos, expected = SEGMENT_HEADER_SIZE, base
-    positions, reason = [], None
-    while pos < size:
-        try:
-            h = records.check_batch(buf, pos)
-            if h.base_offset != expected:
-                raise records.RecordFormatError(f"batch at byte {pos} has offset {h.base_offset}, expected {expected}",
-                                                pos)
-        except records.RecordFormatError as e:
-            reason = str(e)
-            if strict:
-                raise CorruptLogError(f"{path}: {e}", path, pos) from None
-            if lookahead and _valid_batch_after(buf, pos, expected):
-                raise CorruptLogError(
-                    f"{path}: damaged batch at byte {pos} ({e}) is followed by valid batches; refusing to cut "
-                    f"off messages that may have been acknowledged. Open with repair=True to truncate at byte {pos}.",
-                    path, pos) from None
-            break
-        positions.append(pos)
-        expected = h.next_offset
-        pos += h.batch_len
-    if not positions:
-        return np.empty(0, INDEX_DTYPE), pos, reason
-    pos_arr = np.array(positions, dtype=np.int64)
-    sizes, counts, ts, blens = records.index_columns(buf, pos_arr)
-    entries = np.empty(len(sizes), INDEX_DTYPE)
-    entries["position"] = np.repeat(pos_arr + start, counts)
-    entries["timestamp"] = np.repeat(ts, counts)
-    entries["size"] = sizes
-    entries["batch_len"] = np.repeat(blens, counts)
-    return entries, pos, reason
-
-
-def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> bool:
-    """Is there a whole, checksum-valid batch with a later offset anywhere after ``bad_pos``?"""
-    starts = np.arange(bad_pos + records.ALIGN, len(buf) - records.HEADER_SIZE + 1, records.ALIGN)
-    magic = records.MAGIC.to_bytes(2, "little")
-    candidates = starts[(buf[starts + 8] == magic[0]) & (buf[starts + 9] == magic[1])]
-    for p in candidates.tolist():
-        try:
-            h = records.check_batch(buf, p)
-        except records.RecordFormatError:
-            continue
-        if h.base_offset >= expected_offset:
-            return True
-    return False
-
-
-def _last_timestamp(segments) -> int:
-    for seg in reversed(segments):
-        if seg.count:
-            return int(seg.index()[-1]["timestamp"])
-    return 0
-
-
-def _last_msg_id(segments) -> Optional[int]:
-    for seg in reversed(segments):
-        if seg.count:
-            pos = int(seg.index()[-1]["position"])
-            raw = seg.read(pos, records.HEADER_SIZE)
-            h = records.parse_header(raw)
-            return h.base_msg_id + h.count - 1
-    return None

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import CorruptLogError
 from ..records import crc
+from .durable import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +210,3 @@ def load_index_map(path: Path, count: int) -> np.ndarray:
         return np.empty(0, INDEX_DTYPE)
     return np.memmap(path, dtype=INDEX_DTYPE, mode="r", shape=(count,))
 
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -25,6 +25,7 @@ from typing import Optional
 
 from .. import records
 from ..errors import CorruptLogError, TransactionError, UnknownTransactionError
+from .durable import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class TransactionManager:
         self._live: dict = {}
         self._finished: OrderedDict = OrderedDict()  # xid -> "committed" | "rolled_back"
         self._next_number = 1
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self._recover()
 
     # -- API ------------------------------------------------------------------------------------------
