@@ -158,7 +158,10 @@ class Broker:
             self.store.close()  # fsyncs every partition
 
     def wait(self) -> None:
-        self._stopped.wait()
+        # Wake now and then: a signal that the kernel hands to another thread (it may, e.g. under strace)
+        # runs its Python handler only when the main thread next runs bytecode.
+        while not self._stopped.wait(0.5):
+            pass
 
     # -- topics ---------------------------------------------------------------------------------------
     def _runtime_topics_path(self) -> Path:
