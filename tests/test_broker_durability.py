@@ -1,6 +1,7 @@
 """A broker process's durability at the file-system level: new directories and renamed files are fsynced
 into their parents (watched with strace), and recovery of a damaged log tail cuts exactly what was never
 acknowledged, refusing (until ``metaq-broker --repair``) where acknowledged messages could be lost."""
+import contextlib
 import os
 import re
 import shutil
@@ -67,7 +68,12 @@ def test_new_directories_and_the_runtime_topics_file_are_fsynced_into_their_pare
     finally:  # SIGTERM to the broker under strace; strace exits with the broker's code
         traced = int(open(f"/proc/{broker.proc.pid}/task/{broker.proc.pid}/children").read().split()[0])
         os.kill(traced, signal.SIGTERM)
-        assert broker.proc.wait(60) == 0
+        try:
+            assert broker.proc.wait(60) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # never leave the broker behind strace running
+                os.kill(traced, signal.SIGKILL)
+            broker.kill()
     data = str(tmp_path / "broker" / "data")
     calls = syscalls(trace)
 
