@@ -9,7 +9,13 @@ batches: never one that failed or was not logged.
 The listener runs in the driver's Python process, not in the process that holds the source, so it
 cannot see the source's options. Each offset the source hands Spark therefore carries a small marker
 (``"@metaq": {"zk", "root", "group"}``; no topic can be named ``@metaq``) that says where and for which
-group to record it. A query with ``commitOffsets=false`` carries no marker and is never recorded."""
+group to record it. Being part of the offsets, the marker is in the checkpoint, which is how a query
+that names no group keeps the group it was given (``SourceOptions.default_group``) across restarts.
+A query with ``commitOffsets=false`` carries no marker and is never recorded.
+
+Writes only move a partition's offset forward (``GroupStore.commit(forward_only=True)``, a versioned
+ZooKeeper transaction): the source's ``commit`` and the listener write in no fixed order, and neither
+ever writes a batch that is not in Spark's commit log."""
 from __future__ import annotations
 
 import atexit
@@ -74,13 +80,14 @@ class _Recorder:
             store.zk.close()
 
     def record(self, zk_connect: str, root: str, group: str, offsets: dict) -> bool:
-        """Write ``{topic: {partition: offset}}`` for ``group``; retried, and a failure is logged, never
-        raised: ZooKeeper being away must not fail or stall a stream."""
+        """Write ``{topic: {partition: offset}}`` for ``group``, never lowering a recorded offset (the
+        source's ``commit`` and the listener race); retried, and a failure is logged, never raised:
+        ZooKeeper being away must not fail or stall a stream."""
         for attempt in range(ATTEMPTS):
             try:
                 store = self._store(zk_connect, root)
                 for topic, parts in offsets.items():
-                    store.commit(group, topic, {p: int(o) for p, o in parts.items()})
+                    store.commit(group, topic, {p: int(o) for p, o in parts.items()}, forward_only=True)
                 return True
             except Exception as e:  # noqa: BLE001 - reported, never fatal
                 self._forget(zk_connect, root)
@@ -115,8 +122,7 @@ def record_marked(offsets_json: Optional[str]) -> bool:
 
 
 class GroupCommitListener(StreamingQueryListener):
-    """Records every metaq source's end offsets once Spark has logged the batch as committed. Events
-    arrive in order on Spark's listener bus, so the recorded offsets only move forward."""
+    """Records every metaq source's end offsets once Spark has logged the batch as committed."""
 
     def onQueryStarted(self, event) -> None:
         pass

@@ -45,7 +45,7 @@ class SourceOptions:
     max_trigger_delay_ms: int = 15 * 60 * 1000
     fail_on_data_loss: bool = True
     min_partitions: Optional[int] = None
-    group: Optional[str] = None
+    group: Optional[str] = None  # None: each streaming query gets its own (``default_group``)
     commit_offsets: bool = True
     fetch_max_bytes: int = 8 << 20
     fetch_timeout_ms: int = 120_000  # a task's wait for a partition's broker that is down (Kafka: pollTimeoutMs)
@@ -60,15 +60,17 @@ class SourceOptions:
             return lambda t: pattern.fullmatch(t) is not None
         return lambda t: t in self.assign
 
-    def default_group(self) -> str:
-        """A stable group name derived from the subscription, so restarts keep the same group."""
+    def default_group(self, unique: str) -> str:
+        """The group of a query that names none: the subscription for operators to recognise, and
+        ``unique`` (chosen once per query and kept in its checkpoint), so two queries on one topic never
+        share offsets by accident."""
         if self.subscribe is not None:
             what = "subscribe-" + "+".join(sorted(self.subscribe))
         elif self.subscribe_pattern is not None:
             what = "pattern-" + re.sub(r"[^A-Za-z0-9._-]", "_", self.subscribe_pattern)
         else:
             what = "assign-" + "+".join(sorted(self.assign))
-        return f"spark-metaq-{what}"[:200]
+        return f"spark-metaq-{what}"[:180] + f"-{unique}"
 
 
 def _int(name: str, raw: str, lo: int = 0) -> int:
@@ -234,6 +236,7 @@ def parse(options, streaming: bool) -> SourceOptions:
         o.fetch_max_bytes = _int("fetchMaxBytes", opts["fetchMaxBytes"], 1024)
     if "fetchTimeoutMs" in opts:
         o.fetch_timeout_ms = _int("fetchTimeoutMs", opts["fetchTimeoutMs"], 1)
-    if o.group is None:
-        o.group = o.default_group()
+    if o.starting == "group" and o.group is None:
+        raise OptionError("option startingOffsets=group needs the option group: a query that names no group "
+                          "gets a new one of its own, which has no offsets yet")
     return o

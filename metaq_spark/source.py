@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Iterator, Optional
 
 import grpc
@@ -24,7 +25,7 @@ from metaq_broker.dataport import ProtocolError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zkpaths import parse_partition_name
 
-from .group_commit import RECORDER, mark, unmark
+from .group_commit import MARKER, RECORDER, mark, unmark
 from .options import EARLIEST, LATEST, OptionError, SourceOptions, parse
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,17 @@ SCHEMA = ("key binary, value binary, topic string, partition string, offset long
 
 
 class DataLossError(RuntimeError):
-    """Offsets the query needs are gone (retention removed them, or a partition vanished)."""
+    """Offsets the query needs are gone (retention removed them, a partition vanished, or its broker lost
+    messages the query had already passed)."""
+
+
+class PartitionUnavailableError(RuntimeError):
+    """A partition's broker is registered but down, so its starting offset cannot be chosen."""
+
+
+def _names(partitions) -> str:
+    """``[(topic, partition)]`` as "topic 1-0 (broker 1), ..." for messages."""
+    return ", ".join(f"{t} {p} (broker {parse_partition_name(p)[0]})" for t, p in partitions)
 
 
 class MetaqDataSource(DataSource):
@@ -72,22 +83,65 @@ class Planner:
         self.opts = opts
         self.consumer = Consumer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, group=opts.group)
 
-    def partitions(self) -> dict:
-        """{topic: [partition names]} currently subscribed (assign: as given, if their broker lives)."""
+    def partitions(self, registered: bool = False) -> dict:
+        """{topic: [partition names]} subscribed: on live brokers, or (``registered``) every partition the
+        topics have, also those whose broker is down now (assign: as given)."""
         if self.opts.assign is not None:
             return {t: list(ps) for t, ps in self.opts.assign.items()}
         match = self.opts.topic_matcher()
+        listing = self.consumer.cluster.registered_partitions if registered else self.consumer.cluster.topic_partitions
         out = {}
         for topic in self.consumer.cluster.topics():
             if match(topic):
-                parts = [f"{b}-{n}" for b, n in self.consumer.cluster.topic_partitions(topic)]
+                parts = [f"{b}-{n}" for b, n in listing(topic)]
                 if parts:
                     out[topic] = parts
         return out
 
     def ranges(self, timestamp_ms: Optional[int] = None) -> dict:
-        """{topic: {partition: (earliest, latest[, for_timestamp])}}; one call per broker and topic."""
+        """{topic: {partition: (earliest, latest[, for_timestamp])}} of partitions on live brokers; one
+        call per broker and topic."""
         return {t: self.consumer.offsets(t, ps, timestamp_ms=timestamp_ms) for t, ps in self.partitions().items()}
+
+    def initial_ranges(self) -> dict:
+        """``ranges()`` of every registered partition of the subscription, for a query's first offsets: a
+        partition whose broker is registered but down is waited for (up to ``fetchTimeoutMs``), as its
+        offsets cannot be chosen without it; then the query fails naming it (``failOnDataLoss=false``: it
+        is left out with a warning and read from its earliest offset once its broker is back)."""
+        deadline = time.monotonic() + self.opts.fetch_timeout_ms / 1000
+        warned = False
+        while True:
+            wanted = self.partitions(registered=True)
+            self._check_assigned(wanted)
+            down = sorted({(t, p) for t, ps in wanted.items() for p in ps if not self.broker_alive(p)})
+            if not down or time.monotonic() > deadline:
+                break
+            if not warned:
+                log.warning("waiting up to fetchTimeoutMs=%d for the brokers of %s to choose the starting offsets",
+                            self.opts.fetch_timeout_ms, _names(down))
+                warned = True
+            time.sleep(0.2)
+        if down:
+            message = (f"cannot choose the starting offsets of {_names(down)}: their brokers are registered but "
+                       f"have been down for fetchTimeoutMs={self.opts.fetch_timeout_ms}")
+            if self.opts.fail_on_data_loss:
+                raise PartitionUnavailableError(message + "; start them, or set failOnDataLoss=false to start "
+                                                "without these partitions (read from their earliest once back)")
+            log.warning("%s; starting without them", message)
+            wanted = {t: [p for p in ps if (t, p) not in down] for t, ps in wanted.items()}
+        return {t: self.consumer.offsets(t, ps) for t, ps in wanted.items() if ps}
+
+    def _check_assigned(self, wanted: dict) -> None:
+        """An assigned partition that the topic does not have is a bad option, not a broker to wait for."""
+        if self.opts.assign is None:
+            return
+        for topic, parts in wanted.items():
+            have = {f"{b}-{n}" for b, n in self.consumer.cluster.registered_partitions(topic)}
+            missing = [p for p in parts if p not in have]
+            if missing:
+                raise OptionError(f"option assign: topic {topic} has no partition {', '.join(missing)}"
+                                  + (f" (it has {', '.join(sorted(have, key=parse_partition_name))})" if have
+                                     else " (no broker registered the topic)"))
 
     def broker_alive(self, partition: str) -> bool:
         return parse_partition_name(partition)[0] in self.consumer.cluster.brokers()
@@ -119,11 +173,11 @@ def _sorted(offsets: dict) -> dict:
             for t in sorted(offsets) if offsets[t]}
 
 
-def resolve_start(opts: SourceOptions, planner: Planner) -> dict:
-    """Starting offsets from startingOffsets / startingTimestamp / startingOffsetsByTimestamp."""
-    ranges = planner.ranges()
+def resolve_start(opts: SourceOptions, planner: Planner, ranges: dict) -> dict:
+    """Starting offsets of every partition in ``ranges`` (``Planner.initial_ranges``) from startingOffsets /
+    startingTimestamp / startingOffsetsByTimestamp; a partition these do not name starts at its earliest."""
+    out = {t: {p: r[0] for p, r in parts.items()} for t, parts in ranges.items()}
     if opts.starting_timestamp is not None or opts.starting_by_timestamp is not None:
-        out = {}
         for topic, parts in ranges.items():
             if opts.starting_timestamp is not None:
                 wanted = {p: opts.starting_timestamp for p in parts}
@@ -135,18 +189,17 @@ def resolve_start(opts: SourceOptions, planner: Planner) -> dict:
                     if offset >= ranges[topic][p][1] and opts.timestamp_strategy == "error":
                         raise OptionError(f"no message at or after timestamp {ts} in {topic} {p} "
                                           f"(startingOffsetsByTimestampStrategy=error)")
-                    out.setdefault(topic, {})[p] = offset
+                    out[topic][p] = offset
         return _sorted(out)
     committed = {}
     if opts.starting == "group":
         committed = {t: planner.consumer.committed(t) for t in ranges}
-    out = {}
     for topic, parts in ranges.items():
         for p, (earliest, latest) in parts.items():
             if isinstance(opts.starting, dict):
                 if topic not in opts.starting or p not in opts.starting[topic]:
                     if opts.assign is None:
-                        continue
+                        continue  # documented: from its earliest
                     raise OptionError(f"option startingOffsets: no offset for assigned {topic} {p}")
                 want = opts.starting[topic][p]
                 value = earliest if want == EARLIEST else latest if want == LATEST else want
@@ -156,13 +209,16 @@ def resolve_start(opts: SourceOptions, planner: Planner) -> dict:
                 value = committed[topic].get(p, earliest)
             else:
                 value = earliest
-            out.setdefault(topic, {})[p] = value
+            out[topic][p] = value
     return _sorted(out)
 
 
 def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
-    """Start offsets below a partition's earliest (retention removed them) fail the query, or with
-    failOnDataLoss=false move up to the earliest with a warning."""
+    """Offsets the query needs that the partition no longer has fail the query, or with
+    failOnDataLoss=false move, with a warning, to where the partition's messages are: below its earliest
+    (retention removed them) up to the earliest; above its latest (its broker lost messages the query had
+    passed: a wiped data directory, a tail lost under ``unflushThreshold>0``) down to the latest, as
+    Kafka's source does, so that messages written from then on are read."""
     fixed = {t: dict(ps) for t, ps in start.items()}
     for topic, parts in start.items():
         for p, offset in parts.items():
@@ -180,6 +236,15 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
                     raise DataLossError(message + "; set failOnDataLoss=false to continue from there")
                 log.warning("%s; continuing from %d", message, have[0])
                 fixed[topic][p] = have[0]
+            elif offset > have[1]:
+                message = (f"{topic} {p} went backwards: the query is at offset {offset} but the partition's latest "
+                           f"offset is {have[1]} (its broker lost messages: a wiped data directory, or an unflushed "
+                           f"tail lost in a crash)")
+                if opts.fail_on_data_loss:
+                    raise DataLossError(message + f"; set failOnDataLoss=false to continue from offset {have[1]}")
+                log.warning("%s; the offset was changed from %d to %d, some data may have been missed",
+                            message, offset, have[1])
+                fixed[topic][p] = have[1]
     return _sorted(fixed)
 
 
@@ -196,15 +261,12 @@ class MetaqPartition(InputPartition):
 
 
 def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict) -> list:
-    """One Spark partition per MetaQ partition range, split further to reach minPartitions. A partition
-    missing from ``start`` appeared during the batch: it is read from its earliest offset."""
-    new = [(t, p) for t, parts in end.items() for p in parts if p not in start.get(t, {})]
-    earliest = {}
-    for t in {t for t, _ in new}:
-        earliest[t] = {p: r[0] for p, r in planner.consumer.offsets(t, [p for tt, p in new if tt == t]).items()}
-    ranges = [(t, p, start[t][p] if p in start.get(t, {}) else earliest[t][p], e)
-              for t, parts in end.items() for p, e in parts.items()]
-    ranges = [(t, p, s, e) for t, p, s, e in ranges if e > s]
+    """One Spark partition per MetaQ partition range, split further to reach minPartitions. Only the
+    offsets given count (a replay reads the same rows): a partition missing from ``start`` has no range
+    yet (``latestOffset`` records its start first), and one whose end is below its start (its broker lost
+    messages, failOnDataLoss=false) reads nothing."""
+    ranges = [(t, p, start[t][p], e) for t, parts in end.items() for p, e in parts.items()
+              if p in start.get(t, {}) and e > start[t][p]]
     total = sum(e - s for _, _, s, e in ranges)
     pieces = []
     for t, p, s, e in ranges:
@@ -361,25 +423,40 @@ def _read_partition(part: MetaqPartition, conn, data) -> Iterator[pa.RecordBatch
         try:
             r = _reply(conn, part, *pending, data)
         except RemoteOffsetOutOfRangeError as e:
-            earliest = conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
-                pb.OffsetQuery(topic=part.topic, partition=number)]), retries=5).offsets[0].earliest
-            if offset >= earliest:
-                raise  # above the log end: the broker lost acknowledged data, never hide that
-            message = (f"offsets {offset} to {min(earliest, part.end) - 1} of {part.topic} {part.partition} "
+            have = conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
+                pb.OffsetQuery(topic=part.topic, partition=number)]), retries=5).offsets[0]
+            if offset >= have.earliest:  # above the log end
+                _lost_tail(part, offset, have.latest, e)
+                return
+            message = (f"offsets {offset} to {min(have.earliest, part.end) - 1} of {part.topic} {part.partition} "
                        f"are gone (retention removed them)")
             if part.fail_on_data_loss:
                 raise DataLossError(message + "; set failOnDataLoss=false to skip them") from e
-            log.warning("%s; skipping to %d", message, earliest)
-            offset = earliest
+            log.warning("%s; skipping to %d", message, have.earliest)
+            offset = have.earliest
             pending = _fetch(conn, part, number, offset, data) if offset < part.end else None
             continue
         if r.end_offset <= offset:
+            if r.latest_offset <= offset:
+                _lost_tail(part, offset, r.latest_offset)
+                return
             raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
                                 f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
         offset = r.end_offset
         pending = _fetch(conn, part, number, offset, data) if offset < part.end else None
         yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
                        part.partition)
+
+
+def _lost_tail(part: MetaqPartition, offset: int, latest: int, cause=None) -> None:
+    """The partition now ends below the range the batch was planned with: its broker lost messages (a
+    wiped data directory, an unflushed tail lost in a crash). An error naming both offsets, or with
+    failOnDataLoss=false a warning and the rest of the range skipped."""
+    message = (f"{part.topic} {part.partition} went backwards: the batch needs offsets {offset} to {part.end - 1} "
+               f"but the partition's latest offset is {latest} (its broker lost messages)")
+    if part.fail_on_data_loss:
+        raise DataLossError(message + "; set failOnDataLoss=false to skip them") from cause
+    log.warning("%s; skipping them, some data may have been missed", message)
 
 
 # -- readers ------------------------------------------------------------------------------------------
@@ -406,8 +483,8 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
         self.opts = opts
 
     def partitions(self):
-        ranges = self.planner.ranges()
-        start = check_data_loss(self.opts, resolve_start(self.opts, self.planner), ranges)
+        ranges = self.planner.initial_ranges()
+        start = check_data_loss(self.opts, resolve_start(self.opts, self.planner, ranges), ranges)
         if self.opts.ending_timestamp is not None:
             end = {t: self.planner.offsets_at(t, list(ps), self.opts.ending_timestamp) for t, ps in start.items()}
         elif isinstance(self.opts.ending, dict):
@@ -429,13 +506,25 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         self._available_now: Optional[dict] = None
         self._last_trigger = time.monotonic()
         self._latest: Optional[dict] = None
+        self._group: Optional[str] = opts.group
 
-    def _mark(self, offsets: dict) -> dict:
+    def _group_of(self, offsets: Optional[dict]) -> str:
+        """The query's group: the option, else the one recorded in the checkpoint's offsets (so a restart
+        keeps it), else a new one of this query's own (``SourceOptions.default_group``)."""
+        if self._group is None:
+            carried = (offsets or {}).get(MARKER)
+            self._group = carried["group"] if isinstance(carried, dict) and carried.get("group") else \
+                self.opts.default_group(uuid.uuid4().hex[:12])
+            log.info("the query's offsets are recorded for consumer group %s", self._group)
+        return self._group
+
+    def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
         return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
-                    self.opts.group if self.opts.commit_offsets else None)
+                    self._group_of(start) if self.opts.commit_offsets else None)
 
     def initialOffset(self) -> dict:
-        return self._mark(resolve_start(self.opts, self.planner))
+        ranges = self.planner.initial_ranges()
+        return self._mark(check_data_loss(self.opts, resolve_start(self.opts, self.planner, ranges), ranges))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_offsets is not None:
@@ -450,29 +539,32 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         self._available_now = {t: {p: r[1] for p, r in ps.items()} for t, ps in self.planner.ranges().items()}
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        start = unmark(start)
+        """The next batch's end. Partitions that appeared since the last batch enter at their earliest
+        offset and are read from the next batch on, so every range read starts at a checkpointed offset."""
+        marked, start = start, unmark(start)
         ranges = self.planner.ranges()
         self._latest = _sorted({t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()})
-        full_start = {t: dict(ps) for t, ps in start.items()}
-        for t, ps in ranges.items():  # partitions that appeared since: from their earliest offset
-            for p, r in ps.items():
-                full_start.setdefault(t, {}).setdefault(p, r[0])
         # A partition whose broker is down for a moment is not lost: it just has nothing new now.
-        paused = {(t, p): o for t, ps in full_start.items() for p, o in ps.items()
+        paused = {(t, p): o for t, ps in start.items() for p, o in ps.items()
                   if p not in ranges.get(t, {}) and not self.planner.broker_alive(p)}
         checked = check_data_loss(self.opts, _sorted({t: {p: o for p, o in ps.items() if (t, p) not in paused}
-                                                      for t, ps in full_start.items()}), ranges)
+                                                      for t, ps in start.items()}), ranges)
         for (t, p), o in paused.items():
             checked.setdefault(t, {})[p] = o
-        full_start = _sorted(checked)
+        checked = _sorted(checked)
         cap = self._available_now or self._latest
         target = {t: {p: max(s, min(cap.get(t, {}).get(p, s), ranges.get(t, {}).get(p, (s, s))[1]))
-                      for p, s in ps.items()} for t, ps in full_start.items()}
+                      for p, s in ps.items()} for t, ps in checked.items()}
         if not isinstance(limit, ReadAllAvailable):
-            target = self._limit(full_start, target, limit)
-        if target != full_start:
+            target = self._limit(checked, target, limit)
+        for t, ps in ranges.items():
+            for p, r in ps.items():
+                if p not in start.get(t, {}):
+                    target.setdefault(t, {})[p] = r[0]
+        target = _sorted(target)
+        if target != start:
             self._last_trigger = time.monotonic()
-        return self._mark(_sorted(target))
+        return self._mark(target, marked)
 
     def _limit(self, start: dict, target: dict, limit: ReadLimit) -> dict:
         waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
@@ -526,9 +618,10 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
 
     def commit(self, end: dict) -> None:
         """Record the batch's end offsets for the group (Spark calls this one batch late; the listener
-        of ``group_commit`` records the last batch too). Never fails or stalls the stream."""
+        of ``group_commit`` records the last batch too, and whichever writes last, offsets only move
+        forward). Never fails or stalls the stream."""
         if self.opts.commit_offsets:
-            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self.opts.group, unmark(end))
+            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self._group_of(end), unmark(end))
 
     def stop(self) -> None:
         if self._planner is not None:

@@ -53,6 +53,8 @@ def test_batch_read_across_two_brokers(spark, cluster):
     ({"subscribe": "t", "failOnDataLoss": "maybe"}, "failOnDataLoss: expected true or false"),
     ({"subscribe": "t", "minPartitions": "0"}, "minPartitions: must be at least 1"),
     ({"subscribePattern": "("}, "subscribePattern: not a valid regular expression"),
+    ({"subscribe": "t", "startingOffsets": "group"}, "startingOffsets=group needs the option group"),
+    ({"assign": '{"t": ["1-7"]}'}, "option assign: topic t has no partition 1-7"),
 ])
 def test_bad_options_fail_at_load_naming_the_option(spark, cluster, options, message):
     with pytest.raises(Exception, match=message.replace("(", r"\(").replace("[", r"\[")):

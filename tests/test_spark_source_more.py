@@ -3,6 +3,7 @@ byte and minimum read limits, new partitions, Trigger.Once, ZooKeeper group offs
 between runs, and (last, with its own session) a local-cluster master."""
 import datetime
 import json
+import re
 import time
 
 import pytest
@@ -312,12 +313,14 @@ def test_group_offsets_in_zookeeper_follow_committed_batches(spark, cluster, tmp
     with cluster.client(Admin) as admin:
         assert "g-none" not in admin.groups()
 
-    # The default group is the documented, stable spark-metaq-subscribe-<topic>.
+    # The default group is spark-metaq-subscribe-<topic>-<12 hex digits of this query's own>.
     q = _run_tracked(reader(spark, cluster, streaming=True, subscribe="dflt", maxOffsetsPerTrigger=20),
                      tmp_path / "ck3", "dflt_rows")
     ends = [e["dflt"] for e in end_offsets(q)]
     assert ends == [{"1-0": 20}, {"1-0": 40}, {"1-0": 50}]
-    with cluster.client(Consumer, group="spark-metaq-subscribe-dflt") as consumer:
+    group = end_offsets(q)[-1]["@metaq"]["group"]
+    assert re.fullmatch(r"spark-metaq-subscribe-dflt-[0-9a-f]{12}", group), group
+    with cluster.client(Consumer, group=group) as consumer:
         committed = consumer.committed("dflt")
     assert committed in ends, (committed, ends)
 

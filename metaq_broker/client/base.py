@@ -65,6 +65,14 @@ class ClientBase:
             raise UnknownTopicError(f"topic {topic!r} is not on any live broker")
         return [partition_name(b, n) for b, n in parts]
 
+    def registered_partitions(self, topic: str) -> list:
+        """All of the topic's partitions as ``<brokerId>-<n>`` names, also those of brokers that are down
+        now (``ClusterView.registered_partitions``); key hashing uses these, so keys never move."""
+        parts = self.cluster.registered_partitions(topic)
+        if not parts:
+            raise UnknownTopicError(f"topic {topic!r} is not registered by any broker")
+        return [partition_name(b, n) for b, n in parts]
+
     def connection(self, broker_id: int) -> BrokerConnection:
         addr = self.cluster.brokers().get(broker_id)
         if addr is None:

@@ -98,6 +98,19 @@ class ClusterView:
             alive = set(self._brokers)
         return sorted((b, n) for b, count in counts.items() if b in alive for n in range(count))
 
+    def registered_partitions(self, topic: str) -> list:
+        """Sorted (brokerId, partition number) pairs of every partition ``topic`` has, also those whose
+        broker is down at the moment (topic entries are persistent; static list: as the brokers report).
+        Key hashing and a query's initial offsets use this, so a broker being down moves no key and
+        drops no partition."""
+        if self.zk is None:
+            return self.topic_partitions(topic)
+        self.paths.topic_pub(topic)
+        self._want(topic)
+        with self._lock:
+            counts = dict(self._parts.get(topic, {}))
+        return sorted((b, n) for b, count in counts.items() for n in range(count))
+
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (on a kazoo thread; it must not block) whenever brokers or watched topics
         change."""

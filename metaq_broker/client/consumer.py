@@ -91,9 +91,11 @@ class Consumer(ClientBase):
             self._groups = GroupStore(self.cluster.zk, self.cluster.root)
         return self._groups
 
-    def commit(self, topic: str, offsets: dict) -> None:
-        """Record ``{partition: next offset}`` as the group's position in ZooKeeper."""
-        self._group_store().commit(self.group, topic, {p: int(o) for p, o in offsets.items()})
+    def commit(self, topic: str, offsets: dict, forward_only: bool = False) -> dict:
+        """Record ``{partition: next offset}`` as the group's position in ZooKeeper (``forward_only``: never
+        lower a recorded offset, see ``GroupStore.commit``); returns what was written."""
+        return self._group_store().commit(self.group, topic, {p: int(o) for p, o in offsets.items()},
+                                          forward_only=forward_only)
 
     def committed(self, topic: str) -> dict:
         return self._group_store().fetch(self.group, topic)

@@ -21,6 +21,17 @@ from ..errors import MetaqError
 from ..zkpaths import ZkPaths, check_component, parse_partition_name
 
 
+COMMIT_ATTEMPTS = 10
+
+
+def _as_offset(data: bytes) -> int:
+    """A recorded offset, or -1 for a node that holds no number (then any offset replaces it)."""
+    try:
+        return int(data)
+    except ValueError:
+        return -1
+
+
 class ConsumerIdInUseError(MetaqError):
     """Another live session already joined the group under this consumer id."""
 
@@ -45,29 +56,42 @@ class GroupStore:
         self.paths = ZkPaths(root)
 
     # -- offsets --------------------------------------------------------------------------------------
-    def commit(self, group: str, topic: str, offsets: dict) -> None:
-        """Record ``{partition name: next offset to read}`` for the group, atomically for the topic."""
+    def commit(self, group: str, topic: str, offsets: dict, forward_only: bool = False) -> dict:
+        """Record ``{partition name: next offset to read}`` for the group, atomically for the topic. Each
+        node is written with a check of the version read, so a concurrent writer makes the transaction
+        retry instead of being overwritten blindly. ``forward_only``: a partition whose recorded offset is
+        already at or above the new one keeps it, so writers that race (a Spark source's ``commit`` and
+        its listener) can never move the group backwards. Returns what was written."""
         values = {}
         for p, o in offsets.items():
-            path = self.paths.group_offset(group, topic, p)
             if isinstance(o, bool) or not isinstance(o, int) or o < 0:
                 raise ValueError(f"offset of partition {p} must be a non-negative integer, got {o!r}")
-            values[path] = str(o).encode("ascii")
+            values[self.paths.group_offset(group, topic, p)] = (p, o)
         if not values:
-            return
+            return {}
         self.zk.ensure_path(self.paths.group_offsets(group, topic))
-        for attempt in range(5):  # another committer may create or delete a node between check and commit
-            tx = self.zk.transaction()
-            for path, data in values.items():
-                if self.zk.exists(path):
-                    tx.set_data(path, data)
-                else:
-                    tx.create(path, data)
+        for attempt in range(COMMIT_ATTEMPTS):  # another committer may change a node between read and commit
+            tx, written = self.zk.transaction(), {}
+            for path, (p, o) in values.items():
+                try:
+                    data, stat = self.zk.get(path)
+                except NoNodeError:
+                    tx.create(path, str(o).encode("ascii"))
+                    written[p] = o
+                    continue
+                if forward_only and _as_offset(data) >= o:
+                    continue
+                tx.set_data(path, str(o).encode("ascii"), version=stat.version)
+                written[p] = o
+            if not written:
+                return {}
             failures = [r for r in tx.commit() if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
             if not failures:
-                return
-            if not isinstance(failures[0], (NodeExistsError, NoNodeError)) or attempt == 4:
+                return written
+            if not isinstance(failures[0], (NodeExistsError, NoNodeError, BadVersionError)) \
+                    or attempt == COMMIT_ATTEMPTS - 1:
                 raise failures[0]
+        return {}
 
     def fetch(self, group: str, topic: str) -> dict:
         """``{partition name: committed offset}``; {} if the group never committed for the topic."""
