@@ -238,9 +238,14 @@ def test_registered_in_zookeeper_and_read_partition_uses_it(tmp_path, zookeeper,
         # a data port that cannot be reached (a broker restarted elsewhere): FetchRaw carries the task
         unreachable = read(f"127.0.0.1:{free_port()}")
         assert [x.to_pydict() for x in unreachable] == [x.to_pydict() for x in via_raw]
-        # errors name the partition, offset and broker as over gRPC
+        # a range past the log end (the broker lost messages) is data loss naming both offsets, as over gRPC
         part = src.MetaqPartition("t", "1-0", b.address, 5000, 5001, 4096, True, 10_000, f"127.0.0.1:{b.data_port}")
-        with pytest.raises(BrokerError, match=rf"broker {b.address}: OUT_OF_RANGE: t 1-0 at offset 5000: "):
+        with pytest.raises(src.DataLossError, match=r"t 1-0 went backwards: the batch needs offsets 5000 to 5000 "
+                                                    r"but the partition's latest offset is 3000"):
+            list(src.read_partition(part))
+        # other refusals name the partition, offset and broker as over gRPC
+        part = src.MetaqPartition("nope", "1-0", b.address, 0, 1, 4096, True, 10_000, f"127.0.0.1:{b.data_port}")
+        with pytest.raises(BrokerError, match=rf"broker {b.address}: NOT_FOUND: nope 1-0 at offset 0: "):
             list(src.read_partition(part))
     finally:
         b.stop(grace=1)
