@@ -29,20 +29,31 @@ def parse_args(argv):
 def main(argv=None) -> None:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    broker, started = None, False
+
+    def on_signal(signum, frame):
+        logging.getLogger("metaq_broker").info("signal %d: shutting down", signum)
+        if not started:
+            raise SystemExit(0)  # still starting: Broker.start's own clean-up closes what it opened
+        broker.stop()
+
+    # Installed before the start, so a SIGTERM while the store recovers or ZooKeeper is awaited ends the
+    # start in order instead of by the default, abrupt death.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     try:
         config = load(args.config, overrides)
-        broker = Broker(config, repair=args.repair).start()
+        broker = Broker(config, repair=args.repair)
+        try:
+            broker.start()
+            started = True
+        except SystemExit:  # also when start() had just returned: stopping twice is harmless
+            broker.stop(grace=0)
+            raise
     except (ConfigError, MetaqError) as e:
         sys.stderr.write(f"metaq-broker: {e}\n")
         sys.exit(2)
     print(f"metaq broker {config.broker_id} listening on {broker.address}", flush=True)
-
-    def on_signal(signum, frame):
-        logging.getLogger("metaq_broker").info("signal %d: shutting down", signum)
-        broker.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     broker.wait()
 
 

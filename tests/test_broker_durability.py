@@ -6,8 +6,12 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
+
+from conftest import wait_until
 
 from metaq_broker import records
 from metaq_broker.client.admin import Admin
@@ -142,3 +146,23 @@ def test_recovery_cuts_unacknowledged_damage_and_refuses_where_acknowledged_data
     assert latest(broker, "fast") == 10 and latest(broker, "safe") == 11
     assert "repair was asked for" in broker.log_path.read_text()
     assert broker.stop() == 0
+
+
+def test_a_sigterm_while_the_broker_starts_stops_it_in_order(tmp_path):
+    """A broker still waiting for ZooKeeper (nothing listens there) takes SIGTERM as a request to stop:
+    it closes what it opened and exits 0 at once, rather than dying by the signal or waiting on."""
+    from metaq_broker.zookeeper import free_port
+    log = tmp_path / "broker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.broker_main", "--brokerId", "3", "--serverPort",
+                                 "0", "--zk.connect", f"127.0.0.1:{free_port()}", "--dataPath", str(tmp_path / "data")],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "Connecting to 127.0.0.1" in log.read_text(), what="the broker waiting for ZooKeeper")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0, log.read_text()
+        assert "metaq broker 3 stopped" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
