@@ -71,7 +71,8 @@ class Broker:
                                   retention_interval=cfg.retention_check_interval_s, repair=self.repair)
         try:
             self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
-                                                   cfg.transaction_timeout_ms / 1000)
+                                                   cfg.transaction_timeout_ms / 1000,
+                                                   max_timeout_s=cfg.transaction_max_timeout_ms / 1000)
             if cfg.metrics_port >= 0:
                 from .metrics import BrokerMetrics
                 self.metrics = BrokerMetrics(self)
@@ -112,8 +113,7 @@ class Broker:
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000)
                 self.registration.start()
-            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._zk_if_connected,
-                                                cfg.transaction_timeout_ms / 1000).start()
+            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._zk_if_connected).start()
         except BaseException:
             self._shutdown_local(grace=0)
             raise

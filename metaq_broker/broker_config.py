@@ -72,6 +72,7 @@ SYSTEM_KEYS: dict = {
     "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400)),
     "grpcWorkers": ("grpc_workers", _int(2, 1024)),
     "transactionTimeout": ("transaction_timeout_ms", _int(100, 86_400_000)),
+    "transactionMaxTimeout": ("transaction_max_timeout_ms", _int(100, 86_400_000)),
 }
 
 
@@ -90,7 +91,9 @@ class BrokerConfig:
     max_fetch_wait_ms: int = 30_000
     retention_check_interval_s: int = 300
     grpc_workers: int = 64
-    transaction_timeout_ms: int = 60_000  # open: rolled back after this; prepared in-doubt: abort recorded after
+    transaction_timeout_ms: int = 60_000  # a transaction's limit when its BeginTransaction names none
+    transaction_max_timeout_ms: int = 900_000  # the largest limit a BeginTransaction may ask for (Kafka's
+    # transaction.max.timeout.ms): open, rolled back after it; prepared in-doubt, abort recorded after it
     topic_defaults: TopicConfig = field(default_factory=TopicConfig)
     topics: dict = field(default_factory=dict)  # name -> TopicConfig
     source: Optional[str] = None

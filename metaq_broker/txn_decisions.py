@@ -3,7 +3,9 @@
 
 A record lives at a path such as ``<root>/sinks/<sinkId>/batches/<batchId>`` and holds JSON
 ``{"outcome": "commit" | "abort", "run": <committing writer run>, "xids": [[brokerId, xid], ...],
-"aborted": [runs]}``. It changes only by versioned writes, along these edges:
+"aborted": [runs], "owner": {"query": <query id>, "checkpoint": <location>}}``; ``owner`` names the query
+whose run committed (empty for batch writes), so that another query reusing the sink id is told, not
+mistaken for a replay. It changes only by versioned writes, along these edges:
 
 * absent -> commit(run R, xids) | abort(runs {R})
 * abort(S) -> commit(R) for a run R not in S, or abort(S + {R}): an aborted run stays aborted
@@ -34,13 +36,14 @@ class Decision:
     run: str = ""  # the committing run
     xids: list = field(default_factory=list)  # [[broker_id, xid], ...] to commit
     aborted: list = field(default_factory=list)  # runs whose transactions the brokers rolled back
+    owner: dict = field(default_factory=dict)  # {"query": ..., "checkpoint": ...} of the committing run
 
     def commits(self, broker_id: int, xid: str) -> bool:
         return self.outcome == "commit" and [broker_id, xid] in self.xids
 
     def encode(self) -> bytes:
         return json.dumps({"outcome": self.outcome, "run": self.run, "xids": self.xids,
-                           "aborted": self.aborted}).encode()
+                           "aborted": self.aborted, "owner": self.owner}).encode()
 
 
 def read(zk, path: str):
@@ -51,10 +54,10 @@ def read(zk, path: str):
         return None, -1
     m = json.loads(data)
     return Decision(m["outcome"], m.get("run", ""), [list(x) for x in m.get("xids", [])],
-                    list(m.get("aborted", []))), stat.version
+                    list(m.get("aborted", [])), dict(m.get("owner") or {})), stat.version
 
 
-def _decide(zk, path: str, run: str, xids: Optional[list]) -> Decision:
+def _decide(zk, path: str, run: str, xids: Optional[list], owner: Optional[dict] = None) -> Decision:
     """Move the record to commit(run, xids) (``xids`` given) or add ``run`` to the aborted runs, unless
     the record is already final for this purpose; returns the decision in force."""
     while True:
@@ -62,7 +65,8 @@ def _decide(zk, path: str, run: str, xids: Optional[list]) -> Decision:
         if current is not None and (current.outcome == "commit" or run in current.aborted):
             return current
         if xids is not None:
-            wanted = Decision("commit", run, [list(x) for x in xids], current.aborted if current else [])
+            wanted = Decision("commit", run, [list(x) for x in xids], current.aborted if current else [],
+                              dict(owner or {}))
         else:
             wanted = Decision("abort", aborted=(current.aborted if current else []) + [run])
         try:
@@ -75,15 +79,15 @@ def _decide(zk, path: str, run: str, xids: Optional[list]) -> Decision:
             continue
 
 
-def decide_commit(zk, path: str, run: str, xids: list) -> Decision:
-    """Record that run ``run`` commits ``xids``; returns the decision in force, which may be an earlier
-    run's commit (the batch was decided before: commit those, roll back this run's). Raises
+def decide_commit(zk, path: str, run: str, xids: list, owner: Optional[dict] = None) -> Decision:
+    """Record that run ``run`` (of ``owner``) commits ``xids``; returns the decision in force, which may be
+    an earlier run's commit (the batch was decided before: commit those, roll back this run's). Raises
     TransactionsAbortedError if a broker already aborted this run."""
-    d = _decide(zk, path, run, xids)
+    d = _decide(zk, path, run, xids, owner)
     if d.outcome == "abort":
         raise TransactionsAbortedError(
             f"decision {path}: the brokers rolled back run {run}'s transactions before the commit decision "
-            f"(they waited longer than transactionTimeout); the batch must be written again")
+            f"(the batch took longer than its transaction timeout); the batch must be written again")
     return d
 
 

@@ -3,8 +3,10 @@ in-doubt prepared transactions that name a ZooKeeper decision record (``txn_deci
 
 A prepared transaction is never given up while its outcome can still be commit: it is committed when
 a commit decision lists it, rolled back when the decision in force does not, and only after
-``transactionTimeout`` without any decision does the broker record an abort for its run (a versioned
-ZooKeeper write that the writer's commit decision cannot overtake) and roll it back."""
+the transaction's own limit (BeginTransaction's timeout_ms, else ``transactionTimeout``) without any
+decision does the broker record an abort for its run (a versioned ZooKeeper write that the writer's commit
+decision cannot overtake) and roll it back. Rarely, it also tells the manager which decision records are
+gone, so that it forgets the outcomes it kept for them (a replay of an existing record may still ask)."""
 from __future__ import annotations
 
 import logging
@@ -18,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class TransactionResolver:
-    def __init__(self, manager, broker_id: int, zk: Callable[[], Optional[object]], timeout_s: float,
-                 interval_s: float = 1.0):
+    def __init__(self, manager, broker_id: int, zk: Callable[[], Optional[object]], interval_s: float = 1.0,
+                 forget_interval_s: float = 600.0):
         self.manager, self.broker_id, self.zk = manager, broker_id, zk
-        self.timeout_s, self.interval_s = timeout_s, interval_s
+        self.interval_s, self.forget_interval_s = interval_s, forget_interval_s
+        self._next_forget = time.monotonic() + forget_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metaq-txn-resolver", daemon=True)
 
@@ -50,12 +53,22 @@ class TransactionResolver:
             coordinator = txn_decisions.parse_coordinator(t.coordinator)
             if coordinator is not None:
                 self.resolve(zk, t, coordinator)
+        if time.monotonic() >= self._next_forget:
+            self.forget_gone_records(zk)
+
+    def forget_gone_records(self, zk) -> int:
+        """Let the manager forget outcomes whose decision record was deleted (one batch of exists calls)."""
+        self._next_forget = time.monotonic() + self.forget_interval_s
+        paths = sorted(self.manager.decided_records())
+        checks = [(path, zk.exists_async(path)) for path in paths]
+        gone = {path for path, result in checks if result.get(timeout=30) is None}
+        return self.manager.forget_decided(gone) if gone else 0
 
     def resolve(self, zk, t, coordinator: dict) -> None:
         path, run = coordinator["path"], coordinator["run"]
         decision, _ = txn_decisions.read(zk, path)
         if decision is None or (decision.outcome == "abort" and run not in decision.aborted):
-            if time.time() - t.prepared_at < self.timeout_s:
+            if time.time() - t.prepared_at < t.timeout_s:
                 return  # the writer may still decide to commit
             decision = txn_decisions.decide_abort(zk, path, run)
         if decision.commits(self.broker_id, t.xid):

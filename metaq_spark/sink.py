@@ -6,7 +6,11 @@ Each task writes its rows in one broker transaction per broker it touches, named
 decision for the batch in ZooKeeper (``<zk.root>/sinks/<sinkId>/batches/<batchId>``, listing the
 transactions to commit; ``metaq_broker.txn_decisions``) and commits them. A batch replayed after a driver
 crash finds the earlier run's decision, finishes its commits and rolls back its own transactions, so
-nothing is written twice; a broker holding an in-doubt transaction settles it from the same record.
+nothing is written twice; a broker holding an in-doubt transaction settles it from the same record. The
+record names the query that committed it: a decision by another query (the same sinkId reused) is not a
+replay, and the batch fails naming both rather than being dropped. A batch write's record is
+``sinks/write.<sinkId>`` (a rerun after a crash finishes the recorded commit) or ``write.<run>`` without
+a sinkId (each run a new, atomic write); docs/transactions.md has the promises.
 
 Spark creates a new writer for every micro-batch and again, from scratch, for the driver's commit and
 abort, so nothing is kept in memory: the run id and the record's path travel in the commit messages.
@@ -47,6 +51,8 @@ SINK_OPTIONS = {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee
 _SPELLING = {name.lower(): name for name in SINK_OPTIONS}
 _GIVEN_BY_SPARK = {"checkpointlocation", "path"}
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+BATCH_RECORD_HORIZON_S = 7 * 86_400  # leftover decision records of crashed batch writes older than this go
+BATCH_WRITE_PREFIX = "write."  # sink node of a batch write: write.<sinkId>, or write.<random run>
 SETTLE_WAIT_S = 120.0  # how long the driver waits for a broker that is down to take a commit
 MAX_PUT_BYTES = 16 << 20  # Arrow batches larger than this go to the brokers in slices
 
@@ -58,6 +64,11 @@ COLUMNS = {  # column -> (allowed Spark types, how the message uses it)
     "flag": ((IntegerType, ShortType, ByteType), "int"),
     "topic": ((StringType,), "string"),
 }
+
+
+class SinkIdConflictError(RuntimeError):
+    """Another query already committed this batch id under the same sink id: its decision is not ours to
+    replay, and rolling our batch back would drop it."""
 
 
 class SinkSchemaError(ValueError):
@@ -149,6 +160,7 @@ def default_sink_id(checkpoint: str, query_id: str) -> str:
 class SinkCommitMessage(WriterCommitMessage):
     run: str
     path: str  # the decision record the transactions name ("" for at-least-once)
+    owner: dict  # {"query": <Spark query id>, "checkpoint": <location>} of a stream; {} for a batch write
     xids: list  # [[brokerId, xid], ...] prepared by the task
     rows: int
 
@@ -261,18 +273,20 @@ class _Writer:
 
     # -- executor side ---------------------------------------------------------------------------------
     def _where(self):
-        """(sink id, batch id, TaskContext) of the task running now."""
+        """(sink id, batch id, owner, TaskContext) of the task running now. A batch write with a sinkId
+        has a fixed record (a rerun after a crash finds its decision); without, a new one per run."""
         from pyspark import TaskContext
         ctx = TaskContext.get()
         if not self.streaming:  # one record per write, removed after it
-            return f"{self.opts.sink_id or 'write'}-{self.run[:16]}", 0, ctx
+            return BATCH_WRITE_PREFIX + (self.opts.sink_id or self.run), 0, {}, ctx
         batch_id = int(ctx.getLocalProperty("streaming.sql.batchId"))
+        query = ctx.getLocalProperty("sql.streaming.queryId") or ""
         sink_id = self.opts.sink_id
         if sink_id is None:
             if not self.opts.checkpoint:
                 raise OptionError("the metaq sink needs a checkpointLocation or a sinkId option")
-            sink_id = default_sink_id(self.opts.checkpoint, ctx.getLocalProperty("sql.streaming.queryId") or "")
-        return sink_id, batch_id, ctx
+            sink_id = default_sink_id(self.opts.checkpoint, query)
+        return sink_id, batch_id, {"query": query, "checkpoint": self.opts.checkpoint or ""}, ctx
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
         producer = _producer(self.opts)
@@ -280,8 +294,8 @@ class _Writer:
             with Pipeline(producer.send_batch, self.index, self.opts.topic) as pipe:
                 for batch in iterator:
                     pipe.submit(batch)
-            return SinkCommitMessage(self.run, "", [], pipe.rows)
-        sink_id, batch_id, ctx = self._where()
+            return SinkCommitMessage(self.run, "", {}, [], pipe.rows)
+        sink_id, batch_id, owner, ctx = self._where()
         path = ZkPaths(self.opts.zk_root).sink_batch(sink_id, batch_id)
         # taskAttemptId is unique in the application, also across stage re-attempts; the run keeps
         # attempts of a replayed batch (a new driver) apart.
@@ -296,7 +310,7 @@ class _Writer:
             for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
                 _rollback_quietly(producer, bid, xid)
             raise
-        return SinkCommitMessage(self.run, path, xids, pipe.rows)
+        return SinkCommitMessage(self.run, path, owner, xids, pipe.rows)
 
     # -- driver side -----------------------------------------------------------------------------------
     def _commit(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
@@ -305,10 +319,25 @@ class _Writer:
         if not self.opts.exactly_once or not done:
             return  # no task reported (nothing ran): brokers settle any leftovers from the record
         run, path = _one(done)
+        owner = done[0].owner
         own = sorted({(int(b), x) for m in done for b, x in m.xids})
         producer = _producer(self.opts)
         zk = producer.cluster.zk
-        decision = txn_decisions.decide_commit(zk, path, run, [list(x) for x in own])
+        try:
+            decision = txn_decisions.decide_commit(zk, path, run, [list(x) for x in own], owner)
+        except txn_decisions.TransactionsAbortedError as e:
+            now = f"{self.opts.timeout_ms} ms" if self.opts.timeout_ms else \
+                "unset, so the brokers' transactionTimeout"
+            raise txn_decisions.TransactionsAbortedError(
+                f"{e}. Raise the sink option transactionTimeoutMs (now {now}) above the time a batch takes; "
+                f"the brokers refuse more than their transactionMaxTimeout (default 900000 ms)") from None
+        if decision.run != run and _other_query(decision.owner, owner):
+            raise SinkIdConflictError(
+                f"sink id {path.split('/')[-3]!r}: batch {batch_id} was already committed by another query "
+                f"(id {decision.owner.get('query')}, checkpoint {decision.owner.get('checkpoint') or 'unknown'}); "
+                f"this query (id {owner.get('query')}, checkpoint {owner.get('checkpoint') or 'unknown'}) would "
+                f"drop its batch. Give this query its own sinkId option, or delete that sink's decision records "
+                f"({posixpath.dirname(path)}) if that query is gone for good")
         _settle(producer, decision.xids, "CommitTransaction")
         if decision.run != run:
             log.info("batch %d was committed by an earlier run (%s); dropping this run's %d transactions",
@@ -336,6 +365,11 @@ class _Writer:
 
     def _clean(self, zk, path: str, batch_id: int) -> None:
         raise NotImplementedError
+
+
+def _other_query(decided: dict, ours: dict) -> bool:
+    """Was the decision made by a different streaming query (not an earlier run of ours)?"""
+    return bool(decided.get("query")) and bool(ours.get("query")) and decided["query"] != ours["query"]
 
 
 def _one(messages: list) -> tuple:
@@ -421,9 +455,34 @@ class MetaqBatchWriter(_Writer, DataSourceArrowWriter):
         self._abort(messages, 0)
 
     def _clean(self, zk, path: str, batch_id: int) -> None:
-        _delete(zk, posixpath.dirname(posixpath.dirname(path)))  # this write's own sink node
+        """Delete this write's own sink node, and leftovers of batch writes whose driver died after the
+        decision (older than BATCH_RECORD_HORIZON_S: by then their brokers have long settled)."""
+        own = posixpath.dirname(posixpath.dirname(path))
+        _delete(zk, own)
+        sinks = posixpath.dirname(own)
+        try:
+            for child in zk.get_children(sinks):
+                if child.startswith(BATCH_WRITE_PREFIX) and self._old_batch_write(zk, f"{sinks}/{child}"):
+                    _delete(zk, f"{sinks}/{child}")
+        except Exception as e:  # noqa: BLE001 - housekeeping never fails a write
+            log.warning("could not sweep old batch-write records under %s: %s", sinks, e)
+
+    @staticmethod
+    def _old_batch_write(zk, sink: str) -> bool:
+        """A batch write's record (batch 0 only, no streaming owner) created over the horizon ago."""
+        batches = zk.get_children(f"{sink}/batches") if zk.exists(f"{sink}/batches") else []
+        if batches not in ([], [f"{0:020d}"]):
+            return False
+        stat = zk.exists(sink)
+        if stat is None or time.time() - stat.ctime / 1000 <= BATCH_RECORD_HORIZON_S:
+            return False
+        decision = txn_decisions.read(zk, f"{sink}/batches/{0:020d}")[0] if batches else None
+        return decision is None or not decision.owner
 
 
 def writer(options, schema: StructType, streaming: bool):
     opts = parse_sink(options)
+    if streaming and opts.sink_id and opts.sink_id.startswith(BATCH_WRITE_PREFIX):
+        raise OptionError(f"option sinkId: {opts.sink_id!r}: names starting with {BATCH_WRITE_PREFIX!r} are "
+                          f"reserved for batch writes")
     return (MetaqStreamWriter if streaming else MetaqBatchWriter)(opts, schema)

@@ -341,18 +341,37 @@ def test_task_failing_on_its_first_attempt(spark, cluster, tmp_path):
     assert_exactly_once(cluster)
 
 
-def test_brokers_give_up_before_the_decision_then_a_restart_writes_once(spark, cluster, tmp_path):
-    """The driver is slower than the brokers' transactionTimeout: they roll the batch back and record
-    it, the commit fails with a clear error, and a restart from the checkpoint writes the batch once."""
-    start_brokers(cluster, timeout_ms=3000)
+def test_a_batch_slower_than_the_brokers_timeout_but_within_the_sinks_completes_once(spark, cluster, tmp_path):
+    """The sink's transactionTimeoutMs, not the brokers' transactionTimeout, limits how long a prepared
+    transaction waits for its decision: a batch slower than the latter but within the former commits."""
+    start_brokers(cluster, timeout_ms=2000)
     hooks = tmp_path / "hooks"
     arm(hooks, "pause-1-1-1-100")  # batch 1's task of input 1-1 waits; the other task prepares
     q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks), transactionTimeoutMs=60000)
     wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 1, batch=1), timeout=120,
                what="batch 1 half prepared")
+    time.sleep(5)  # well past the brokers' transactionTimeout (and a resolver round)
+    assert prepared(cluster, 1, batch=1), "the brokers gave up on the prepared transaction"
+    (hooks / "go").touch()
+    q.awaitTermination(180)
+    assert q.exception() is None, q.exception()
+    assert_exactly_once(cluster)
+
+
+def test_brokers_give_up_before_the_decision_then_a_restart_writes_once(spark, cluster, tmp_path):
+    """The batch is slower than its transaction timeout (the sink option unset: the brokers'
+    transactionTimeout): they roll the batch back and record it, the commit fails with an error naming
+    the option to raise, and a restart from the checkpoint writes the batch once."""
+    start_brokers(cluster, timeout_ms=3000)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause-1-1-1-100")  # batch 1's task of input 1-1 waits; the other task prepares
+    q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks))
+    wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 1, batch=1), timeout=120,
+               what="batch 1 half prepared")
     wait_until(lambda: not prepared(cluster, 1, batch=1), timeout=20, what="the brokers' abort")
     (hooks / "go").touch()
-    with pytest.raises(Exception, match=r"rolled back run \w+'s transactions before the commit decision"):
+    with pytest.raises(Exception, match=r"rolled back run \w+'s transactions before the commit decision.*Raise "
+                                        r"the sink option transactionTimeoutMs \(now unset"):
         q.awaitTermination(180)
     for bid in (1, 2):  # (and a SIGKILL of both) a patient timeout for the rerun
         b = cluster.brokers[bid]
@@ -361,6 +380,27 @@ def test_brokers_give_up_before_the_decision_then_a_restart_writes_once(spark, c
     q = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck", str(hooks))
     q.awaitTermination(180)
     assert q.exception() is None, q.exception()
+    assert_exactly_once(cluster)
+
+
+def test_a_second_query_reusing_a_sink_id_fails_loudly_and_drops_nothing(spark, cluster, zk, tmp_path):
+    """Another query (a new checkpoint) with the same sinkId reaches batch ids the first one decided: it
+    is not a replay of that query, so it fails naming the sink id and the other query, instead of
+    rolling its batch back (silently dropping it) as if it were."""
+    start_brokers(cluster)
+    first = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck1", str(tmp_path), sinkId="shared")
+    first.awaitTermination(180)
+    assert first.exception() is None, first.exception()
+    assert_exactly_once(cluster)
+    with cluster.client(Admin) as admin:
+        admin.create_topic("again", 1, [2])
+    second = pipeline(spark, cluster.zk_connect, cluster.zk_root, tmp_path / "ck2", str(tmp_path), topic="again",
+                      sinkId="shared")
+    with pytest.raises(Exception, match=rf"sink id 'shared': batch 0 was already committed by another query "
+                                        rf"\(id {first.id}, checkpoint {re.escape(str(tmp_path / 'ck1'))}\).*"
+                                        rf"own sinkId option"):
+        second.awaitTermination(180)
+    assert topic_values(cluster, "again") == []  # nothing half-written, and the first query's output intact
     assert_exactly_once(cluster)
 
 
@@ -469,3 +509,66 @@ def test_driver_killed_before_the_decision_and_while_committing(cluster, zk, tmp
 
     finish_driver(run_driver(cluster, tmp_path, "split"))  # finds the decision: commits it, drops its own
     assert_exactly_once(cluster, per_partition=300)
+
+
+BATCH_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from spark_helpers import spark_builder
+    import metaq_spark
+    from test_spark_sink import batch_frame
+    spark = spark_builder("local[2,4]", "sink-batch-driver").getOrCreate()
+    metaq_spark.register(spark)
+    (batch_frame(spark, {hooks!r}).write.format("metaq").option("metaq.zk.connect", {zk!r})
+     .option("metaq.zk.root", {root!r}).option("topic", "out").option("sinkId", "nightly").mode("append").save())
+    print("DONE", flush=True)
+""")
+
+
+def batch_frame(spark, hooks):
+    """200 rows ``v<i>`` in two tasks: task 0's go to out 2-0, task 1's to out 1-0; a file ``pause`` in
+    ``hooks`` makes task 1 write ``paused`` at its 50th row and wait for ``go``."""
+    @F.udf("string")
+    def value(i):
+        if i == 150 and os.path.exists(os.path.join(hooks, "pause")):
+            os.remove(os.path.join(hooks, "pause"))
+            open(os.path.join(hooks, "paused"), "w").close()
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(hooks, "go")) and time.time() < deadline:
+                time.sleep(0.02)
+        return f"v{i}"
+
+    df = spark.range(0, 200, numPartitions=2)
+    return df.select(value("id").alias("value"), F.when(F.col("id") < 100, "2-0").otherwise("1-0").alias("partition"))
+
+
+def test_batch_write_with_a_sink_id_is_exactly_once_across_a_driver_crash(spark, cluster, zk, tmp_path):
+    """A batch write with a sinkId whose driver is SIGKILLed after the decision was recorded (commit done
+    on broker 1, broker 2 SIGSTOPped): rerunning the same write finishes that commit and writes nothing
+    again, and leaves no decision record behind."""
+    start_brokers(cluster)
+    hooks = tmp_path / "hooks"
+    arm(hooks, "pause")
+    script = tmp_path / "batch_driver.py"
+    script.write_text(BATCH_DRIVER.format(tests=os.path.dirname(__file__), hooks=str(hooks), zk=cluster.zk_connect,
+                                          root=cluster.zk_root))
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    broker2 = cluster.brokers[2]
+    try:
+        wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2), timeout=180,
+                   what="task 0 prepared on broker 2")
+        broker2.proc.send_signal(signal.SIGSTOP)
+        try:
+            (hooks / "go").touch()
+            wait_until(lambda: any(0 in s for s in decisions(zk, cluster.zk_root).values())
+                       and not prepared(cluster, 1), timeout=60, what="the decision, broker 1 committed")
+        finally:
+            kill_driver(proc)
+    finally:
+        broker2.proc.send_signal(signal.SIGCONT)
+    writer(batch_frame(spark, str(hooks)), cluster, topic="out", sinkId="nightly").save()
+    assert Counter(topic_values(cluster, "out")) == Counter(f"v{i}" for i in range(200))
+    for bid in cluster.brokers:
+        wait_until(lambda b=bid: not prepared(cluster, b), timeout=20, what=f"no in-doubt transaction on {bid}")
+    assert decisions(zk, cluster.zk_root) == {}

@@ -62,6 +62,9 @@ def test_commit_makes_messages_visible_rollback_never(cluster):
             p.connection(1).call("PrepareTransaction", pb.TransactionRequest(xid="nope"))
         with pytest.raises(RemoteTransactionError, match="coordinator must be JSON"):
             p.connection(1).call("BeginTransaction", pb.BeginTransactionRequest(xid="x", coordinator="{"))
+        with pytest.raises(RemoteTransactionError, match=r"timeout of 900001 ms exceeds the broker's "
+                                                         r"transactionMaxTimeout \(900000 ms\)"):
+            p.connection(1).call("BeginTransaction", pb.BeginTransactionRequest(xid="y", timeout_ms=900_001))
 
 
 def test_prepared_survives_a_broker_crash(cluster):
@@ -134,3 +137,24 @@ def test_open_transactions_time_out(cluster):
         with pytest.raises(RemoteTransactionError, match="rolled back"):
             txn.prepare()
     assert visible(cluster, "t", "1-0") == []
+
+
+def test_the_resolver_forgets_outcomes_only_once_their_decision_record_is_gone(tmp_path, zk, zk_root):
+    """Outcomes kept for a decision record are dropped by the resolver's sweep after the record is deleted
+    (a replay can no longer ask), not before."""
+    from metaq_broker.store import MessageStore, TopicConfig
+    from metaq_broker.store.transactions import TransactionManager
+    from metaq_broker.txn_resolver import TransactionResolver
+    store = MessageStore(tmp_path / "data", {"t": TopicConfig(num_partitions=1)}, background_interval=None)
+    tx = TransactionManager(store, tmp_path / "data" / "transactions")
+    kept, gone = f"{zk_root}/sinks/s/batches/1", f"{zk_root}/sinks/s/batches/2"
+    for xid, path in (("a", kept), ("b", gone)):
+        zk.create(path, b"{}", makepath=True)
+        tx.begin(xid, coordinator=json.dumps({"path": path, "run": "r"}))
+        tx.prepare(xid)
+        tx.commit(xid)
+    zk.delete(gone)
+    assert TransactionResolver(tx, 1, lambda: zk).forget_gone_records(zk) == 1
+    assert tx.state("a") == "committed" and tx.state("b") is None
+    tx.close()
+    store.close()

@@ -180,3 +180,52 @@ def test_open_transactions_time_out_prepared_never(tmp_path, clock):
     assert tx.counts() == {"open": 0, "prepared": 1, "committing": 0}
     tx.close()
     store.close()
+
+
+def test_outcomes_with_a_decision_record_outlive_the_lru(tmp_path, monkeypatch):
+    """A commit decision may be replayed long after: the outcome of a transaction begun with a decision
+    record is kept (also across a restart) while the record exists, not only for KEEP_FINISHED later
+    transactions; and a rollback of a forgotten xid does not claim it was rolled back."""
+    from metaq_broker.store import transactions
+    monkeypatch.setattr(transactions, "KEEP_FINISHED", 3)
+    store, tx = open_all(tmp_path)
+    record = '{"path": "/meta/sinks/s/batches/00000000000000000001", "run": "r"}'
+    for xid, coordinator in (("decided", record), ("plain", "")):
+        tx.begin(xid, coordinator=coordinator)
+        tx.put(xid, "t", 0, body(xid))
+        tx.prepare(xid)
+        tx.commit(xid)
+    for i in range(5):  # later transactions push both out of the LRU of 3
+        tx.begin(f"later{i}")
+        tx.prepare(f"later{i}")
+        tx.rollback(f"later{i}")
+    tx.close()
+    store, tx = open_all(tmp_path)  # the kept outcome survives a restart
+    assert tx.commit("decided") == "committed"
+    with pytest.raises(TransactionError, match="committed; it cannot be rolled back"):
+        tx.rollback("decided")
+    with pytest.raises(UnknownTransactionError, match="outcome may have been forgotten"):
+        tx.rollback("plain")
+    assert tx.decided_records() == {"/meta/sinks/s/batches/00000000000000000001"}
+    assert tx.forget_decided({"/meta/sinks/s/batches/00000000000000000001"}) == 1
+    with pytest.raises(UnknownTransactionError):
+        tx.commit("decided")
+    assert values(store, 0) == ["decided", "plain"]
+    tx.close()
+    store.close()
+
+
+def test_a_transactions_own_timeout_governs_its_prepared_life_and_is_capped(tmp_path):
+    """BeginTransaction's timeout is the transaction's limit also once prepared, kept across a restart;
+    more than the broker's transactionMaxTimeout is refused naming both settings."""
+    store, tx = open_all(tmp_path)
+    tx.begin("slow", timeout_s=120)
+    tx.prepare("slow")
+    with pytest.raises(TransactionError, match=r"exceeds the broker's transactionMaxTimeout \(900000 ms\).*"
+                                               r"transactionTimeoutMs"):
+        tx.begin("greedy", timeout_s=901)
+    tx.close()
+    store, tx = open_all(tmp_path)
+    assert [(t.xid, t.timeout_s) for t in tx.prepared()] == [("slow", 120)]
+    tx.close()
+    store.close()

@@ -33,7 +33,7 @@ JOURNAL = "transactions.journal"
 RECORD = struct.Struct("<IIB")
 PUT, PREPARE, COMMIT, DONE, ROLLBACK, FINISHED = 1, 2, 3, 4, 5, 6
 MAX_XID_BYTES = 255
-KEEP_FINISHED = 100_000  # outcomes remembered so that a repeated commit/rollback still succeeds
+KEEP_FINISHED = 100_000  # coordinator-less outcomes remembered so that a repeated commit/rollback succeeds
 COMPACT_BYTES = 64 << 20
 
 
@@ -72,24 +72,45 @@ def check_xid(xid: str) -> str:
     return xid
 
 
+def _record_path(coordinator: str) -> str:
+    """The decision record a coordinator names ("" for none or one that is not JSON with a path)."""
+    try:
+        m = json.loads(coordinator) if coordinator else None
+    except ValueError:
+        return ""
+    return m["path"] if isinstance(m, dict) and isinstance(m.get("path"), str) else ""
+
+
 class TransactionManager:
-    def __init__(self, store, directory: Path, default_timeout_s: float = 60.0, clock=time.monotonic):
+    def __init__(self, store, directory: Path, default_timeout_s: float = 60.0, clock=time.monotonic,
+                 max_timeout_s: float = 900.0):
         self.store = store
         self.path = Path(directory) / JOURNAL
         self.default_timeout_s = default_timeout_s
+        self.max_timeout_s = max_timeout_s
         self._clock = clock
         self._lock = threading.RLock()
         self._live: dict = {}
-        self._finished: OrderedDict = OrderedDict()  # xid -> "committed" | "rolled_back"
+        self._finished: OrderedDict = OrderedDict()  # xid -> "committed" | "rolled_back" (LRU, KEEP_FINISHED)
+        # Outcomes of transactions begun with a decision record: kept while the record exists (a replay of
+        # the record asks for them), xid -> [outcome, record path]; ``forget_decided`` drops them.
+        self._decided: dict = {}
+        self._forgot_commits = False  # a committed outcome left the LRU: an unknown xid may be committed
         self._next_number = 1
         make_dirs(self.path.parent)
         self._recover()
 
     # -- API ------------------------------------------------------------------------------------------
     def begin(self, xid: str, timeout_s: Optional[float] = None, coordinator: str = "") -> Transaction:
+        """``timeout_s`` limits both the open and the prepared (in-doubt) life of the transaction; at most
+        ``max_timeout_s`` (the broker's transactionMaxTimeout)."""
         check_xid(xid)
+        if timeout_s and timeout_s > self.max_timeout_s:
+            raise TransactionError(f"transaction {xid!r}: a timeout of {timeout_s * 1000:.0f} ms exceeds the broker's "
+                                   f"transactionMaxTimeout ({self.max_timeout_s * 1000:.0f} ms); ask for less (the "
+                                   f"sink's transactionTimeoutMs) or raise transactionMaxTimeout on the brokers")
         with self._lock:
-            if xid in self._live or xid in self._finished:
+            if xid in self._live or self._outcome(xid) is not None:
                 raise TransactionError(f"transaction {xid!r} already exists")
             t = self._live[xid] = Transaction(xid, "open", timeout_s or self.default_timeout_s, coordinator,
                                               started=self._clock())
@@ -114,14 +135,13 @@ class TransactionManager:
                 return t
             t = self._open(xid)
             t.state, t.prepared_at = "prepared", time.time()
-            self._write(PREPARE, [json.dumps({"xid": xid, "coordinator": t.coordinator,
-                                              "at": t.prepared_at}).encode()], fsync=True)
+            self._write(PREPARE, [self._prepare_record(t)], fsync=True)
             return t
 
     def commit(self, xid: str) -> str:
         """Make the transaction's messages visible; returns "committed". Repeating it is a success."""
         with self._lock:
-            if self._finished.get(xid) == "committed":
+            if self._outcome(xid) == "committed":
                 return "committed"
             t = self._live.get(xid)
             if t is None or t.state == "open":
@@ -139,9 +159,16 @@ class TransactionManager:
 
     def rollback(self, xid: str) -> str:
         with self._lock:
-            done = self._finished.get(xid)
-            if done == "rolled_back" or (done is None and xid not in self._live):
+            done = self._outcome(xid)
+            if done is None and xid not in self._live:
+                if self._forgot_commits:  # it may be one of the forgotten commits: do not claim otherwise
+                    raise UnknownTransactionError(
+                        f"transaction {xid!r} is unknown: its outcome may have been forgotten (this broker keeps "
+                        f"{KEEP_FINISHED} outcomes of transactions without a decision record), or it was never "
+                        f"begun or lost with a restart before it was prepared")
                 return "rolled_back"  # never seen (e.g. lost with a crash before prepare): nothing to undo
+            if done == "rolled_back":
+                return "rolled_back"
             if done == "committed" or self._live[xid].state == "committing":
                 raise TransactionError(f"transaction {xid!r} is committed; it cannot be rolled back")
             self._finish(self._live[xid], "rolled_back", ROLLBACK)
@@ -150,7 +177,7 @@ class TransactionManager:
     def state(self, xid: str) -> Optional[str]:
         with self._lock:
             t = self._live.get(xid)
-            return t.state if t is not None else self._finished.get(xid)
+            return t.state if t is not None else self._outcome(xid)
 
     def get(self, xid: str) -> Optional[Transaction]:
         return self._live.get(xid)
@@ -166,6 +193,20 @@ class TransactionManager:
             for t in self._live.values():
                 out[t.state] += 1
             return out
+
+    def decided_records(self) -> set:
+        """The decision records named by remembered outcomes (the resolver checks which still exist)."""
+        with self._lock:
+            return {path for _, path in self._decided.values()}
+
+    def forget_decided(self, gone: set) -> int:
+        """Forget the outcomes whose decision record is gone (no replay can ask for them any more);
+        journalled by the next compaction. Returns how many were forgotten."""
+        with self._lock:
+            drop = [xid for xid, (_, path) in self._decided.items() if path in gone]
+            for xid in drop:
+                del self._decided[xid]
+            return len(drop)
 
     def expire(self) -> list:
         """Roll back open transactions older than their timeout (prepared ones never: their outcome
@@ -195,7 +236,7 @@ class TransactionManager:
         return t
 
     def _not_prepared(self, xid: str, t: Optional[Transaction]) -> TransactionError:
-        done = self._finished.get(xid)
+        done = self._outcome(xid)
         if done is not None:
             return TransactionError(f"transaction {xid!r} is {done.replace('_', ' ')}")
         if t is not None:
@@ -204,17 +245,29 @@ class TransactionManager:
                                        f"broker restart before it was prepared)")
 
     def _finish(self, t: Transaction, outcome: str, record: int) -> None:
-        self._write(record, [json.dumps({"xid": t.xid}).encode()], fsync=t.state != "open")
+        path = _record_path(t.coordinator)
+        self._write(record, [json.dumps({"xid": t.xid, "path": path}).encode()], fsync=t.state != "open")
         del self._live[t.xid]
-        self._remember(t.xid, outcome)
+        self._remember(t.xid, outcome, path)
         if self._size > COMPACT_BYTES and self._live_bytes() * 2 < self._size:
             self._compact()
 
-    def _remember(self, xid: str, outcome: str) -> None:
+    def _outcome(self, xid: str) -> Optional[str]:
+        kept = self._decided.get(xid)
+        return kept[0] if kept is not None else self._finished.get(xid)
+
+    def _remember(self, xid: str, outcome: str, path: str = "") -> None:
+        if path:
+            self._decided[xid] = [outcome, path]
+            return
         self._finished[xid] = outcome
         self._finished.move_to_end(xid)
         while len(self._finished) > KEEP_FINISHED:
-            self._finished.popitem(last=False)
+            self._forgot_commits |= self._finished.popitem(last=False)[1] == "committed"
+
+    def _prepare_record(self, t: Transaction) -> bytes:
+        return json.dumps({"xid": t.xid, "coordinator": t.coordinator, "at": t.prepared_at,
+                           "timeout": t.timeout_s}).encode()
 
     def _apply(self, t: Transaction, recovering: bool = False) -> None:
         """Append the transaction's messages, one atomic append per partition, in put order."""
@@ -319,18 +372,22 @@ class TransactionManager:
         if kind == FINISHED:
             for xid, outcome in m["finished"]:
                 self._remember(xid, outcome)
+            for xid, outcome, path in m.get("decided", []):
+                self._remember(xid, outcome, path)
+            self._forgot_commits |= m.get("forgot_commits", False)
             self._next_number = max(self._next_number, m["next_number"])
             return
         t = self._live.get(m["xid"])
         if kind == PREPARE:
             t = t or self._live.setdefault(m["xid"], Transaction(m["xid"], "open", self.default_timeout_s))
             t.state, t.coordinator, t.prepared_at = "prepared", m["coordinator"], m["at"]
+            t.timeout_s = m.get("timeout", self.default_timeout_s)
         elif kind == COMMIT and t is not None:
             t.state, t.number, t.before = "committing", m["number"], m["before"]
             self._next_number = max(self._next_number, t.number + 1)
         elif kind in (DONE, ROLLBACK):
             self._live.pop(m["xid"], None)
-            self._remember(m["xid"], "committed" if kind == DONE else "rolled_back")
+            self._remember(m["xid"], "committed" if kind == DONE else "rolled_back", m.get("path", ""))
 
     def _compact(self) -> None:
         """Rewrite the journal with what is still needed: the remembered outcomes and the prepared
@@ -340,6 +397,8 @@ class TransactionManager:
         self._file, self._size = open(tmp, "wb"), 0
         try:
             self._write(FINISHED, [json.dumps({"finished": list(self._finished.items()),
+                                               "decided": [[x, o, p] for x, (o, p) in self._decided.items()],
+                                               "forgot_commits": self._forgot_commits,
                                                "next_number": self._next_number}).encode()])
             for t in self._live.values():
                 moved = []
@@ -352,8 +411,7 @@ class TransactionManager:
                                       pos + RECORD.size + 4 + len(meta), p.size))
                 t.puts = moved
                 if t.state == "prepared":
-                    self._write(PREPARE, [json.dumps({"xid": t.xid, "coordinator": t.coordinator,
-                                                      "at": t.prepared_at}).encode()])
+                    self._write(PREPARE, [self._prepare_record(t)])
             self._file.flush()
             os.fsync(self._fd)
         except BaseException:
