@@ -12,12 +12,14 @@ asks the brokers) through ``static_topics``, a callable returning {topic: [(brok
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
 import re
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
@@ -26,6 +28,24 @@ from ..registry import new_client, start_client
 from ..zkpaths import ZkPaths
 
 log = logging.getLogger(__name__)
+
+# Views still open at interpreter exit are closed then, before kazoo's own exit hook joins its worker
+# threads: with ZooKeeper gone, a watch callback waits for a reconnect that never comes, so without this a
+# script that does not close its clients would never exit. atexit runs the hook registered last first,
+# and kazoo registers one per client it starts, so ours is registered again after each start.
+_OPEN: "weakref.WeakSet[ClusterView]" = weakref.WeakSet()
+
+
+def _close_open_views() -> None:
+    for view in list(_OPEN):
+        view.close()
+
+
+def _track(view: "ClusterView") -> None:
+    _OPEN.add(view)
+    atexit.unregister(_close_open_views)
+    atexit.register(_close_open_views)
+
 
 STATIC_TTL = 1.0  # seconds a ``static_topics`` map is reused before asking the brokers again
 _TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
@@ -55,6 +75,7 @@ class ClusterView:
         if zk_connect is not None:
             self.zk = new_client(zk_connect)
             start_client(self.zk, zk_connect, timeout)
+            _track(self)
             try:
                 self.zk.ensure_path(self.paths.broker_ids())  # a watch needs its node to exist
                 self.zk.ensure_path(self.paths.topics_pub())
@@ -117,6 +138,9 @@ class ClusterView:
         self._listeners.append(callback)
 
     def close(self) -> None:
+        """Stops the ZooKeeper session; returns within seconds also when ZooKeeper is gone (pending
+        watch callbacks then fail and end)."""
+        _OPEN.discard(self)
         if self.zk is not None:
             self.zk.stop()
             self.zk.close()

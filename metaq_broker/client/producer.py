@@ -18,12 +18,16 @@ import numpy as np
 import pyarrow as pa
 
 from .. import records
-from ..errors import InvalidPartitionError
-from ..zkpaths import parse_partition_name
+from ..errors import InvalidPartitionError, MetaqError
+from ..zkpaths import parse_partition_name, partition_name
 from ..proto import metaq_pb2 as pb
 from .base import ClientBase
 from .connection import to_error
 from .partitioner import RoundRobin, partitions_for_keys
+
+
+class PartitionUnavailableError(MetaqError, TimeoutError):
+    """A key's partition stayed on a down broker for the producer's whole timeout."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,29 @@ class Producer(ClientBase):
         if partition is not None:
             self.route(partition)  # check it names a live broker
             return [partition], np.zeros(n, dtype=np.int64)
-        names = self.partitions(topic)
         if keys is not None and self.partitioner == "hash" and keys.null_count < len(keys):
-            return names, partitions_for_keys(keys, len(names))
+            names = self.registered_partitions(topic)
+            which = partitions_for_keys(keys, len(names))
+            self._await_live(topic, [names[i] for i in np.unique(which)])
+            return names, which
+        names = self.partitions(topic)
         return names, np.full(n, self._rr.next(len(names)), dtype=np.int64)
+
+    def _await_live(self, topic: str, names: list) -> None:
+        """Wait (up to the producer's timeout) until the brokers of these key-hashed partitions are alive;
+        a key never moves to another partition, so while its broker is down it waits, then fails."""
+        deadline = time.monotonic() + self.pool.timeout
+        while True:
+            down = set(names) - {partition_name(b, n) for b, n in self.cluster.topic_partitions(topic)}
+            if not down:
+                return
+            if time.monotonic() >= deadline:
+                name = min(down)
+                raise PartitionUnavailableError(
+                    f"partition {name!r} of topic {topic!r} is on broker {parse_partition_name(name)[0]}, "
+                    f"which is down: waited {self.pool.timeout:g}s (keys keep their partition, they are not "
+                    f"sent elsewhere)")
+            time.sleep(0.05)
 
     def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
         """[(partition name, encoded body)]: the messages split by partition (``partition`` is one name, an
@@ -146,11 +169,13 @@ class Producer(ClientBase):
         if self._closed:
             raise RuntimeError("producer is closed")
         if partition is None:
-            names = self.partitions(topic)
             if key is not None and self.partitioner == "hash":
                 kb = key.encode() if isinstance(key, str) else key
+                names = self.registered_partitions(topic)
                 partition = names[int(partitions_for_keys(pa.array([kb], pa.binary()), len(names))[0])]
+                self._await_live(topic, [partition])
             else:
+                names = self.partitions(topic)
                 partition = names[self._rr.next(len(names))]
         else:
             self.route(partition)

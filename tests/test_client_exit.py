@@ -1,0 +1,130 @@
+"""Processes using the client end in bounded time when ZooKeeper is gone: a script with a Producer, a
+Consumer and an Admin (closing them, or simply exiting), a `metaq` CLI command, and a Spark driver with a metaq
+streaming query. Each runs in its own process against a ZooKeeper of its own, stopped under it."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from metaq_broker.local import BrokerProcess
+from metaq_broker.zookeeper import LocalZooKeeper
+
+BOUND_S = 60  # "exits in bounded time": far above what it takes, far below forever
+
+
+@pytest.fixture
+def doomed_zookeeper(tmp_path):
+    """A ZooKeeper of this test's own (the session's shared one must not be stopped) and one broker."""
+    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    broker = BrokerProcess(tmp_path / "broker", 1, zk.connect_string, settings={"zk.sessionTimeout": 4000},
+                           topics={"t": {"numPartitions": 2}}).start()
+    yield zk
+    broker.kill()
+    zk.stop()
+
+
+def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                              timeout=BOUND_S)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the process did not exit within {BOUND_S}s; its output:\n{e.stdout}\n{e.stderr}")
+
+
+CLIENTS = """
+    import sys, time
+    from metaq_broker.client.admin import Admin
+    from metaq_broker.client.consumer import Consumer
+    from metaq_broker.client.producer import Producer
+
+    zk_connect, close = sys.argv[1], sys.argv[2] == "close"
+    producer, consumer, admin = (cls(zk_connect=zk_connect) for cls in (Producer, Consumer, Admin))
+    deadline = time.monotonic() + 30
+    while len(producer.partitions("t")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    producer.send_batch("t", [b"a", b"b"], keys=[b"1", b"2"])
+    print("partitions", consumer.partitions("t"), flush=True)
+    print("zookeeper gone", flush=True)
+    input()  # the test stops ZooKeeper, then lets us go on
+    time.sleep(6)  # past the session timeout: watches fire and their callbacks wait for a reconnect
+    if close:
+        producer.close()
+        consumer.close()
+        admin.close()
+        print("closed", flush=True)
+    print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "exit"])
+def test_a_client_script_ends_when_zookeeper_is_gone(doomed_zookeeper, close):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CLIENTS), doomed_zookeeper.connect_string, close], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("zookeeper gone"):
+                break
+        assert any(line.startswith("partitions ['1-0', '1-1']") for line in lines), lines
+        doomed_zookeeper.stop()
+        out, err = proc.communicate("\n", timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the script did not exit within {BOUND_S}s after ZooKeeper stopped:\n{out}\n"
+                             f"{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "exiting" in out and (close == "exit" or "closed" in out)
+
+
+def test_a_cli_command_ends_with_a_clear_error_when_zookeeper_is_gone(doomed_zookeeper):
+    connect = doomed_zookeeper.connect_string
+    doomed_zookeeper.stop()
+    r = run_script("from metaq_broker.cli import main; main()", "--zk", connect, "topics", "list")
+    assert r.returncode != 0
+    assert f"cannot connect to ZooKeeper at {connect}" in r.stderr + r.stdout
+
+
+SPARK_DRIVER = """
+    import os, sys, time
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+    import metaq_spark
+
+    zk_connect, checkpoint = sys.argv[1], sys.argv[2]
+    spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+    metaq_spark.register(spark)
+    q = (spark.readStream.format("metaq").option("metaq.zk.connect", zk_connect).option("subscribe", "t").load()
+         .writeStream.format("noop").option("checkpointLocation", checkpoint).trigger(processingTime="1 second")
+         .start())
+    deadline = time.monotonic() + 60
+    while not q.recentProgress and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("running", bool(q.recentProgress), flush=True)
+    input()  # the test stops ZooKeeper
+    time.sleep(6)
+    q.stop()
+    spark.stop()
+    print("stopped", flush=True)
+"""
+
+
+def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zookeeper, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SPARK_DRIVER), doomed_zookeeper.connect_string,
+                             str(tmp_path / "checkpoint")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    try:
+        first = proc.stdout.readline()
+        assert first.strip() == "running True", first + proc.stderr.read(3000)
+        doomed_zookeeper.stop()
+        out, err = proc.communicate("\n", timeout=BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the driver did not exit in time after ZooKeeper stopped:\n{out}\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped" in out

@@ -1,0 +1,77 @@
+"""Key routing while a broker is down: a key hashes over every partition of its topic, so it keeps its
+partition; while that partition's broker is down, sending it waits (the producer's timeout) and then fails
+naming topic, partition and broker, and it never lands elsewhere."""
+import threading
+
+import pytest
+
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import PartitionUnavailableError, Producer
+from conftest import wait_until
+
+TOPICS = {"k": {"numPartitions": 2}}
+KEYS = [b"key-%d" % i for i in range(40)]
+
+
+def where_keys_are(consumer) -> dict:
+    """{key: [partitions holding it]} read back from the brokers."""
+    out: dict = {}
+    for name, (start, end) in consumer.offsets("k").items():
+        for key in consumer.read_range("k", name, start, end).column("key").to_pylist():
+            out.setdefault(key, set()).add(name)
+    return out
+
+
+def test_a_key_keeps_its_partition_while_its_broker_is_down(cluster):
+    cluster.start_broker(1, topics=TOPICS)
+    cluster.start_broker(2, topics=TOPICS)
+    with cluster.client(Producer, timeout=2.0) as producer, cluster.client(Consumer) as consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 4, what="both brokers")
+        producer.send_batch("k", KEYS, keys=KEYS)
+        first = where_keys_are(consumer)
+        assert all(len(parts) == 1 for parts in first.values()) and len(first) == len(KEYS)
+        home = {key: parts.pop() for key, parts in first.items()}
+        on_1 = [k for k in KEYS if home[k].startswith("1-")]
+        on_2 = [k for k in KEYS if home[k].startswith("2-")]
+        assert on_1 and on_2
+
+        cluster.brokers[2].kill()  # a crash: its session expires, its topic entries stay
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 2, what="broker 2 gone")
+        producer.send_batch("k", on_1, keys=on_1)  # keys of the live broker go where they went before
+        with pytest.raises(PartitionUnavailableError, match=r"partition '2-\d' of topic 'k' is on broker 2"):
+            producer.send_batch("k", KEYS, keys=KEYS)
+        with pytest.raises(PartitionUnavailableError, match="broker 2"):
+            producer.send("k", on_2[0], key=on_2[0]).result(30)
+        after = {key: parts for key, parts in where_keys_are(consumer).items() if key in on_1}
+        assert after == {k: {home[k]} for k in on_1}
+        assert consumer.offsets("k", ["1-0", "1-1"]) == {
+            n: (0, sum(2 for k in on_1 if home[k] == n)) for n in ("1-0", "1-1")}  # nothing moved here
+
+    with cluster.client(Producer, timeout=60.0) as patient:
+        wait_until(lambda: patient.cluster.registered_partitions("k"), what="topic")
+        result = {}
+        waiting = threading.Thread(target=lambda: result.update(r=patient.send_batch("k", on_2[:1], keys=on_2[:1])))
+        waiting.start()
+        cluster.start_broker(2, topics=TOPICS)
+        waiting.join(90)
+        assert [r.partition for r in result["r"]] == [home[on_2[0]]]
+
+
+def test_the_spark_sink_keeps_a_key_in_its_partition_while_its_broker_is_down(cluster, spark):
+    """The sink routes keys through the producer: rows whose key's broker is down wait for it, then the
+    write fails; no row moves to the live broker."""
+    cluster.start_broker(1, topics=TOPICS)
+    cluster.start_broker(2, topics=TOPICS)
+    with cluster.client(Producer) as producer, cluster.client(Consumer) as consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 4, what="both brokers")
+        producer.send_batch("k", KEYS, keys=KEYS)
+        cluster.brokers[2].kill()
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 2, what="broker 2 gone")
+        rows = [(k.decode(), "again") for k in KEYS]
+        write = (spark.createDataFrame(rows, "key string, value string").coalesce(1).write.format("metaq")
+                 .option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root", cluster.zk_root)
+                 .option("topic", "k").option("deliveryGuarantee", "at-least-once").mode("append"))
+        before = consumer.offsets("k", ["1-0", "1-1"])
+        with pytest.raises(Exception, match=r"partition '2-\d' of topic 'k' is on broker 2"):
+            write.save()  # rows with keys of broker 2 wait for it (the producer's timeout), then fail
+        assert consumer.offsets("k", ["1-0", "1-1"]) == before  # none of them went to broker 1
