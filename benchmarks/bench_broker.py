@@ -72,7 +72,8 @@ from pathlib import Path
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from metaq_broker.local import BrokerProcess, free_port  # noqa: E402
+from metaq_broker.devtools.broker_process import BrokerProcess, free_port  # noqa: E402
+from metaq_broker.devtools.process import ChildProcess  # noqa: E402
 
 POOL = 8000  # distinct values per size; message j carries value j % POOL
 SIZES = (100, 1024)
@@ -185,48 +186,23 @@ def version_of(cmd) -> str:
         return "?"
 
 
-class ServerProcess:
+class ServerProcess(ChildProcess):
     """A peer's server: its own session (a Ctrl-C at the terminal reaches only this script, which then
     stops it), its output in ``<workdir>/server.log``, SIGTERM to stop, SIGKILL if that takes >30 s."""
 
     def __init__(self, argv, workdir: Path, port: int):
-        self.argv, self.workdir, self.port, self.proc = argv, workdir, port, None
+        workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(Path(argv[0]).name, argv, workdir / "server.log", cwd=workdir, own_session=True)
+        self.port = port
 
     def start(self, ready, timeout: float = 30.0) -> ServerProcess:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with open(self.workdir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv[0]} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if port_open(self.port):
-                try:
-                    ready()
-                    return self
-                except Exception:  # noqa: BLE001 - not ready yet
-                    pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.argv[0]} not ready in {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.05)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join((self.workdir / "server.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """Start; ready once the port accepts and ``ready()`` returns without raising."""
+        def serving() -> bool:
+            if not port_open(self.port):
+                return False
+            ready()
+            return True
+        return super().start(serving, timeout)
 
 
 def port_open(port: int) -> bool:

@@ -26,13 +26,8 @@ nothing is asserted about them.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import platform
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,50 +37,22 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage  # noqa: E402
 
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-
-VALUE_SIZE = 100
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores, from /proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid) -> float:
-    """CPU seconds (user + system) used so far by one process."""
-    with open(f"/proc/{pid}/stat") as f:
-        v = f.read().rsplit(")", 1)[1].split()
-    return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def values_array(start: int, n: int) -> pa.Array:
-    """n binary values of VALUE_SIZE bytes, each starting with its 8-byte little-endian index."""
-    buf = np.zeros((n, VALUE_SIZE), dtype=np.uint8)
-    buf[:, 8:] = np.frombuffer(b"metaq-spark-bench-" * 6, dtype=np.uint8)[:VALUE_SIZE - 8]
-    buf[:, :8] = np.arange(start, start + n, dtype="<i8").view(np.uint8).reshape(n, 8)
-    offsets = np.arange(n + 1, dtype=np.int32) * VALUE_SIZE
-    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(buf.reshape(-1))])
-
-
-def make_spark(tmp: Path, driver_memory: str):
-    from pyspark.sql import SparkSession
-    return (SparkSession.builder.master("local[2]").appName("bench_spark_sink")
-            .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-            .config("spark.driver.memory", driver_memory).config("spark.local.dir", str(tmp / "spark-local"))
-            .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-
+from benchmarks.common import (  # noqa: E402
+    VALUE_SIZE,
+    add_common_options,
+    best_of,
+    log,
+    make_spark,
+    run_facts,
+    scratch_dir,
+    teardown,
+    values_array,
+    write_json,
+)
+from metaq_broker.devtools.broker_process import BrokerProcess  # noqa: E402
+from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
 
 # -- the ceiling: a Python Arrow writer that discards its input ---------------------------------------
 
@@ -121,30 +88,6 @@ class DiscardSink(DataSource):
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-def timed_rounds(cases: list, runs: int, broker_pid: int) -> dict:
-    out = {}
-    for name, fn in cases:
-        log(f"{name}: warm-up")
-        t0 = time.perf_counter()
-        rows = fn()
-        out[name] = {"name": name, "rows": rows, "warmup_s": time.perf_counter() - t0, "times_s": [],
-                     "machine_cpu_s_all": [], "broker_cpu_s_all": []}
-    for i in range(runs):
-        for name, fn in cases:
-            r = out[name]
-            c0, b0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), time.perf_counter()
-            fn()
-            r["times_s"].append(time.perf_counter() - t0)
-            r["machine_cpu_s_all"].append(cpu_busy_s() - c0)
-            r["broker_cpu_s_all"].append(proc_cpu_s(broker_pid) - b0)
-            log(f"  {name} run {i + 1}: {r['times_s'][-1]:.2f} s  {r['rows'] / r['times_s'][-1]:,.0f} rows/s  "
-                f"machine cpu {r['machine_cpu_s_all'][-1]:.1f} s, broker cpu {r['broker_cpu_s_all'][-1]:.1f} s")
-    for r in out.values():
-        k = min(range(len(r["times_s"])), key=r["times_s"].__getitem__)
-        r.update(best_s=r["times_s"][k], rows_per_s=r["rows"] / r["times_s"][k],
-                 machine_cpu_s=r["machine_cpu_s_all"][k], broker_cpu_s=r["broker_cpu_s_all"][k])
-    return out
 
 
 def topic_count(zk_connect: str, topic: str) -> int:
@@ -184,29 +127,24 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="1,000,000 rows")
     ap.add_argument("--runs", type=int, default=2, help="timed runs per case (best is reported)")
     ap.add_argument("--no-pipeline", action="store_true", help="skip the in -> Spark -> out pipeline")
-    ap.add_argument("--driver-memory", default="4g")
-    ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".bench-data"))
-    ap.add_argument("--json", default=None, help="write results as JSON to this path")
+    add_common_options(ap, driver_memory="4g")
     args = ap.parse_args(argv)
     n = args.rows if args.rows is not None else (1_000_000 if args.quick else 10_000_000)
 
-    from metaq_broker.local import BrokerProcess
-    from metaq_broker.zookeeper import LocalZooKeeper
 
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="spark-sink-", dir=args.dir))
+    tmp = scratch_dir(args.dir, "spark-sink-")
     zk = broker = spark = None
-    results: dict = {"rows": n, "value_bytes": VALUE_SIZE, "partitions": 2, "runs": args.runs,
-                     "python": platform.python_version(), "cpus": os.cpu_count(), "cases": {}}
+    results = run_facts(rows=n, value_bytes=VALUE_SIZE, partitions=2, runs=args.runs)
     try:
         log(f"{n:,} rows of {VALUE_SIZE} B per write; data in {tmp}")
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
         broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"numPartitions": 2}).start()
 
         import pyspark
-        import metaq_spark
         from pyspark.sql import functions as F
-        spark = make_spark(tmp, args.driver_memory)
+
+        import metaq_spark
+        spark = make_spark(tmp, args.driver_memory, "bench_spark_sink")
         spark.sparkContext.setLogLevel("WARN")
         results["pyspark"] = pyspark.__version__
         metaq_spark.register(spark)
@@ -242,7 +180,7 @@ def main(argv=None) -> int:
 
         cases = [("discard (ceiling)", discard), ("metaq exactly-once", metaq("exactly-once")),
                  ("metaq at-least-once", metaq("at-least-once"))]
-        results["cases"] = timed_rounds(cases, args.runs, broker.proc.pid)
+        results["cases"] = best_of(cases, args.runs, broker.proc.pid)
         for topic in written:
             got = topic_count(zk.connect_string, topic)
             if got != n:
@@ -271,7 +209,7 @@ def main(argv=None) -> int:
                     raise RuntimeError(f"pipeline failed: {q.exception()}")
                 return n
 
-            results["cases"].update(timed_rounds([("pipeline in->out exactly-once", pipeline)], 1,
+            results["cases"].update(best_of([("pipeline in->out exactly-once", pipeline)], 1,
                                                  broker.proc.pid))
             for topic in outs:
                 got = topic_count(zk.connect_string, topic)
@@ -299,21 +237,10 @@ def main(argv=None) -> int:
         print()
         for k, v in results["ratios"].items():
             print(f"{k:<52}{v:>7.2f}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-            log(f"results written to {args.json}")
+        write_json(args.json, results)
         return 0
     finally:
-        if spark is not None:
-            with contextlib.suppress(Exception):
-                spark.stop()
-        if broker is not None:
-            with contextlib.suppress(Exception):
-                broker.stop()
-        if zk is not None:
-            with contextlib.suppress(Exception):
-                zk.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        teardown(tmp, spark, broker, zk)
 
 
 if __name__ == "__main__":

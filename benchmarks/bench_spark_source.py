@@ -34,13 +34,9 @@ Ctrl-C. Figures only: nothing is asserted about them.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,11 +49,25 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition  # noqa: E402
 
+from benchmarks.common import (  # noqa: E402
+    VALUE_SIZE,
+    add_common_options,
+    best_of,
+    log,
+    make_spark,
+    proc_cpu_s,
+    run_facts,
+    scratch_dir,
+    teardown,
+    values_array,
+    write_json,
+)
+from metaq_broker.devtools.broker_process import BrokerProcess  # noqa: E402
+from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
+
 TOPIC = "bench"
-VALUE_SIZE = 100
 PRODUCE_CHUNK = 100_000
 SCHEMA_DDL = ("key binary, value binary, topic string, partition string, offset long, timestamp timestamp, "
               "msgId long, flag int, attribute string")
@@ -70,13 +80,6 @@ PARTITIONS = ("1-0", "1-1")
 
 # -- the same rows, built with numpy/pyarrow --------------------------------------------------------
 
-def values_array(start: int, n: int) -> pa.Array:
-    """n binary values of VALUE_SIZE bytes; value i starts with its 8-byte little-endian index."""
-    buf = np.zeros((n, VALUE_SIZE), dtype=np.uint8)
-    buf[:, 8:] = np.frombuffer(b"metaq-spark-bench-" * 6, dtype=np.uint8)[:VALUE_SIZE - 8]
-    buf[:, :8] = np.arange(start, start + n, dtype="<i8").view(np.uint8).reshape(n, 8)
-    offsets = np.arange(n + 1, dtype=np.int32) * VALUE_SIZE
-    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(buf.reshape(-1))])
 
 
 def constant_strings(value: str, n: int) -> pa.Array:
@@ -137,64 +140,13 @@ class ArrowMemSource(DataSource):
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores, from /proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_cpu_s(pid) -> float:
-    """CPU seconds (user + system) used so far by one process."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        v = f.read().rsplit(")", 1)[1].split()
-    return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def best_of(cases: list, rows: int, runs: int, broker_pid=None) -> dict:
-    """Each case once untimed, then ``runs`` rounds timing every case in turn; the best run of each."""
-    out = {}
-    for name, fn in cases:
-        log(f"{name}: warm-up")
-        t0 = time.perf_counter()
-        fn()
-        out[name] = {"name": name, "rows": rows, "warmup_s": time.perf_counter() - t0, "times_s": [],
-                     "machine_cpu_s_all": [], "broker_cpu_s_all": []}
-    for i in range(runs):
-        for name, fn in cases:
-            r = out[name]
-            c0, b0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), time.perf_counter()
-            fn()
-            r["times_s"].append(time.perf_counter() - t0)
-            r["machine_cpu_s_all"].append(cpu_busy_s() - c0)
-            r["broker_cpu_s_all"].append(proc_cpu_s(broker_pid) - b0)
-            log(f"  {name} run {i + 1}: {r['times_s'][-1]:.2f} s  {rows / r['times_s'][-1]:,.0f} rows/s  "
-                f"machine cpu {r['machine_cpu_s_all'][-1]:.1f} s, broker cpu {r['broker_cpu_s_all'][-1]:.1f} s")
-    for r in out.values():
-        k = int(np.argmin(r["times_s"]))
-        r.update(best_s=r["times_s"][k], rows_per_s=rows / r["times_s"][k], machine_cpu_s=r["machine_cpu_s_all"][k],
-                 broker_cpu_s=r["broker_cpu_s_all"][k])
-    return out
 
-
-def make_spark(tmp: Path, driver_memory: str):
-    from pyspark.sql import SparkSession
-    return (SparkSession.builder.master("local[2]").appName("bench_spark_source")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.driver.memory", driver_memory)
-            .config("spark.local.dir", str(tmp / "spark-local"))
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.sql.streaming.metricsEnabled", "false")
-            .getOrCreate())
 
 
 def produce(zk_connect: str, n: int) -> float:
@@ -226,11 +178,11 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
     """Executor side in this process over partition 1-0's whole range: read_partition as a whole, then
     the same loop batch by batch with each stage timed (nothing kept between batches), plus the Arrow IPC
     write the Python worker does next (to /dev/null), and the same IPC write for the ceiling's batches."""
-    from metaq_spark import source as src
-    from metaq_spark.options import parse
-    from metaq_broker import records
+    from metaq_broker.names import parse_partition_name
     from metaq_broker.proto import metaq_pb2 as pb
-    from metaq_broker.zkpaths import parse_partition_name
+    from metaq_broker.protocol import records
+    from metaq_spark import reader as src
+    from metaq_spark.options import parse
 
     opts = parse({"metaq.zk.connect": zk_connect, "subscribe": TOPIC}, streaming=False)
     reader = src.MetaqBatchReader(opts)
@@ -321,20 +273,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stream", action="store_true", help="skip the AvailableNow streaming query")
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process executor-side profile")
     ap.add_argument("--no-data-port", action="store_true", help="broker without a data port (dataPort=-1)")
-    ap.add_argument("--driver-memory", default="8g")
-    ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".bench-data"))
-    ap.add_argument("--json", default=None, help="write results as JSON to this path")
+    add_common_options(ap, driver_memory="8g")
     args = ap.parse_args(argv)
     n = args.messages if args.messages is not None else (1_000_000 if args.quick else 10_000_000)
 
-    from metaq_broker.zookeeper import LocalZooKeeper
-    from metaq_broker.local import BrokerProcess
 
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="spark-source-", dir=args.dir))
+    tmp = scratch_dir(args.dir, "spark-source-")
     zk = broker = spark = None
-    results: dict = {"messages": n, "value_bytes": VALUE_SIZE, "partitions": 2, "runs": args.runs,
-                     "python": platform.python_version(), "cpus": os.cpu_count(), "cases": {}}
+    results = run_facts(messages=n, value_bytes=VALUE_SIZE, partitions=2, runs=args.runs)
     try:
         log(f"{n:,} messages of {VALUE_SIZE} B over 2 partitions; data in {tmp}")
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
@@ -358,8 +304,10 @@ def main(argv=None) -> int:
             f"({sum(f.stat().st_size for f in pq_dir.iterdir()) / 1e6:.0f} MB)")
 
         import pyspark
+
         import metaq_spark
-        spark = make_spark(tmp, args.driver_memory)
+        spark = make_spark(tmp, args.driver_memory, "bench_spark_source",
+                           **{"spark.sql.streaming.metricsEnabled": "false"})
         spark.sparkContext.setLogLevel("WARN")
         results["pyspark"] = pyspark.__version__
         metaq_spark.register(spark)
@@ -410,7 +358,7 @@ def main(argv=None) -> int:
         cases = [("metaq batch", metaq_batch), ("arrow ceiling", arrow_batch), ("parquet", parquet_batch)]
         if not args.no_stream:
             cases.append(("metaq stream", metaq_stream))
-        results["cases"] = best_of(cases, n, args.runs, broker.proc.pid)
+        results["cases"] = best_of(cases, args.runs, broker.proc.pid, rows=n)
 
         c = results["cases"]
         m, a, p = c["metaq batch"]["rows_per_s"], c["arrow ceiling"]["rows_per_s"], c["parquet"]["rows_per_s"]
@@ -454,21 +402,10 @@ def main(argv=None) -> int:
                          "decode_noverify_s": "  [decode verify=False]", "to_spark_s": "  to_spark",
                          "ipc_write_s": "  Arrow IPC write", "ceiling_ipc_write_s": "ceiling IPC write"}[k]
                 print(f"  {label:<26}{pr[k]:>8.3f} s  {r / pr[k]:>14,.0f} rows/s")
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-            log(f"results written to {args.json}")
+        write_json(args.json, results)
         return 0
     finally:
-        if spark is not None:
-            with contextlib.suppress(Exception):
-                spark.stop()
-        if broker is not None:
-            with contextlib.suppress(Exception):
-                broker.stop()
-        if zk is not None:
-            with contextlib.suppress(Exception):
-                zk.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        teardown(tmp, spark, broker, zk)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import os
 import sys
 import time
 
-from metaq_broker.client.admin import Admin
-from metaq_broker.client.producer import Producer
+from metaq_broker.client import Admin, Producer
 
 IN_TOPIC, OUT_TOPIC = "events", "events-upper"
 
@@ -61,7 +60,8 @@ def main() -> None:
                                keys=[b"key-%d" % ((start + i) % 10) for i in range(n)])
         print(f"pipeline: produced {messages} messages into {IN_TOPIC}", flush=True)
 
-        from pyspark.sql import SparkSession, functions as F
+        from pyspark.sql import SparkSession
+        from pyspark.sql import functions as F
 
         import metaq_spark
 

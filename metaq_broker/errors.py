@@ -52,6 +52,10 @@ class CorruptLogError(MetaqError):
         self.path, self.position = path, position
 
 
+class PartitionClosedError(MetaqError):
+    """The partition was closed by an operator (MetaQ's closePartitions): it takes no more messages."""
+
+
 class StoreClosedError(MetaqError):
     """The store or partition was closed."""
 

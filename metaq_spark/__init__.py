@@ -1,7 +1,7 @@
 """Spark 4 Python Data Source for metaq: ``metaq_spark.register(spark)``, then
 ``spark.readStream.format("metaq")`` / ``spark.read.format("metaq")``."""
-from .group_commit import install as _install_group_commit
-from .source import MetaqDataSource
+from metaq_spark.datasource import MetaqDataSource
+from metaq_spark.group_commit import install as _install_group_commit
 
 
 def register(spark) -> None:

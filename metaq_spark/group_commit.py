@@ -25,7 +25,12 @@ import threading
 import time
 from typing import Optional
 
+from kazoo.client import KazooClient
+from kazoo.retry import KazooRetry
 from pyspark.sql.streaming import StreamingQueryListener
+
+from metaq_broker.zk.group_offsets import GroupStore
+from metaq_broker.zk.session import start_client
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +60,6 @@ class _Recorder:
         self._stores: dict = {}
 
     def _store(self, zk_connect: str, root: str):
-        from kazoo.client import KazooClient
-        from kazoo.retry import KazooRetry
-
-        from metaq_broker.client.group_offsets import GroupStore
-        from metaq_broker.registry import start_client
         with self._lock:
             store = self._stores.get((zk_connect, root))
             if store is None:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from metaq_broker.zkpaths import parse_partition_name
+from metaq_broker.names import parse_partition_name
 
 SOURCE_OPTIONS = {
     "metaq.zk.connect", "metaq.zk.root", "subscribe", "subscribePattern", "assign", "startingOffsets",
@@ -73,7 +73,8 @@ class SourceOptions:
         return f"spark-metaq-{what}"[:180] + f"-{unique}"
 
 
-def _int(name: str, raw: str, lo: int = 0) -> int:
+def integer_option(name: str, raw: str, lo: int = 0) -> int:
+    """Option ``name`` as an integer of at least ``lo``; OptionError naming it otherwise (source and sink)."""
     try:
         value = int(str(raw).strip())
     except ValueError:
@@ -183,7 +184,7 @@ def parse(options, streaming: bool) -> SourceOptions:
     elif not streaming:
         o.starting = "earliest"
     if "startingTimestamp" in opts:
-        o.starting_timestamp = _int("startingTimestamp", opts["startingTimestamp"])
+        o.starting_timestamp = integer_option("startingTimestamp", opts["startingTimestamp"])
     if "startingOffsetsByTimestamp" in opts:
         o.starting_by_timestamp = _offset_json("startingOffsetsByTimestamp", opts["startingOffsetsByTimestamp"])
     if "startingOffsetsByTimestampStrategy" in opts:
@@ -206,18 +207,18 @@ def parse(options, streaming: bool) -> SourceOptions:
     if "endingTimestamp" in opts:
         if "endingOffsets" in opts:
             raise OptionError("give at most one of endingOffsets, endingTimestamp")
-        o.ending_timestamp = _int("endingTimestamp", opts["endingTimestamp"])
+        o.ending_timestamp = integer_option("endingTimestamp", opts["endingTimestamp"])
 
     batch_only = ("maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay")
     for name in batch_only:
         if name in opts and not streaming:
             raise OptionError(f"option {name} is only for streaming queries")
     if "maxOffsetsPerTrigger" in opts:
-        o.max_offsets = _int("maxOffsetsPerTrigger", opts["maxOffsetsPerTrigger"], 1)
+        o.max_offsets = integer_option("maxOffsetsPerTrigger", opts["maxOffsetsPerTrigger"], 1)
     if "maxBytesPerTrigger" in opts:
-        o.max_bytes = _int("maxBytesPerTrigger", opts["maxBytesPerTrigger"], 1)
+        o.max_bytes = integer_option("maxBytesPerTrigger", opts["maxBytesPerTrigger"], 1)
     if "minOffsetsPerTrigger" in opts:
-        o.min_offsets = _int("minOffsetsPerTrigger", opts["minOffsetsPerTrigger"], 1)
+        o.min_offsets = integer_option("minOffsetsPerTrigger", opts["minOffsetsPerTrigger"], 1)
         if o.max_offsets is not None and o.min_offsets > o.max_offsets:
             raise OptionError("option minOffsetsPerTrigger must not exceed maxOffsetsPerTrigger")
     if "maxTriggerDelay" in opts:
@@ -225,7 +226,7 @@ def parse(options, streaming: bool) -> SourceOptions:
     if "failOnDataLoss" in opts:
         o.fail_on_data_loss = _bool("failOnDataLoss", opts["failOnDataLoss"])
     if "minPartitions" in opts:
-        o.min_partitions = _int("minPartitions", opts["minPartitions"], 1)
+        o.min_partitions = integer_option("minPartitions", opts["minPartitions"], 1)
     if "group" in opts:
         o.group = opts["group"].strip()
         if not o.group or "/" in o.group:
@@ -233,9 +234,9 @@ def parse(options, streaming: bool) -> SourceOptions:
     if "commitOffsets" in opts:
         o.commit_offsets = _bool("commitOffsets", opts["commitOffsets"])
     if "fetchMaxBytes" in opts:
-        o.fetch_max_bytes = _int("fetchMaxBytes", opts["fetchMaxBytes"], 1024)
+        o.fetch_max_bytes = integer_option("fetchMaxBytes", opts["fetchMaxBytes"], 1024)
     if "fetchTimeoutMs" in opts:
-        o.fetch_timeout_ms = _int("fetchTimeoutMs", opts["fetchTimeoutMs"], 1)
+        o.fetch_timeout_ms = integer_option("fetchTimeoutMs", opts["fetchTimeoutMs"], 1)
     if o.starting == "group" and o.group is None:
         raise OptionError("option startingOffsets=group needs the option group: a query that names no group "
                           "gets a new one of its own, which has no offsets yet")

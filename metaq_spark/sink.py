@@ -4,7 +4,7 @@ Each task writes its rows in one broker transaction per broker it touches, named
 ``<sinkId>/<batchId>/<run>/<partitionId>-<taskAttemptId>@<brokerId>`` and begun with the coordinator
 ``{"path": <decision record>, "run": <run>}``, and prepares them. The driver's ``commit`` then records the
 decision for the batch in ZooKeeper (``<zk.root>/sinks/<sinkId>/batches/<batchId>``, listing the
-transactions to commit; ``metaq_broker.txn_decisions``) and commits them. A batch replayed after a driver
+transactions to commit; ``metaq_broker.zk.decisions``) and commits them. A batch replayed after a driver
 crash finds the earlier run's decision, finishes its commits and rolls back its own transactions, so
 nothing is written twice; a broker holding an in-doubt transaction settles it from the same record. The
 record names the query that committed it: a decision by another query (the same sinkId reused) is not a
@@ -28,22 +28,21 @@ import re
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
 
-from metaq_broker import txn_decisions
-from metaq_broker.errors import InvalidMessageError, InvalidPartitionError
-from metaq_broker.client.connection import BrokerUnavailableError
-from metaq_broker.proto import metaq_pb2 as pb
-from metaq_broker.zkpaths import ZkPaths, check_component
-
-from .options import OptionError, _int
+from metaq_broker.client.producer import Producer
+from metaq_broker.client.settle import COMMIT, rollback_quietly, settle
+from metaq_broker.errors import InvalidMessageError
+from metaq_broker.zk import decisions as txn_decisions
+from metaq_broker.zk.paths import ZkPaths, check_component
+from metaq_spark.options import OptionError, integer_option
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ def parse_sink(options) -> SinkOptions:
         raise OptionError(f"option sinkId: {sink_id!r} must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_', '-'")
     if sink_id in (".", ".."):
         raise OptionError(f"option sinkId: {sink_id!r} is reserved")
-    timeout = _int("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
+    timeout = integer_option("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
     return SinkOptions(opts["metaq.zk.connect"], root, topic, guarantee == "exactly-once", sink_id, timeout, checkpoint)
 
 
@@ -173,7 +172,6 @@ _LOCK = threading.Lock()
 
 def _producer(opts: SinkOptions):
     """One Producer per Python worker and cluster, reused by every task the worker runs."""
-    from metaq_broker.client.producer import Producer
     key = (opts.zk_connect, opts.zk_root)
     with _LOCK:
         p = _PRODUCERS.get(key)
@@ -275,7 +273,6 @@ class _Writer:
     def _where(self):
         """(sink id, batch id, owner, TaskContext) of the task running now. A batch write with a sinkId
         has a fixed record (a rerun after a crash finds its decision); without, a new one per run."""
-        from pyspark import TaskContext
         ctx = TaskContext.get()
         if not self.streaming:  # one record per write, removed after it
             return BATCH_WRITE_PREFIX + (self.opts.sink_id or self.run), 0, {}, ctx
@@ -308,7 +305,7 @@ class _Writer:
             xids = txn.prepare()
         except BaseException:
             for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
-                _rollback_quietly(producer, bid, xid)
+                rollback_quietly(producer, bid, xid)
             raise
         return SinkCommitMessage(self.run, path, owner, xids, pipe.rows)
 
@@ -338,12 +335,12 @@ class _Writer:
                 f"this query (id {owner.get('query')}, checkpoint {owner.get('checkpoint') or 'unknown'}) would "
                 f"drop its batch. Give this query its own sinkId option, or delete that sink's decision records "
                 f"({posixpath.dirname(path)}) if that query is gone for good")
-        _settle(producer, decision.xids, "CommitTransaction")
+        settle(producer, decision.xids, COMMIT, SETTLE_WAIT_S)
         if decision.run != run:
             log.info("batch %d was committed by an earlier run (%s); dropping this run's %d transactions",
                      batch_id, decision.run, len(own))
             for bid, xid in own:
-                _rollback_quietly(producer, bid, xid)
+                rollback_quietly(producer, bid, xid)
         self._clean(zk, path, batch_id)
 
     def _abort(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
@@ -359,7 +356,7 @@ class _Writer:
         for m in done:
             for bid, xid in m.xids:
                 if not decision.commits(int(bid), xid):
-                    left += not _rollback_quietly(producer, int(bid), xid)
+                    left += not rollback_quietly(producer, int(bid), xid)
         if not self.streaming and left == 0 and decision.outcome == "abort":
             _delete(producer.cluster.zk, posixpath.dirname(posixpath.dirname(path)))
 
@@ -377,46 +374,6 @@ def _one(messages: list) -> tuple:
     if len(runs) != 1:
         raise RuntimeError(f"commit messages of one batch name different runs or records: {sorted(runs)}")
     return runs.pop()
-
-
-def _settle(producer, xids: list, method: str) -> None:
-    """Call ``method`` for every [brokerId, xid], brokers in parallel, waiting up to SETTLE_WAIT_S for a
-    broker that is down or restarting (both calls are idempotent, so resending is safe)."""
-    by_broker: dict = {}
-    for bid, xid in xids:
-        by_broker.setdefault(int(bid), []).append(xid)
-    deadline = time.monotonic() + SETTLE_WAIT_S
-
-    def one_broker(bid: int) -> None:
-        for xid in by_broker[bid]:
-            while True:
-                try:
-                    producer.connection(bid).call(method, pb.TransactionRequest(xid=xid), retries=3)
-                    break
-                except (InvalidPartitionError, BrokerUnavailableError) as e:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{method} of {xid} on broker {bid}: {e} (the decision is recorded: "
-                                           f"the broker settles the transaction when it is back)") from e
-                    time.sleep(0.2)
-
-    if len(by_broker) <= 1:
-        for bid in by_broker:
-            one_broker(bid)
-        return
-    with ThreadPoolExecutor(len(by_broker)) as pool:
-        for f in [pool.submit(one_broker, bid) for bid in sorted(by_broker)]:
-            f.result()
-
-
-def _rollback_quietly(producer, bid: int, xid: str) -> bool:
-    """Best effort: a transaction left behind is rolled back by its broker (timeout or decision)."""
-    try:
-        producer.connection(int(bid)).call("RollbackTransaction", pb.TransactionRequest(xid=xid), timeout=10,
-                                           retries=1)
-        return True
-    except Exception as e:  # noqa: BLE001
-        log.warning("could not roll back transaction %s on broker %s (its broker will): %s", xid, bid, e)
-        return False
 
 
 def _delete(zk, path: str) -> None:

@@ -31,7 +31,7 @@ _roots = itertools.count()
 @pytest.fixture(scope="session")
 def zookeeper(tmp_path_factory):
     """One real ZooKeeper (from the pyspark jars) for the whole run; tests isolate by zk root."""
-    from metaq_broker.zookeeper import LocalZooKeeper
+    from metaq_broker.devtools.zookeeper import LocalZooKeeper
     zk = LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zookeeper"), tick_time_ms=500)  # allows 4 s sessions
     zk.start()
     yield zk
@@ -51,7 +51,7 @@ class Cluster:
         self.brokers = {}
 
     def start_broker(self, broker_id, settings=None, topics=None):
-        from metaq_broker.local import BrokerProcess
+        from metaq_broker.devtools.broker_process import BrokerProcess
         settings = {"zk.root": self.zk_root, "zk.sessionTimeout": 4000, **(settings or {})}
         old = self.brokers.get(broker_id)
         b = BrokerProcess(self.workdir / f"broker-{broker_id}", broker_id, self.zk_connect,
@@ -89,8 +89,9 @@ def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
 @pytest.fixture(scope="module")
 def spark():
     """A loopback-only local[2] SparkSession with the metaq source registered, one per test module."""
-    import metaq_spark
     from spark_helpers import spark_builder
+
+    import metaq_spark
     session = spark_builder().getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     metaq_spark.register(session)

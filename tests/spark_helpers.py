@@ -4,6 +4,7 @@ import os
 import sys
 
 from conftest import wait_until
+
 from metaq_broker.client.producer import Producer
 
 os.environ["PYSPARK_PYTHON"] = sys.executable

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import wait_until
+
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 
@@ -199,7 +199,7 @@ def test_produce_count_with_progress_draws_a_bar_and_sends_exactly_n(cluster):
     with cluster.client(Admin) as admin:
         wait_until(lambda: admin.brokers(), what="broker registered")
         admin.create_topic("bars", 2)
-    base = [sys.executable, "-m", "metaq_broker.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
+    base = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
             "produce", "bars", "--count", "2500", "--batch", "500", "--size", "20"]
     r = subprocess.run(base + ["--progress"], capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from metaq_broker.broker_config import load
 from metaq_broker.errors import ConfigError
+from metaq_broker.server.config import load
 from metaq_broker.store import DeletePolicy
 
 
@@ -78,7 +78,7 @@ def test_missing_file_is_refused(tmp_path):
 
 def test_broker_command_refuses_bad_config_with_exit_code_2(tmp_path):
     path = write(tmp_path, "[system]\nserverPort=abc\n")
-    proc = subprocess.run([sys.executable, "-m", "metaq_broker.broker_main", "--config", path],
+    proc = subprocess.run([sys.executable, "-m", "metaq_broker.server.main", "--config", path],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "serverPort: 'abc' is not an integer" in proc.stderr

@@ -12,12 +12,11 @@ import sys
 import pytest
 
 from conftest import wait_until
-
-from metaq_broker import records
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_broker.local import BrokerProcess
+from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.protocol import records
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
 STRACE = shutil.which("strace")
@@ -151,10 +150,10 @@ def test_recovery_cuts_unacknowledged_damage_and_refuses_where_acknowledged_data
 def test_a_sigterm_while_the_broker_starts_stops_it_in_order(tmp_path):
     """A broker still waiting for ZooKeeper (nothing listens there) takes SIGTERM as a request to stop:
     it closes what it opened and exits 0 at once, rather than dying by the signal or waiting on."""
-    from metaq_broker.zookeeper import free_port
+    from metaq_broker.devtools.zookeeper import free_port
     log = tmp_path / "broker.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.broker_main", "--brokerId", "3", "--serverPort",
+        proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.server.main", "--brokerId", "3", "--serverPort",
                                  "0", "--zk.connect", f"127.0.0.1:{free_port()}", "--dataPath", str(tmp_path / "data")],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -5,18 +5,17 @@ import random
 
 import grpc
 import pytest
+from conftest import wait_until
 from kazoo.client import KazooClient
 
-from conftest import wait_until
-from metaq_broker import records
-from metaq_broker.errors import InvalidMessageError
 from metaq_broker.client.admin import Admin
-from metaq_broker.client.connection import (PartitionClosedError, RemoteInvalidArgumentError,
-                                            RemoteMessageTooLargeError, RemoteOffsetOutOfRangeError,
-                                            RemoteUnknownTopicError)
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.errors import InvalidMessageError, PartitionClosedError
 from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol import records
+from metaq_broker.protocol.status import (RemoteInvalidArgumentError, RemoteMessageTooLargeError,
+                                          RemoteOffsetOutOfRangeError, RemoteUnknownTopicError)
 
 
 def read_all(consumer, topic):
@@ -150,7 +149,7 @@ def test_every_error_has_its_status_and_a_clear_message(cluster):
 
 def test_second_broker_with_the_same_id_refuses_to_start(cluster):
     cluster.start_broker(1)
-    from metaq_broker.local import BrokerProcess
+    from metaq_broker.devtools.broker_process import BrokerProcess
     dup = BrokerProcess(cluster.workdir / "dup", 1, cluster.zk_connect, settings={"zk.root": cluster.zk_root})
     with pytest.raises(RuntimeError, match="exited with code 2") as e:
         dup.start(timeout=30)
@@ -250,7 +249,8 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
 
 def test_broker_registers_again_after_zookeeper_restarts(tmp_path):
     from conftest import Cluster
-    from metaq_broker.zookeeper import LocalZooKeeper
+
+    from metaq_broker.devtools.zookeeper import LocalZooKeeper
     with LocalZooKeeper(data_dir=tmp_path / "zk") as zk_server:
         c = Cluster(tmp_path, zk_server.connect_string, "/meta")
         try:

@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import wait_until
+
 from metaq_broker.client.admin import Admin
 
 
 def metaq(cluster, *args, stdin=None):
-    cmd = [sys.executable, "-m", "metaq_broker.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root, *args]
+    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
+           *args]
     return subprocess.run(cmd, input=stdin, capture_output=True, timeout=120)
 
 
@@ -46,7 +47,7 @@ def test_topics_produce_consume_offsets_groups_stats(running):
     r = metaq(running, "stats", "--topic", "orders")
     assert r.returncode == 0 and b"broker 1 version" in r.stdout and b"puts" in r.stdout
     with running.client(Admin) as admin:
-        from metaq_broker.client.group_offsets import GroupStore
+        from metaq_broker.zk.group_offsets import GroupStore
         GroupStore(admin.cluster.zk, running.zk_root).commit("readers", "orders", {"1-1": 1})
     r = metaq(running, "groups", "readers")
     row = [line.split() for line in r.stdout.splitlines() if b"1-1" in line][0]
@@ -68,7 +69,7 @@ def test_errors_exit_with_1_and_usage_with_2(running):
 
 
 def test_quickstart_runs_end_to_end(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "metaq_broker.cli", "quickstart", "--messages", "3000",
+    r = subprocess.run([sys.executable, "-m", "metaq_broker.tools.cli", "quickstart", "--messages", "3000",
                         "--dir", str(tmp_path / "qs")], capture_output=True, timeout=180)
     out = r.stdout.decode()
     assert r.returncode == 0, out + r.stderr.decode()

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from metaq_broker.local import BrokerProcess
-from metaq_broker.zookeeper import LocalZooKeeper
+from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.devtools.zookeeper import LocalZooKeeper
 
 BOUND_S = 60  # "exits in bounded time": far above what it takes, far below forever
 
@@ -83,7 +83,7 @@ def test_a_client_script_ends_when_zookeeper_is_gone(doomed_zookeeper, close):
 def test_a_cli_command_ends_with_a_clear_error_when_zookeeper_is_gone(doomed_zookeeper):
     connect = doomed_zookeeper.connect_string
     doomed_zookeeper.stop()
-    r = run_script("from metaq_broker.cli import main; main()", "--zk", connect, "topics", "list")
+    r = run_script("from metaq_broker.tools.cli import main; main()", "--zk", connect, "topics", "list")
     assert r.returncode != 0
     assert f"cannot connect to ZooKeeper at {connect}" in r.stderr + r.stdout
 

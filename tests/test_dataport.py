@@ -9,18 +9,19 @@ import threading
 import time
 
 import pytest
-from kazoo.client import KazooClient
-
 from conftest import wait_until
-from metaq_broker import dataport, records
-from metaq_broker.broker import Broker
-from metaq_broker.broker_config import load
-from metaq_broker.client.connection import BrokerConnection, BrokerError
+from kazoo.client import KazooClient
+from test_metrics import Scrape, port_is_free
+
+from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.producer import Producer
 from metaq_broker.proto import metaq_pb2 as pb
-from test_metrics import Scrape, port_is_free
+from metaq_broker.protocol import dataport, records
+from metaq_broker.protocol.status import BrokerError
+from metaq_broker.server.broker import Broker
+from metaq_broker.server.config import load
 
 
 def free_port():
@@ -210,7 +211,7 @@ def registration(zookeeper, zk_root):
 
 
 def test_registered_in_zookeeper_and_read_partition_uses_it(tmp_path, zookeeper, zk_root):
-    from metaq_spark import source as src
+    from metaq_spark import reader as src
     b = zk_broker(tmp_path, zookeeper, zk_root, "zk")
     try:
         fill(b, batches=30, per_batch=100)

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from metaq_broker import container
-from metaq_broker.broker_config import SYSTEM_KEYS, TOPIC_KEYS, BrokerConfig, load, topic_ini_values
 from metaq_broker.client.admin import Admin
+from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.errors import ConfigError
+from metaq_broker.server.config import SYSTEM_KEYS, TOPIC_KEYS, BrokerConfig, load, topic_ini_values
 from metaq_broker.store import TopicConfig
-from metaq_broker.zookeeper import free_port
+from metaq_broker.tools import container
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -57,7 +57,7 @@ def clean_env(**extra) -> dict:
 
 
 def entrypoint(env: dict, *args, **kw):
-    return subprocess.run([sys.executable, "-m", "metaq_broker.container", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "metaq_broker.tools.container", *args], env=env,
                           capture_output=True, text=True, timeout=60, **kw)
 
 
@@ -77,8 +77,8 @@ def test_broker_dockerfile_runs_the_entrypoint_as_non_root_with_volume_ports_and
     assert args["USER"].split(":")[0] not in ("root", "0") and words.index("USER") > words.index("RUN")
     assert json.loads(args["VOLUME"]) == ["/var/lib/metaq"]
     assert {"8123", "8125", "9123"} <= set(args["EXPOSE"].split())
-    assert args["HEALTHCHECK"].endswith('CMD ["python", "-m", "metaq_broker.container", "health"]')
-    assert json.loads(args["ENTRYPOINT"]) == ["python", "-m", "metaq_broker.container"]  # exec form: no shell
+    assert args["HEALTHCHECK"].endswith('CMD ["python", "-m", "metaq_broker.tools.container", "health"]')
+    assert json.loads(args["ENTRYPOINT"]) == ["python", "-m", "metaq_broker.tools.container"]  # exec form: no shell
     assert not re.search(r"openjdk|temurin|default-jre|\bjava\b", (DOCKER / "Dockerfile").read_text(), re.I)
     env = dockerfile_env(DOCKER / "Dockerfile")
     assert env["METAQ_DATA_PATH"] == "/var/lib/metaq" and env["METAQ_SERVER_PORT"] == "8123"
@@ -178,9 +178,9 @@ def test_entrypoint_refuses_a_typo_with_exit_2_naming_it():
 
 
 def test_arguments_after_the_image_name_reach_the_broker_as_flags():
-    from metaq_broker.broker_main import parse_args
+    from metaq_broker.server.main import parse_args
     cmd = container.broker_command("/tmp/b.ini", {"METAQ_LOG_LEVEL": "DEBUG"}, ["--numPartitions", "4"])
-    assert cmd[:3] == [sys.executable, "-m", "metaq_broker.broker_main"]
+    assert cmd[:3] == [sys.executable, "-m", "metaq_broker.server.main"]
     args, overrides = parse_args(cmd[3:])
     assert (args.config, args.log_level, overrides) == ("/tmp/b.ini", "DEBUG", {"numPartitions": "4"})
 
@@ -193,7 +193,7 @@ def test_entrypoint_starts_the_broker_with_the_mapped_config_and_stops_cleanly_o
                     METAQ_DELETE_POLICY="archive,12", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
     assert entrypoint(env, "health").returncode == 1  # nothing listens yet: unhealthy
     log = open(tmp_path / "broker.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.container"], env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.tools.container"], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -204,7 +204,7 @@ def test_entrypoint_starts_the_broker_with_the_mapped_config_and_stops_cleanly_o
         assert health.stdout.strip() == f"127.0.0.1:{port}: SERVING"
         # exec'd, not a child: the entrypoint's own PID is now the broker, so docker's SIGTERM reaches it
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert b"metaq_broker.broker_main" in cmdline
+        assert b"metaq_broker.server.main" in cmdline
         ini = Path(cmdline[cmdline.index(b"--config") + 1].decode())
         assert ini.is_relative_to(tmp_path) and ini.read_text() == container.config_from_env(env)
         # the mapped values are the ones the broker runs with
@@ -255,7 +255,7 @@ def test_compose_has_zookeeper_two_brokers_and_the_spark_job():
         assert {"8123", "8125", "9123"} <= targets
         volume, path = s["volumes"][0].split(":")[:2]
         assert path == "/var/lib/metaq" and volume in spec["volumes"]
-        assert s["healthcheck"]["test"] == ["CMD", "python", "-m", "metaq_broker.container", "health"]
+        assert s["healthcheck"]["test"] == ["CMD", "python", "-m", "metaq_broker.tools.container", "health"]
         assert s["depends_on"] == {"zookeeper": {"condition": "service_healthy"}}
     assert len(ids) == 2
     assert len({s["volumes"][0] for s in brokers.values()}) == 2

@@ -8,18 +8,19 @@ import sys
 import urllib.request
 
 import pytest
+from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import wait_until
-from metaq_broker import __version__, records
-from metaq_broker.broker import Broker
-from metaq_broker.broker_config import load
-from metaq_broker.client.connection import RemoteMessageTooLargeError, RemoteOffsetOutOfRangeError
+from metaq_broker import __version__
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.zookeeper import LocalZooKeeper
 from metaq_broker.errors import ConfigError
+from metaq_broker.protocol import records
+from metaq_broker.protocol.status import RemoteMessageTooLargeError, RemoteOffsetOutOfRangeError
+from metaq_broker.server.broker import Broker
+from metaq_broker.server.config import load
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
-from metaq_broker.zookeeper import LocalZooKeeper
 
 
 class Scrape:
@@ -195,7 +196,7 @@ def test_metrics_port_setting_in_the_ini_file(tmp_path):
 
 def test_metrics_port_flag_of_the_broker_process(tmp_path):
     log = tmp_path / "broker.log"
-    base = [sys.executable, "-m", "metaq_broker.broker_main", "--brokerId", "7", "--serverPort", "0",
+    base = [sys.executable, "-m", "metaq_broker.server.main", "--brokerId", "7", "--serverPort", "0",
             "--zk.connect", "none", "--dataPath", str(tmp_path / "data")]
     bad = subprocess.run(base + ["--metricsPort", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "metricsPort: 'x' is not an integer" in bad.stderr

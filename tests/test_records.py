@@ -3,8 +3,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from metaq_broker import records
 from metaq_broker.errors import InvalidMessageError
+from metaq_broker.protocol import records
 
 
 def encode(values, keys=None, attributes=None, flags=None, base=0, msg_id=1000, ts=1_700_000_000_000):

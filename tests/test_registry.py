@@ -7,15 +7,16 @@ import time
 import uuid
 
 import pytest
+from conftest import wait_until
 from kazoo.client import KazooClient, KazooState
 
-from conftest import wait_until
 from metaq_broker.client.cluster import ClusterView
-from metaq_broker.client.group_offsets import ConsumerIdInUseError, GroupStore, range_assign
-from metaq_broker.registry import BrokerIdInUseError, BrokerRegistration, ZooKeeperUnavailableError
-from metaq_broker.zkpaths import ZkPaths, parse_partition_name, partition_name
-from metaq_broker.zookeeper import LocalZooKeeper, free_port
-
+from metaq_broker.devtools.zookeeper import LocalZooKeeper, free_port
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.server.registration import BrokerIdInUseError, BrokerRegistration
+from metaq_broker.zk.group_offsets import ConsumerIdInUseError, GroupStore, range_assign
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import ZooKeeperUnavailableError
 
 
 # -- paths (no server) ----------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import wait_until
+from spark_helpers import fill, reader, run_available_now
+
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_spark.group_commit import MARKER, RECORDER
-from spark_helpers import fill, reader, run_available_now
 
 
 def send(cluster, topic, partition, values):

@@ -8,13 +8,13 @@ import threading
 import time
 
 import pytest
-from pyspark.sql import functions as F
-
 from conftest import wait_until
+from pyspark.sql import functions as F
+from spark_helpers import fill, reader, run_available_now
+
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from spark_helpers import fill, reader, run_available_now
 
 
 def committed(cluster, group, topic):
@@ -24,7 +24,7 @@ def committed(cluster, group, topic):
 
 def metaq_groups_cli(cluster, group):
     """``metaq groups GROUP`` as an operator runs it: {partition: lag}."""
-    out = subprocess.run([sys.executable, "-m", "metaq_broker.cli", "--zk", cluster.zk_connect,
+    out = subprocess.run([sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect,
                           "--zk-root", cluster.zk_root, "groups", group],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     return {cols[2]: int(cols[5]) for cols in (line.split() for line in out.splitlines()[1:])}

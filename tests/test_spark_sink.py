@@ -14,19 +14,19 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from conftest import wait_until
 from kazoo.client import KazooClient
 from pyspark import TaskContext
 from pyspark.sql import functions as F
+from spark_helpers import fill, reader, spark_builder
 
-from conftest import wait_until
-from metaq_broker import txn_decisions
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_broker.zookeeper import free_port
+from metaq_broker.devtools.zookeeper import free_port
+from metaq_broker.zk import decisions as txn_decisions
 from metaq_spark.options import OptionError
 from metaq_spark.sink import SinkOptions, SinkSchemaError, check_schema, parse_sink
-from spark_helpers import fill, reader, spark_builder
 
 PER_PARTITION = 200
 

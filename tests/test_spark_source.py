@@ -2,24 +2,11 @@
 import json
 
 import pytest
-
 from conftest import wait_until
-from metaq_broker.client.admin import Admin
-from metaq_broker.client.consumer import Consumer
 from spark_helpers import fill, reader, run_available_now
 
-
-
-
-
-
-
-
-
-
-
-
-
+from metaq_broker.client.admin import Admin
+from metaq_broker.client.consumer import Consumer
 
 
 def test_batch_read_across_two_brokers(spark, cluster):

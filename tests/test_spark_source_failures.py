@@ -12,11 +12,11 @@ import signal
 import threading
 
 import pytest
-from pyspark.errors import StreamingQueryException
-
 from conftest import wait_until
-from metaq_broker.client.admin import Admin
+from pyspark.errors import StreamingQueryException
 from spark_helpers import fill, reader, run_available_now
+
+from metaq_broker.client.admin import Admin
 
 PARTS = ["1-0", "1-1"]
 

@@ -7,22 +7,12 @@ import re
 import time
 
 import pytest
-
 from conftest import wait_until
+from spark_helpers import fill, reader, run_available_now, spark_builder
+
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from spark_helpers import fill, reader, run_available_now, spark_builder
-
-
-
-
-
-
-
-
-
-
 
 
 def send(cluster, topic, partition, values):
@@ -354,8 +344,9 @@ def test_broker_restart_between_available_now_runs(spark, cluster, tmp_path):
 # -- 8. local-cluster: executors in separate processes (last: it replaces the module's session) ---------
 
 def test_batch_read_on_local_cluster(spark, cluster):
-    import metaq_spark
     from pyspark.sql import SparkSession
+
+    import metaq_spark
     cluster.start_broker(1, topics={"lc": {"numPartitions": 2}})
     parts = ["1-0", "1-1"]
     fill(cluster, "lc", 500, parts)

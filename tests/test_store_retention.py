@@ -4,8 +4,8 @@ import gzip
 
 import pytest
 
-from metaq_broker import records
 from metaq_broker.errors import OffsetOutOfRangeError
+from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 

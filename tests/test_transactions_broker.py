@@ -4,15 +4,15 @@ import json
 import time
 
 import pytest
+from conftest import wait_until
 from kazoo.client import KazooClient
 
-from conftest import wait_until
-from metaq_broker import txn_decisions
 from metaq_broker.client.admin import Admin
-from metaq_broker.client.connection import RemoteTransactionError
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol.status import RemoteTransactionError
+from metaq_broker.zk import decisions as txn_decisions
 
 
 def visible(cluster, topic, partition):
@@ -144,7 +144,7 @@ def test_the_resolver_forgets_outcomes_only_once_their_decision_record_is_gone(t
     (a replay can no longer ask), not before."""
     from metaq_broker.store import MessageStore, TopicConfig
     from metaq_broker.store.transactions import TransactionManager
-    from metaq_broker.txn_resolver import TransactionResolver
+    from metaq_broker.server.txn_resolver import TransactionResolver
     store = MessageStore(tmp_path / "data", {"t": TopicConfig(num_partitions=1)}, background_interval=None)
     tx = TransactionManager(store, tmp_path / "data" / "transactions")
     kept, gone = f"{zk_root}/sinks/s/batches/1", f"{zk_root}/sinks/s/batches/2"

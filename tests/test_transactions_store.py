@@ -2,8 +2,8 @@
 outcomes, and recovery of a commit cut short or a torn journal."""
 import pytest
 
-from metaq_broker import records
 from metaq_broker.errors import CorruptLogError, MessageTooLargeError, UnknownTopicError
+from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store.transactions import (COMMIT, JOURNAL, TransactionError, TransactionManager,
                                              UnknownTransactionError)

@@ -10,8 +10,7 @@ import time
 import pytest
 from kazoo.client import KazooClient
 
-from metaq_broker.zookeeper import LocalZooKeeper, free_port, java_available
-
+from metaq_broker.devtools.zookeeper import LocalZooKeeper, free_port, java_available
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +96,7 @@ def test_missing_java_is_a_clear_error(monkeypatch):
 
 def test_run_foreground_stops_on_sigterm(tmp_path):
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "metaq_broker.zookeeper", "--port", str(port),
+    p = subprocess.Popen([sys.executable, "-m", "metaq_broker.devtools.zookeeper", "--port", str(port),
                           "--data", str(tmp_path / "fg")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..proto import metaq_pb2 as pb
-from .base import ClientBase
+from metaq_broker.client.base import ClientBase
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.zk.group_offsets import GroupStore
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,6 @@ class Admin(ClientBase):
 
     # -- groups ---------------------------------------------------------------------------------------
     def _groups(self):
-        from .group_offsets import GroupStore
         if self.cluster.zk is None:
             raise RuntimeError("consumer groups live in ZooKeeper: create the admin with zk_connect")
         return GroupStore(self.cluster.zk, self.cluster.root)

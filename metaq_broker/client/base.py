@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Union
 
-from ..errors import InvalidPartitionError, UnknownTopicError
-from ..proto import metaq_pb2 as pb
-from ..zkpaths import parse_partition_name, partition_name
-from .cluster import ClusterView
-from .connection import BrokerConnection, ConnectionPool
+from metaq_broker.client.cluster import ClusterView
+from metaq_broker.client.connection import BrokerConnection, ConnectionPool
+from metaq_broker.errors import InvalidPartitionError, UnknownTopicError
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.proto import metaq_pb2 as pb
 
 BrokerList = Union[None, str, Mapping[int, str]]
 
@@ -106,7 +106,23 @@ class ClientBase:
             r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
             for o in r.offsets:
                 item = (o.earliest, o.latest) if timestamp_ms is None else (o.earliest, o.latest, o.for_timestamp)
-                out[f"{bid}-{o.partition}"] = item
+                out[partition_name(bid, o.partition)] = item
+        return out
+
+    def offsets_after_bytes(self, budgets: dict) -> dict:
+        """{(topic, partition): offset}: for each ``(topic, partition): (from_offset, max_bytes)``, the first
+        offset past ``max_bytes`` of messages from ``from_offset`` on (the broker's offset index); one
+        GetOffsets call per broker."""
+        by_broker: dict = {}
+        for (topic, name), (start, max_bytes) in budgets.items():
+            bid, n = parse_partition_name(name)
+            by_broker.setdefault(bid, []).append(pb.OffsetQuery(topic=topic, partition=n, from_offset=start,
+                                                                max_bytes=max_bytes))
+        out = {}
+        for bid, queries in by_broker.items():
+            reply = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
+            for o in reply.offsets:
+                out[(o.topic, partition_name(bid, o.partition))] = o.after_bytes
         return out
 
     def close(self) -> None:

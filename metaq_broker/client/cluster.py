@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
-from ..registry import new_client, start_client
-from ..zkpaths import ZkPaths
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import new_client, start_client
 
 log = logging.getLogger(__name__)
 

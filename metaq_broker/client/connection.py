@@ -7,10 +7,10 @@ from typing import Optional
 
 import grpc
 
-from .. import rawfetch
-from ..errors import MessageTooLargeError, MetaqError, TransactionError, UnknownTopicError
-from ..proto import metaq_pb2 as pb
-from ..proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol import rawfetch
+from metaq_broker.protocol.status import to_error
 
 # A restarted broker is reconnected to within a second, as in Kafka (reconnect.backoff.max.ms), not after
 # gRPC's default backoff of up to two minutes.
@@ -19,59 +19,6 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_
 
 # Safe to resend: the call was refused or timed out before the broker did anything with it.
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-class BrokerError(MetaqError):
-    """A broker refused a call; ``code`` is the gRPC status code, the message is the broker's."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, address: str):
-        super().__init__(f"broker {address}: {code.name}: {message}")
-        self.code, self.details, self.address = code, message, address
-
-
-class RemoteUnknownTopicError(BrokerError, UnknownTopicError):
-    pass
-
-
-class RemoteOffsetOutOfRangeError(BrokerError, LookupError):
-    pass
-
-
-class RemoteMessageTooLargeError(BrokerError, MessageTooLargeError):
-    pass
-
-
-class RemoteInvalidArgumentError(BrokerError, ValueError):
-    pass
-
-
-class PartitionClosedError(BrokerError):
-    pass
-
-
-class RemoteTransactionError(BrokerError, TransactionError):
-    """The broker refused a transaction request (unknown xid, wrong state)."""
-
-
-class BrokerUnavailableError(BrokerError):
-    pass
-
-
-_ERROR_OF = {
-    grpc.StatusCode.NOT_FOUND: RemoteUnknownTopicError,
-    grpc.StatusCode.OUT_OF_RANGE: RemoteOffsetOutOfRangeError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: RemoteMessageTooLargeError,
-    grpc.StatusCode.INVALID_ARGUMENT: RemoteInvalidArgumentError,
-    grpc.StatusCode.FAILED_PRECONDITION: PartitionClosedError,
-    grpc.StatusCode.UNAVAILABLE: BrokerUnavailableError,
-    grpc.StatusCode.ABORTED: RemoteTransactionError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: BrokerUnavailableError,
-}
-
-
-def to_error(e: grpc.RpcError, address: str) -> BrokerError:
-    code = e.code()
-    return _ERROR_OF.get(code, BrokerError)(code, e.details() or "", address)
 
 
 class BrokerConnection:

@@ -11,9 +11,10 @@ from typing import Optional
 
 import pyarrow as pa
 
-from .. import records
-from ..proto import metaq_pb2 as pb
-from .base import ClientBase
+from metaq_broker.client.base import ClientBase
+from metaq_broker.client.fetcher import PartitionFetcher
+from metaq_broker.protocol import records
+from metaq_broker.zk.group_offsets import GroupStore
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,12 @@ class Consumer(ClientBase):
     # -- reading --------------------------------------------------------------------------------------
     def fetch(self, topic: str, partition: str, offset: int, max_bytes: int = 1 << 20,
               max_messages: Optional[int] = None, max_wait_ms: int = 0) -> Fetched:
+        """Whole batches from ``offset`` on, within ``max_bytes`` and ``max_messages`` (``FetchRaw``, with the
+        fetch policy of ``fetcher.PartitionFetcher``); waits up to ``max_wait_ms`` at the log end. Bulk
+        readers (the Spark source) add the broker's data port."""
         conn, number = self.route(partition)
-        r = conn.call("FetchRaw", pb.FetchRequest(topic=topic, partition=number, offset=offset, max_bytes=max_bytes,
-                                                  max_messages=max_messages or 0, max_wait_ms=max_wait_ms),
-                      timeout=conn.timeout + max_wait_ms / 1000, retries=3)
+        r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes).fetch(
+            offset, max_messages or 0, max_wait_ms)
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)
 
@@ -83,7 +86,6 @@ class Consumer(ClientBase):
     # -- group offsets (ZooKeeper) --------------------------------------------------------------------
     def _group_store(self):
         if self._groups is None:
-            from .group_offsets import GroupStore
             if self.cluster.zk is None:
                 raise RuntimeError("group offsets live in ZooKeeper: create the consumer with zk_connect")
             if not self.group:

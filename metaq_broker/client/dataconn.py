@@ -1,4 +1,4 @@
-"""Client side of the broker's data port (``metaq_broker.dataport``): fetches over a persistent TCP
+"""Client side of the broker's data port (``metaq_broker.server.data_server``): fetches over a persistent TCP
 connection, each reply received straight into a buffer of its own (``recv_into``, no further copies), and
 returned as the ``rawfetch.FetchReply`` that ``FetchRaw`` gives, so decoding is the same.
 
@@ -17,9 +17,10 @@ from typing import Optional
 import grpc
 import numpy as np
 
-from .. import rawfetch
-from ..dataport import CONNECT_TIMEOUT, OK, REPLY, STATUS_BY_NUMBER, ProtocolError, pack_request, recv_exact
-from .connection import _ERROR_OF, BrokerError
+from metaq_broker.protocol import rawfetch
+from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, REPLY, STATUS_BY_NUMBER, ProtocolError, pack_request,
+                                            recv_exact)
+from metaq_broker.protocol.status import error_of
 
 MAX_HEADER = 4096  # a longer header than this is not a data port reply
 
@@ -80,7 +81,7 @@ class DataConnection:
         self.outstanding -= 1
         if status != OK:
             code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-            raise _ERROR_OF.get(code, BrokerError)(code, body.tobytes().decode("utf-8", "replace"), self.address)
+            raise error_of(code, body.tobytes().decode("utf-8", "replace"), self.address)
         return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body))
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,

@@ -17,13 +17,14 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from .. import records
-from ..errors import InvalidPartitionError, MetaqError
-from ..zkpaths import parse_partition_name, partition_name
-from ..proto import metaq_pb2 as pb
-from .base import ClientBase
-from .connection import to_error
-from .partitioner import RoundRobin, partitions_for_keys
+from metaq_broker.client.base import ClientBase
+from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
+from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
+from metaq_broker.errors import InvalidPartitionError, MetaqError
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol import records
+from metaq_broker.protocol.status import to_error
 
 
 class PartitionUnavailableError(MetaqError, TimeoutError):
@@ -262,21 +263,10 @@ class Transaction:
         return [[bid, xid] for bid, xid in sorted(self.xids.items())]
 
     def commit(self) -> None:
-        for bid, xid in sorted(self.xids.items()):
-            commit_transaction(self.producer, bid, xid)
+        settle(self.producer, sorted(self.xids.items()), COMMIT, self.producer.pool.timeout)
 
     def rollback(self) -> None:
-        for bid, xid in sorted(self.xids.items()):
-            rollback_transaction(self.producer, bid, xid)
-
-
-def commit_transaction(client: ClientBase, broker_id: int, xid: str) -> None:
-    """Commit a prepared broker transaction; idempotent, so it is retried freely."""
-    client.connection(broker_id).call("CommitTransaction", pb.TransactionRequest(xid=xid), retries=5)
-
-
-def rollback_transaction(client: ClientBase, broker_id: int, xid: str) -> None:
-    client.connection(broker_id).call("RollbackTransaction", pb.TransactionRequest(xid=xid), retries=5)
+        settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
 
 
 def _wait(conn, fut):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields, replace
 
-from ..errors import ConfigError, InvalidTopicError
+from metaq_broker.errors import ConfigError, InvalidTopicError
 
 MAX_TOPIC_LENGTH = 249
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")

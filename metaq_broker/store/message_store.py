@@ -11,11 +11,11 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
-from ..ids import MessageIdAllocator
-from .config import TopicConfig, validate_topic_name
-from .durable import make_dirs
-from .partition import AppendResult, FetchResult, PartitionLog
+from metaq_broker.errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
+from metaq_broker.ids import MessageIdAllocator
+from metaq_broker.store.config import TopicConfig, validate_topic_name
+from metaq_broker.store.durable import make_dirs
+from metaq_broker.store.partition import AppendResult, FetchResult, PartitionLog
 
 TRANSACTIONS_DIRECTORY = "transactions"  # the broker's transaction journal lives beside the partitions
 

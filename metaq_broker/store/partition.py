@@ -19,15 +19,15 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 
-from .. import records
-from ..errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError, OffsetOutOfRangeError,
-                      StoreClosedError)
-from ..ids import MessageIdAllocator
-from .config import TopicConfig
-from .durable import fsync_dir, replace_file
-from .recovery import ARCHIVE_DIR, last_msg_id, last_timestamp, recover, scan_segment
-from .retention import archive_segment, removal_reason
-from .segment import INDEX_DTYPE, Segment
+from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError, OffsetOutOfRangeError,
+                                 StoreClosedError)
+from metaq_broker.ids import MessageIdAllocator
+from metaq_broker.protocol import records
+from metaq_broker.store.config import TopicConfig
+from metaq_broker.store.durable import fsync_dir, replace_file
+from metaq_broker.store.recovery import ARCHIVE_DIR, last_msg_id, last_timestamp, recover, scan_segment
+from metaq_broker.store.retention import archive_segment, removal_reason
+from metaq_broker.store.segment import INDEX_DTYPE, Segment
 
 log = logging.getLogger(__name__)
 

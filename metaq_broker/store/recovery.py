@@ -11,11 +11,12 @@ from typing import Optional
 
 import numpy as np
 
-from .. import records
-from ..errors import CorruptLogError
-from .durable import make_dirs
-from .segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
-                      decode_segment_header, load_index_map, read_exactly, segment_name, write_index)
+from metaq_broker.errors import CorruptLogError
+from metaq_broker.protocol import records
+from metaq_broker.store.durable import make_dirs
+from metaq_broker.store.segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE,
+                                        Segment, decode_segment_header, load_index_map, read_exactly, segment_name,
+                                        write_index)
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .config import TopicConfig
-from .durable import fsync_dir, make_dirs
-from .segment import Segment
+from metaq_broker.store.config import TopicConfig
+from metaq_broker.store.durable import fsync_dir, make_dirs
+from metaq_broker.store.segment import Segment
 
 
 def removal_reason(seg: Segment, partition_bytes: int, config: TopicConfig, now_ms: int) -> Optional[str]:

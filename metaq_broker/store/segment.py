@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptLogError
-from ..records import crc
-from .durable import fsync_dir
+from metaq_broker.errors import CorruptLogError
+from metaq_broker.protocol.records import crc
+from metaq_broker.store.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 

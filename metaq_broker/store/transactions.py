@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import records
-from ..errors import CorruptLogError, TransactionError, UnknownTransactionError
-from .durable import make_dirs
+from metaq_broker.errors import CorruptLogError, TransactionError, UnknownTransactionError
+from metaq_broker.protocol import records
+from metaq_broker.store.durable import make_dirs
 
 log = logging.getLogger(__name__)
 

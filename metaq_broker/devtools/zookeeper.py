@@ -7,28 +7,30 @@ default (off), so readiness is probed with a real client session rather than ``r
 """
 from __future__ import annotations
 
-import atexit
+import argparse
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+from kazoo.client import KazooClient
+
+from metaq_broker.devtools.process import ChildProcess
+
 log = logging.getLogger(__name__)
 
-_running: "set[LocalZooKeeper]" = set()  # stopped at interpreter exit so no JVM is orphaned
 
 
 def pyspark_jars() -> Path:
     """The jars directory of the installed pyspark wheel (holds zookeeper-*.jar and its dependencies)."""
     try:
-        import pyspark
+        import pyspark  # lazy: only the local ZooKeeper needs the wheel's jars
     except ImportError:
         raise RuntimeError("pyspark is not installed; its wheel provides the ZooKeeper jars") from None
     jars = Path(pyspark.__file__).parent / "jars"
@@ -80,7 +82,7 @@ class LocalZooKeeper:
         self._pick_port = not port  # ours to choose: choose again if taken before the first start
         self.port = port if port else free_port(host)
         self.tick_time_ms = tick_time_ms
-        self.proc: Optional[subprocess.Popen] = None
+        self._child: Optional[ChildProcess] = None
 
     @property
     def connect_string(self) -> str:
@@ -111,65 +113,37 @@ class LocalZooKeeper:
                "org.apache.zookeeper.server.ZooKeeperServerMain", str(self.port), str(self.data_dir / "data")]
         if self.tick_time_ms:
             cmd.append(str(int(self.tick_time_ms)))
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # Ctrl-C in a terminal is ours to handle
-        _running.add(self)
-        try:
-            self._wait_ready(time.monotonic() + timeout, timeout)
-        except BaseException:
-            self._stop_process()
-            raise
+        # Its own session: Ctrl-C in a terminal is ours to handle (we stop it in order).
+        self._child = ChildProcess("ZooKeeper", cmd, self.log_path, own_session=True)
+        self._child.start(self._serving, timeout, interval=0.1)
         self._pick_port = False  # restarts keep the port clients know
         log.info("ZooKeeper up at %s (data in %s)", self.connect_string, self.data_dir)
         return self
 
-    def _wait_ready(self, deadline: float, timeout: float) -> None:
-        from kazoo.client import KazooClient
+    def _serving(self) -> bool:
+        """A real client session can be opened and used (four-letter words are off)."""
+        socket.create_connection((self.host, self.port), timeout=1).close()
         quiet = logging.getLogger(__name__ + ".probe")
         quiet.setLevel(logging.CRITICAL)  # connection refusals while the JVM boots are expected
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ZooKeeper exited with code {self.proc.returncode} while starting; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"ZooKeeper did not accept a session on {self.connect_string} within "
-                                   f"{timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                socket.create_connection((self.host, self.port), timeout=1).close()
-            except OSError:
-                time.sleep(0.1)
-                continue
-            probe = KazooClient(hosts=self.connect_string, logger=quiet)
-            try:
-                probe.start(timeout=min(left, 5.0))
-                probe.get_children("/")
-                return
-            except Exception:  # noqa: BLE001 - not serving yet; try again until the deadline
-                time.sleep(0.1)
-            finally:
-                probe.stop()
-                probe.close()
+        probe = KazooClient(hosts=self.connect_string, logger=quiet)
+        try:
+            probe.start(timeout=5.0)
+            probe.get_children("/")
+            return True
+        finally:
+            probe.stop()
+            probe.close()
+
+    @property
+    def proc(self):
+        return self._child.proc if self._child else None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self._child.log_tail(lines) if self._child else "(no log)"
 
     def _stop_process(self, timeout: float = 15.0) -> None:
-        proc, self.proc = self.proc, None
-        _running.discard(self)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("ZooKeeper (pid %d) ignored SIGTERM for %.0fs; killing it", proc.pid, timeout)
-            proc.kill()
-            proc.wait()
+        if self._child is not None:
+            self._child.stop(timeout)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM (SIGKILL after ``timeout``). A temporary data dir is removed; a given one is kept."""
@@ -192,12 +166,6 @@ class LocalZooKeeper:
 
     def __repr__(self) -> str:
         return f"LocalZooKeeper({self.connect_string}, data_dir={str(self.data_dir)!r}, running={self.running})"
-
-
-@atexit.register
-def _stop_all() -> None:
-    for zk in list(_running):
-        zk.stop(timeout=5)
 
 
 def run_foreground(port: int = 2181, data_dir=None) -> int:
@@ -229,8 +197,7 @@ def run_foreground(port: int = 2181, data_dir=None) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m metaq_broker.zookeeper [--port N] [--data DIR]``."""
-    import argparse
+    """``python -m metaq_broker.devtools.zookeeper [--port N] [--data DIR]``."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--port", type=int, default=2181)
     ap.add_argument("--data", dest="data_dir", default=None)

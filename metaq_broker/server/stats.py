@@ -5,7 +5,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 
-from .proto import metaq_pb2 as pb
+from metaq_broker.proto import metaq_pb2 as pb
 
 
 @dataclass

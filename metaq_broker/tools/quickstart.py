@@ -12,11 +12,11 @@ from typing import Optional
 
 import click
 
-from .client.admin import Admin
-from .client.consumer import Consumer
-from .client.producer import Producer
-from .local import BrokerProcess
-from .zookeeper import LocalZooKeeper
+from metaq_broker.client.admin import Admin
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.devtools.zookeeper import LocalZooKeeper
 
 TOPIC = "quickstart-events"
 OUT_TOPIC = "quickstart-upper"
@@ -107,9 +107,12 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession, functions as F
+    # lazy: pyspark is heavy (a JVM), and only this step of the quickstart needs it
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
 
     import metaq_spark
+    from metaq_spark.group_commit import RECORDER
 
     admin.create_topic(OUT_TOPIC, 2)
     _wait_for_partitions(producer, OUT_TOPIC, 2)
@@ -143,7 +146,6 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
         return written
     finally:
         spark.stop()
-        from metaq_spark.group_commit import RECORDER
         RECORDER.close()  # its ZooKeeper session ends before ZooKeeper does
 
 

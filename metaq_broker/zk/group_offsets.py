@@ -17,9 +17,9 @@ from typing import Iterable, Optional
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
-from ..errors import MetaqError
-from ..zkpaths import ZkPaths, check_component, parse_partition_name
-
+from metaq_broker.errors import MetaqError
+from metaq_broker.names import parse_partition_name
+from metaq_broker.zk.paths import ZkPaths, check_component
 
 COMMIT_ATTEMPTS = 10
 

@@ -3,14 +3,22 @@ quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 t
 (the message says why), 2 bad usage."""
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import MetaqError
+from metaq_broker import __version__
+from metaq_broker.client.admin import Admin
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.zookeeper import run_foreground
+from metaq_broker.errors import MetaqError
+from metaq_broker.store.config import TopicConfig
+from metaq_broker.store.partition import PartitionLog
+from metaq_broker.tools.quickstart import run as run_quickstart
 
 ZK_HELP = "ZooKeeper connect string (env METAQ_ZK)"
 
@@ -55,7 +63,6 @@ def main(ctx, zk, zk_root, brokers):
               help="data directory (default: a temporary one, removed on exit)")
 def zookeeper(port, data_dir):
     """Run a local ZooKeeper from the jars inside the pyspark wheel, for development (Ctrl-C stops it)."""
-    from .zookeeper import run_foreground
     sys.exit(_run(run_foreground, port, data_dir))
 
 
@@ -68,7 +75,6 @@ def topics():
 @topics.command("list")
 @click.pass_obj
 def topics_list(obj):
-    from .client.admin import Admin
     with _client(Admin, obj) as admin:
         for topic, parts in _run(admin.topics).items():
             click.echo(f"{topic}\t{len(parts)} partitions\t{','.join(parts)}")
@@ -78,7 +84,6 @@ def topics_list(obj):
 @click.argument("topic")
 @click.pass_obj
 def topics_describe(obj, topic):
-    from .client.admin import Admin
     with _client(Admin, obj) as admin:
         rows = _run(admin.describe, topic)
         click.echo(f"{'partition':<10} {'earliest':>12} {'latest':>12} {'bytes':>14} {'segments':>8}  state")
@@ -94,7 +99,6 @@ def topics_describe(obj, topic):
 @click.option("--config", "settings", multiple=True, metavar="KEY=VALUE", help="per-topic setting, e.g. unflushThreshold=0")
 @click.pass_obj
 def topics_create(obj, topic, partitions, broker_ids, settings):
-    from .client.admin import Admin
     config = {}
     for item in settings:
         if "=" not in item:
@@ -120,8 +124,7 @@ def topics_create(obj, topic, partitions, broker_ids, settings):
 @click.pass_obj
 def produce(obj, topic, path, count, size, key, partition, batch, progress):
     """Send messages: lines of a file or stdin, or --count generated ones (with a progress bar)."""
-    import io
-    from .client.producer import Producer
+
     with _client(Producer, obj) as producer:
         def send(values) -> int:
             keys = None if key is None else [key] * len(values)
@@ -164,7 +167,6 @@ def produce(obj, topic, path, count, size, key, partition, batch, progress):
 @click.pass_obj
 def consume(obj, topic, partitions, start, max_messages, fmt, follow):
     """Print messages: value per line (text), or one JSON object per line."""
-    from .client.consumer import Consumer
     if start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
         raise click.BadParameter("use earliest, latest or an offset", param_hint="--from")
     with _client(Consumer, obj) as consumer:
@@ -204,7 +206,6 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
 @click.pass_obj
 def offsets(obj, topic, timestamp):
     """Earliest and latest offsets of each partition (and the offset for a time)."""
-    from .client.consumer import Consumer
     with _client(Consumer, obj) as consumer:
         for p, item in sorted(_run(consumer.offsets, topic, timestamp_ms=timestamp).items()):
             click.echo(f"{topic}\t{p}\t" + "\t".join(str(x) for x in item))
@@ -216,7 +217,6 @@ def offsets(obj, topic, timestamp):
 @click.pass_obj
 def groups(obj, group, topic):
     """Consumer groups with their committed offsets and lag per partition."""
-    from .client.admin import Admin
     with _client(Admin, obj) as admin:
         names = [group] if group else _run(admin.groups)
         click.echo(f"{'group':<24} {'topic':<20} {'partition':<10} {'committed':>12} {'latest':>12} {'lag':>10}")
@@ -232,7 +232,6 @@ def groups(obj, group, topic):
 @click.pass_obj
 def stats(obj, broker_ids, topic):
     """MetaQ's counters per partition: puts, gets, misses, failures, bytes; uptime and version."""
-    from .client.admin import Admin
     with _client(Admin, obj) as admin:
         for bid in broker_ids or sorted(_run(admin.brokers)):
             s = _run(admin.stats, bid, topic)
@@ -254,8 +253,7 @@ def stats(obj, broker_ids, topic):
 def quickstart(workdir, messages, keep_running, spark):
     """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back,
     then pipe it through a Spark streaming query into a second topic."""
-    from .quickstart import run
-    _run(run, workdir, messages, keep_running, spark)
+    _run(run_quickstart, workdir, messages, keep_running, spark)
 
 
 # -- offline inspection -------------------------------------------------------------------------------
@@ -265,8 +263,6 @@ def log_group():
 
 
 def _open_partition(directory: Path):
-    from .store.config import TopicConfig
-    from .store.partition import PartitionLog
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")

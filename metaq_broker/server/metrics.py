@@ -11,8 +11,9 @@ import logging
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import __version__
-from .errors import ConfigError, MetaqError
+from metaq_broker import __version__
+from metaq_broker.errors import ConfigError, MetaqError
+from metaq_broker.names import partition_name
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class BrokerCollector:
             except MetaqError:  # created this very moment: its partitions are still opening
                 continue
             for p in parts:
-                labels = [topic, f"{bid}-{p.partition}"]
+                labels = [topic, partition_name(bid, p.partition)]
                 s = stats.get(tuple(labels))
                 for name, (field, _) in STATS_COUNTERS.items():
                     counters[name].add_metric(labels, getattr(s, field) if s is not None else 0)

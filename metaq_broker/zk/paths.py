@@ -16,24 +16,7 @@ clear ValueError instead of silently addressing some other node (``a/b``, ``..``
 """
 from __future__ import annotations
 
-import operator
-import re
-
-_PARTITION = re.compile(r"(0|[1-9][0-9]*)-(0|[1-9][0-9]*)")
-
-
-def partition_name(broker_id: int, n: int) -> str:
-    """``(3, 12)`` → ``"3-12"``, the name users see for partition 12 of broker 3."""
-    return f"{_int('broker id', broker_id)}-{_int('partition number', n)}"
-
-
-def parse_partition_name(name: str) -> tuple[int, int]:
-    """``"3-12"`` → ``(3, 12)``. Only the canonical spelling is accepted (no signs, spaces or leading
-    zeros), so one partition always maps to one znode."""
-    if not isinstance(name, str) or not _PARTITION.fullmatch(name):
-        raise ValueError(f"partition {name!r} is not of the form <brokerId>-<n> (e.g. '1-0')")
-    b, n = name.split("-")
-    return int(b), int(n)
+from metaq_broker.names import parse_partition_name, whole_number
 
 
 def check_component(kind: str, value: str) -> str:
@@ -77,7 +60,7 @@ class ZkPaths:
         return f"{self.root}/brokers/ids"
 
     def broker(self, broker_id: int) -> str:
-        return f"{self.broker_ids()}/{_int('broker id', broker_id)}"
+        return f"{self.broker_ids()}/{whole_number('broker id', broker_id)}"
 
     def topics_pub(self) -> str:
         return f"{self.root}/brokers/topics-pub"
@@ -86,7 +69,7 @@ class ZkPaths:
         return f"{self.topics_pub()}/{check_component('topic', topic)}"
 
     def topic_pub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_pub(topic)}/{_int('broker id', broker_id)}-m"
+        return f"{self.topic_pub(topic)}/{whole_number('broker id', broker_id)}-m"
 
     def topics_sub(self) -> str:
         return f"{self.root}/brokers/topics-sub"
@@ -95,7 +78,7 @@ class ZkPaths:
         return f"{self.topics_sub()}/{check_component('topic', topic)}"
 
     def topic_sub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_sub(topic)}/{_int('broker id', broker_id)}-m"
+        return f"{self.topic_sub(topic)}/{whole_number('broker id', broker_id)}-m"
 
     # -- consumer groups ------------------------------------------------------------------------------
     def consumers(self) -> str:
@@ -137,18 +120,4 @@ class ZkPaths:
 
     def sink_batch(self, sink_id: str, batch_id: int) -> str:
         """Zero-padded to 20 digits (any int64 fits) so ZooKeeper's string order is numeric order."""
-        return f"{self.sink_batches(sink_id)}/{_int('batch id', batch_id):020d}"
-
-
-def _int(what: str, v, limit: int = 10**20) -> int:
-    try:
-        if isinstance(v, bool):
-            raise TypeError
-        i = operator.index(v)
-    except TypeError:
-        raise ValueError(f"{what} must be an integer, got {v!r}") from None
-    if i < 0:
-        raise ValueError(f"{what} must be non-negative, got {i}")
-    if i >= limit:
-        raise ValueError(f"{what} {i} is too large (at most {limit - 1})")
-    return i
+        return f"{self.sink_batches(sink_id)}/{whole_number('batch id', batch_id):020d}"

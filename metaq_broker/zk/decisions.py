@@ -23,7 +23,7 @@ from typing import Optional
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from .errors import MetaqError, TransactionError
+from metaq_broker.errors import MetaqError, TransactionError
 
 
 class TransactionsAbortedError(MetaqError):

@@ -11,42 +11,18 @@ import time
 
 import grpc
 
-from . import __version__, rawfetch, records
-from .broker_config import topic_ini_values
-from .errors import (ConfigError, CorruptLogError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
-                     InvalidTopicError, MessageTooLargeError, MetaqError, OffsetOutOfRangeError, StoreClosedError,
-                     TransactionError, UnknownTopicError)
-from .proto import metaq_pb2 as pb
-from .proto import metaq_pb2_grpc as pb_grpc
-from .stats import BrokerStats
-from .txn_decisions import parse_coordinator
+from metaq_broker import __version__
+from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, MetaqError,
+                                 PartitionClosedError, TransactionError)
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol import rawfetch, records
+from metaq_broker.protocol.status import code_of
+from metaq_broker.server.config import topic_ini_values
+from metaq_broker.server.stats import BrokerStats
+from metaq_broker.zk.decisions import parse_coordinator
 
 log = logging.getLogger(__name__)
-
-STATUS_OF = [  # most specific first
-    (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnknownTopicError, grpc.StatusCode.NOT_FOUND),
-    (OffsetOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
-    ((InvalidPartitionError, InvalidOffsetError, InvalidTopicError, InvalidMessageError, ConfigError,
-      records.RecordFormatError), grpc.StatusCode.INVALID_ARGUMENT),
-    (CorruptLogError, grpc.StatusCode.DATA_LOSS),
-    (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
-    (TransactionError, grpc.StatusCode.ABORTED),
-]
-
-
-class PartitionClosedError(MetaqError):
-    """The partition was closed by an operator (MetaQ's closePartitions)."""
-
-
-def _status(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, PartitionClosedError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    for kinds, code in STATUS_OF:
-        if isinstance(exc, kinds):
-            return code
-    return grpc.StatusCode.INTERNAL
-
 
 def rpc(method):
     """Run a handler; turn a metaq error into a status with its message, log anything unexpected; report
@@ -57,7 +33,7 @@ def rpc(method):
         try:
             return method(self, request, context)
         except (MetaqError, records.RecordFormatError) as e:
-            context.abort(_status(e), str(e))
+            context.abort(code_of(e), str(e))
         except Exception as e:  # noqa: BLE001 - a bad request must never take the broker down
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(e).__name__}: {e}")

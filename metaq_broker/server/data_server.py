@@ -16,28 +16,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from typing import NamedTuple
 
 import grpc
 
-from . import rawfetch, records
-from .errors import InvalidOffsetError, MetaqError
+from metaq_broker.errors import InvalidOffsetError, MetaqError
+from metaq_broker.protocol import records
+from metaq_broker.protocol.dataport import (FETCH, MAX_TOPIC_BYTES, OK, REPLY, REQUEST, ProtocolError, code_number,
+                                            recv_exact)
+from metaq_broker.protocol.status import code_of
 
 log = logging.getLogger(__name__)
-
-FETCH = 1  # the one request kind
-# request_len (all of it, topic included), kind, topic_len, partition, offset, max_bytes, max_messages, max_wait_ms
-REQUEST = struct.Struct("<IHHiqiii")
-assert REQUEST.size == 32
-MAX_TOPIC_BYTES = 1024
-# rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len
-REPLY = struct.Struct("<IIqqqqq")
-assert REPLY.size == 48 and REPLY.format[:7] == rawfetch.HEADER.format
-OK = 0
-CONNECT_TIMEOUT = 5.0  # a client gives up on the data port (and uses FetchRaw) after this
 
 _SENDFILE_CHUNK = 1 << 30
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
@@ -50,40 +41,6 @@ class Request(NamedTuple):
     max_bytes: int
     max_messages: int
     max_wait_ms: int
-
-
-def pack_request(topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
-                 max_wait_ms: int = 0) -> bytes:
-    name = topic.encode()
-    if len(name) > MAX_TOPIC_BYTES:
-        raise ValueError(f"topic name of {len(name)} bytes is over {MAX_TOPIC_BYTES}")
-    return REQUEST.pack(REQUEST.size + len(name), FETCH, len(name), partition, offset, max_bytes, max_messages,
-                        max_wait_ms) + name
-
-
-def code_number(code: grpc.StatusCode) -> int:
-    return code.value[0]
-
-
-STATUS_BY_NUMBER = {code_number(c): c for c in grpc.StatusCode}
-
-
-class ProtocolError(MetaqError):
-    """The peer broke the data port's framing; the connection is closed."""
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed before the first byte, ProtocolError if it
-    closed part-way."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0:
-                return False
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return True
 
 
 class DataServer:
@@ -175,7 +132,6 @@ class DataServer:
     # -- one fetch ------------------------------------------------------------------------------------
     def _fetch(self, sock: socket.socket, name: bytearray, partition: int, offset: int, max_bytes: int,
                max_messages: int, max_wait_ms: int) -> None:
-        from .service import _status
         start = time.perf_counter()
         fd = -1
         try:
@@ -189,7 +145,7 @@ class DataServer:
                 if where.length:
                     fd = where.dup_fd()
             except (MetaqError, records.RecordFormatError) as e:
-                self._send_error(sock, _status(e), str(e))
+                self._send_error(sock, code_of(e), str(e))
                 return
             except Exception as e:  # noqa: BLE001 - answered like the gRPC service's INTERNAL
                 log.exception("data port fetch failed")

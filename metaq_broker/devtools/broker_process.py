@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .zookeeper import free_port
+from metaq_broker.devtools.process import ChildProcess
+from metaq_broker.devtools.zookeeper import free_port
 
 
 class BrokerProcess:
@@ -27,7 +25,7 @@ class BrokerProcess:
         self.settings = {"brokerId": broker_id, "hostName": "127.0.0.1", "serverPort": self.port,
                          "dataPath": str(self.workdir / "data"), "zk.connect": zk_connect, **(settings or {})}
         self.topics = topics or {}
-        self.proc: Optional[subprocess.Popen] = None
+        self._child: Optional[ChildProcess] = None
 
     @property
     def address(self) -> str:
@@ -46,58 +44,40 @@ class BrokerProcess:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def start(self, timeout: float = 30.0, args=(), wrapper=()) -> "BrokerProcess":
-        """Start and wait until serving; ``args`` are extra ``metaq-broker`` flags, ``wrapper`` a command
-        the broker runs under (e.g. ``strace -f -o FILE``)."""
-        config = self.write_config()
-        log = open(self.log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "metaq_broker.broker_main", "--config", str(config),
-                                      *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
-        self.wait_ready(timeout)
-        return self
+    @property
+    def proc(self):
+        """The running ``subprocess.Popen`` (None before the first start)."""
+        return self._child.proc if self._child else None
 
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def start(self, timeout: float = 30.0, args=(), wrapper=()) -> "BrokerProcess":
+        """Start and wait until its gRPC health check says SERVING; ``args`` are extra ``metaq-broker``
+        flags, ``wrapper`` a command the broker runs under (e.g. ``strace -f -o FILE``)."""
+        config = self.write_config()
+        argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
+        self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"broker {self.broker_id} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(service="metaq.v1.Broker"),
-                                  timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"broker {self.broker_id} did not become ready in {timeout}s:\n{self.log_tail()}")
-                time.sleep(0.1)
+            self._child.start(lambda: stub.Check(health_pb2.HealthCheckRequest(service="metaq.v1.Broker"), timeout=1)
+                              .status == health_pb2.HealthCheckResponse.SERVING, timeout, interval=0.1)
+        return self
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self._child.log_tail(lines) if self._child else "(no log)"
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM: the broker stops accepting, finishes in-flight calls, fsyncs and deregisters."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self._child is None:
+            return 0
+        code = self._child.stop(timeout)
+        if code is None:
             raise RuntimeError(f"broker {self.broker_id} did not stop within {timeout}s")
+        return code
 
     def kill(self) -> None:
         """SIGKILL: a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self._child is not None:
+            self._child.kill()
 
     def __enter__(self):
         return self.start()

@@ -7,9 +7,9 @@ import logging
 import signal
 import sys
 
-from .broker import Broker
-from .broker_config import SYSTEM_KEYS, TOPIC_KEYS, load
-from .errors import ConfigError, MetaqError
+from metaq_broker.errors import ConfigError, MetaqError
+from metaq_broker.server.broker import Broker
+from metaq_broker.server.config import SYSTEM_KEYS, TOPIC_KEYS, load
 
 
 def parse_args(argv):

@@ -18,7 +18,7 @@ import google_crc32c
 import numpy as np
 import pyarrow as pa
 
-from .errors import InvalidMessageError
+from metaq_broker.errors import InvalidMessageError
 
 MAGIC = 0x4D51  # u16 at byte 8, stored little-endian: the bytes 51 4D
 VERSION = 2  # 1 used CRC-32 (zlib); 2 uses CRC-32C

@@ -7,9 +7,9 @@ the key in upper snake case, dots and camelCase humps becoming ``_`` (``zk.sessi
 no change here. A ``METAQ_*`` variable that is neither a key, ``METAQ_LOG_LEVEL`` nor one the ``metaq``
 command line reads fails the start naming it: a typo must not be ignored.
 
-``python -m metaq_broker.container [broker flags]`` writes the INI and replaces itself (``exec``) with the
+``python -m metaq_broker.tools.container [broker flags]`` writes the INI and replaces itself (``exec``) with the
 broker, so the broker is PID 1 and gets SIGTERM from ``docker stop`` directly.
-``python -m metaq_broker.container health`` asks the broker's gRPC health service; exit 0 when SERVING.
+``python -m metaq_broker.tools.container health`` asks the broker's gRPC health service; exit 0 when SERVING.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from typing import Mapping, Optional
 
-from .broker_config import SYSTEM_KEYS, TOPIC_KEYS, BrokerConfig, load
-from .errors import ConfigError
+from metaq_broker.errors import ConfigError
+from metaq_broker.server.config import SYSTEM_KEYS, TOPIC_KEYS, BrokerConfig, load
 
 PREFIX = "METAQ_"
 LOG_LEVEL = "METAQ_LOG_LEVEL"
@@ -48,9 +48,9 @@ def env_keys() -> dict:
 
 def cli_variables() -> set:
     """Variables the ``metaq`` command line reads (METAQ_ZK, ...): allowed in the container, not config."""
-    import click
+    import click  # lazy, with the CLI: the entry point starts a broker and needs neither otherwise
 
-    from .cli import main as cli
+    from metaq_broker.tools.cli import main as cli
     found, todo = set(), [cli]
     while todo:
         cmd = todo.pop()
@@ -97,7 +97,7 @@ def config_from_env(environ: Mapping[str, str]) -> str:
 def broker_command(ini_path: str, environ: Mapping[str, str], extra_args=()) -> list:
     """The broker's argv. ``sys.executable -m`` rather than the ``metaq-broker`` script: the same
     interpreter, whatever PATH says."""
-    return [sys.executable, "-m", "metaq_broker.broker_main", "--config", ini_path,
+    return [sys.executable, "-m", "metaq_broker.server.main", "--config", ini_path,
             "--log-level", environ.get(LOG_LEVEL, "INFO"), *extra_args]
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import txn_decisions
+from metaq_broker.zk import decisions as txn_decisions
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ import threading
 import time
 from typing import Optional
 
-from kazoo.client import KazooClient, KazooState
+from kazoo.client import KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
-from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.retry import KazooRetry
 
-from .errors import MetaqError
-from .zkpaths import ZkPaths
+from metaq_broker.errors import MetaqError
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import new_client, start_client
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +35,6 @@ class BrokerIdInUseError(MetaqError):
     def __init__(self, message: str, broker_id: int = -1, holder=None):
         super().__init__(message)
         self.broker_id, self.holder = broker_id, holder
-
-
-class ZooKeeperUnavailableError(MetaqError):
-    """ZooKeeper did not accept a session in time."""
-
-
-def new_client(zk_connect: str, session_timeout: float = 10.0) -> KazooClient:
-    """A kazoo client that reconnects forever (a broker must come back after any ZooKeeper outage) and
-    retries single commands a few times."""
-    return KazooClient(hosts=zk_connect, timeout=session_timeout,
-                       connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
-                       command_retry=KazooRetry(max_tries=5, max_delay=2.0))
-
-
-def start_client(client: KazooClient, zk_connect: str, timeout: float) -> None:
-    """``client.start`` with a clear error; on failure the client is stopped (it would retry forever)."""
-    try:
-        client.start(timeout)
-    except KazooTimeoutError:
-        client.stop()
-        client.close()
-        raise ZooKeeperUnavailableError(
-            f"cannot connect to ZooKeeper at {zk_connect} within {timeout:.0f}s; is it running (zk.connect)?") from None
 
 
 class BrokerRegistration:

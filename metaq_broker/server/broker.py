@@ -13,17 +13,20 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__
-from .broker_config import BrokerConfig, topic_config_from, topic_ini_values
-from .errors import ConfigError
-from .proto import metaq_pb2_grpc as pb_grpc
-from .service import BrokerService
-from .stats import BrokerStats
-from .store import MessageStore, validate_topic_name
-from .store.durable import make_dirs, replace_file
-from .store.message_store import TRANSACTIONS_DIRECTORY
-from .store.transactions import TransactionManager
-from .txn_resolver import TransactionResolver
+from metaq_broker import __version__
+from metaq_broker.errors import ConfigError
+from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
+from metaq_broker.server.data_server import DataServer
+from metaq_broker.server.metrics import BrokerMetrics
+from metaq_broker.server.registration import BrokerRegistration
+from metaq_broker.server.service import BrokerService
+from metaq_broker.server.stats import BrokerStats
+from metaq_broker.server.txn_resolver import TransactionResolver
+from metaq_broker.store import MessageStore, validate_topic_name
+from metaq_broker.store.durable import make_dirs, replace_file
+from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
+from metaq_broker.store.transactions import TransactionManager
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,6 @@ class Broker:
                                                    cfg.transaction_timeout_ms / 1000,
                                                    max_timeout_s=cfg.transaction_max_timeout_ms / 1000)
             if cfg.metrics_port >= 0:
-                from .metrics import BrokerMetrics
                 self.metrics = BrokerMetrics(self)
             service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
                                     self.create_topic, self.stats,
@@ -95,7 +97,6 @@ class Broker:
             if self.metrics is not None:
                 self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
             if cfg.data_port >= 0:
-                from .dataport import DataServer
                 try:
                     self.data_server = DataServer(service, cfg.host_name, cfg.data_port)
                 except OSError as e:
@@ -105,7 +106,6 @@ class Broker:
             if self.data_server is not None:
                 self.data_server.start()
             if self.uses_zookeeper:
-                from .registry import BrokerRegistration
                 self.registration = BrokerRegistration(
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id,
                     {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,

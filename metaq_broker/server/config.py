@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from .errors import ConfigError, InvalidTopicError
-from .store.config import DeletePolicy, TopicConfig, validate_topic_name
+from metaq_broker.errors import ConfigError, InvalidTopicError
+from metaq_broker.store.config import DeletePolicy, TopicConfig, validate_topic_name
 
 
 def _int(lo: int, hi: int = 2 ** 62) -> Callable[[str, str], int]:

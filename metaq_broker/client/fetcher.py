@@ -1,0 +1,121 @@
+"""Fetching one partition's messages: the one policy every reader uses (``Consumer.fetch``, so ``metaq
+consume``, and the Spark source's tasks).
+
+A fetch goes to the broker's data port where it registered one (``dataconn``: persistent TCP, ``sendfile``
+on the broker, ``recv_into`` here), else as gRPC ``FetchRaw``. A data port that fails (the broker
+stopping, a port the client cannot reach) is given up for the rest of this fetcher's life after one
+attempt, and the fetch goes on over gRPC. While the broker is down or restarting the fetch is sent again
+until ``timeout_s`` from when the caller started waiting for it; then, or on any other refusal, the error
+names the topic, the partition, the offset and the broker. One fetch may be in flight while the caller
+decodes the previous reply (``send`` now, ``receive`` later)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import grpc
+
+from metaq_broker.client.connection import BrokerConnection
+from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol import rawfetch
+from metaq_broker.protocol.dataport import ProtocolError
+from metaq_broker.protocol.status import BrokerError, to_error
+
+log = logging.getLogger(__name__)
+
+RESEND = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # the broker is down or restarting
+
+
+class PartitionFetcher:
+    """Fetches of one partition from one broker. ``conn`` is the broker's gRPC connection; ``data_pool`` and
+    ``data_address`` its data port (None: gRPC only)."""
+
+    def __init__(self, conn: BrokerConnection, topic: str, partition: str, number: int, timeout_s: float,
+                 max_bytes: int, data_pool: Optional[DataConnectionPool] = None, data_address: Optional[str] = None,
+                 timeout_setting: str = ""):
+        self.conn, self.topic, self.partition, self.number = conn, topic, partition, number
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.timeout_setting = timeout_setting  # the user's name for timeout_s in errors (in ms), e.g. fetchTimeoutMs
+        self._data_pool = data_pool
+        self._data: Optional[DataConnection] = data_pool.acquire(data_address) if data_pool and data_address else None
+
+    # -- fetching -------------------------------------------------------------------------------------
+    def send(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0):
+        """Start the fetch of whole batches from ``offset`` on; ``receive`` takes its reply."""
+        request = pb.FetchRequest(topic=self.topic, partition=self.number, offset=offset, max_bytes=self.max_bytes,
+                                  max_messages=max_messages, max_wait_ms=max_wait_ms)
+        if self._data is not None:
+            try:
+                self._data.send(self.topic, self.number, offset, self.max_bytes, max_messages, max_wait_ms,
+                                timeout=self.timeout_s + max_wait_ms / 1000)
+                return request, None
+            except OSError as e:
+                self._drop_data_port(e)
+        return request, self._grpc(request)
+
+    def receive(self, pending) -> rawfetch.FetchReply:
+        """The reply of a ``send``, resending over gRPC while the broker is down or restarting (up to
+        ``timeout_s`` from now); BrokerError naming the partition and the offset otherwise."""
+        request, future = pending
+        deadline = time.monotonic() + self.timeout_s + request.max_wait_ms / 1000
+        if future is None:
+            try:
+                return self._data.receive(timeout=self.timeout_s + request.max_wait_ms / 1000)
+            except BrokerError as e:  # refused: the same statuses as gRPC
+                if e.code not in RESEND:
+                    raise self._named(e, request) from None
+                self._drop_data_port(e)
+            except (OSError, ProtocolError) as e:  # the connection broke: the broker is stopping
+                self._drop_data_port(e)
+            future = self._grpc(request, deadline)
+        while True:
+            try:
+                return future.result()
+            except grpc.RpcError as e:
+                left = deadline - time.monotonic()
+                if e.code() not in RESEND or left <= 0:
+                    late = "" if e.code() not in RESEND else \
+                        f" (still failing after {self.timeout_setting}={round(self.timeout_s * 1000)})" \
+                        if self.timeout_setting else f" (still failing after {self.timeout_s:g}s)"
+                    raise self._named(to_error(e, self.conn.address), request, late) from None
+            time.sleep(min(0.05, left))
+            future = self._grpc(request, deadline)
+
+    def fetch(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0) -> rawfetch.FetchReply:
+        return self.receive(self.send(offset, max_messages, max_wait_ms))
+
+    def offsets(self) -> tuple:
+        """(earliest, latest) of the partition now."""
+        r = self.conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
+            pb.OffsetQuery(topic=self.topic, partition=self.number)]), retries=5).offsets[0]
+        return r.earliest, r.latest
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data_pool.release(self._data)  # closed instead when a reply is still pending
+            self._data = None
+
+    def __enter__(self) -> "PartitionFetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _grpc(self, request, deadline: Optional[float] = None):
+        wait = request.max_wait_ms / 1000
+        timeout = self.timeout_s + wait if deadline is None else max(deadline - time.monotonic(), 0.001)
+        return self.conn.future("FetchRaw", request, timeout=timeout)
+
+    def _drop_data_port(self, reason) -> None:
+        if self._data is not None:
+            log.info("%s %s: data port %s failed (%s); fetching with FetchRaw", self.topic, self.partition,
+                     self._data.address, reason)
+            self._data.close()
+            self._data = None
+
+    def _named(self, error: BrokerError, request, late: str = "") -> BrokerError:
+        return type(error)(error.code, f"{self.topic} {self.partition} at offset {request.offset}: "
+                                       f"{error.details}{late}", self.conn.address)

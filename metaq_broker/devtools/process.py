@@ -1,0 +1,102 @@
+"""One child process for development and tests (a local ZooKeeper, a broker, a benchmark's peer server):
+started with its output in a log file, awaited until a probe says it is ready, stopped with SIGTERM and,
+past a timeout, SIGKILL. Every one still running at interpreter exit is stopped, so none is orphaned."""
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+_running: "set[ChildProcess]" = set()
+
+
+class ChildProcess:
+    """``argv`` run with stdout and stderr appended to ``log_path``. ``own_session``: a Ctrl-C at the
+    terminal reaches only the parent, which then stops the child in order."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Optional[dict] = None,
+                 cwd: Optional[Path] = None, own_session: bool = False):
+        self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
+        self.env, self.cwd, self.own_session = env, cwd, own_session
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.returncode
+
+    def start(self, ready: Optional[Callable[[], bool]] = None, timeout: float = 30.0,
+              interval: float = 0.05) -> "ChildProcess":
+        """Launch, then wait until ``ready()`` is true (exceptions count as not yet). RuntimeError with
+        the log's tail if the process exits first or is not ready within ``timeout`` (then it is killed)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env, cwd=self.cwd, start_new_session=self.own_session)
+        _running.add(self)
+        if ready is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                _running.discard(self)
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if ready():
+                    return self
+            except Exception:  # noqa: BLE001 - not ready yet
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not become ready in {timeout:.0f}s:\n{self.log_tail()}")
+            time.sleep(interval)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, signum: int) -> None:
+        if self.running:
+            self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 30.0) -> Optional[int]:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code (None if it was killed so)."""
+        _running.discard(self)
+        if self.proc is None or self.proc.poll() is not None:
+            return self.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing it", self.name, self.proc.pid, timeout)
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash."""
+        _running.discard(self)
+        if self.running:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for child in list(_running):
+        child.stop(timeout=5)
+

@@ -1,0 +1,57 @@
+"""The data port's wire format (docs/protocol.md): a fixed 32-byte request and the topic, answered with
+``rawfetch``'s header (its ``flags`` field carrying a status code), the records' length, and the records.
+No sockets are opened here: the broker's data server and the client's data connection both frame with it."""
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+
+from metaq_broker.errors import MetaqError
+from metaq_broker.protocol import rawfetch
+
+FETCH = 1  # the one request kind
+# request_len (all of it, topic included), kind, topic_len, partition, offset, max_bytes, max_messages, max_wait_ms
+REQUEST = struct.Struct("<IHHiqiii")
+assert REQUEST.size == 32
+MAX_TOPIC_BYTES = 1024
+# rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len
+REPLY = struct.Struct("<IIqqqqq")
+assert REPLY.size == 48 and REPLY.format[:7] == rawfetch.HEADER.format
+OK = 0
+CONNECT_TIMEOUT = 5.0  # a client gives up on the data port (and uses FetchRaw) after this
+
+
+def pack_request(topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
+                 max_wait_ms: int = 0) -> bytes:
+    name = topic.encode()
+    if len(name) > MAX_TOPIC_BYTES:
+        raise ValueError(f"topic name of {len(name)} bytes is over {MAX_TOPIC_BYTES}")
+    return REQUEST.pack(REQUEST.size + len(name), FETCH, len(name), partition, offset, max_bytes, max_messages,
+                        max_wait_ms) + name
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    return code.value[0]
+
+
+STATUS_BY_NUMBER = {code_number(c): c for c in grpc.StatusCode}
+
+
+class ProtocolError(MetaqError):
+    """The peer broke the data port's framing; the connection is closed."""
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed before the first byte, ProtocolError if it
+    closed part-way."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return False
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return True

@@ -1,0 +1,278 @@
+"""Reading: the batch and the stream reader Spark drives (offsets, read limits, AvailableNow), and on the
+executors each task's read of its range through the client's fetcher, yielded as Arrow batches (no Python
+loop per message)."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+
+from metaq_broker.client.connection import ConnectionPool
+from metaq_broker.client.dataconn import DataConnectionPool
+from metaq_broker.client.fetcher import PartitionFetcher
+from metaq_broker.names import parse_partition_name
+from metaq_broker.protocol import records
+from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
+from metaq_spark.group_commit import MARKER, RECORDER, mark, unmark
+from metaq_spark.options import LATEST, SourceOptions
+from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, _proportional, _sorted, check_data_loss,
+                                  plan_partitions, resolve_start)
+
+log = logging.getLogger(__name__)
+
+_POOL: Optional[ConnectionPool] = None  # connections reused by every task of one Python worker
+
+_DATA_POOL: Optional[DataConnectionPool] = None  # data port connections, likewise
+
+
+def _pool() -> ConnectionPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = ConnectionPool()
+    return _POOL
+
+
+def _data_pool() -> DataConnectionPool:
+    global _DATA_POOL
+    if _DATA_POOL is None:
+        _DATA_POOL = DataConnectionPool()
+    return _DATA_POOL
+
+
+def _constant_strings(value: str, n: int) -> pa.Array:
+    """A string column holding ``value`` n times, built from buffers (no per-row Python)."""
+    data = value.encode()
+    offsets = np.arange(n + 1, dtype=np.int32) * len(data)
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
+
+
+def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatch:
+    n = batch.num_rows
+    return pa.RecordBatch.from_arrays(
+        [batch.column("key"), batch.column("value"), _constant_strings(topic, n), _constant_strings(partition, n),
+         batch.column("offset"), batch.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
+         batch.column("msgId"), batch.column("flag"), batch.column("attribute")],
+        names=["key", "value", "topic", "partition", "offset", "timestamp", "msgId", "flag", "attribute"])
+
+
+def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
+    """Every message of [start, end) of one partition, or an error: never a silently short range. The
+    next fetch is in flight while the current batch is decoded and handed to Spark."""
+    _, number = parse_partition_name(part.partition)
+    with PartitionFetcher(_pool().get(part.address), part.topic, part.partition, number,
+                          part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(),
+                          getattr(part, "data_address", None), "fetchTimeoutMs") as fetcher:
+        yield from _read_partition(part, fetcher)
+
+
+def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator[pa.RecordBatch]:
+    offset = part.start
+    pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
+    while pending is not None:
+        try:
+            r = fetcher.receive(pending)
+        except RemoteOffsetOutOfRangeError as e:
+            earliest, latest = fetcher.offsets()
+            if offset >= earliest:  # above the log end
+                _lost_tail(part, offset, latest, e)
+                return
+            message = (f"offsets {offset} to {min(earliest, part.end) - 1} of {part.topic} {part.partition} "
+                       f"are gone (retention removed them)")
+            if part.fail_on_data_loss:
+                raise DataLossError(message + "; set failOnDataLoss=false to skip them") from e
+            log.warning("%s; skipping to %d", message, earliest)
+            offset = earliest
+            pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
+            continue
+        if r.end_offset <= offset:
+            if r.latest_offset <= offset:
+                _lost_tail(part, offset, r.latest_offset)
+                return
+            raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
+                                f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
+        offset = r.end_offset
+        pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
+        yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
+                       part.partition)
+
+
+def _lost_tail(part: MetaqPartition, offset: int, latest: int, cause=None) -> None:
+    """The partition now ends below the range the batch was planned with: its broker lost messages (a
+    wiped data directory, an unflushed tail lost in a crash). An error naming both offsets, or with
+    failOnDataLoss=false a warning and the rest of the range skipped."""
+    message = (f"{part.topic} {part.partition} went backwards: the batch needs offsets {offset} to {part.end - 1} "
+               f"but the partition's latest offset is {latest} (its broker lost messages)")
+    if part.fail_on_data_loss:
+        raise DataLossError(message + "; set failOnDataLoss=false to skip them") from cause
+    log.warning("%s; skipping them, some data may have been missed", message)
+
+
+class _PlannerMixin:
+    """Keeps the driver's ZooKeeper/gRPC clients out of what Spark pickles for the executors."""
+
+    _planner: Optional[Planner] = None
+
+    @property
+    def planner(self) -> Planner:
+        if self._planner is None:
+            self._planner = Planner(self.opts)
+        return self._planner
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_planner"] = None
+        return state
+
+
+class MetaqBatchReader(_PlannerMixin, DataSourceReader):
+    def __init__(self, opts: SourceOptions):
+        self.opts = opts
+
+    def partitions(self):
+        ranges = self.planner.initial_ranges()
+        start = check_data_loss(self.opts, resolve_start(self.opts, self.planner, ranges), ranges)
+        if self.opts.ending_timestamp is not None:
+            end = {t: self.planner.offsets_at(t, list(ps), self.opts.ending_timestamp) for t, ps in start.items()}
+        elif isinstance(self.opts.ending, dict):
+            end = {t: {p: (ranges[t][p][1] if o == LATEST else o) for p, o in ps.items() if p in ranges.get(t, {})}
+                   for t, ps in self.opts.ending.items()}
+        else:
+            end = {t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()}
+        return plan_partitions(self.opts, self.planner, start, _sorted(end)) or [InputPartition(None)]
+
+    def read(self, partition):
+        if partition.value is None:
+            return iter(())
+        return read_partition(partition)
+
+
+class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, opts: SourceOptions):
+        self.opts = opts
+        self._available_now: Optional[dict] = None
+        self._last_trigger = time.monotonic()
+        self._latest: Optional[dict] = None
+        self._group: Optional[str] = opts.group
+
+    def _group_of(self, offsets: Optional[dict]) -> str:
+        """The query's group: the option, else the one recorded in the checkpoint's offsets (so a restart
+        keeps it), else a new one of this query's own (``SourceOptions.default_group``)."""
+        if self._group is None:
+            carried = (offsets or {}).get(MARKER)
+            self._group = carried["group"] if isinstance(carried, dict) and carried.get("group") else \
+                self.opts.default_group(uuid.uuid4().hex[:12])
+            log.info("the query's offsets are recorded for consumer group %s", self._group)
+        return self._group
+
+    def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
+        return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
+                    self._group_of(start) if self.opts.commit_offsets else None)
+
+    def initialOffset(self) -> dict:
+        ranges = self.planner.initial_ranges()
+        return self._mark(check_data_loss(self.opts, resolve_start(self.opts, self.planner, ranges), ranges))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_offsets is not None:
+            return ReadMaxRows(self.opts.max_offsets)
+        if self.opts.max_bytes is not None:
+            return ReadMaxBytes(self.opts.max_bytes)
+        if self.opts.min_offsets is not None:
+            return ReadMinRows(self.opts.min_offsets)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._available_now = {t: {p: r[1] for p, r in ps.items()} for t, ps in self.planner.ranges().items()}
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """The next batch's end. Partitions that appeared since the last batch enter at their earliest
+        offset and are read from the next batch on, so every range read starts at a checkpointed offset."""
+        marked, start = start, unmark(start)
+        ranges = self.planner.ranges()
+        self._latest = _sorted({t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()})
+        # A partition whose broker is down for a moment is not lost: it just has nothing new now.
+        paused = {(t, p): o for t, ps in start.items() for p, o in ps.items()
+                  if p not in ranges.get(t, {}) and not self.planner.broker_alive(p)}
+        checked = check_data_loss(self.opts, _sorted({t: {p: o for p, o in ps.items() if (t, p) not in paused}
+                                                      for t, ps in start.items()}), ranges)
+        for (t, p), o in paused.items():
+            checked.setdefault(t, {})[p] = o
+        checked = _sorted(checked)
+        cap = self._available_now or self._latest
+        target = {t: {p: max(s, min(cap.get(t, {}).get(p, s), ranges.get(t, {}).get(p, (s, s))[1]))
+                      for p, s in ps.items()} for t, ps in checked.items()}
+        if not isinstance(limit, ReadAllAvailable):
+            target = self._limit(checked, target, limit)
+        for t, ps in ranges.items():
+            for p, r in ps.items():
+                if p not in start.get(t, {}):
+                    target.setdefault(t, {})[p] = r[0]
+        target = _sorted(target)
+        if target != start:
+            self._last_trigger = time.monotonic()
+        return self._mark(target, marked)
+
+    def _limit(self, start: dict, target: dict, limit: ReadLimit) -> dict:
+        waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
+        total = sum(waiting.values())
+        if isinstance(limit, ReadMinRows) or self.opts.min_offsets is not None:
+            min_rows = limit.min_rows if isinstance(limit, ReadMinRows) else self.opts.min_offsets
+            overdue = (time.monotonic() - self._last_trigger) * 1000 >= self.opts.max_trigger_delay_ms
+            if total < min_rows and not overdue and self._available_now is None:
+                return start
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.opts.max_offsets
+        if max_rows is not None and total > max_rows:
+            target = _proportional(start, waiting, max_rows)
+            waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
+        max_bytes = limit.max_bytes if isinstance(limit, ReadMaxBytes) else self.opts.max_bytes
+        if max_bytes is not None:
+            target = self._byte_limit(start, target, waiting, max_bytes)
+        return target
+
+    def _byte_limit(self, start: dict, target: dict, waiting: dict, max_bytes: int) -> dict:
+        total = sum(waiting.values())
+        if not total:
+            return target
+        out = {t: dict(ps) for t, ps in target.items()}
+        budgets = {(t, p): (start[t][p], max(1, max_bytes * n // total)) for (t, p), n in waiting.items() if n}
+        for (t, p), after in self.planner.consumer.offsets_after_bytes(budgets).items():
+            out[t][p] = min(target[t][p], max(after, start[t][p]))
+        if all(out[t][p] == start[t][p] for t, ps in start.items() for p in ps):
+            # Progress: a single message larger than the budget still gets read.
+            (t, p) = max(waiting, key=waiting.get)
+            out[t][p] = start[t][p] + 1
+        return out
+
+    def reportLatestOffset(self) -> Optional[dict]:
+        return self._latest
+
+    def partitions(self, start: dict, end: dict):
+        return plan_partitions(self.opts, self.planner, unmark(start), unmark(end))
+
+    def read(self, partition):
+        return read_partition(partition)
+
+    def commit(self, end: dict) -> None:
+        """Record the batch's end offsets for the group (Spark calls this one batch late; the listener
+        of ``group_commit`` records the last batch too, and whichever writes last, offsets only move
+        forward). Never fails or stalls the stream."""
+        if self.opts.commit_offsets:
+            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self._group_of(end), unmark(end))
+
+    def stop(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
