@@ -31,10 +31,6 @@ class ChildProcess:
         return self.proc is not None and self.proc.poll() is None
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
     def returncode(self) -> Optional[int]:
         return None if self.proc is None else self.proc.returncode
 
@@ -69,10 +65,6 @@ class ChildProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-    def signal(self, signum: int) -> None:
-        if self.running:
-            self.proc.send_signal(signum)
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit code (None if it was killed so)."""
