@@ -18,7 +18,6 @@ import os
 import socket
 import threading
 import time
-from typing import NamedTuple
 
 import grpc
 
@@ -32,15 +31,6 @@ log = logging.getLogger(__name__)
 
 _SENDFILE_CHUNK = 1 << 30
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
-
-
-class Request(NamedTuple):
-    topic: str
-    partition: int
-    offset: int
-    max_bytes: int
-    max_messages: int
-    max_wait_ms: int
 
 
 class DataServer:
@@ -140,8 +130,8 @@ class DataServer:
                     topic = name.decode()
                 except UnicodeDecodeError:
                     raise InvalidOffsetError("the topic name is not UTF-8") from None
-                where, log_ = self.service._read(Request(topic, partition, offset, max_bytes, max_messages, max_wait_ms),
-                                                 lambda: not self._stopping, locate=True)
+                where, log_ = self.service.read(topic, partition, offset, max_bytes, max_messages, max_wait_ms,
+                                                lambda: not self._stopping, locate=True)
                 if where.length:
                     fd = where.dup_fd()
             except (MetaqError, records.RecordFormatError) as e:

@@ -107,25 +107,26 @@ class BrokerService(pb_grpc.BrokerServicer):
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
                               fsynced=result.fsynced)
 
-    def _read(self, request, is_active, locate: bool = False):
-        """What every fetch path returns: (FetchResult, or FileRange with ``locate``, and the partition),
-        with the checks, counters and long-poll wait (while ``is_active()``) they share."""
-        topic, partition = request.topic, request.partition
+    def read(self, topic: str, partition: int, offset: int, max_bytes: int, max_messages: int, max_wait_ms: int,
+             is_active, locate: bool = False):
+        """What every fetch path (gRPC ``Fetch``/``FetchRaw`` and the data port) returns: (FetchResult, or
+        FileRange with ``locate``, and the partition), with the checks, counters and long-poll wait (while
+        ``is_active()``) they share."""
         self.store.partition(topic, partition)
         counters = self.stats.partition(topic, self._name(partition))
         try:
             log_ = self._open_partition(topic, partition)
-            if request.max_bytes < 0 or request.max_messages < 0 or request.max_wait_ms < 0:
+            if max_bytes < 0 or max_messages < 0 or max_wait_ms < 0:
                 raise InvalidOffsetError("max_bytes, max_messages and max_wait_ms must not be negative")
-            max_bytes = min(request.max_bytes or (1 << 20), self.max_transfer_size)
-            wait_ms = min(request.max_wait_ms, self.max_fetch_wait_ms)
+            max_bytes = min(max_bytes or (1 << 20), self.max_transfer_size)
+            wait_ms = min(max_wait_ms, self.max_fetch_wait_ms)
             read = log_.locate if locate else log_.read
-            result = read(request.offset, max_bytes, request.max_messages or None)
+            result = read(offset, max_bytes, max_messages or None)
             if result.end_offset == result.start_offset and wait_ms:
                 deadline = time.monotonic() + wait_ms / 1000
                 while is_active() and time.monotonic() < deadline:
-                    if log_.wait_for_data(request.offset, min(0.5, deadline - time.monotonic())):
-                        result = read(request.offset, max_bytes, request.max_messages or None)
+                    if log_.wait_for_data(offset, min(0.5, deadline - time.monotonic())):
+                        result = read(offset, max_bytes, max_messages or None)
                         break
         except BaseException:
             counters.record_failure("get")
@@ -134,9 +135,13 @@ class BrokerService(pb_grpc.BrokerServicer):
                             result.length if locate else result.data.size)
         return result, log_
 
+    def _read_request(self, request, context):
+        return self.read(request.topic, request.partition, request.offset, request.max_bytes, request.max_messages,
+                         request.max_wait_ms, context.is_active)
+
     @rpc
     def Fetch(self, request, context):
-        result, log_ = self._read(request, context.is_active)
+        result, log_ = self._read_request(request, context)
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
                                 earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset)
@@ -144,7 +149,7 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def FetchRaw(self, request, context):
         """``Fetch`` answered as a struct header and the record bytes (``rawfetch``): no protobuf copies."""
-        result, log_ = self._read(request, context.is_active)
+        result, log_ = self._read_request(request, context)
         return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.latest_offset,
                              result.data)
 
