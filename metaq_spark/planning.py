@@ -28,6 +28,11 @@ class PartitionUnavailableError(RuntimeError):
     """A partition's broker is registered but down, so its starting offset cannot be chosen."""
 
 
+class UnsettledTransactionError(RuntimeError):
+    """A range reaches past the partition's last stable offset and the transaction holding it back stayed
+    open for fetchTimeoutMs. Nothing is lost, so this is not a DataLossError and never skipped."""
+
+
 def _names(partitions) -> str:
     """``[(topic, partition)]`` as "topic 1-0 (broker 1), ..." for messages."""
     return ", ".join(f"{t} {p} (broker {parse_partition_name(p)[0]})" for t, p in partitions)
@@ -56,9 +61,10 @@ class Planner:
         return out
 
     def ranges(self, timestamp_ms: Optional[int] = None) -> dict:
-        """{topic: {partition: (earliest, latest[, for_timestamp])}} of partitions on live brokers; one
-        call per broker and topic."""
-        return {t: self.consumer.offsets(t, ps, timestamp_ms=timestamp_ms) for t, ps in self.partitions().items()}
+        """{topic: {partition: (earliest, latest, log end[, for_timestamp])}} of partitions on live brokers;
+        one call per broker and topic. ``latest`` is the last stable offset: ranges end there (readers
+        see committed data only), never inside a transaction still open (between it and the log end)."""
+        return {t: self.consumer.offset_bounds(t, ps, timestamp_ms=timestamp_ms) for t, ps in self.partitions().items()}
 
     def initial_ranges(self) -> dict:
         """``ranges()`` of every registered partition of the subscription, for a query's first offsets: a
@@ -86,7 +92,7 @@ class Planner:
                                                 "without these partitions (read from their earliest once back)")
             log.warning("%s; starting without them", message)
             wanted = {t: [p for p in ps if (t, p) not in down] for t, ps in wanted.items()}
-        return {t: self.consumer.offsets(t, ps) for t, ps in wanted.items() if ps}
+        return {t: self.consumer.offset_bounds(t, ps) for t, ps in wanted.items() if ps}
 
     def _check_assigned(self, wanted: dict) -> None:
         """An assigned partition that the topic does not have is a bad option, not a broker to wait for."""
@@ -152,7 +158,7 @@ def resolve_start(opts: SourceOptions, planner: Planner, ranges: dict) -> dict:
     if opts.starting == "group":
         committed = {t: planner.consumer.committed(t) for t in ranges}
     for topic, parts in ranges.items():
-        for p, (earliest, latest) in parts.items():
+        for p, (earliest, latest, *_) in parts.items():
             if isinstance(opts.starting, dict):
                 if topic not in opts.starting or p not in opts.starting[topic]:
                     if opts.assign is None:
@@ -175,7 +181,10 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
     failOnDataLoss=false move, with a warning, to where the partition's messages are: below its earliest
     (retention removed them) up to the earliest; above its latest (its broker lost messages the query had
     passed: a wiped data directory, a tail lost under ``unflushThreshold>0``) down to the latest, as
-    Kafka's source does, so that messages written from then on are read."""
+    Kafka's source does, so that messages written from then on are read. Offsets are compared, never row
+    counts (transaction markers and aborted transactions leave gaps), and an offset past the last stable
+    offset but within the log end (``ranges``' third field) is not loss: an open transaction holds it
+    back, and the query reads on from it once the transaction settles."""
     fixed = {t: dict(ps) for t, ps in start.items()}
     for topic, parts in start.items():
         for p, offset in parts.items():
@@ -193,7 +202,7 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
                     raise DataLossError(message + "; set failOnDataLoss=false to continue from there")
                 log.warning("%s; continuing from %d", message, have[0])
                 fixed[topic][p] = have[0]
-            elif offset > have[1]:
+            elif offset > have[1] and not (len(have) > 2 and offset <= have[2]):
                 message = (f"{topic} {p} went backwards: the query is at offset {offset} but the partition's latest "
                            f"offset is {have[1]} (its broker lost messages: a wiped data directory, or an unflushed "
                            f"tail lost in a crash)")

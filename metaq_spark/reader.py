@@ -28,8 +28,8 @@ from metaq_broker.protocol import records
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
 from metaq_spark.group_commit import MARKER, RECORDER, mark, unmark
 from metaq_spark.options import LATEST, SourceOptions
-from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, _proportional, _sorted, check_data_loss,
-                                  plan_partitions, resolve_start)
+from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, UnsettledTransactionError, _proportional,
+                                  _sorted, check_data_loss, plan_partitions, resolve_start)
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,10 @@ def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatc
 
 
 def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
-    """Every message of [start, end) of one partition, or an error: never a silently short range. The
-    next fetch is in flight while the current batch is decoded and handed to Spark."""
+    """Every committed message of [start, end) of one partition, or an error: never a silently short
+    range. The range is one of offsets: transaction markers and aborted transactions are gaps in it, so
+    the read moves by each reply's end offset, never by rows. The next fetch is in flight while the
+    current batch is decoded and handed to Spark."""
     _, number = parse_partition_name(part.partition)
     with PartitionFetcher(_pool().get(part.address), part.topic, part.partition, number,
                           part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(),
@@ -85,10 +87,12 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
         try:
             r = fetcher.receive(pending)
         except RemoteOffsetOutOfRangeError as e:
-            earliest, latest = fetcher.offsets()
-            if offset >= earliest:  # above the log end
-                _lost_tail(part, offset, latest, e)
-                return
+            earliest, _, _ = fetcher.offsets()
+            if offset >= earliest:  # above the last stable offset
+                if not _await_stable(part, fetcher, offset, e):
+                    return
+                pending = fetcher.send(offset, part.end - offset)
+                continue
             message = (f"offsets {offset} to {min(earliest, part.end) - 1} of {part.topic} {part.partition} "
                        f"are gone (retention removed them)")
             if part.fail_on_data_loss:
@@ -99,14 +103,38 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
             continue
         if r.end_offset <= offset:
             if r.latest_offset <= offset:
-                _lost_tail(part, offset, r.latest_offset)
-                return
+                if not _await_stable(part, fetcher, offset):
+                    return
+                pending = fetcher.send(offset, part.end - offset)
+                continue
             raise DataLossError(f"{part.topic} {part.partition}: no message at offset {offset}, but the batch "
                                 f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
         offset = r.end_offset
         pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
-        yield to_spark(records.decode(r.records, r.start_offset, r.end_offset, verify=True), part.topic,
-                       part.partition)
+        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
+        if batch.num_rows:  # none: the reply held only markers and aborted messages
+            yield to_spark(batch, part.topic, part.partition)
+
+
+def _await_stable(part: MetaqPartition, fetcher: PartitionFetcher, offset: int, cause=None) -> bool:
+    """The range goes on past the partition's last stable offset. Within the log end a transaction still
+    open holds it back: wait for it to settle (up to fetchTimeoutMs, then UnsettledTransactionError), and
+    True once it has. Past the log end the partition lost messages (``_lost_tail``): False."""
+    deadline = time.monotonic() + part.fetch_timeout_ms / 1000
+    while True:
+        _, latest, log_end = fetcher.offsets()
+        if latest > offset:
+            return True
+        if log_end <= offset:
+            _lost_tail(part, offset, latest, cause)
+            return False
+        if time.monotonic() >= deadline:
+            raise UnsettledTransactionError(
+                f"{part.topic} {part.partition}: the batch needs offsets {offset} to {part.end - 1}, but a "
+                f"transaction still open after fetchTimeoutMs={part.fetch_timeout_ms} holds them back (the "
+                f"partition's last stable offset is {latest}, its log end {log_end}); readers see committed "
+                f"messages only") from cause
+        time.sleep(0.2)
 
 
 def _lost_tail(part: MetaqPartition, offset: int, latest: int, cause=None) -> None:

@@ -97,3 +97,50 @@ def spark():
     metaq_spark.register(session)
     yield session
     session.stop()
+
+
+# -- small disks that fill up ----------------------------------------------------------------------------
+import subprocess  # noqa: E402
+
+
+class SmallDisk:
+    """A tmpfs of ``size_kib`` mounted at ``path`` (root: CI runs as root); ``fill()`` takes every free
+    byte with a filler file and ``free()`` gives it back, so writes fail with ENOSPC for real."""
+
+    def __init__(self, path, size_kib):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"cannot mount a tmpfs at {path} (these tests need root): {r.stderr}"
+        self.filler = path / ".filler"
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while os.write(fd, b"\0" * 4096) == 4096:
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(path, size_kib)`` mounts a tmpfs there; all are unmounted at teardown."""
+    disks = []
+
+    def make(path, size_kib=1024):
+        disks.append(SmallDisk(path, size_kib))
+        return disks[-1]
+
+    yield make
+    for d in reversed(disks):
+        d.unmount()

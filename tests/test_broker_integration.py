@@ -4,16 +4,17 @@ import json
 import random
 
 import grpc
+import pyarrow as pa
 import pytest
 from conftest import wait_until
 from kazoo.client import KazooClient
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
-from metaq_broker.client.producer import Producer
+from metaq_broker.client.producer import PipelinedSender, Producer
 from metaq_broker.errors import InvalidMessageError, PartitionClosedError
 from metaq_broker.proto import metaq_pb2 as pb
-from metaq_broker.protocol import records
+from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.status import (RemoteInvalidArgumentError, RemoteMessageTooLargeError,
                                           RemoteOffsetOutOfRangeError, RemoteUnknownTopicError)
 
@@ -208,8 +209,9 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
             pb.FetchRequest(topic="t", partition=0, offset=0, max_bytes=100).SerializeToString(),
             pb.GetOffsetsRequest(queries=[pb.OffsetQuery(topic="t", partition=1)]).SerializeToString(),
             pb.CreateTopicRequest(topic="../evil", num_partitions=1).SerializeToString(),
+            rawput.pack("t", 0, "", 1, 0, records.crc(b"x" * 16), [b"x" * 16]),
         ]
-        methods = ["Put", "Fetch", "GetOffsets", "DescribeTopic", "CreateTopic", "ClosePartitions", "Stats"]
+        methods = ["Put", "PutRaw", "Fetch", "GetOffsets", "DescribeTopic", "CreateTopic", "ClosePartitions", "Stats"]
         with grpc.insecure_channel(b.address) as channel:
             for i in range(400):
                 kind = i % 4
@@ -224,15 +226,19 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
                         if v:
                             v[rng.randrange(len(v))] = rng.randrange(256)
                     payload = bytes(v)
-                else:  # a well-formed Put whose batch body is hostile
+                else:  # a well-formed Put or PutRaw whose batch body is hostile
                     body = rng.randbytes(rng.choice([8, 16, 64]))
-                    payload = pb.PutRequest(topic="t", partition=rng.choice([0, 1, -1]), batch=pb.MessageBatch(
-                        count=rng.randint(0, 5), attributes=rng.randint(0, 3), body=body,
-                        body_crc=records.crc(body))).SerializeToString()
+                    partition, count, attributes = rng.choice([0, 1, -1]), rng.randint(0, 5), rng.randint(0, 3)
+                    payload = pb.PutRequest(topic="t", partition=partition, batch=pb.MessageBatch(
+                        count=count, attributes=attributes, body=body,
+                        body_crc=records.crc(body))).SerializeToString() if i % 8 == 3 else \
+                        rawput.pack("t", partition, "", count, attributes, records.crc(body), [body])
+                method = rng.choice(methods) if kind < 3 else "Put" if i % 8 == 3 else "PutRaw"
                 try:
-                    _raw_call(channel, rng.choice(methods) if kind < 3 else "Put", payload)
+                    _raw_call(channel, method, payload)
                 except grpc.RpcError as e:
                     assert e.code() != grpc.StatusCode.UNAVAILABLE, e.details()
+                    assert method != "PutRaw" or e.code() != grpc.StatusCode.INTERNAL, e.details()
         # Still serving, and what was stored before is intact (the fuzz may have closed partitions).
         with cluster.client(Admin) as admin:
             admin.open_partitions("t", 1)
@@ -289,3 +295,58 @@ def test_fetch_raw_returns_what_fetch_returns(cluster):
                 (full.start_offset, full.end_offset, full.earliest_offset, full.latest_offset, full.records)
         with pytest.raises(RemoteOffsetOutOfRangeError, match=r"0 \(earliest\) to 500"):
             conn.call("FetchRaw", pb.FetchRequest(topic="raw", partition=0, offset=501))
+
+
+def test_putraw_refusals_carry_the_same_statuses_as_put(cluster):
+    cluster.start_broker(1, topics={"t": {"numPartitions": 1, "maxMessageSize": 100}})
+    with cluster.client(Producer) as producer:
+        wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic")
+        conn, _ = producer.route("1-0")
+        body = records.encode_body([b"hello"])
+
+        def put_raw(topic="t", partition=0, crc=body.crc, parts=body.parts, count=body.count):
+            return conn.call("PutRaw", rawput.pack(topic, partition, "", count, body.attributes, crc, parts))
+
+        assert put_raw().count == 1
+        with pytest.raises(RemoteInvalidArgumentError, match="checksum"):
+            put_raw(crc=body.crc ^ 1)
+        with pytest.raises(RemoteInvalidArgumentError, match="too short"):
+            put_raw(count=1000)
+        with pytest.raises(RemoteUnknownTopicError, match="nope"):
+            put_raw(topic="nope")
+        with pytest.raises(RemoteInvalidArgumentError, match="no partition 3"):
+            put_raw(partition=3)
+        with pytest.raises(RemoteInvalidArgumentError, match="shorter than"):
+            conn.call("PutRaw", b"\0" * 8)
+        big = records.encode_body([b"x" * 101])
+        with pytest.raises(RemoteMessageTooLargeError):
+            conn.call("PutRaw", rawput.pack("t", 0, "", 1, 0, big.crc, big.parts))
+
+
+def test_pipelined_sender_keeps_each_partitions_order_and_reports_failures(cluster):
+    cluster.start_broker(1, topics={"t": {"numPartitions": 3}})
+    with cluster.client(Producer) as producer, cluster.client(Consumer) as consumer, \
+            cluster.client(Admin) as admin:
+        wait_until(lambda: len(producer.cluster.topic_partitions("t")) == 3, what="topic")
+        sender = PipelinedSender(producer, max_bytes=1 << 20)
+        sent = 0
+        for i in range(40):  # round robin, keyed, and one partition: several Puts in flight at once
+            values = [b"%06d" % (sent + j) for j in range(50 + i)]
+            keys = [b"k%d" % (j % 5) for j in range(len(values))] if i % 3 == 1 else None
+            sender.send_batch("t", pa.array(values), keys=keys, partition="1-2" if i % 3 == 2 else None)
+            sent += len(values)
+        results = sender.flush()
+        assert sum(r.count for r in results) == sent and sender.flush() == []
+        got = read_all(consumer, "t")
+        assert sorted(v for vs in got.values() for v in vs) == [b"%06d" % i for i in range(sent)]
+        for vs in got.values():  # each partition in send order
+            assert vs == sorted(vs)
+        for p in got:  # results name where each batch went
+            assert sum(r.count for r in results if r.partition == p) == len(got[p])
+        admin.close_partitions("t", 1, 1, 1)
+        with pytest.raises(PartitionClosedError):
+            for _ in range(3):
+                sender.send_batch("t", [b"x"], partition="1-1")
+            sender.flush()
+        sender.close()
+        assert sender.flush() == []

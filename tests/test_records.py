@@ -160,3 +160,56 @@ def test_empty_buffer_decodes_to_no_rows():
 def test_bad_messages_are_rejected_with_a_clear_message(kwargs, match):
     with pytest.raises(InvalidMessageError, match=match):
         records.encode_body(**kwargs)
+
+
+def test_chunked_columns_encode_like_combined_ones_and_send_the_chunks_bytes_where_they_lie():
+    rng = np.random.default_rng(5)
+    values, keys, attrs, flags = random_messages(rng, 60, 50)
+    cuts = [0, 7, 7, 30, 59, 60]  # an empty chunk and a one-message chunk among them
+
+    def chunked(col, typ):
+        return pa.chunked_array([pa.array(col[a:b], typ) for a, b in zip(cuts, cuts[1:])], typ)
+
+    body = records.encode_body(chunked(values, pa.binary()), chunked(keys, pa.binary()),
+                               chunked(attrs, pa.large_string()), flags)
+    combined = records.encode_body(values, keys, attrs, flags)
+    assert b"".join(bytes(p) for p in body.parts) == b"".join(bytes(p) for p in combined.parts)
+    assert (body.crc, body.size, body.attributes) == (combined.crc, combined.size, combined.attributes)
+    assert body.message_sizes.tolist() == combined.message_sizes.tolist()
+    value_chunks = chunked(values, pa.binary())
+    body = records.encode_body(value_chunks)
+    addresses = {np.frombuffer(p, np.uint8).ctypes.data for p in body.parts if len(p)}
+    assert all(c.buffers()[2].address in addresses for c in value_chunks.chunks if c.buffers()[2].size)
+    batch = records.decode(encode(value_chunks, base=0, msg_id=1, ts=2))
+    assert batch.column("value").to_pylist() == values
+
+
+def test_putraw_request_round_trip():
+    from metaq_broker.protocol import rawput
+    body = records.encode_body([b"a", b"bc"], keys=[b"k", None])
+    req = rawput.pack("t\u00e9", -1, "sink/1@2", body.count, body.attributes, body.crc, body.parts)
+    r = rawput.unpack(req)
+    assert (r.topic, r.partition, r.xid) == ("t\u00e9", -1, "sink/1@2")
+    assert (r.batch.count, r.batch.attributes, r.batch.body_crc) == (2, records.HAS_KEYS, body.crc)
+    assert bytes(r.batch.body) == b"".join(bytes(p) for p in body.parts)
+    assert rawput.unpack(bytes(req)).batch.body.obj is not None  # a view, not a copy
+    header_len = int.from_bytes(req[:4], "little")
+    assert header_len % 8 == 0 and len(req) - header_len == body.size
+    parsed = records.parse_body(r.batch.count, r.batch.attributes, r.batch.body, r.batch.body_crc)
+    assert parsed.crc == body.crc and parsed.size == body.size
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda b: b[:20], "shorter than"),
+    (lambda b: (1000).to_bytes(4, "little") + b[4:], "body starts at byte 1000"),
+    (lambda b: (36).to_bytes(4, "little") + b[4:], "body starts at byte 36"),  # not 8-aligned
+    (lambda b: (16).to_bytes(4, "little") + b[4:], "body starts at byte 16"),  # inside the header
+    (lambda b: b[:24] + (60000).to_bytes(2, "little") + b[26:], "body starts"),  # topic past the header
+    (lambda b: b[:32] + b"\xff" + b[33:], "UTF-8"),
+])
+def test_putraw_requests_that_do_not_add_up_are_refused(damage, match):
+    from metaq_broker.protocol import rawput
+    body = records.encode_body([b"x" * 9])
+    req = rawput.pack("topic", 0, "", body.count, body.attributes, body.crc, body.parts)
+    with pytest.raises(records.RecordFormatError, match=match):
+        rawput.unpack(damage(req))

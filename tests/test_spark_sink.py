@@ -164,7 +164,16 @@ def arm(hooks, name):
     (hooks / name).touch()
 
 
+def settled(cluster, topic):
+    """No transaction holds back readers of ``topic``: last stable offset = log end everywhere."""
+    with cluster.client(Consumer) as c:
+        return all(stable == end for _, stable, end in c.offset_bounds(topic).values())
+
+
 def assert_exactly_once(cluster, topic="out", per_partition=PER_PARTITION):
+    # A failed task attempt's open transaction is rolled back once the batch's decision leaves it out
+    # (within a resolver round); until then it holds readers back, as Kafka's read_committed does.
+    wait_until(lambda: settled(cluster, topic), timeout=20, what=f"every transaction on {topic} settled")
     values, want = Counter(topic_values(cluster, topic)), expected(per_partition)
     assert values == want, f"missing {sum((want - values).values())}, duplicated {sum((values - want).values())}"
     for bid in cluster.brokers:  # leftovers of failed attempts and replays are rolled back
@@ -288,8 +297,10 @@ def test_uncommitted_and_rolled_back_messages_are_never_visible(spark, cluster, 
         undecided.send_batch("t", [b"undecided"], partition="1-0")
         undecided.prepare()
         p.send_batch("t", [b"plain"], partition="1-0")
-        assert topic_values(cluster, "t") == ["plain"]
-        assert [r.value for r in reader(spark, cluster, subscribe="t").collect()] == [b"plain"]
+        # Readers stop at the first unsettled transaction's batch (the last stable offset), so the plain
+        # message written after it waits until that transaction settles.
+        assert topic_values(cluster, "t") == []
+        assert [r.value for r in reader(spark, cluster, subscribe="t").collect()] == []
         # No decision within transactionTimeout: the broker records an abort and rolls back.
         wait_until(lambda: prepared(cluster, 1) == ["manual/pending@1"], timeout=15, what="undecided rolled back")
         assert txn_decisions.read(zk, path)[0].aborted == ["r"]
@@ -572,3 +583,50 @@ def test_batch_write_with_a_sink_id_is_exactly_once_across_a_driver_crash(spark,
     for bid in cluster.brokers:
         wait_until(lambda b=bid: not prepared(cluster, b), timeout=20, what=f"no in-doubt transaction on {bid}")
     assert decisions(zk, cluster.zk_root) == {}
+
+
+def test_small_arrow_batches_sent_together_keep_keys_topics_and_order(spark, cluster):
+    """Arrow batches of 5 rows: those queued while a Put is under way go in one Put as a table of chunks
+    (PUT_BYTES), with a topic column and keys; each key still lands in its hash partition, and each
+    partition holds the task's rows in order, both guarantees."""
+    import pyarrow as pa
+
+    from metaq_broker.client.partitioner import partitions_for_keys
+    from metaq_spark.sink import send_arrow
+    cluster.start_broker(1, topics={"p": {"numPartitions": 2}, "q": {"numPartitions": 3}})
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "5")
+    try:
+        for guarantee in ("at-least-once", "exactly-once"):
+            df = spark.range(0, 2000, numPartitions=1).select(
+                F.format_string(f"{guarantee[0]}%05d", "id").alias("value"),
+                F.when(F.col("id") % 2 == 0, "p").otherwise("q").alias("topic"),
+                F.when(F.col("id") % 4 < 2, F.format_string("k%d", F.col("id") % 9)).alias("key"))
+            writer(df, cluster, deliveryGuarantee=guarantee).save()
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    with cluster.client(Consumer) as c, cluster.client(Producer) as producer:
+        for topic, parity in (("p", 0), ("q", 1)):
+            names = producer.registered_partitions(topic)
+            rows = []
+            for p, (earliest, latest) in c.offsets(topic).items():
+                t = c.read_range(topic, p, earliest, latest)
+                values, keys = [v.decode() for v in t.column("value").to_pylist()], t.column("key").to_pylist()
+                for g in "ae":
+                    mine = [v for v in values if v[0] == g]
+                    assert mine == sorted(mine)  # one task: its rows in order in each partition
+                keyed = [k for k in keys if k is not None]
+                if keyed:  # the hash partition of each key
+                    assert {names[i] for i in partitions_for_keys(pa.array(keyed), len(names))} == {p}
+                rows += values
+            assert sorted(rows) == sorted(f"{g}{i:05d}" for g in "ae" for i in range(2000) if i % 2 == parity)
+        # a table of several chunks, as the sender builds it, splits by topic and hashes keys per chunk
+        batches = [pa.record_batch({"value": [b"t%d" % (3 * j + i) for i in range(3)],
+                                    "topic": ["p", None, "q"], "key": [b"k1", None, b"k%d" % j]}) for j in range(4)]
+        sent = []
+        n = send_arrow(lambda *a, **kw: sent.append(producer.send_batch(*a, **kw)), pa.Table.from_batches(batches),
+                       {"value": 0, "topic": 1, "key": 2}, "q")
+        counts = Counter()
+        for r in (r for rs in sent for r in rs):
+            counts[r.topic] += r.count
+        assert n == 12 and counts == {"p": 4, "q": 8} and len(sent) == 2  # one call per topic
+        assert len(sent[0]) == 1  # topic p: every row has key k1, so one partition

@@ -60,7 +60,8 @@ def values(p, start=None):
 
 
 def files(p):
-    return sorted(f.name for f in p.directory.iterdir() if f.is_file())
+    """Segment and index files (the partition's transaction snapshot is not a segment)."""
+    return sorted(f.name for f in p.directory.iterdir() if f.suffix in (".meta", ".idx"))
 
 
 def seg_files(segs):

@@ -43,12 +43,14 @@ def test_commit_makes_messages_visible_rollback_never(cluster):
         txn.send_batch("t", [b"a", b"b"], partition="1-0")
         txn.send_batch("t", [b"c"], partition="1-1")
         p.send_batch("t", [b"plain"], partition="1-0")
-        assert visible(cluster, "t", "1-0") == [b"plain"]
+        # The open transaction holds readers back at its first offset (the last stable offset), so the
+        # plain message written after it waits too (Kafka's read_committed).
+        assert visible(cluster, "t", "1-0") == []
         assert txn.prepare() == [[1, "job/1@1"]]
-        assert visible(cluster, "t", "1-0") == [b"plain"] and visible(cluster, "t", "1-1") == []
+        assert visible(cluster, "t", "1-0") == [] and visible(cluster, "t", "1-1") == []
         txn.commit()
         txn.commit()  # idempotent
-        assert visible(cluster, "t", "1-0") == [b"plain", b"a", b"b"] and visible(cluster, "t", "1-1") == [b"c"]
+        assert visible(cluster, "t", "1-0") == [b"a", b"b", b"plain"] and visible(cluster, "t", "1-1") == [b"c"]
 
         gone = p.transaction("job/2")
         gone.send_batch("t", [b"never"], partition="1-1")
@@ -158,3 +160,51 @@ def test_the_resolver_forgets_outcomes_only_once_their_decision_record_is_gone(t
     assert tx.state("a") == "committed" and tx.state("b") is None
     tx.close()
     store.close()
+
+
+WRITER_DIES = """
+import os, signal, sys
+from metaq_broker.client import Producer
+p = Producer(zk_connect=sys.argv[1], zk_root=sys.argv[2])
+t = p.transaction("dies")
+t.send_batch("t", [b"never"], partition="1-0")
+os.kill(os.getpid(), signal.SIGKILL)  # before prepare
+"""
+
+
+def test_a_writer_killed_before_prepare_holds_readers_only_until_the_transaction_timeout(cluster):
+    import signal
+    import subprocess
+    import sys
+    start(cluster, timeout_ms=3000)
+    with cluster.client(Producer) as p:
+        wait_until(lambda: len(p.cluster.topic_partitions("t")) == 2, what="topic")
+        p.send_batch("t", [b"before"], partition="1-0")
+        child = subprocess.run([sys.executable, "-c", WRITER_DIES, cluster.zk_connect, cluster.zk_root],
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode == -signal.SIGKILL, child.stderr
+        p.send_batch("t", [b"after"], partition="1-0")
+        assert visible(cluster, "t", "1-0") == [b"before"]  # held back at the open transaction's batch
+        wait_until(lambda: visible(cluster, "t", "1-0") == [b"before", b"after"], timeout=15,
+                   what="the open transaction rolled back after transactionTimeout")
+
+
+def test_an_open_transaction_left_out_of_its_decision_is_rolled_back_at_once(cluster, zk):
+    """A task attempt that died before its prepare leaves an open transaction; once the batch's decision
+    (written by the retry) leaves it out, the broker rolls it back well before transactionTimeout."""
+    start(cluster, timeout_ms=600_000)
+    path = f"{cluster.zk_root}/sinks/s2/batches/3"
+    with cluster.client(Producer) as p:
+        wait_until(lambda: len(p.cluster.topic_partitions("t")) == 2, what="topic")
+        dead = p.transaction("s2/3/r1/0-1", coordinator=json.dumps({"path": path, "run": "r1"}))
+        dead.send_batch("t", [b"dead attempt"], partition="1-0")
+        retry = p.transaction("s2/3/r1/0-2", coordinator=json.dumps({"path": path, "run": "r1"}))
+        retry.send_batch("t", [b"retry"], partition="1-0")
+        xids = retry.prepare()
+        time.sleep(2)  # a few resolver rounds: no decision yet, so the open one stays
+        assert visible(cluster, "t", "1-0") == []
+        txn_decisions.decide_commit(zk, path, "r1", xids)
+        retry.commit()
+        wait_until(lambda: visible(cluster, "t", "1-0") == [b"retry"], timeout=10, what="the dead attempt rolled back")
+        with pytest.raises(RemoteTransactionError, match="rolled back"):
+            dead.prepare()

@@ -1,5 +1,6 @@
 """Broker transactions at the storage level: invisible until commit, durable prepare, idempotent
-outcomes, and recovery of a commit cut short or a torn journal."""
+outcomes, and recovery of a commit cut short or a torn journal. (tests/test_transactions_log.py: the log
+side: markers, last stable offset, crashes, full disks, old journals.)"""
 import pytest
 
 from metaq_broker.errors import CorruptLogError, MessageTooLargeError, UnknownTopicError
@@ -7,6 +8,24 @@ from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store.transactions import (COMMIT, JOURNAL, TransactionError, TransactionManager,
                                              UnknownTransactionError)
+
+
+def markers(store, partition):
+    """(transaction number, commit?) of every marker in the partition, in log order."""
+    log = store.partition("t", partition)
+    out = []
+    offset = 0
+    while offset < log.log_end_offset:
+        r = log._plan_read(offset, 1 << 20, None, log.log_end_offset)
+        seg, first, length, n, idx = r
+        data = seg.read(first, length)
+        starts = idx["position"][:n]
+        for pos in sorted(set((starts - first).tolist())):
+            h = records.parse_header(data, pos)
+            if h.attributes & records.CONTROL:
+                out.append((h.txn, bytes(data[pos + 56: pos + 57]) == records.COMMIT_MARKER))
+        offset += n
+    return out
 
 
 def open_all(path, clock=None):
@@ -116,23 +135,24 @@ def test_commit_cut_short_by_a_crash_is_finished_once(tmp_path):
     tx.put("k1", "t", 0, body("a"))
     tx.put("k1", "t", 1, body("b"))
     tx.prepare("k1")
-    # The crash point: decision journalled, partition 0 reached, partition 1 not, no DONE record.
-    t = tx.get("k1")
-    t.state, t.number, t.before = "committing", 9, {"t/0": 0, "t/1": 0}
-    tx._write(COMMIT, [b'{"xid": "k1", "number": 9, "before": {"t/0": 0, "t/1": 0}}'], fsync=True)
-    store.partition("t", 0).append_bodies([tx._body(t.puts[0])], txn=9)
+    # The crash point: decision journalled, partition 0's marker written, partition 1's not, no DONE record.
+    number = tx.get("k1").number
+    tx._write(COMMIT, {"xid": "k1", "number": number}, fsync=True)
+    store.partition("t", 0).append_marker(number, commit=True)
+    assert values(store, 0) == ["a"] and values(store, 1) == []
     tx.close()
     store.close()
 
     store, tx = open_all(tmp_path)
     assert values(store, 0) == ["a"] and values(store, 1) == ["b"]
+    assert markers(store, 0) == [(number, True)] and markers(store, 1) == [(number, True)]
     assert tx.state("k1") == "committed"
     tx.begin("k2")  # numbers continue after the recovered one
+    assert tx.get("k2").number > number
     tx.put("k2", "t", 0, body("c"))
     tx.prepare("k2")
     tx.commit("k2")
-    assert store.partition("t", 0).count_txn_batches(0, 9) == 1
-    assert store.partition("t", 0).count_txn_batches(0, 10) == 1
+    assert values(store, 0) == ["a", "c"]
     tx.close()
     store.close()
 
@@ -143,16 +163,22 @@ def test_torn_journal_tail_is_cut_damage_inside_refuses(tmp_path):
     tx.put("p1", "t", 0, body("prepared"))
     tx.prepare("p1")
     tx.begin("o1")
-    tx.put("o1", "t", 0, body("torn"))
+    tx.put("o1", "t", 0, body("never prepared"))
+    tx.begin("c1")
+    tx.put("c1", "t", 1, body("committed"))
+    tx.prepare("c1")
+    tx.commit("c1")
     tx.close()
     store.close()
     journal = tmp_path / "data" / "transactions" / JOURNAL
     data = journal.read_bytes()
-    journal.write_bytes(data[:-3])  # the open transaction's last record is torn
+    journal.write_bytes(data[:-3])  # c1's last record (DONE: its markers are written) is torn
     store, tx = open_all(tmp_path)
     assert [t.xid for t in tx.prepared()] == ["p1"]
+    assert tx.state("c1") == "committed" and values(store, 1) == ["committed"]
+    assert tx.state("o1") is None
     tx.commit("p1")
-    assert values(store, 0) == ["prepared"]
+    assert values(store, 0) == ["prepared"]  # o1's batch was rolled back when the broker reopened
     tx.begin("p2")
     tx.put("p2", "t", 0, body("more"))
     tx.prepare("p2")
@@ -177,7 +203,7 @@ def test_open_transactions_time_out_prepared_never(tmp_path, clock):
     clock.now += 6
     assert tx.expire() == ["slow"]
     assert tx.state("slow") == "rolled_back" and tx.state("ready") == "prepared"
-    assert tx.counts() == {"open": 0, "prepared": 1, "committing": 0}
+    assert tx.counts() == {"open": 0, "prepared": 1, "committing": 0, "aborting": 0}
     tx.close()
     store.close()
 

@@ -27,10 +27,11 @@ class GroupLag:
     topic: str
     partition: str
     committed: Optional[int]  # None: the group has committed nothing for this partition
-    latest: int
+    latest: int  # the last stable offset: where readers stop (an open transaction holds back what follows)
 
     @property
     def lag(self) -> int:
+        """Offsets, not messages: transaction markers and aborted messages count too."""
         return self.latest - (self.committed or 0)
 
 

@@ -9,7 +9,7 @@ import grpc
 
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
-from metaq_broker.protocol import rawfetch
+from metaq_broker.protocol import rawfetch, rawput
 from metaq_broker.protocol.status import to_error
 
 # A restarted broker is reconnected to within a second, as in Kafka (reconnect.backoff.max.ms), not after
@@ -34,6 +34,9 @@ class BrokerConnection:
         self.stub.FetchRaw = self.channel.unary_unary(
             rawfetch.PATH, request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=rawfetch.unpack, _registered_method=True)
+        # Nor this: the request is a struct header and the batch body (rawput), bytes sent as they are.
+        self.stub.PutRaw = self.channel.unary_unary(
+            rawput.PATH, response_deserializer=pb.PutResponse.FromString, _registered_method=True)
 
     def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0):
         """Call ``method``; ``retries`` > 0 resends on transient errors (only for idempotent calls)."""

@@ -13,6 +13,8 @@ import pyarrow as pa
 
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import records
 from metaq_broker.zk.group_offsets import GroupStore
 
@@ -34,7 +36,10 @@ class Message:
 
 @dataclass(frozen=True)
 class Fetched:
-    """Messages [start_offset, next_offset) of one partition, and the partition's range at fetch time."""
+    """Messages [start_offset, next_offset) of one partition, and the partition's range at fetch time
+    (``latest``: its last stable offset). Only committed messages: transaction markers and aborted
+    transactions leave gaps in the offsets, so ``batch`` may have fewer rows than the range has offsets,
+    none at all, and a reader moves on to ``next_offset`` whatever it holds."""
 
     topic: str
     partition: str
@@ -69,11 +74,12 @@ class Consumer(ClientBase):
         conn, number = self.route(partition)
         r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes).fetch(
             offset, max_messages or 0, max_wait_ms)
-        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
+        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)
 
     def read_range(self, topic: str, partition: str, start: int, end: int, max_bytes: int = 8 << 20) -> pa.Table:
-        """Every message of [start, end) as one Arrow table (several fetches when needed)."""
+        """Every committed message of [start, end) as one Arrow table (several fetches when needed); ``end``
+        at most the last stable offset."""
         batches, offset = [], start
         while offset < end:
             f = self.fetch(topic, partition, offset, max_bytes, max_messages=end - offset)
@@ -82,6 +88,24 @@ class Consumer(ClientBase):
             batches.append(f.batch)
             offset = f.next_offset
         return pa.Table.from_batches(batches, schema=records.SCHEMA)
+
+    def offset_bounds(self, topic: str, partitions=None, timestamp_ms: Optional[int] = None) -> dict:
+        """{partition: (earliest, last stable offset, log end[, offset for timestamp])}, one GetOffsets call
+        per broker. Readers stop at the last stable offset; the log end is past it while a transaction
+        is open (its batches and markers are written, not yet settled)."""
+        by_broker: dict = {}
+        for name in partitions or self.partitions(topic):
+            bid, n = parse_partition_name(name)
+            by_broker.setdefault(bid, []).append(n)
+        out = {}
+        for bid, numbers in by_broker.items():
+            at = {} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}
+            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=[
+                pb.OffsetQuery(topic=topic, partition=n, **at) for n in numbers]), retries=3)
+            for o in r.offsets:
+                out[partition_name(bid, o.partition)] = (o.earliest, o.latest, o.log_end_offset) + (
+                    () if timestamp_ms is None else (o.for_timestamp,))
+        return out
 
     # -- group offsets (ZooKeeper) --------------------------------------------------------------------
     def _group_store(self):

@@ -1,6 +1,7 @@
 """Client side of the broker's data port (``metaq_broker.server.data_server``): fetches over a persistent TCP
 connection, each reply received straight into a buffer of its own (``recv_into``, no further copies), and
-returned as the ``rawfetch.FetchReply`` that ``FetchRaw`` gives, so decoding is the same.
+returned as the ``rawfetch.FetchReply`` that ``FetchRaw`` gives (the aborted transactions with it), so
+decoding is the same.
 
 A refusal (unknown topic, offset out of range, closed partition...) raises the same ``BrokerError``
 subclass as over gRPC, naming the same status code, and leaves the connection usable. A broken connection
@@ -22,7 +23,9 @@ from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, REPLY, STATUS_B
                                             recv_exact)
 from metaq_broker.protocol.status import error_of
 
-MAX_HEADER = 4096  # a longer header than this is not a data port reply
+# A longer header than this is not a data port reply. The aborted list makes it long: 24 bytes for each
+# aborted transaction overlapping the reply (at most one per batch in it, plus those open across it).
+MAX_HEADER = 64 << 20
 
 
 class DataConnection:
@@ -69,20 +72,25 @@ class DataConnection:
             header_len, status, start, end, earliest, latest, body_len = REPLY.unpack(self._head)
             if not REPLY.size <= header_len <= MAX_HEADER or body_len < 0:
                 raise ProtocolError(f"data port {self.address}: bad reply header ({header_len}, {body_len} bytes)")
-            if header_len > REPLY.size:  # fields added later: skipped
-                if not recv_exact(sock, memoryview(bytearray(header_len - REPLY.size))):
-                    raise ConnectionResetError(f"data port {self.address} closed the connection")
-            body = np.empty(body_len, np.uint8)
-            if body_len and not recv_exact(sock, memoryview(body)):
+            # The rest of the header (the aborted list) and the body in one buffer, received at once; the
+            # header's length is a multiple of 8, so the records stay 8-aligned.
+            extra = header_len - REPLY.size
+            buf = np.empty(extra + body_len, np.uint8)
+            if len(buf) and not recv_exact(sock, memoryview(buf)):
                 raise ConnectionResetError(f"data port {self.address} closed the connection")
+            try:
+                aborted = rawfetch.unpack_aborted(buf, 0, extra) if status == OK else None
+            except ValueError as e:
+                raise ProtocolError(f"data port {self.address}: {e}") from None
         except BaseException:
             self.close()
             raise
         self.outstanding -= 1
+        body = buf[extra:]
         if status != OK:
             code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
             raise error_of(code, body.tobytes().decode("utf-8", "replace"), self.address)
-        return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body))
+        return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body), aborted)
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
               max_wait_ms: int = 0, timeout: Optional[float] = None) -> rawfetch.FetchReply:

@@ -87,10 +87,11 @@ class PartitionFetcher:
         return self.receive(self.send(offset, max_messages, max_wait_ms))
 
     def offsets(self) -> tuple:
-        """(earliest, latest) of the partition now."""
+        """(earliest, latest, log end) of the partition now: latest is the last stable offset, where
+        readers stop; the log end is past it while a transaction is open."""
         r = self.conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
             pb.OffsetQuery(topic=self.topic, partition=self.number)]), retries=5).offsets[0]
-        return r.earliest, r.latest
+        return r.earliest, r.latest, r.log_end_offset
 
     def close(self) -> None:
         if self._data is not None:

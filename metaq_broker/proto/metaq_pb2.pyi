@@ -65,20 +65,22 @@ class FetchRequest(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_messages: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("start_offset", "end_offset", "records", "batch_positions", "earliest_offset", "latest_offset")
+    __slots__ = ("start_offset", "end_offset", "records", "batch_positions", "earliest_offset", "latest_offset", "aborted")
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     END_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LATEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     start_offset: int
     end_offset: int
     records: bytes
     batch_positions: _containers.RepeatedScalarFieldContainer[int]
     earliest_offset: int
     latest_offset: int
-    def __init__(self, start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., records: _Optional[bytes] = ..., batch_positions: _Optional[_Iterable[int]] = ..., earliest_offset: _Optional[int] = ..., latest_offset: _Optional[int] = ...) -> None: ...
+    aborted: bytes
+    def __init__(self, start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., records: _Optional[bytes] = ..., batch_positions: _Optional[_Iterable[int]] = ..., earliest_offset: _Optional[int] = ..., latest_offset: _Optional[int] = ..., aborted: _Optional[bytes] = ...) -> None: ...
 
 class OffsetQuery(_message.Message):
     __slots__ = ("topic", "partition", "timestamp_ms", "from_offset", "max_bytes")
@@ -101,20 +103,22 @@ class GetOffsetsRequest(_message.Message):
     def __init__(self, queries: _Optional[_Iterable[_Union[OffsetQuery, _Mapping]]] = ...) -> None: ...
 
 class PartitionOffsets(_message.Message):
-    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes")
+    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     FOR_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     AFTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     earliest: int
     latest: int
     for_timestamp: int
     after_bytes: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ...) -> None: ...
+    log_end_offset: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ...) -> None: ...
 
 class GetOffsetsResponse(_message.Message):
     __slots__ = ("offsets",)

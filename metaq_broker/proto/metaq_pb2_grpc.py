@@ -118,15 +118,17 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Whole record batches from an offset, within byte and message budgets; waits up to max_wait_ms for
-        data when the offset is at the log end.
+        """Whole record batches from an offset, within byte and message budgets, up to the last stable offset
+        (committed data only; the reply lists the aborted transactions to leave out); waits up to
+        max_wait_ms for data when the offset is at the last stable offset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetOffsets(self, request, context):
-        """Earliest, latest, offset-for-timestamp and offset-after-bytes for many partitions in one call.
+        """Earliest, latest (last stable), log end, offset-for-timestamp and offset-after-bytes for many
+        partitions in one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,5 +1,6 @@
 """The data port's wire format (docs/protocol.md): a fixed 32-byte request and the topic, answered with
-``rawfetch``'s header (its ``flags`` field carrying a status code), the records' length, and the records.
+``rawfetch``'s header (its ``flags`` field carrying a status code), the records' length, the aborted list
+(``rawfetch.pack_aborted``; only on status OK), and the records.
 No sockets are opened here: the broker's data server and the client's data connection both frame with it."""
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ FETCH = 1  # the one request kind
 REQUEST = struct.Struct("<IHHiqiii")
 assert REQUEST.size == 32
 MAX_TOPIC_BYTES = 1024
-# rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len
+# rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len; on status OK
+# the aborted list follows (header_len = REPLY.size + its length), then body_len bytes of records
 REPLY = struct.Struct("<IIqqqqq")
 assert REPLY.size == 48 and REPLY.format[:7] == rawfetch.HEADER.format
 OK = 0

@@ -27,10 +27,21 @@ HEADER_SIZE = HEADER.size  # 48
 assert HEADER_SIZE == 48
 ALIGN = 8
 
-# Batch attribute bits.
+# Batch attribute bits. The first two describe the body (a producer sets them); the last two are the
+# broker's: TRANSACTIONAL marks the batch of an unsettled-at-append transaction (its number in ``txn``),
+# CONTROL a transaction marker (one message: COMMIT_MARKER or ABORT_MARKER), which no reader returns.
 HAS_KEYS = 0x1
 HAS_ATTRIBUTES = 0x2
-KNOWN_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES
+TRANSACTIONAL = 0x4
+CONTROL = 0x8
+BODY_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES
+KNOWN_ATTRIBUTE_BITS = BODY_ATTRIBUTE_BITS | TRANSACTIONAL | CONTROL
+ABORT_MARKER, COMMIT_MARKER = b"\x00", b"\x01"  # a marker's value
+
+# Aborted transactions of a partition overlapping a fetched range: transaction number ``txn``'s batches
+# lie at offsets [first, last) (``last`` is its abort marker's offset). Readers drop those batches.
+ABORTED_DTYPE = np.dtype([("txn", "<i8"), ("first", "<i8"), ("last", "<i8")])
+NO_ABORTED = np.empty(0, ABORTED_DTYPE)
 
 NULL_LENGTH = -1
 MAX_BATCH_BYTES = (1 << 31) - 1
@@ -101,7 +112,8 @@ def _padding(n: int) -> int:
 
 
 def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
-    """Normalise a column given as a sequence or an Arrow array to a flat Arrow binary/string array."""
+    """Normalise a column given as a sequence or an Arrow array to an Arrow binary/string array; a chunked
+    array of several chunks stays chunked (``encode_body`` takes the chunks' bytes where they lie)."""
     if values is None:
         if not nullable:
             raise MessageValueError(f"{name} column is missing; every message needs a {name}")
@@ -111,9 +123,9 @@ def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
                                 f"{type(values).__name__}")
     if isinstance(values, np.ndarray) and values.dtype.kind not in "SUO":
         raise MessageValueError(f"{name}: a numpy array of {values.dtype} is not bytes; encode the values first")
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if not isinstance(values, pa.Array):
+    if isinstance(values, pa.ChunkedArray) and values.num_chunks <= 1:
+        values = values.chunk(0) if values.num_chunks else values.combine_chunks()
+    if not isinstance(values, (pa.Array, pa.ChunkedArray)):  # chunks stay apart: encode_body takes each
         try:
             values = pa.array(values, type=pa.string() if name == "attribute" else pa.binary())
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
@@ -138,8 +150,11 @@ def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
     return values
 
 
-def _lengths_and_data(arr: pa.Array):
-    """Per-message byte lengths (-1 for null) and one contiguous buffer holding the non-null bytes."""
+def _lengths_and_data(arr):
+    """Per-message byte lengths (-1 for null) and the non-null bytes: one view per chunk, no copy."""
+    if isinstance(arr, pa.ChunkedArray):
+        pieces = [_lengths_and_data(c) for c in arr.chunks if len(c)]
+        return np.concatenate([p[0] for p in pieces]), [d for p in pieces for d in p[1]]
     if arr.null_count:
         # Arrow lets a null slot own bytes; ours must not, so take the bytes of the valid slots only.
         valid = arr.is_valid().to_numpy(zero_copy_only=False)
@@ -152,7 +167,7 @@ def _lengths_and_data(arr: pa.Array):
     data_buf = arr.buffers()[2]
     start, end = int(offsets[0]), int(offsets[-1])
     data = memoryview(data_buf)[start:end] if data_buf is not None else memoryview(b"")
-    return np.diff(offsets).astype(np.int32), data
+    return np.diff(offsets).astype(np.int32), [data]
 
 
 @dataclass
@@ -211,7 +226,7 @@ def encode_body(
 
     value_len, value_data = _lengths_and_data(value_arr)
     columns = [flag_col, value_len]
-    data_parts = [value_data]
+    data_parts = list(value_data)
     sizes = value_len.astype(np.int64)
     attr_bits = 0
     for bit, arr in ((HAS_KEYS, key_arr), (HAS_ATTRIBUTES, attr_arr)):
@@ -220,7 +235,7 @@ def encode_body(
         lengths, data = _lengths_and_data(arr)
         attr_bits |= bit
         columns.append(lengths)
-        data_parts.append(data)
+        data_parts.extend(data)
         sizes += np.maximum(lengths, 0)
 
     max_message_size = int(sizes.max())
@@ -245,7 +260,7 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
     body = memoryview(body).cast("B")
     if count < 1:
         raise RecordFormatError(f"batch count must be at least 1, got {count}", 0)
-    if attributes & ~KNOWN_ATTRIBUTE_BITS:
+    if attributes & ~BODY_ATTRIBUTE_BITS:
         raise RecordFormatError(f"unknown batch attributes {attributes:#x}", 0)
     if len(body) % ALIGN or HEADER_SIZE + len(body) > MAX_BATCH_BYTES:
         raise RecordFormatError(f"batch body of {len(body)} bytes is not a multiple of {ALIGN} or too large", 0)
@@ -278,9 +293,11 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
                        int(data.sum(axis=0).max()))
 
 
-def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int, txn: int = 0) -> bytes:
+def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int, txn: int = 0,
+                  flags: int = 0) -> bytes:
+    """``flags``: TRANSACTIONAL or CONTROL (with ``txn``, the transaction's number), or 0."""
     batch_len = HEADER_SIZE + body.size
-    tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes, body.count, base_offset,
+    tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes | flags, body.count, base_offset,
                        base_msg_id, timestamp_ms, body.crc, txn)
     header_crc = crc(tail[8:])
     return struct.pack("<II", batch_len, header_crc) + tail[8:]
@@ -337,10 +354,10 @@ def _gather(arr: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndar
     return arr[idx]
 
 
-_HEADER_DTYPE = np.dtype([("batch_len", "<u4"), ("header_crc", "<u4"), ("magic", "<u2"), ("version", "u1"),
+HEADER_DTYPE = np.dtype([("batch_len", "<u4"), ("header_crc", "<u4"), ("magic", "<u2"), ("version", "u1"),
                           ("attributes", "u1"), ("count", "<u4"), ("base_offset", "<i8"), ("base_msg_id", "<i8"),
                           ("timestamp", "<i8"), ("body_crc", "<u4"), ("txn", "<u4")])
-assert _HEADER_DTYPE.itemsize == HEADER_SIZE
+assert HEADER_DTYPE.itemsize == HEADER_SIZE
 
 
 def empty_batch() -> pa.RecordBatch:
@@ -354,7 +371,7 @@ class _Layout:
 
     def __init__(self, u8: np.ndarray, positions: np.ndarray):
         self.u8, self.positions = u8, positions
-        self.h = h = u8[positions[:, None] + np.arange(HEADER_SIZE)].reshape(-1).view(_HEADER_DTYPE)
+        self.h = h = u8[positions[:, None] + np.arange(HEADER_SIZE)].reshape(-1).view(HEADER_DTYPE)
         self.counts = counts = h["count"].astype(np.int64)
         has_keys = (h["attributes"] & HAS_KEYS) != 0
         has_attrs = (h["attributes"] & HAS_ATTRIBUTES) != 0
@@ -460,10 +477,27 @@ def index_columns(u8: np.ndarray, positions: np.ndarray):
     return sizes + 4 * layout.per_message(layout.ncols), layout.counts, layout.h["timestamp"], layout.h["batch_len"]
 
 
+def committed_positions(u8: np.ndarray, positions: np.ndarray, aborted: Optional[np.ndarray] = None) -> np.ndarray:
+    """The batches a reader returns: not markers, not of an aborted transaction (``ABORTED_DTYPE``
+    entries). Vectorised over the batch headers, never a step per message."""
+    if not len(positions):
+        return positions
+    h = u8[positions[:, None] + np.arange(HEADER_SIZE)].reshape(-1).view(HEADER_DTYPE)
+    drop = (h["attributes"] & CONTROL) != 0
+    if aborted is not None and len(aborted):
+        txn = np.where((h["attributes"] & TRANSACTIONAL) != 0, h["txn"].astype(np.int64), -1)
+        base = h["base_offset"]
+        hit = ((txn[:, None] == aborted["txn"][None, :]) & (base[:, None] >= aborted["first"][None, :])
+               & (base[:, None] < aborted["last"][None, :]))
+        drop |= hit.any(axis=1)
+    return positions[~drop] if drop.any() else positions
+
+
 def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = None, verify: bool = True,
-           positions: Optional[np.ndarray] = None) -> pa.RecordBatch:
+           positions: Optional[np.ndarray] = None, aborted: Optional[np.ndarray] = None) -> pa.RecordBatch:
     """Decode the whole batches in ``buf`` to an Arrow RecordBatch with ``SCHEMA``, keeping offsets in
-    [start_offset, end_offset).
+    [start_offset, end_offset). Transaction markers and the batches of ``aborted`` transactions
+    (``ABORTED_DTYPE``, as a fetch reply lists them) are left out: their offsets are gaps.
 
     With ``verify`` each batch's checksums are checked (one CRC-32C call per batch). ``positions`` (where
     each batch starts, e.g. from the broker's index) lets an unverified decode skip the header walk.
@@ -472,7 +506,7 @@ def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = 
     u8 = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     if positions is None or verify:
         positions = _batch_positions(u8, verify)
-    positions = np.asarray(positions, dtype=np.int64)
+    positions = committed_positions(u8, np.asarray(positions, dtype=np.int64), aborted)
     if len(positions) == 0:
         return empty_batch()
     L = _Layout(u8, positions)

@@ -4,8 +4,9 @@
 gRPC in Python costs about a millisecond of CPU per MB fetched, end to end (copies in its Python layer
 and HTTP/2 framing), and a Spark task shares its cores with the broker. The data port serves one request,
 the same fetch as ``FetchRaw``, on a persistent connection: a fixed 32-byte request and the topic, answered
-with ``rawfetch``'s 40-byte header (its ``flags`` field carrying a status code), the records' length, and
-the records copied by the kernel from the page cache to the socket. docs/protocol.md gives the layout.
+with ``rawfetch``'s 40-byte header (its ``flags`` field carrying a status code), the records' length, the
+aborted transactions overlapping them, and the records copied by the kernel from the page cache to the
+socket. docs/protocol.md gives the layout.
 
 Everything but the transport is the gRPC fetch's: the same checks, errors (as gRPC status code numbers
 and the same messages), counters and long-poll wait. ``dataPort`` = -1 turns the port off; clients then
@@ -25,6 +26,7 @@ from metaq_broker.errors import InvalidOffsetError, MetaqError
 from metaq_broker.protocol import records
 from metaq_broker.protocol.dataport import (FETCH, MAX_TOPIC_BYTES, OK, REPLY, REQUEST, ProtocolError, code_number,
                                             recv_exact)
+from metaq_broker.protocol.rawfetch import pack_aborted
 from metaq_broker.protocol.status import code_of
 
 log = logging.getLogger(__name__)
@@ -141,8 +143,9 @@ class DataServer:
                 log.exception("data port fetch failed")
                 self._send_error(sock, grpc.StatusCode.INTERNAL, f"FetchData failed: {type(e).__name__}: {e}")
                 return
-            header = REPLY.pack(REPLY.size, OK, where.start_offset, where.end_offset, log_.earliest_offset,
-                                log_.latest_offset, where.length)
+            aborted = pack_aborted(where.aborted)
+            header = REPLY.pack(REPLY.size + len(aborted), OK, where.start_offset, where.end_offset,
+                                log_.earliest_offset, log_.latest_offset, where.length) + aborted
             if not where.length:
                 sock.sendall(header)
                 return

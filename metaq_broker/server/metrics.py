@@ -108,6 +108,8 @@ class BrokerCollector:
             "earliest": GaugeMetricFamily("metaq_earliest_offset", "First offset still stored", labels=PARTITION),
             "latest": GaugeMetricFamily("metaq_latest_offset", "Next offset to be written (log end)",
                                         labels=PARTITION),
+            "stable": GaugeMetricFamily("metaq_last_stable_offset", "Where readers stop: the first offset of "
+                                        "the oldest open transaction, else the log end", labels=PARTITION),
         }
         fsyncs = CounterMetricFamily("metaq_fsyncs", "fsyncs that made appends durable", labels=PARTITION)
         fsync_s = CounterMetricFamily("metaq_fsync_seconds", "Time spent in those fsyncs", labels=PARTITION)
@@ -125,7 +127,9 @@ class BrokerCollector:
                 gauges["segments"].add_metric(labels, len(p.segments()))
                 gauges["disk"].add_metric(labels, p.size_bytes)
                 gauges["earliest"].add_metric(labels, p.earliest_offset)
-                gauges["latest"].add_metric(labels, p.latest_offset)
+                stable = p.latest_offset  # read first: it never passes the log end read after it
+                gauges["latest"].add_metric(labels, p.log_end_offset)
+                gauges["stable"].add_metric(labels, stable)
                 fsyncs.add_metric(labels, p.fsync_count)
                 fsync_s.add_metric(labels, p.fsync_seconds)
         yield from counters.values()

@@ -16,7 +16,7 @@ from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartiti
                                  PartitionClosedError, TransactionError)
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
-from metaq_broker.protocol import rawfetch, records
+from metaq_broker.protocol import rawfetch, rawput, records
 from metaq_broker.protocol.status import code_of
 from metaq_broker.server.config import topic_ini_values
 from metaq_broker.server.stats import BrokerStats
@@ -82,6 +82,8 @@ class BrokerService(pb_grpc.BrokerServicer):
     # -- data -----------------------------------------------------------------------------------------
     @rpc
     def Put(self, request, context):
+        if isinstance(request, bytes):  # PutRaw (rawput): the same fields, the body a view of the request
+            request = rawput.unpack(request)
         topic, partition = request.topic, request.partition
         config = self.store.topic_config(topic)
         if partition == -1:
@@ -95,10 +97,10 @@ class BrokerService(pb_grpc.BrokerServicer):
             log_ = self._open_partition(topic, partition)
             b = request.batch
             body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
-            if request.xid:  # held in the transaction journal, invisible until commit
-                self._transactions().put(request.xid, topic, partition, body)
-                return pb.PutResponse(topic=topic, partition=partition, count=body.count, base_offset=-1)
-            result = log_.append_body(body)
+            if request.xid:  # in the log, flagged with its transaction: invisible until the commit marker
+                result = self._transactions().put(request.xid, topic, partition, body)
+            else:
+                result = log_.append_body(body)
         except BaseException:
             counters.record_failure("put")
             raise
@@ -144,19 +146,22 @@ class BrokerService(pb_grpc.BrokerServicer):
         result, log_ = self._read_request(request, context)
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
-                                earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset)
+                                earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset,
+                                aborted=result.aborted.astype(records.ABORTED_DTYPE, copy=False).tobytes())
 
     @rpc
     def FetchRaw(self, request, context):
         """``Fetch`` answered as a struct header and the record bytes (``rawfetch``): no protobuf copies."""
         result, log_ = self._read_request(request, context)
         return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.latest_offset,
-                             result.data)
+                             result.data, result.aborted)
 
     def raw_handler(self) -> grpc.GenericRpcHandler:
-        """Serves ``FetchRaw`` beside the generated methods of the same service, which it does not shadow."""
-        method = grpc.unary_unary_rpc_method_handler(self.FetchRaw, request_deserializer=pb.FetchRequest.FromString)
-        return grpc.method_handlers_generic_handler(rawfetch.SERVICE, {rawfetch.METHOD: method})
+        """Serves ``FetchRaw`` and ``PutRaw`` beside the generated methods of the same service, which they do
+        not shadow. ``PutRaw`` hands ``Put`` the request's bytes as gRPC received them."""
+        fetch = grpc.unary_unary_rpc_method_handler(self.FetchRaw, request_deserializer=pb.FetchRequest.FromString)
+        put = grpc.unary_unary_rpc_method_handler(self.Put, response_serializer=pb.PutResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(rawfetch.SERVICE, {rawfetch.METHOD: fetch, rawput.METHOD: put})
 
     @rpc
     def GetOffsets(self, request, context):
@@ -164,7 +169,8 @@ class BrokerService(pb_grpc.BrokerServicer):
         for q in request.queries:
             p = self.store.partition(q.topic, q.partition)
             item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
-                                       latest=p.latest_offset, for_timestamp=-1, after_bytes=-1)
+                                       latest=p.latest_offset, log_end_offset=p.log_end_offset, for_timestamp=-1,
+                                       after_bytes=-1)
             if q.HasField("timestamp_ms"):
                 item.for_timestamp = p.offset_for_timestamp(q.timestamp_ms)
             if q.HasField("max_bytes") or q.HasField("from_offset"):

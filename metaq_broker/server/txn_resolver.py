@@ -5,8 +5,11 @@ A prepared transaction is never given up while its outcome can still be commit: 
 a commit decision lists it, rolled back when the decision in force does not, and only after
 the transaction's own limit (BeginTransaction's timeout_ms, else ``transactionTimeout``) without any
 decision does the broker record an abort for its run (a versioned ZooKeeper write that the writer's commit
-decision cannot overtake) and roll it back. Rarely, it also tells the manager which decision records are
-gone, so that it forgets the outcomes it kept for them (a replay of an existing record may still ask)."""
+decision cannot overtake) and roll it back. An *open* transaction whose decision record is already written
+and does not list it (a task attempt that died before its prepare, while a retry wrote the batch) can never
+commit: it is rolled back at once rather than at its timeout, since its first batch holds back every reader
+of its partitions. Rarely, it also tells the manager which decision records are gone, so that it forgets
+the outcomes it kept for them (a replay of an existing record may still ask)."""
 from __future__ import annotations
 
 import logging
@@ -53,8 +56,29 @@ class TransactionResolver:
             coordinator = txn_decisions.parse_coordinator(t.coordinator)
             if coordinator is not None:
                 self.resolve(zk, t, coordinator)
+        self.roll_back_orphans(zk)
         if time.monotonic() >= self._next_forget:
             self.forget_gone_records(zk)
+
+    def roll_back_orphans(self, zk) -> list:
+        """Roll back open transactions that their decision record has already left out: a commit lists
+        every transaction it will ever commit, and an abort of their run is final. One read per record."""
+        decided: dict = {}
+        gone = []
+        for t in self.manager.open_transactions():
+            coordinator = txn_decisions.parse_coordinator(t.coordinator)
+            if coordinator is None:
+                continue
+            path = coordinator["path"]
+            if path not in decided:
+                decided[path] = txn_decisions.read(zk, path)[0]
+            d = decided[path]
+            if d is not None and (d.outcome == "commit" or coordinator["run"] in d.aborted) \
+                    and not d.commits(self.broker_id, t.xid):
+                log.info("rolling back open transaction %s: decision %s (%s) leaves it out", t.xid, path, d.outcome)
+                self.manager.rollback(t.xid)
+                gone.append(t.xid)
+        return gone
 
     def forget_gone_records(self, zk) -> int:
         """Let the manager forget outcomes whose decision record was deleted (one batch of exists calls)."""

@@ -4,6 +4,11 @@ Concurrency: appends are serialised by one lock; reads take no lock. A reader ta
 segment tuple and the visible end offset, both replaced whole, never mutated) and reads index entries
 and bytes below that end, which no writer touches again. Under group commit the visible end moves only
 after an fsync, so a reader never sees a message that was not acknowledged, and never a partial batch.
+
+Transactions write into the log too (Kafka's design): their batches are appended as they arrive, flagged
+with the transaction's number, and a marker batch settles them. Readers stop at the last stable offset
+(the first batch of the oldest unsettled transaction) and skip aborted batches and markers
+(``partition_txns``).
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +30,7 @@ from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.durable import fsync_dir, replace_file
+from metaq_broker.store.partition_txns import PartitionTxns
 from metaq_broker.store.recovery import ARCHIVE_DIR, last_msg_id, last_timestamp, recover, scan_segment
 from metaq_broker.store.retention import archive_segment, removal_reason
 from metaq_broker.store.segment import INDEX_DTYPE, Segment
@@ -65,10 +71,11 @@ class FetchResult:
     end_offset: int
     data: np.ndarray  # uint8
     batch_positions: np.ndarray  # where each batch starts in data
+    aborted: np.ndarray = field(default_factory=lambda: records.NO_ABORTED)  # their batches are skipped
 
     def decode(self, verify: bool = True) -> pa.RecordBatch:
         return records.decode(self.data, self.start_offset, self.end_offset, verify=verify,
-                              positions=self.batch_positions)
+                              positions=self.batch_positions, aborted=self.aborted)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class FileRange:
     segment: Optional[Segment]  # held so the descriptor stays open; None when empty
     position: int  # in the file (its header included)
     length: int
+    aborted: np.ndarray = field(default_factory=lambda: records.NO_ABORTED)  # as FetchResult.aborted
 
     @property
     def path(self) -> Optional[Path]:
@@ -144,6 +152,16 @@ class PartitionLog:
         self._last_ts = last_timestamp(segments)
         self._visible_offset = self._next_offset  # everything recovered is on disk
         self._durable_offset = self._next_offset
+        self.txns = PartitionTxns()
+        scan_from = self.txns.load(self.directory)
+        # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
+        # snapshot could not be written yet (a roll always writes one first): transactional batches can
+        # then only be in the active segment, which recovery has just read.
+        self._scan_txns(active.base_offset if scan_from is None else max(scan_from, self.earliest_offset))
+        try:
+            self._save_txns()
+        except OSError as e:  # e.g. a full disk: the next open scans from the older snapshot again
+            log.warning("%s: could not write %s (%s)", self.name, "its transaction snapshot", e)
         self._unflushed = 0
         self._last_flush = clock()
         self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
@@ -162,6 +180,19 @@ class PartitionLog:
         elif not marker.exists():
             replace_file(marker, b"")
 
+    def _scan_txns(self, from_offset: int) -> None:
+        """Take in the transactional batches and markers written from ``from_offset`` on (recovery)."""
+        offset = from_offset
+        while offset < self._next_offset:
+            seg, first, length, n, idx = self._plan_read(offset, 64 << 20, None, self._next_offset)
+            starts = idx["position"][:n]
+            positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
+            self.txns.scan(seg.read(first, length), positions)
+            offset += n
+
+    def _save_txns(self) -> None:
+        self.txns.save(self.directory, self._next_offset, self.earliest_offset)
+
     # -- state ----------------------------------------------------------------------------------------
     @property
     def earliest_offset(self) -> int:
@@ -169,8 +200,20 @@ class PartitionLog:
 
     @property
     def latest_offset(self) -> int:
-        """The next offset to be written: one past the last readable message (Kafka's log end)."""
+        """The last stable offset: readers read below it (Kafka's LSO, the end a read_committed consumer
+        sees). It stops at the first batch of the oldest unsettled transaction."""
+        visible = self._visible_offset  # read first: every transactional batch below it is in txns by now
+        first = self.txns.first_unstable()
+        return visible if first is None else min(first, visible)
+
+    @property
+    def log_end_offset(self) -> int:
+        """One past the last written and published message, unsettled transactions and markers included."""
         return self._visible_offset
+
+    def aborted_in(self, start: int, end: int) -> np.ndarray:
+        """The aborted transactions with batches in offsets [start, end) (``records.ABORTED_DTYPE``)."""
+        return self.txns.aborted_in(start, end)
 
     @property
     def size_bytes(self) -> int:
@@ -197,12 +240,16 @@ class PartitionLog:
     def append_body(self, body: records.EncodedBody) -> AppendResult:
         return self.append_bodies([body])[0]
 
-    def append_bodies(self, bodies: list, txn: int = 0) -> list:
+    def append_bodies(self, bodies: list, txn: int = 0, flags: int = 0, commit: bool = False) -> list:
         """Append batches back to back; readers see all of them or none (one write-lock hold, one
-        publish). ``txn`` (a broker transaction number, stamped in each header) makes the append
-        fsynced whatever the topic's flush policy, and findable by ``count_txn_batches``."""
+        publish). With ``flags`` TRANSACTIONAL the batches belong to transaction number ``txn``: readers
+        see them once its commit marker follows (``append_marker``), and the append returns once written,
+        not fsynced (the transaction's prepare makes it durable: ``make_durable``). Without ``flags``,
+        ``txn`` is only stamped in the headers (``journal_v1.finish_commit`` ending an old commit). CONTROL
+        is ``append_marker``'s (``commit`` says which marker)."""
         for body in bodies:
             self.check_size(body)
+        transactional = bool(flags & records.TRANSACTIONAL)
         results = []
         with self._write_lock:
             self._check_open()
@@ -210,7 +257,7 @@ class PartitionLog:
             for body in bodies:
                 base = self._next_offset
                 msg_id = self._ids.allocate(body.count)
-                header = records.encode_header(body, base, msg_id, ts, txn)
+                header = records.encode_header(body, base, msg_id, ts, txn, flags)
                 nbytes = len(header) + body.size
                 seg = self._segments[-1]
                 if seg.count and seg.size + nbytes > self.config.max_segment_size:
@@ -221,20 +268,46 @@ class PartitionLog:
                 entries["size"] = body.message_sizes
                 entries["batch_len"] = nbytes
                 seg.append([header] + body.parts, nbytes, entries)
+                if flags & records.CONTROL:
+                    self.txns.on_marker(txn, base, commit)
+                elif transactional:
+                    self.txns.on_batch(txn, base)
                 self._next_offset = end = base + body.count
-                results.append(AppendResult(base, body.count, msg_id, ts, self.config.group_commit))
+                results.append(AppendResult(base, body.count, msg_id, ts,
+                                            self.config.group_commit and not transactional))
             self._last_ts = ts
             if not self.config.group_commit:
                 self._unflushed += sum(b.count for b in bodies)
                 now = self._clock()
-                if (txn or self._unflushed >= self.config.unflush_threshold
-                        or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
+                if not transactional and (self._unflushed >= self.config.unflush_threshold
+                                          or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
                     self._fsync_active_locked()
                     results = [replace(r, fsynced=True) for r in results]
                 self._publish(end)  # acknowledged after the page-cache write (or the fsync above)
-        if self.config.group_commit:
+        if self.config.group_commit and not transactional:
             self._await_durable(end)
         return results
+
+    def append_marker(self, txn: int, commit: bool) -> int:
+        """Settle transaction ``txn`` here: append its commit or abort marker (one message, which no reader
+        returns) and return once it is durable. Returns the marker's offset. From the moment it is written
+        the last stable offset no longer waits for ``txn``; after an abort, readers skip its batches."""
+        body = records.encode_body([records.COMMIT_MARKER if commit else records.ABORT_MARKER])
+        result = self.append_bodies([body], txn, records.CONTROL, commit)[0]
+        if not self.config.group_commit:
+            self.make_durable(result.base_offset + 1)
+        return result.base_offset
+
+    def make_durable(self, offset: int) -> None:
+        """Return once everything below ``offset`` is fsynced (and so visible up to the last stable
+        offset): a transaction's prepare, for its batches."""
+        if self.config.group_commit:
+            self._await_durable(offset)
+            return
+        with self._write_lock:
+            self._check_open()
+            if self._durable_offset < offset:
+                self._fsync_active_locked()
 
     def check_size(self, body: records.EncodedBody) -> None:
         if body.max_message_size > self.config.max_message_size:
@@ -243,21 +316,9 @@ class PartitionLog:
                 f"message {big} of the batch is {body.max_message_size} bytes (key + value + attribute); "
                 f"the limit for topic {self.topic} is {self.config.max_message_size}")
 
-    def count_txn_batches(self, from_offset: int, txn: int) -> int:
-        """How many batches stamped with transaction number ``txn`` lie at or after ``from_offset``
-        (recovery's test of whether a commit already reached this partition)."""
-        found, offset = 0, max(from_offset, self.earliest_offset)
-        while offset < self.latest_offset:
-            r = self.read(offset, 8 << 20)
-            data = r.data
-            for pos in r.batch_positions:
-                if records.parse_header(data, int(pos)).txn == txn:
-                    found += 1
-            offset = r.end_offset
-        return found
-
     def _roll(self) -> Segment:
         old = self._segments[-1]
+        self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
         new = Segment.create(self.directory, old.end, self._next_offset)
         self._segments = self._segments + (new,)
@@ -326,12 +387,12 @@ class PartitionLog:
         partition closes); True when there is data. Lets a consumer at the log end long-poll."""
         deadline = time.monotonic() + timeout
         with self._data_cond:
-            while self._visible_offset <= offset and not self._closed:
+            while self.latest_offset <= offset and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._data_cond.wait(left)
-        return self._visible_offset > offset
+        return self.latest_offset > offset
 
     def flush(self) -> None:
         """fsync whatever is written; afterwards every acknowledged message is durable."""
@@ -363,28 +424,31 @@ class PartitionLog:
         if offset < 0:
             raise InvalidOffsetError(f"offset {offset} is negative")
 
-    def _snapshot(self, offset: int):
-        segs, end = self._segments, self._visible_offset
+    def _snapshot(self, offset: int, end: Optional[int] = None):
+        """(segments, end readable): end is the last stable offset unless given. An offset between it and
+        the log end is valid (a reader waiting for a transaction to settle) and reads nothing."""
+        segs, log_end = self._segments, self._visible_offset
+        stable = self.latest_offset if end is None else end
         if segs[0].closed:
             raise StoreClosedError(f"partition {self.name} is closed")
-        if offset < segs[0].base_offset or offset > end:
-            raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
-        return segs, end
+        if offset < segs[0].base_offset or offset > max(log_end, stable):
+            raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, stable)
+        return segs, max(stable, min(offset, log_end))
 
     @staticmethod
     def _segment_for(segs, offset: int) -> Segment:
         return segs[max(bisect.bisect_right([s.base_offset for s in segs], offset) - 1, 0)]
 
-    def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int]):
-        """What ``read`` and ``locate`` return: None at the log end, else (segment, logical position,
-        length, message count, index entries of the messages)."""
+    def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int], end: Optional[int] = None):
+        """What ``read`` and ``locate`` return: None at the end (the last stable offset unless ``end``),
+        else (segment, logical position, length, message count, index entries of the messages)."""
         self._check_offset(offset)
         if not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
             raise InvalidOffsetError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         if max_messages is not None and (not isinstance(max_messages, (int, np.integer)) or max_messages < 1):
             raise InvalidOffsetError(f"max_messages must be a positive integer, got {max_messages!r}")
-        segs, end = self._snapshot(offset)
-        if offset == end:
+        segs, end = self._snapshot(offset, end)
+        if offset >= end:
             return None
         seg = self._segment_for(segs, offset)
         idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:][:max_messages]
@@ -406,7 +470,7 @@ class PartitionLog:
         data = seg.read(first, length)
         starts = idx["position"][:n]
         batch_positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
-        return FetchResult(offset, offset + n, data, batch_positions)
+        return FetchResult(offset, offset + n, data, batch_positions, self.aborted_in(offset, offset + n))
 
     def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FileRange:
         """Where the bytes ``read`` would return with the same arguments are in the segment file, for a
@@ -415,7 +479,7 @@ class PartitionLog:
         if plan is None:
             return FileRange(offset, offset, None, 0, 0)
         seg, first, length, n, _ = plan
-        return FileRange(offset, offset + n, seg, first - seg.start, length)
+        return FileRange(offset, offset + n, seg, first - seg.start, length, self.aborted_in(offset, offset + n))
 
     def read_arrow(self, offset: int, end_offset: Optional[int] = None, max_bytes: int = 1 << 20) -> pa.RecordBatch:
         """Read and decode (checksums verified) messages from ``offset``, stopping at ``end_offset``."""
@@ -437,7 +501,7 @@ class PartitionLog:
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
-        segs, end = self._segments, self._visible_offset
+        segs, end = self._segments, self.latest_offset
         for seg in segs:
             ts = seg.index(end - seg.base_offset)["timestamp"]
             if len(ts) and ts[-1] >= timestamp_ms:
@@ -447,6 +511,7 @@ class PartitionLog:
     def _entries(self, start: int, stop: int):
         """Index entries of offsets [start, stop), segment by segment."""
         segs, end = self._snapshot(start)
+        end = max(end, self._visible_offset)  # sizes of unsettled messages are known too
         if stop > end:
             raise OffsetOutOfRangeError(self.name, stop, segs[0].base_offset, end)
         for seg in segs:
@@ -467,7 +532,7 @@ class PartitionLog:
             self._check_offset(stop)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
             raise InvalidOffsetError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
-        stop = self._visible_offset if stop is None else stop
+        stop = self.latest_offset if stop is None else stop
         taken, offset = 0, start
         for e in self._entries(start, max(start, stop)):
             cum = np.cumsum(e["size"], dtype=np.int64) + taken
@@ -481,8 +546,8 @@ class PartitionLog:
     def position(self, offset: int) -> int:
         """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
         self._check_offset(offset)
-        segs, end = self._snapshot(offset)
-        if offset == end:
+        segs, _ = self._snapshot(offset)
+        if offset >= self._visible_offset:
             return segs[-1].end
         seg = self._segment_for(segs, offset)
         return int(seg.index()[offset - seg.base_offset]["position"])
@@ -511,7 +576,8 @@ class PartitionLog:
                 return removed
             segs = list(self._segments)
             total = sum(s.size for s in segs)
-            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self._visible_offset:
+            # Never a segment holding an unsettled transaction's batches: its outcome may still be commit.
+            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self.latest_offset:
                 seg = segs[0]
                 reason = removal_reason(seg, total, self.config, now_ms)
                 if reason is None:
@@ -547,6 +613,10 @@ class PartitionLog:
             if self._closed:
                 return
             self._closed = True
+            try:
+                self._save_txns()  # the next open scans nothing
+            except OSError:
+                log.exception("%s: could not write its transaction snapshot while closing", self.name)
             for seg in self._segments:
                 try:
                     seg.close()  # the active segment is sealed: fsynced, index written

@@ -32,6 +32,7 @@ assert SEGMENT_HEADER_SIZE == 32
 # One entry per message: where its batch starts (logical position), the batch's store time, the
 # message's own encoded size, and the batch length (so whole-batch byte ranges need no extra lookup).
 INDEX_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
+_ENTRY = np.dtype("V24")  # an entry as 24 opaque bytes: copies of entries are memcpy, not field by field
 
 
 def segment_name(start: int) -> str:
@@ -134,9 +135,9 @@ class Segment:
         n = len(entries)
         if self.count + n > len(self._index):
             grown = np.empty(max(2 * len(self._index), self.count + n), INDEX_DTYPE)
-            grown[: self.count] = self._index[: self.count]
+            grown[: self.count].view(_ENTRY)[:] = self._index[: self.count].view(_ENTRY)
             self._index = grown  # readers holding the old array still see their (unchanged) entries
-        self._index[self.count: self.count + n] = entries
+        self._index[self.count: self.count + n].view(_ENTRY)[:] = entries.view(_ENTRY)
         self.size += nbytes
         self.count += n  # published last: readers never see entries beyond what is written
 

@@ -1,15 +1,19 @@
-"""Broker transactions over the message store: MetaQ's local/XA transactions.
+"""Broker transactions over the message store: MetaQ's local/XA transactions, written into the log.
 
-A transaction's messages go to a journal (MetaQ's ``dataLogPath``), never to a partition, until commit,
-so no reader can see them. ``prepare`` fsyncs the journal: a prepared transaction survives a crash.
-``commit`` first journals (fsynced) the decision with each partition's end offset, then appends the
-messages, every partition's share in one atomic, fsynced append whose batch headers carry the
-transaction's number. Recovery finishes a commit cut short by a crash: it counts the batches with that
-number past the recorded offsets, so nothing is appended twice. Commit and rollback are idempotent.
+A transaction's batches are appended to their partitions as they arrive, flagged with the transaction's
+number (Kafka's design): readers stop at the partition's last stable offset and never see them unsettled.
+``prepare`` makes them durable (an fsync of each partition touched) and then journals, fsynced, which
+partitions hold them. ``commit`` journals the decision (fsynced), then appends a commit marker to each
+partition; ``rollback`` an abort marker, after which readers skip the batches. Nothing is copied at commit.
+A settlement cut short (a crash, a full disk) is finished by recovery, or by ``expire`` every second, from
+the journal and the partitions' own record of which transactions still lack a marker: all or nothing,
+across partitions, whatever fails. Commit and rollback are idempotent.
 
-Journal record: ``u32 payload length | u32 CRC-32C of (type, payload) | u8 type | payload``; payloads are
-JSON, except PUT: ``u32 JSON length | JSON | batch body``. A torn tail is cut like a torn log tail;
-damage followed by valid records refuses to open. docs/storage-format.md has the byte layout."""
+The journal holds small JSON records only: ``u32 payload length | u32 CRC-32C of (type, payload) | u8 type |
+payload``. A torn tail is cut; damage followed by valid records refuses to open; a failed write is cut back
+so the journal stays as it was. docs/transactions.md gives the layout; ``journal_v1`` opens journals of the
+metaq that kept transactions out of the log.
+"""
 from __future__ import annotations
 
 import json
@@ -25,45 +29,36 @@ from typing import Optional
 
 from metaq_broker.errors import CorruptLogError, TransactionError, UnknownTransactionError
 from metaq_broker.protocol import records
-from metaq_broker.store.durable import make_dirs
+from metaq_broker.store import journal_v1
+from metaq_broker.store.durable import fsync_dir, make_dirs, replace_file
 
 log = logging.getLogger(__name__)
 
-JOURNAL = "transactions.journal"
+JOURNAL = "transactions.log"
 RECORD = struct.Struct("<IIB")
-PUT, PREPARE, COMMIT, DONE, ROLLBACK, FINISHED = 1, 2, 3, 4, 5, 6
+PREPARE, COMMIT, ROLLBACK, DONE, FINISHED = 1, 2, 3, 4, 5
 MAX_XID_BYTES = 255
 KEEP_FINISHED = 100_000  # coordinator-less outcomes remembered so that a repeated commit/rollback succeeds
-COMPACT_BYTES = 64 << 20
-
-
-@dataclass
-class _Put:
-    topic: str
-    partition: int
-    count: int
-    attributes: int
-    crc: int
-    position: int  # of the body in the journal
-    size: int
+COMPACT_BYTES = 16 << 20
+MAX_NUMBER = (1 << 32) - 1  # numbers are u32 in batch headers
 
 
 @dataclass
 class Transaction:
     xid: str
-    state: str  # open | prepared | committing
+    state: str  # open | prepared | committing | aborting, then committed | rolled_back once settled
     timeout_s: float
+    number: int
     coordinator: str = ""
     started: float = field(default_factory=time.monotonic)
     prepared_at: float = 0.0  # wall-clock seconds
-    puts: list = field(default_factory=list)
-    number: int = 0  # stamped in committed batch headers
-    before: dict = field(default_factory=dict)  # "topic/partition" -> latest offset before commit
-    applied: set = field(default_factory=set)  # partitions the commit reached in this process
+    partitions: dict = field(default_factory=dict)  # (topic, partition) -> offset after its last batch there
+    messages: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # puts and settling, in order
 
     @property
-    def messages(self) -> int:
-        return sum(p.count for p in self.puts)
+    def settling(self) -> bool:
+        return self.state in ("committing", "aborting")
 
 
 def check_xid(xid: str) -> str:
@@ -85,19 +80,22 @@ class TransactionManager:
     def __init__(self, store, directory: Path, default_timeout_s: float = 60.0, clock=time.monotonic,
                  max_timeout_s: float = 900.0):
         self.store = store
-        self.path = Path(directory) / JOURNAL
+        self.directory = Path(directory)
+        self.path = self.directory / JOURNAL
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self._clock = clock
         self._lock = threading.RLock()
-        self._live: dict = {}
+        self._live: dict = {}  # xid -> Transaction
         self._finished: OrderedDict = OrderedDict()  # xid -> "committed" | "rolled_back" (LRU, KEEP_FINISHED)
         # Outcomes of transactions begun with a decision record: kept while the record exists (a replay of
         # the record asks for them), xid -> [outcome, record path]; ``forget_decided`` drops them.
         self._decided: dict = {}
         self._forgot_commits = False  # a committed outcome left the LRU: an unknown xid may be committed
         self._next_number = 1
-        make_dirs(self.path.parent)
+        self._fd = -1
+        self._size = 0
+        make_dirs(self.directory)
         self._recover()
 
     # -- API ------------------------------------------------------------------------------------------
@@ -112,30 +110,44 @@ class TransactionManager:
         with self._lock:
             if xid in self._live or self._outcome(xid) is not None:
                 raise TransactionError(f"transaction {xid!r} already exists")
-            t = self._live[xid] = Transaction(xid, "open", timeout_s or self.default_timeout_s, coordinator,
+            number = self._next_number
+            self._next_number = number % MAX_NUMBER + 1
+            t = self._live[xid] = Transaction(xid, "open", timeout_s or self.default_timeout_s, number, coordinator,
                                               started=self._clock())
             return t
 
-    def put(self, xid: str, topic: str, partition: int, body: records.EncodedBody) -> Transaction:
-        """Journal a checked batch body for the transaction (not fsynced until prepare)."""
-        self.store.partition(topic, partition).check_size(body)  # unknown partition, oversize: fail now
-        with self._lock:
-            t = self._open(xid)
-            meta = json.dumps({"xid": xid, "topic": topic, "partition": partition, "count": body.count,
-                               "attributes": body.attributes, "crc": body.crc}).encode()
-            pos = self._write(PUT, [struct.pack("<I", len(meta)), meta] + list(body.parts))
-            t.puts.append(_Put(topic, partition, body.count, body.attributes, body.crc,
-                               pos + RECORD.size + 4 + len(meta), body.size))
-            return t
+    def put(self, xid: str, topic: str, partition: int, body: records.EncodedBody):
+        """Append a checked batch body to the partition as the transaction's (written, not yet fsynced:
+        ``prepare`` does that). Returns the AppendResult."""
+        part = self.store.partition(topic, partition)
+        part.check_size(body)  # unknown partition, oversize: fail now
+        t = self._get_open(xid)
+        with t.lock:
+            if t.state != "open":
+                raise self._not_open(xid, t)
+            result = part.append_bodies([body], t.number, records.TRANSACTIONAL)[0]
+            t.partitions[(topic, partition)] = result.base_offset + result.count
+            t.messages += result.count
+            return result
 
     def prepare(self, xid: str) -> Transaction:
-        with self._lock:
-            t = self._live.get(xid)
-            if t is not None and t.state == "prepared":
+        """Make the transaction's batches durable, then journal (fsynced) where they are: it survives a
+        crash from here on, and only its decision settles it."""
+        t = self._live.get(xid)
+        if t is not None and t.state == "prepared":
+            return t
+        t = self._get_open(xid)
+        with t.lock:
+            if t.state == "prepared":
                 return t
-            t = self._open(xid)
-            t.state, t.prepared_at = "prepared", time.time()
-            self._write(PREPARE, [self._prepare_record(t)], fsync=True)
+            if t.state != "open":
+                raise self._not_open(xid, t)
+            for (topic, partition), end in sorted(t.partitions.items()):
+                self.store.partition(topic, partition).make_durable(end)
+            prepared_at = time.time()
+            with self._lock:
+                self._write(PREPARE, self._prepare_record(t, prepared_at), fsync=True)
+                t.state, t.prepared_at = "prepared", prepared_at
             return t
 
     def commit(self, xid: str) -> str:
@@ -144,23 +156,24 @@ class TransactionManager:
             if self._outcome(xid) == "committed":
                 return "committed"
             t = self._live.get(xid)
-            if t is None or t.state == "open":
+            if t is None or t.state in ("open", "aborting"):
                 raise self._not_prepared(xid, t)
+        with t.lock:
             if t.state == "prepared":
-                t.state, t.number = "committing", self._next_number
-                self._next_number += 1
-                t.before = {f"{p.topic}/{p.partition}": self.store.partition(p.topic, p.partition).latest_offset
-                            for p in t.puts}
-                self._write(COMMIT, [json.dumps({"xid": xid, "number": t.number, "before": t.before}).encode()],
-                            fsync=True)
-            self._apply(t)
-            self._finish(t, "committed", DONE)
-            return "committed"
+                with self._lock:
+                    self._write(COMMIT, {"xid": xid, "number": t.number}, fsync=True)
+                    t.state = "committing"
+            if t.state == "committing":
+                self._settle(t)
+            elif t.state != "committed":  # rolled back meanwhile
+                raise TransactionError(f"transaction {xid!r} is {t.state.replace('_', ' ')}")
+        return "committed"
 
     def rollback(self, xid: str) -> str:
         with self._lock:
             done = self._outcome(xid)
-            if done is None and xid not in self._live:
+            t = self._live.get(xid)
+            if done is None and t is None:
                 if self._forgot_commits:  # it may be one of the forgotten commits: do not claim otherwise
                     raise UnknownTransactionError(
                         f"transaction {xid!r} is unknown: its outcome may have been forgotten (this broker keeps "
@@ -169,10 +182,20 @@ class TransactionManager:
                 return "rolled_back"  # never seen (e.g. lost with a crash before prepare): nothing to undo
             if done == "rolled_back":
                 return "rolled_back"
-            if done == "committed" or self._live[xid].state == "committing":
+            if done == "committed" or t.state == "committing":
                 raise TransactionError(f"transaction {xid!r} is committed; it cannot be rolled back")
-            self._finish(self._live[xid], "rolled_back", ROLLBACK)
-            return "rolled_back"
+        with t.lock:
+            if t.state in ("open", "prepared"):
+                with self._lock:
+                    # A prepared transaction's rollback must survive a crash; an open one is rolled back by
+                    # recovery anyway (the journal does not know it), so its record need not be fsynced.
+                    self._write(ROLLBACK, {"xid": xid, "number": t.number}, fsync=t.state == "prepared")
+                    t.state = "aborting"
+            if t.state == "aborting":
+                self._settle(t)
+            elif t.state != "rolled_back":  # committed meanwhile
+                raise TransactionError(f"transaction {xid!r} is committed; it cannot be rolled back")
+        return "rolled_back"
 
     def state(self, xid: str) -> Optional[str]:
         with self._lock:
@@ -187,9 +210,13 @@ class TransactionManager:
         with self._lock:
             return [t for t in self._live.values() if t.state == "prepared"]
 
+    def open_transactions(self) -> list:
+        with self._lock:
+            return [t for t in self._live.values() if t.state == "open"]
+
     def counts(self) -> dict:
         with self._lock:
-            out = {"open": 0, "prepared": 0, "committing": 0}
+            out = {"open": 0, "prepared": 0, "committing": 0, "aborting": 0}
             for t in self._live.values():
                 out[t.state] += 1
             return out
@@ -209,31 +236,43 @@ class TransactionManager:
             return len(drop)
 
     def expire(self) -> list:
-        """Roll back open transactions older than their timeout (prepared ones never: their outcome
-        may still be commit). Returns the xids rolled back."""
+        """Roll back open transactions older than their timeout (prepared ones never: their outcome may
+        still be commit), and finish settlements cut short (a marker append that failed, e.g. on a full
+        disk). Returns the xids rolled back."""
         now = self._clock()
         with self._lock:
             late = [t for t in self._live.values() if t.state == "open" and now - t.started > t.timeout_s]
-            for t in late:
-                log.warning("transaction %s not prepared within %.0fs: rolled back", t.xid, t.timeout_s)
-                self._finish(t, "rolled_back", ROLLBACK)
-            return [t.xid for t in late]
+            unfinished = [t for t in self._live.values() if t.settling]
+        for t in late:
+            log.warning("transaction %s not prepared within %.0fs: rolled back", t.xid, t.timeout_s)
+            self.rollback(t.xid)
+        for t in unfinished:
+            with t.lock:
+                try:
+                    self._settle(t)
+                except Exception as e:  # noqa: BLE001 - e.g. a full disk: tried again next time
+                    log.warning("could not finish settling transaction %s yet (%s); retrying", t.xid, e)
+        return [t.xid for t in late]
 
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-                self._file = None
+            if self._fd >= 0:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
 
     # -- internals ------------------------------------------------------------------------------------
-    def _open(self, xid: str) -> Transaction:
-        t = self._live.get(xid)
-        if t is None or t.state != "open":
-            raise self._not_prepared(xid, t) if t is None else TransactionError(
-                f"transaction {xid!r} is {t.state}; it takes no more messages")
-        return t
+    def _get_open(self, xid: str) -> Transaction:
+        with self._lock:
+            t = self._live.get(xid)
+            if t is None or t.state != "open":
+                raise self._not_open(xid, t)
+            return t
+
+    def _not_open(self, xid: str, t: Optional[Transaction]) -> TransactionError:
+        if t is None:
+            return self._not_prepared(xid, None)
+        return TransactionError(f"transaction {xid!r} is {t.state}; it takes no more messages")
 
     def _not_prepared(self, xid: str, t: Optional[Transaction]) -> TransactionError:
         done = self._outcome(xid)
@@ -244,13 +283,25 @@ class TransactionManager:
         return UnknownTransactionError(f"unknown transaction {xid!r} (never begun, timed out, or lost with a "
                                        f"broker restart before it was prepared)")
 
-    def _finish(self, t: Transaction, outcome: str, record: int) -> None:
+    def _settle(self, t: Transaction) -> None:
+        """Append the decided marker to every partition still waiting for it (holding ``t.lock``), then
+        forget the transaction. A failure leaves it settling; ``expire`` tries again."""
+        if not t.settling:  # settled meanwhile by another caller
+            return
+        commit = t.state == "committing"
+        for (topic, partition) in sorted(t.partitions):
+            part = self.store.partition(topic, partition)
+            if t.number in part.txns.ongoing:
+                part.append_marker(t.number, commit)
+        outcome = "committed" if commit else "rolled_back"
         path = _record_path(t.coordinator)
-        self._write(record, [json.dumps({"xid": t.xid, "path": path}).encode()], fsync=t.state != "open")
-        del self._live[t.xid]
-        self._remember(t.xid, outcome, path)
-        if self._size > COMPACT_BYTES and self._live_bytes() * 2 < self._size:
-            self._compact()
+        with self._lock:
+            self._write(DONE, {"xid": t.xid, "number": t.number, "outcome": outcome, "path": path})
+            del self._live[t.xid]
+            t.state = outcome
+            self._remember(t.xid, outcome, path)
+            if self._size > COMPACT_BYTES:
+                self._compact()
 
     def _outcome(self, xid: str) -> Optional[str]:
         kept = self._decided.get(xid)
@@ -265,57 +316,41 @@ class TransactionManager:
         while len(self._finished) > KEEP_FINISHED:
             self._forgot_commits |= self._finished.popitem(last=False)[1] == "committed"
 
-    def _prepare_record(self, t: Transaction) -> bytes:
-        return json.dumps({"xid": t.xid, "coordinator": t.coordinator, "at": t.prepared_at,
-                           "timeout": t.timeout_s}).encode()
+    @staticmethod
+    def _prepare_record(t: Transaction, prepared_at: float) -> dict:
+        return {"xid": t.xid, "number": t.number, "coordinator": t.coordinator, "at": prepared_at,
+                "timeout": t.timeout_s, "messages": t.messages,
+                "partitions": [[topic, p, end] for (topic, p), end in sorted(t.partitions.items())]}
 
-    def _apply(self, t: Transaction, recovering: bool = False) -> None:
-        """Append the transaction's messages, one atomic append per partition, in put order."""
-        by_partition: dict = {}
-        for p in t.puts:
-            by_partition.setdefault((p.topic, p.partition), []).append(p)
-        for (topic, partition), puts in sorted(by_partition.items()):
-            if (topic, partition) in t.applied:  # a commit retried after a failure part-way
-                continue
-            part = self.store.partition(topic, partition)
-            if recovering:  # the commit may have reached this partition before the crash
-                puts = puts[part.count_txn_batches(t.before[f"{topic}/{partition}"], t.number):]
-            if puts:
-                part.append_bodies([self._body(p) for p in puts], txn=t.number)
-            t.applied.add((topic, partition))
-
-    def _body(self, p: _Put) -> records.EncodedBody:
-        data = os.pread(self._fd, p.size, p.position)
-        return records.parse_body(p.count, p.attributes, data, p.crc)
-
-    @property
-    def _fd(self) -> int:
-        return self._file.fileno()
-
-    def _write(self, kind: int, parts: list, fsync: bool = False) -> int:
-        payload_len = sum(len(x) for x in parts)
-        value = records.crc(bytes([kind]))
-        for x in parts:
-            value = records.crc(x, value)
-        pos = self._size
-        self._file.write(RECORD.pack(payload_len, value, kind))
-        for x in parts:
-            self._file.write(x)
-        self._file.flush()
-        if fsync:
-            os.fsync(self._fd)
-        self._size += RECORD.size + payload_len
-        return pos
-
-    def _live_bytes(self) -> int:
-        return sum(p.size + 512 for t in self._live.values() for p in t.puts)
+    def _write(self, kind: int, payload: dict, fsync: bool = False) -> None:
+        """Append one record (holding ``_lock``). If the write or its fsync fails, the journal is cut back
+        to where it was and the error raised: the file stays valid and the broker keeps serving."""
+        data = json.dumps(payload).encode()
+        record = RECORD.pack(len(data), records.crc(data, records.crc(bytes([kind]))), kind) + data
+        try:
+            written = os.pwrite(self._fd, record, self._size)
+            if written != len(record):
+                raise OSError(f"short write to {self.path}: {written} of {len(record)} bytes")
+            if fsync:
+                os.fsync(self._fd)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                log.exception("could not cut %s back to %d bytes after a failed write", self.path, self._size)
+            raise
+        self._size += len(record)
 
     # -- recovery and compaction ----------------------------------------------------------------------
     def _recover(self) -> None:
-        self._file = None
+        legacy = self.directory / journal_v1.JOURNAL
+        if legacy.exists() and not self.path.exists():
+            self._migrate(legacy)
+        elif legacy.exists():  # a migration finished before a crash removed the old journal
+            legacy.unlink()
+            fsync_dir(self.directory)
         data = self.path.read_bytes() if self.path.exists() else b""
         pos, end = 0, len(data)
-        puts: dict = {}
         while pos < end:
             bad = self._bad_record(data, pos)
             if bad:
@@ -323,25 +358,43 @@ class TransactionManager:
                     raise CorruptLogError(f"{self.path}: damaged transaction record ({bad}) followed by valid "
                                           f"ones", self.path, pos)
                 log.warning("%s: cutting a torn tail of %d bytes at %d (%s)", self.path, end - pos, pos, bad)
-                with open(self.path, "r+b") as f:
-                    f.truncate(pos)
-                    os.fsync(f.fileno())
                 end = pos
                 break
             length, _, kind = RECORD.unpack_from(data, pos)
-            payload = data[pos + RECORD.size: pos + RECORD.size + length]
-            self._replay(kind, payload, pos, puts)
+            self._replay(kind, json.loads(data[pos + RECORD.size: pos + RECORD.size + length]))
             pos += RECORD.size + length
-        self._file = open(self.path, "a+b")
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if end < len(data):
+            os.ftruncate(self._fd, end)
+            os.fsync(self._fd)
         self._size = end
-        # Open transactions die with the broker: their clients learn it at prepare.
-        for xid in [x for x, t in self._live.items() if t.state == "open"]:
-            del self._live[xid]
-        for t in [t for t in self._live.values() if t.state == "committing"]:
-            log.info("finishing the commit of transaction %s", t.xid)
-            self._apply(t, recovering=True)
-            self._finish(t, "committed", DONE)
+        self._reconcile()
         self._compact()
+
+    def _reconcile(self) -> None:
+        """Bring the partitions in line with the journal: a transaction the journal does not know as
+        prepared or decided (it was open at the crash) is aborted; decided ones get their markers."""
+        by_number = {t.number: t for t in self._live.values()}
+        highest = 0
+        for topic in self.store.topics():
+            for part in self.store.partitions(topic):
+                highest = max(highest, part.txns.max_txn)
+                for number in sorted(part.txns.ongoing):
+                    t = by_number.get(number)
+                    if t is None:  # open at a crash: the journal never heard of it
+                        t = by_number[number] = self._live[f"(never prepared #{number})"] = Transaction(
+                            f"(never prepared #{number})", "aborting", self.default_timeout_s, number)
+                        log.info("%s: transaction %d was never prepared (open at a crash): rolling it back",
+                                 part.name, number)
+                    t.partitions.setdefault((topic, part.partition), part.log_end_offset)
+        self._next_number = max(self._next_number, highest % MAX_NUMBER + 1)
+        for t in [t for t in self._live.values() if t.settling]:
+            try:
+                self._settle(t)
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk: expire() retries every second
+                log.warning("could not finish settling transaction %s yet (%s); retrying", t.xid, e)
 
     @staticmethod
     def _bad_record(data: bytes, pos: int) -> str:
@@ -352,7 +405,7 @@ class TransactionManager:
             return "truncated payload"
         if records.crc(data[pos + RECORD.size: pos + RECORD.size + length], records.crc(bytes([kind]))) != value:
             return "checksum mismatch"
-        if not PUT <= kind <= FINISHED:
+        if not PREPARE <= kind <= FINISHED:
             return f"unknown type {kind}"
         return ""
 
@@ -360,70 +413,78 @@ class TransactionManager:
         return any(not self._bad_record(data, p) and RECORD.unpack_from(data, p)[0] > 0
                    for p in range(pos + 1, len(data) - RECORD.size))
 
-    def _replay(self, kind: int, payload: bytes, pos: int, puts: dict) -> None:
-        if kind == PUT:
-            n = struct.unpack_from("<I", payload)[0]
-            m = json.loads(payload[4: 4 + n])
-            t = self._live.setdefault(m["xid"], Transaction(m["xid"], "open", self.default_timeout_s))
-            t.puts.append(_Put(m["topic"], m["partition"], m["count"], m["attributes"], m["crc"],
-                               pos + RECORD.size + 4 + n, len(payload) - 4 - n))
-            return
-        m = json.loads(payload)
+    def _replay(self, kind: int, m: dict) -> None:
         if kind == FINISHED:
             for xid, outcome in m["finished"]:
                 self._remember(xid, outcome)
-            for xid, outcome, path in m.get("decided", []):
+            for xid, outcome, path in m["decided"]:
                 self._remember(xid, outcome, path)
-            self._forgot_commits |= m.get("forgot_commits", False)
+            self._forgot_commits |= m["forgot_commits"]
             self._next_number = max(self._next_number, m["next_number"])
             return
-        t = self._live.get(m["xid"])
+        xid = m["xid"]
+        self._next_number = max(self._next_number, m["number"] % MAX_NUMBER + 1)
         if kind == PREPARE:
-            t = t or self._live.setdefault(m["xid"], Transaction(m["xid"], "open", self.default_timeout_s))
-            t.state, t.coordinator, t.prepared_at = "prepared", m["coordinator"], m["at"]
-            t.timeout_s = m.get("timeout", self.default_timeout_s)
-        elif kind == COMMIT and t is not None:
-            t.state, t.number, t.before = "committing", m["number"], m["before"]
-            self._next_number = max(self._next_number, t.number + 1)
-        elif kind in (DONE, ROLLBACK):
-            self._live.pop(m["xid"], None)
-            self._remember(m["xid"], "committed" if kind == DONE else "rolled_back", m.get("path", ""))
+            t = self._live[xid] = Transaction(xid, "prepared", m["timeout"], m["number"], m["coordinator"],
+                                              prepared_at=m["at"], messages=m["messages"])
+            t.partitions = {(topic, p): end for topic, p, end in m["partitions"]}
+        elif kind in (COMMIT, ROLLBACK) and xid in self._live:
+            self._live[xid].state = "committing" if kind == COMMIT else "aborting"
+        elif kind == DONE:
+            self._live.pop(xid, None)
+            self._remember(xid, m["outcome"], m["path"])
 
     def _compact(self) -> None:
-        """Rewrite the journal with what is still needed: the remembered outcomes and the prepared
-        transactions' records (tmp file, fsync, rename: a crash leaves the old or the new journal)."""
-        tmp = self.path.with_suffix(".tmp")
-        old = self._file
-        self._file, self._size = open(tmp, "wb"), 0
-        try:
-            self._write(FINISHED, [json.dumps({"finished": list(self._finished.items()),
-                                               "decided": [[x, o, p] for x, (o, p) in self._decided.items()],
-                                               "forgot_commits": self._forgot_commits,
-                                               "next_number": self._next_number}).encode()])
-            for t in self._live.values():
-                moved = []
-                for p in t.puts:
-                    data = os.pread(old.fileno(), p.size, p.position)
-                    meta = json.dumps({"xid": t.xid, "topic": p.topic, "partition": p.partition, "count": p.count,
-                                       "attributes": p.attributes, "crc": p.crc}).encode()
-                    pos = self._write(PUT, [struct.pack("<I", len(meta)), meta, data])
-                    moved.append(_Put(p.topic, p.partition, p.count, p.attributes, p.crc,
-                                      pos + RECORD.size + 4 + len(meta), p.size))
-                t.puts = moved
-                if t.state == "prepared":
-                    self._write(PREPARE, [self._prepare_record(t)])
-            self._file.flush()
-            os.fsync(self._fd)
-        except BaseException:
-            self._file.close()
-            self._file = old
-            raise
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Rewrite the journal with what is still needed: the remembered outcomes and the records of the
+        transactions still prepared or settling (tmp file, fsync, rename: a crash leaves one or the other)."""
+        out = [(FINISHED, {"finished": list(self._finished.items()),
+                           "decided": [[x, o, p] for x, (o, p) in self._decided.items()],
+                           "forgot_commits": self._forgot_commits, "next_number": self._next_number})]
+        for t in self._live.values():
+            if t.state == "open":
+                continue
+            out.append((PREPARE, self._prepare_record(t, t.prepared_at)))
+            if t.settling:
+                out.append((COMMIT if t.state == "committing" else ROLLBACK, {"xid": t.xid, "number": t.number}))
+        blob = b"".join(RECORD.pack(len(d), records.crc(d, records.crc(bytes([k]))), k) + d
+                        for k, d in ((k, json.dumps(m).encode()) for k, m in out))
+        replace_file(self.path, blob)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR, 0o644)
+        self._size = len(blob)
+
+    def _migrate(self, legacy: Path) -> None:
+        """Open a journal of the metaq that kept transactions out of the log: finish its cut-short commits
+        the old way, append its prepared transactions' batches to their partitions under new numbers, and
+        write this journal. Until the new journal is in place the old one stays, so a crash repeats it
+        (batches appended by an interrupted run are never prepared here, so recovery aborts them)."""
+        old = journal_v1.read(legacy)
+        self._next_number = max(self._next_number, old.next_number,
+                                *(p.txns.max_txn % MAX_NUMBER + 1 for tp in self.store.topics()
+                                  for p in self.store.partitions(tp)))
+        for t in old.committing:
+            journal_v1.finish_commit(self.store, old, t)
+            self._remember(t.xid, "committed", _record_path(t.coordinator))
+        for xid, outcome, path in old.outcomes:
+            self._remember(xid, outcome, path)
+        self._forgot_commits |= old.forgot_commits
+        for t in old.prepared:
+            new = Transaction(t.xid, "prepared", t.timeout_s, self._next_number, t.coordinator,
+                              prepared_at=t.prepared_at)
+            self._next_number += 1
+            for put in t.puts:
+                part = self.store.partition(put.topic, put.partition)
+                r = part.append_bodies([old.body(put)], new.number, records.TRANSACTIONAL)[0]
+                new.partitions[(put.topic, put.partition)] = r.base_offset + r.count
+                new.messages += r.count
+            for (topic, partition), end in new.partitions.items():
+                self.store.partition(topic, partition).make_durable(end)
+            self._live[t.xid] = new
         old.close()
-        self._file.close()
-        self._file = open(self.path, "a+b")
+        self._compact()
+        self._live.clear()  # replayed from the new journal next
+        legacy.unlink()
+        fsync_dir(self.directory)
+        log.info("converted %s (%d prepared, %d cut-short commits) to %s", legacy, len(old.prepared),
+                 len(old.committing), self.path)

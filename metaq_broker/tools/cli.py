@@ -177,9 +177,10 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
         printed = 0
         out = click.get_binary_stream("stdout")
         while max_messages is None or printed < max_messages:
-            got = 0
+            moved = False  # by offsets: a fetch of transaction markers or aborted messages prints nothing
             for p in parts:
                 f = _run(consumer.fetch, topic, p, pos[p], max_wait_ms=200 if follow else 0)
+                moved |= f.next_offset > pos[p]
                 pos[p] = f.next_offset
                 for m in f.messages():
                     if max_messages is not None and printed >= max_messages:
@@ -194,9 +195,8 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
                             "timestamp": m.timestamp.isoformat(), "msgId": m.msg_id, "flag": m.flag,
                             "attribute": m.attribute}).encode() + b"\n")
                     printed += 1
-                    got += 1
             out.flush()
-            if not got and not follow:
+            if not moved and not follow:
                 break
 
 
@@ -205,9 +205,10 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow):
 @click.option("--timestamp", type=int, default=None, help="also the first offset at or after this time (ms)")
 @click.pass_obj
 def offsets(obj, topic, timestamp):
-    """Earliest and latest offsets of each partition (and the offset for a time)."""
+    """Per partition: earliest offset, latest (the last stable offset, where readers stop), log end (past
+    it while a transaction is open), and with --timestamp the offset for that time; tab-separated."""
     with _client(Consumer, obj) as consumer:
-        for p, item in sorted(_run(consumer.offsets, topic, timestamp_ms=timestamp).items()):
+        for p, item in sorted(_run(consumer.offset_bounds, topic, timestamp_ms=timestamp).items()):
             click.echo(f"{topic}\t{p}\t" + "\t".join(str(x) for x in item))
 
 
@@ -275,7 +276,14 @@ def describe(partition_dir: Path):
     """List a partition's segments: offsets, bytes and last store time."""
     p = _run(_open_partition, partition_dir)
     try:
-        click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.latest_offset} (next), {p.size_bytes} bytes")
+        click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.log_end_offset} (next), last stable offset "
+                   f"{p.latest_offset}, {p.size_bytes} bytes")
+        unsettled = sorted(p.txns.ongoing.items(), key=lambda x: x[1])
+        aborted = p.aborted_in(p.earliest_offset, p.log_end_offset)
+        click.echo(f"  transactions: {len(unsettled)} unsettled"
+                   + "".join(f", #{t} from offset {first}" for t, first in unsettled)
+                   + f"; {len(aborted)} aborted with batches here"
+                   + "".join(f", #{a['txn']} offsets {a['first']}-{a['last'] - 1}" for a in aborted[:20]))
         for s in p.segments():
             click.echo(f"  {s.path.name}  base offset {s.base_offset:>12}  messages {s.count:>10}  bytes {s.size:>12}"
                        f"  last stored {s.last_timestamp if s.last_timestamp is not None else '-'}")

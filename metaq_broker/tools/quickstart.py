@@ -138,7 +138,9 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
             f"({', '.join(map(str, batches))} rows) and wrote them upper-cased, exactly once, to {OUT_TOPIC} "
             f"in {elapsed:.1f}s")
         out = consumer.offsets(OUT_TOPIC)
-        written = sum(latest for _, latest in out.values())
+        # rows, not offsets: each transaction's commit marker takes an offset in every partition it wrote
+        written = sum(consumer.read_range(OUT_TOPIC, p, earliest, latest).num_rows
+                      for p, (earliest, latest) in out.items())
         sample = consumer.fetch(OUT_TOPIC, sorted(out)[0], 0, max_messages=1).messages()
         if sample:
             say(f"  {sample[0].partition} offset 0: {sample[0].value.decode()}")

@@ -1,0 +1,71 @@
+"""``PutRaw``: ``Put`` with the batch body kept out of protobuf.
+
+A ``PutRequest`` costs the producer two extra copies of every body byte (into the message, then out to
+the serialised string) and the broker one or two more (parsing it, reading ``batch.body``). ``PutRaw``
+sends a 32-byte header packed with ``struct``, the topic and the xid, then the body as ``encode_body``
+made it; the producer joins them in one copy and the broker checks and stores the body from a view of
+the bytes gRPC received. The reply is a protobuf ``PutResponse``. Like ``FetchRaw`` it is not in
+metaq.proto: the broker serves it with a generic handler. docs/protocol.md gives the layout.
+"""
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from metaq_broker.protocol.records import ALIGN, RecordFormatError
+
+SERVICE = "metaq.v1.Broker"
+METHOD = "PutRaw"
+PATH = f"/{SERVICE}/{METHOD}"
+
+# header length (where the body starts, 8-aligned), flags (0), partition, count, attributes, body_crc,
+# topic length, xid length, reserved (0)
+HEADER = struct.Struct("<IIiIIIHHI")
+assert HEADER.size == 32
+MAX_NAME_BYTES = 0xFFFF
+
+
+class Batch(NamedTuple):
+    """The fields of a ``MessageBatch``; ``body`` is a view of the request, not a copy."""
+
+    count: int
+    attributes: int
+    body: memoryview
+    body_crc: int
+
+
+class Request(NamedTuple):
+    """What ``Put`` reads of a ``PutRequest``, unpacked from a ``PutRaw`` request."""
+
+    topic: str
+    partition: int
+    xid: str
+    batch: Batch
+
+
+def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list) -> bytes:
+    """The request for a body given as ``parts`` (``EncodedBody.parts``): one join, the only copy."""
+    topic_b, xid_b = topic.encode(), xid.encode()
+    if len(topic_b) > MAX_NAME_BYTES or len(xid_b) > MAX_NAME_BYTES:
+        raise ValueError(f"topic or xid longer than {MAX_NAME_BYTES} bytes")
+    header_len = HEADER.size + len(topic_b) + len(xid_b)
+    pad = (-header_len) % ALIGN
+    head = HEADER.pack(header_len + pad, 0, partition, count, attributes, body_crc, len(topic_b), len(xid_b), 0)
+    return b"".join((head, topic_b, xid_b, b"\0" * pad, *parts))
+
+
+def unpack(request) -> Request:
+    """Raises RecordFormatError (the broker answers INVALID_ARGUMENT) for a request that does not add up."""
+    view = memoryview(request).cast("B")
+    if len(view) < HEADER.size:
+        raise RecordFormatError(f"PutRaw request of {len(view)} bytes is shorter than its {HEADER.size}-byte header", 0)
+    header_len, _, partition, count, attributes, body_crc, topic_len, xid_len, _ = HEADER.unpack_from(view)
+    names_end = HEADER.size + topic_len + xid_len
+    if not names_end <= header_len <= len(view) or header_len % ALIGN:
+        raise RecordFormatError(f"PutRaw request header says the body starts at byte {header_len} of {len(view)}", 0)
+    try:
+        topic = str(view[HEADER.size:HEADER.size + topic_len], "utf-8")
+        xid = str(view[HEADER.size + topic_len:names_end], "utf-8")
+    except UnicodeDecodeError:
+        raise RecordFormatError("PutRaw request: topic or xid is not UTF-8", 0) from None
+    return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc))

@@ -1,0 +1,112 @@
+"""What one partition knows of the transactions in its log (Kafka's producer state and aborted-transaction
+index, in small): the unsettled ones, whose first offset holds readers back (the last stable offset), and
+the aborted ones, whose batches readers skip.
+
+Both are rebuilt on open from ``transactions.snapshot`` plus a scan of the batch headers written after
+it; the snapshot is written when a segment rolls and when the partition closes, so the scan covers about
+the active segment, which recovery reads anyway. A partition directory without a snapshot was written by
+a metaq that kept transactions out of the log: it holds no transactional batch. docs/storage-format.md
+gives the file's layout.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from metaq_broker.errors import CorruptLogError
+from metaq_broker.protocol import records
+from metaq_broker.store.durable import replace_file
+
+SNAPSHOT = "transactions.snapshot"
+
+
+class PartitionTxns:
+    """Changed only under the partition's write lock; readers (no lock) use ``first_unstable()`` and
+    ``aborted_in``, which read values replaced whole, never a dict being changed."""
+
+    def __init__(self):
+        self.ongoing: dict = {}  # transaction number -> offset of its first batch here
+        self._first: Optional[int] = None  # min(ongoing.values())
+        self._aborted: list = []  # (number, first offset, marker offset), marker offsets increasing
+        self._aborted_arr = records.NO_ABORTED
+        self.max_txn = 0  # the highest transaction number seen in this log
+
+    # -- state ----------------------------------------------------------------------------------------
+    def first_unstable(self) -> Optional[int]:
+        return self._first
+
+    def on_batch(self, txn: int, offset: int) -> None:
+        """A transactional batch of ``txn`` was appended at ``offset``."""
+        if txn not in self.ongoing:
+            self.ongoing[txn] = offset
+            if self._first is None:
+                self._first = offset
+        self.max_txn = max(self.max_txn, txn)
+
+    def on_marker(self, txn: int, offset: int, commit: bool) -> None:
+        """``txn``'s marker was appended at ``offset``: the transaction is settled here."""
+        first = self.ongoing.get(txn, offset)
+        if not commit and first < offset:  # listed before readers may pass its batches
+            self._aborted.append((txn, first, offset))
+            self._aborted_arr = np.array(self._aborted, records.ABORTED_DTYPE)
+        self.ongoing.pop(txn, None)
+        if first == self._first:
+            self._first = min(self.ongoing.values()) if self.ongoing else None
+        self.max_txn = max(self.max_txn, txn)
+
+    def aborted_in(self, start: int, end: int) -> np.ndarray:
+        """Aborted transactions with batches in offsets [start, end)."""
+        a = self._aborted_arr
+        if not len(a):
+            return a
+        return a[(a["first"] < end) & (a["last"] > start)]
+
+    def scan(self, u8: np.ndarray, positions: np.ndarray) -> None:
+        """Take in the batches at ``positions`` of ``u8`` (in log order): one vectorised header read,
+        then a step only per transactional batch or marker."""
+        if not len(positions):
+            return
+        h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+        flags = h["attributes"] & (records.TRANSACTIONAL | records.CONTROL)
+        for i in np.flatnonzero(flags).tolist():
+            txn, offset = int(h["txn"][i]), int(h["base_offset"][i])
+            if flags[i] & records.CONTROL:
+                value = u8[int(positions[i]) + records.HEADER_SIZE + 8]  # flag and length columns, then the value
+                self.on_marker(txn, offset, value == records.COMMIT_MARKER[0])
+            else:
+                self.on_batch(txn, offset)
+
+    # -- the snapshot file ----------------------------------------------------------------------------
+    def load(self, directory: Path) -> Optional[int]:
+        """Read the snapshot; returns the offset from which the log must be scanned (None: no snapshot)."""
+        path = Path(directory) / SNAPSHOT
+        if not path.exists():
+            return None
+        raw = path.read_bytes()
+        try:
+            crc, body = int(raw[:8], 16), raw[9:]
+            if records.crc(body) != crc:
+                raise ValueError("checksum mismatch")
+            m = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptLogError(f"{path}: unreadable ({e}); it is rebuilt when it is deleted only if no "
+                                  f"transaction was ever written to this partition", path, 0) from None
+        self.ongoing = {int(t): int(o) for t, o in m["ongoing"]}
+        self._first = min(self.ongoing.values()) if self.ongoing else None
+        self._aborted = [tuple(int(x) for x in a) for a in m["aborted"]]
+        self._aborted_arr = np.array(self._aborted, records.ABORTED_DTYPE)
+        self.max_txn = int(m["max_txn"])
+        return int(m["offset"])
+
+    def save(self, directory: Path, offset: int, earliest: int) -> None:
+        """Write the state as of ``offset`` (everything below it is taken in), forgetting aborted
+        transactions wholly below ``earliest`` (retention removed them). Atomic and fsynced."""
+        self._aborted = [a for a in self._aborted if a[2] > earliest]
+        self._aborted_arr = np.array(self._aborted, records.ABORTED_DTYPE)
+        body = json.dumps({"offset": offset, "max_txn": self.max_txn,
+                           "ongoing": sorted(self.ongoing.items()),
+                           "aborted": [list(a) for a in self._aborted]}).encode()
+        replace_file(Path(directory) / SNAPSHOT, b"%08x\n" % records.crc(body) + body)
