@@ -340,12 +340,14 @@ class _Writer:
         # attempts of a replayed batch (a new driver) apart.
         prefix = f"{sink_id}/{batch_id}/{self.run}/{ctx.partitionId()}-{ctx.taskAttemptId()}"
         txn = producer.transaction(prefix, self.opts.timeout_ms, json.dumps({"path": path, "run": self.run}))
+        sender = PipelinedSender(producer, transaction=txn)  # one Put in flight per partition, as above
         try:
-            with Pipeline(txn.send_batch, self.index, self.opts.topic) as pipe:
+            with Pipeline(sender.send_batch, self.index, self.opts.topic, sender.flush) as pipe:
                 for batch in iterator:
                     pipe.submit(batch)
             xids = txn.prepare()
         except BaseException:
+            sender.close()
             for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
                 rollback_quietly(producer, bid, xid)
             raise

@@ -2,7 +2,6 @@
 by offset-exact reads, crashes at every step (real processes killed with SIGKILL), disks that fill up
 (real tmpfs), and journals of the metaq that kept transactions out of the log."""
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store import journal_v1
+from metaq_broker.store.journal_frames import frame
 from metaq_broker.store.transactions import TransactionError, TransactionManager
 
 
@@ -257,8 +257,7 @@ def test_a_commit_that_fails_in_one_partition_finishes_by_itself_all_or_nothing(
 
 
 # -- journals of the earlier format --------------------------------------------------------------------
-def old_record(kind, payload):
-    return journal_v1.RECORD.pack(len(payload), records.crc(payload, records.crc(bytes([kind]))), kind) + payload
+old_record = frame  # the earlier journal framed its records the same way
 
 
 def old_put(xid, partition, b):

@@ -93,21 +93,29 @@ class ClientBase:
         return self.connection(bid), n
 
     # -- offsets --------------------------------------------------------------------------------------
-    def offsets(self, topic: str, partitions: Optional[Iterable[str]] = None, timestamp_ms: Optional[int] = None) -> dict:
-        """{partition: (earliest, latest[, offset for timestamp])}, one GetOffsets call per broker."""
+    def offset_bounds(self, topic: str, partitions: Optional[Iterable[str]] = None,
+                      timestamp_ms: Optional[int] = None) -> dict:
+        """{partition: (earliest, last stable offset, log end[, offset for timestamp])}, one GetOffsets call
+        per broker. Readers stop at the last stable offset; the log end is past it while a transaction
+        is open (its batches and markers are written, not yet settled)."""
         by_broker: dict = {}
         for name in partitions or self.partitions(topic):
             bid, n = parse_partition_name(name)
             by_broker.setdefault(bid, []).append(n)
         out = {}
+        at = {} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}
         for bid, numbers in by_broker.items():
-            queries = [pb.OffsetQuery(topic=topic, partition=n, **({} if timestamp_ms is None else
-                                                                   {"timestamp_ms": timestamp_ms})) for n in numbers]
-            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
+            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=[
+                pb.OffsetQuery(topic=topic, partition=n, **at) for n in numbers]), retries=3)
             for o in r.offsets:
-                item = (o.earliest, o.latest) if timestamp_ms is None else (o.earliest, o.latest, o.for_timestamp)
-                out[partition_name(bid, o.partition)] = item
+                out[partition_name(bid, o.partition)] = (o.earliest, o.latest, o.log_end_offset) + (
+                    () if timestamp_ms is None else (o.for_timestamp,))
         return out
+
+    def offsets(self, topic: str, partitions: Optional[Iterable[str]] = None, timestamp_ms: Optional[int] = None) -> dict:
+        """{partition: (earliest, latest[, offset for timestamp])}: ``offset_bounds`` without the log end
+        (latest is the last stable offset, where readers stop)."""
+        return {p: b[:2] + b[3:] for p, b in self.offset_bounds(topic, partitions, timestamp_ms).items()}
 
     def offsets_after_bytes(self, budgets: dict) -> dict:
         """{(topic, partition): offset}: for each ``(topic, partition): (from_offset, max_bytes)``, the first

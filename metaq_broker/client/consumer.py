@@ -13,8 +13,6 @@ import pyarrow as pa
 
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
-from metaq_broker.names import parse_partition_name, partition_name
-from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import records
 from metaq_broker.zk.group_offsets import GroupStore
 
@@ -88,24 +86,6 @@ class Consumer(ClientBase):
             batches.append(f.batch)
             offset = f.next_offset
         return pa.Table.from_batches(batches, schema=records.SCHEMA)
-
-    def offset_bounds(self, topic: str, partitions=None, timestamp_ms: Optional[int] = None) -> dict:
-        """{partition: (earliest, last stable offset, log end[, offset for timestamp])}, one GetOffsets call
-        per broker. Readers stop at the last stable offset; the log end is past it while a transaction
-        is open (its batches and markers are written, not yet settled)."""
-        by_broker: dict = {}
-        for name in partitions or self.partitions(topic):
-            bid, n = parse_partition_name(name)
-            by_broker.setdefault(bid, []).append(n)
-        out = {}
-        for bid, numbers in by_broker.items():
-            at = {} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}
-            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=[
-                pb.OffsetQuery(topic=topic, partition=n, **at) for n in numbers]), retries=3)
-            for o in r.offsets:
-                out[partition_name(bid, o.partition)] = (o.earliest, o.latest, o.log_end_offset) + (
-                    () if timestamp_ms is None else (o.for_timestamp,))
-        return out
 
     # -- group offsets (ZooKeeper) --------------------------------------------------------------------
     def _group_store(self):

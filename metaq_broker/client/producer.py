@@ -236,10 +236,11 @@ class PipelinedSender:
     the next batch overlaps with the broker's write and fsync of this one. Never two Puts to one partition
     at once, so each partition stores the batches in the order given; at most ``max_bytes`` of requests in
     flight (one whatever its size). A failed Put raises from a later ``send_batch`` or from ``flush``,
-    which waits for all and returns their PutResults; ``close`` cancels what is still in flight."""
+    which waits for all and returns their PutResults; ``close`` cancels what is still in flight. With a
+    ``transaction`` the Puts are that transaction's (``Transaction.send_batch``, pipelined)."""
 
-    def __init__(self, producer: Producer, max_bytes: int = 32 << 20):
-        self.producer, self.max_bytes = producer, max_bytes
+    def __init__(self, producer: Producer, max_bytes: int = 32 << 20, transaction: Optional["Transaction"] = None):
+        self.producer, self.max_bytes, self.transaction = producer, max_bytes, transaction
         self._inflight: dict = {}  # (topic, partition name) -> (connection, future, request size), oldest first
         self._bytes = 0
         self._results: list = []
@@ -252,7 +253,11 @@ class PipelinedSender:
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
         for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
             conn, number = self.producer.route(name)
-            request = _put_request(topic, number, body)
+            if self.transaction is None:
+                request = _put_request(topic, number, body)
+            else:
+                request = _put_request(topic, number, body, self.transaction.xid_on(parse_partition_name(name)[0]))
+                self.transaction.messages += body.count
             if (topic, name) in self._inflight:
                 self._finish((topic, name))
             while self._inflight and self._bytes + len(request) > self.max_bytes:
@@ -280,7 +285,8 @@ class Transaction:
         self.xids: dict = {}  # broker id -> xid begun on it
         self.messages = 0
 
-    def _xid(self, broker_id: int) -> str:
+    def xid_on(self, broker_id: int) -> str:
+        """This transaction's xid on ``broker_id``, begun there on first use."""
         xid = self.xids.get(broker_id)
         if xid is None:
             xid = f"{self.prefix}@{broker_id}"
@@ -293,7 +299,7 @@ class Transaction:
         """Add messages (routed as ``Producer.send_batch`` does); they stay invisible until commit."""
         for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
             bid, number = parse_partition_name(name)
-            request = _put_request(topic, number, body, self._xid(bid))
+            request = _put_request(topic, number, body, self.xid_on(bid))
             self.producer.connection(bid).call("PutRaw", request)
             self.messages += body.count
 

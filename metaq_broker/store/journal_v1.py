@@ -16,12 +16,13 @@ from pathlib import Path
 
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol import records
+from metaq_broker.store.journal_frames import RECORD, bad_record, valid_record_after
 
 log = logging.getLogger(__name__)
 
 JOURNAL = "transactions.journal"
-RECORD = struct.Struct("<IIB")
 PUT, PREPARE, COMMIT, DONE, ROLLBACK, FINISHED = 1, 2, 3, 4, 5, 6
+KINDS = range(PUT, FINISHED + 1)
 
 
 @dataclass
@@ -72,9 +73,9 @@ def read(path: Path, default_timeout_s: float = 60.0) -> OldJournal:
     outcomes: dict = {}
     forgot, next_number, pos = False, 1, 0
     while pos < len(data):
-        bad = _bad_record(data, pos)
+        bad = bad_record(data, pos, KINDS)
         if bad:
-            if any(not _bad_record(data, p) for p in range(pos + 1, len(data) - RECORD.size)):
+            if valid_record_after(data, pos, KINDS):
                 raise CorruptLogError(f"{path}: damaged transaction record ({bad}) followed by valid ones", path, pos)
             log.warning("%s: ignoring a torn tail of %d bytes at %d (%s)", path, len(data) - pos, pos, bad)
             break
@@ -134,16 +135,3 @@ def _count_numbered(part, from_offset: int, number: int) -> int:
             found += records.parse_header(r.data, pos).txn == number
         offset = r.end_offset
     return found
-
-
-def _bad_record(data: bytes, pos: int) -> str:
-    if len(data) - pos < RECORD.size:
-        return "truncated header"
-    length, value, kind = RECORD.unpack_from(data, pos)
-    if pos + RECORD.size + length > len(data):
-        return "truncated payload"
-    if records.crc(data[pos + RECORD.size: pos + RECORD.size + length], records.crc(bytes([kind]))) != value:
-        return "checksum mismatch"
-    if not PUT <= kind <= FINISHED:
-        return f"unknown type {kind}"
-    return ""

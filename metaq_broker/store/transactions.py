@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -31,12 +30,13 @@ from metaq_broker.errors import CorruptLogError, TransactionError, UnknownTransa
 from metaq_broker.protocol import records
 from metaq_broker.store import journal_v1
 from metaq_broker.store.durable import fsync_dir, make_dirs, replace_file
+from metaq_broker.store.journal_frames import RECORD, bad_record, frame, valid_record_after
 
 log = logging.getLogger(__name__)
 
 JOURNAL = "transactions.log"
-RECORD = struct.Struct("<IIB")
 PREPARE, COMMIT, ROLLBACK, DONE, FINISHED = 1, 2, 3, 4, 5
+KINDS = range(PREPARE, FINISHED + 1)
 MAX_XID_BYTES = 255
 KEEP_FINISHED = 100_000  # coordinator-less outcomes remembered so that a repeated commit/rollback succeeds
 COMPACT_BYTES = 16 << 20
@@ -325,8 +325,7 @@ class TransactionManager:
     def _write(self, kind: int, payload: dict, fsync: bool = False) -> None:
         """Append one record (holding ``_lock``). If the write or its fsync fails, the journal is cut back
         to where it was and the error raised: the file stays valid and the broker keeps serving."""
-        data = json.dumps(payload).encode()
-        record = RECORD.pack(len(data), records.crc(data, records.crc(bytes([kind]))), kind) + data
+        record = frame(kind, json.dumps(payload).encode())
         try:
             written = os.pwrite(self._fd, record, self._size)
             if written != len(record):
@@ -352,9 +351,9 @@ class TransactionManager:
         data = self.path.read_bytes() if self.path.exists() else b""
         pos, end = 0, len(data)
         while pos < end:
-            bad = self._bad_record(data, pos)
+            bad = bad_record(data, pos, KINDS)
             if bad:
-                if self._valid_record_after(data, pos):
+                if valid_record_after(data, pos, KINDS):
                     raise CorruptLogError(f"{self.path}: damaged transaction record ({bad}) followed by valid "
                                           f"ones", self.path, pos)
                 log.warning("%s: cutting a torn tail of %d bytes at %d (%s)", self.path, end - pos, pos, bad)
@@ -396,23 +395,6 @@ class TransactionManager:
             except Exception as e:  # noqa: BLE001 - e.g. a full disk: expire() retries every second
                 log.warning("could not finish settling transaction %s yet (%s); retrying", t.xid, e)
 
-    @staticmethod
-    def _bad_record(data: bytes, pos: int) -> str:
-        if len(data) - pos < RECORD.size:
-            return "truncated header"
-        length, value, kind = RECORD.unpack_from(data, pos)
-        if pos + RECORD.size + length > len(data):
-            return "truncated payload"
-        if records.crc(data[pos + RECORD.size: pos + RECORD.size + length], records.crc(bytes([kind]))) != value:
-            return "checksum mismatch"
-        if not PREPARE <= kind <= FINISHED:
-            return f"unknown type {kind}"
-        return ""
-
-    def _valid_record_after(self, data: bytes, pos: int) -> bool:
-        return any(not self._bad_record(data, p) and RECORD.unpack_from(data, p)[0] > 0
-                   for p in range(pos + 1, len(data) - RECORD.size))
-
     def _replay(self, kind: int, m: dict) -> None:
         if kind == FINISHED:
             for xid, outcome in m["finished"]:
@@ -446,8 +428,7 @@ class TransactionManager:
             out.append((PREPARE, self._prepare_record(t, t.prepared_at)))
             if t.settling:
                 out.append((COMMIT if t.state == "committing" else ROLLBACK, {"xid": t.xid, "number": t.number}))
-        blob = b"".join(RECORD.pack(len(d), records.crc(d, records.crc(bytes([k]))), k) + d
-                        for k, d in ((k, json.dumps(m).encode()) for k, m in out))
+        blob = b"".join(frame(k, json.dumps(m).encode()) for k, m in out)
         replace_file(self.path, blob)
         if self._fd >= 0:
             os.close(self._fd)
