@@ -2,8 +2,11 @@
 its parent directory is fsynced, not when the file itself is (POSIX; ext4 and xfs behave so)."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -43,3 +46,32 @@ def replace_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_all(fd: int, parts: list, position: int | None = None) -> None:
+    """Write every byte of ``parts`` (at ``position`` if given); loops over short writes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views, position) if position is not None else os.writev(fd, views)
+        if position is not None:
+            position += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def append_or_cut_back(fd: int, path: Path, parts: list, end: int, fsync: bool = False) -> None:
+    """Write ``parts`` at ``end`` (the file's end), and fsync with ``fsync``. If either fails (a full disk,
+    an I/O error) the file is cut back to ``end`` and the error raised: no partial record stays behind."""
+    try:
+        write_all(fd, parts, end)
+        if fsync:
+            os.fsync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, end)
+        except OSError:
+            log.exception("could not cut %s back to %d bytes after a failed write", path, end)
+        raise

@@ -185,9 +185,7 @@ class PartitionLog:
         offset = from_offset
         while offset < self._next_offset:
             seg, first, length, n, idx = self._plan_read(offset, 64 << 20, None, self._next_offset)
-            starts = idx["position"][:n]
-            positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
-            self.txns.scan(seg.read(first, length), positions)
+            self.txns.scan(seg.read(first, length), _batch_starts(idx, n, first))
             offset += n
 
     def _save_txns(self) -> None:
@@ -467,10 +465,8 @@ class PartitionLog:
         if plan is None:
             return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
         seg, first, length, n, idx = plan
-        data = seg.read(first, length)
-        starts = idx["position"][:n]
-        batch_positions = starts[np.r_[True, starts[1:] != starts[:-1]]] - first
-        return FetchResult(offset, offset + n, data, batch_positions, self.aborted_in(offset, offset + n))
+        return FetchResult(offset, offset + n, seg.read(first, length), _batch_starts(idx, n, first),
+                           self.aborted_in(offset, offset + n))
 
     def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FileRange:
         """Where the bytes ``read`` would return with the same arguments are in the segment file, for a
@@ -631,3 +627,9 @@ class PartitionLog:
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
+
+
+def _batch_starts(idx: np.ndarray, n: int, first: int) -> np.ndarray:
+    """Where each batch holding the first ``n`` index entries starts, counted from logical byte ``first``."""
+    starts = idx["position"][:n]
+    return starts[np.r_[True, starts[1:] != starts[:-1]]] - first

@@ -6,7 +6,6 @@ header also records the segment's first offset, so the log alone says which offs
 is derived data, checked against the log and rebuilt from it when it is missing or wrong."""
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import weakref
@@ -16,9 +15,8 @@ import numpy as np
 
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol.records import crc
-from metaq_broker.store.durable import fsync_dir
+from metaq_broker.store.durable import append_or_cut_back, fsync_dir, write_all
 
-log = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".meta"
 INDEX_SUFFIX = ".idx"
@@ -108,7 +106,7 @@ class Segment:
         path = directory / (segment_name(start) + LOG_SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, [encode_segment_header(base_offset, start)])
+            write_all(fd, [encode_segment_header(base_offset, start)])
             os.fsync(fd)
             idx_fd = os.open(directory / (segment_name(start) + INDEX_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.close(idx_fd)
@@ -124,14 +122,7 @@ class Segment:
 
         On a failed write the file is cut back to where it was, so no partial batch stays behind."""
         assert self.mutable
-        try:
-            _write_all(self.fd, parts, self.size)
-        except OSError:
-            try:
-                os.ftruncate(self.fd, self.size)
-            except OSError:
-                log.exception("could not cut %s back to %d bytes after a failed write", self.path, self.size)
-            raise
+        append_or_cut_back(self.fd, self.path, parts, self.size)
         n = len(entries)
         if self.count + n > len(self._index):
             grown = np.empty(max(2 * len(self._index), self.count + n), INDEX_DTYPE)
@@ -179,20 +170,6 @@ def read_exactly(fd: int, path: Path, file_pos: int, length: int) -> np.ndarray:
                                   path, file_pos + got)
         got += n
     return buf
-
-
-def _write_all(fd: int, parts: list, position: int | None = None) -> None:
-    """Write every byte of ``parts`` (at ``position`` if given); loops over short writes."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        n = os.pwritev(fd, views, position) if position is not None else os.writev(fd, views)
-        if position is not None:
-            position += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
 
 
 def write_index(path: Path, entries: np.ndarray) -> None:

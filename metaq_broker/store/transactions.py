@@ -29,7 +29,7 @@ from typing import Optional
 from metaq_broker.errors import CorruptLogError, TransactionError, UnknownTransactionError
 from metaq_broker.protocol import records
 from metaq_broker.store import journal_v1
-from metaq_broker.store.durable import fsync_dir, make_dirs, replace_file
+from metaq_broker.store.durable import append_or_cut_back, fsync_dir, make_dirs, replace_file
 from metaq_broker.store.journal_frames import RECORD, bad_record, frame, valid_record_after
 
 log = logging.getLogger(__name__)
@@ -326,18 +326,7 @@ class TransactionManager:
         """Append one record (holding ``_lock``). If the write or its fsync fails, the journal is cut back
         to where it was and the error raised: the file stays valid and the broker keeps serving."""
         record = frame(kind, json.dumps(payload).encode())
-        try:
-            written = os.pwrite(self._fd, record, self._size)
-            if written != len(record):
-                raise OSError(f"short write to {self.path}: {written} of {len(record)} bytes")
-            if fsync:
-                os.fsync(self._fd)
-        except OSError:
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                log.exception("could not cut %s back to %d bytes after a failed write", self.path, self._size)
-            raise
+        append_or_cut_back(self._fd, self.path, [record], self._size, fsync)
         self._size += len(record)
 
     # -- recovery and compaction ----------------------------------------------------------------------
