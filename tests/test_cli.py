@@ -1,5 +1,5 @@
 """The ``metaq`` command line against a real ZooKeeper and broker: what scripts see (output and exit
-codes), and the quickstart end to end."""
+codes). The quickstart end to end is in test_quickstart_exit.py and test_console.py."""
 import json
 import subprocess
 import sys
@@ -66,16 +66,3 @@ def test_errors_exit_with_1_and_usage_with_2(running):
     assert r.returncode == 2
     r = metaq(running, "topics", "create", "x", "--config", "novalue")
     assert r.returncode == 2 and b"KEY=VALUE" in r.stderr
-
-
-def test_quickstart_runs_end_to_end(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "metaq_broker.tools.cli", "quickstart", "--messages", "3000",
-                        "--dir", str(tmp_path / "qs")], capture_output=True, timeout=180)
-    out = r.stdout.decode()
-    assert r.returncode == 0, out + r.stderr.decode()
-    assert "produced 3000 messages" in out and "total lag 0" in out
-    counts = out.split("read back per partition: ")[1].splitlines()[0]
-    assert sum(int(part.split(": ")[1]) for part in counts.split(", ")) == 3000
-    assert "Spark read 3000 messages from quickstart-events" in out
-    assert "quickstart-upper now holds 3000 messages" in out
-    assert "stopped the broker and ZooKeeper" in out

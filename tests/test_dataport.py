@@ -3,6 +3,7 @@ included; persistent pooled connections; restarts; registration in ZooKeeper; th
 and over FetchRaw when it is off or unreachable."""
 import json
 import os
+import signal
 import socket
 import struct
 import threading
@@ -18,7 +19,7 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.producer import Producer
 from metaq_broker.proto import metaq_pb2 as pb
-from metaq_broker.protocol import dataport, records
+from metaq_broker.protocol import dataport, rawput, records
 from metaq_broker.protocol.status import BrokerError
 from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
@@ -271,3 +272,116 @@ def test_spark_source_reads_over_the_data_port_or_without_it(spark, tmp_path, zo
             assert fetch_data == 0 and fetch_raw > 0
     finally:
         b.stop(grace=1)
+
+
+# -- puts over the data port -------------------------------------------------------------------------
+
+def test_puts_go_over_the_data_port_and_answer_as_put_raw(tmp_path, zookeeper, zk_root):
+    """Producers with a ZooKeeper view put over the data port: the same offsets, errors and transactions
+    as PutRaw, one connection per partition in flight, reused; a refused put leaves the connection usable."""
+    from metaq_broker.client.producer import PipelinedSender
+    from metaq_broker.protocol.status import RemoteInvalidArgumentError, RemoteUnknownTopicError
+    b = zk_broker(tmp_path, zookeeper, zk_root, "puts", numPartitions=2)
+    b.create_topic("two", 2, {})
+    try:
+        with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as producer, \
+                Producer(brokers={1: b.address}) as over_grpc, \
+                Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
+            wait_until(lambda: producer.data_address(1) and len(producer.partitions("two")) == 2,
+                       what="data port and partitions in the cluster view")
+            puts, data_puts = served(b, "Put"), served(b, "PutData")
+            r = producer.send_batch("two", [b"a", b"b", b"c"], partition="1-1")
+            assert (r[0].partition, r[0].base_offset, r[0].count) == ("1-1", 0, 3) and r[0].fsynced
+            assert served(b, "PutData") == data_puts + 1 and served(b, "Put") == puts
+            r = over_grpc.send_batch("two", [b"d"], partition="1-1")
+            assert (r[0].base_offset, served(b, "Put")) == (3, puts + 1)
+
+            # several partitions in flight at once, each on its own connection, given back when answered
+            sender = PipelinedSender(producer)
+            for i in range(10):
+                sender.send_batch("two", [b"p%d-%d" % (i, j) for j in range(100)], keys=[b"%d" % j for j in range(100)])
+            results = sender.flush()
+            assert sum(x.count for x in results) == 1000 and {x.partition for x in results} == {"1-0", "1-1"}
+            assert len(producer.data_pool._idle[producer.data_address(1)]) == 2
+            got = {p: consumer.fetch("two", p, 0, max_messages=2000).batch.column("value").to_pylist() for p in ("1-0", "1-1")}
+            assert sum(len(v) for v in got.values()) == 1004 and got["1-1"][:4] == [b"a", b"b", b"c", b"d"]
+
+            # refusals raise the gRPC path's errors, with its messages, and the connection serves on
+            body = records.encode_body([b"x"])
+            errors = []
+            for p in (producer, over_grpc):
+                with pytest.raises(RemoteUnknownTopicError) as e:
+                    p.start_put("nope", "1-0", body).result()
+                errors.append(e.value.details)
+            assert errors[0] == errors[1] and "nope" in errors[0]
+            bad = records.EncodedBody(body.count, body.attributes, body.parts, body.size, body.crc ^ 1,
+                                      body.message_sizes, body.max_message_size)
+            with pytest.raises(RemoteInvalidArgumentError, match="checksum mismatch"):
+                producer.start_put("two", "1-0", bad).result()
+            connects = sum(c.connects for c in producer.data_pool._idle[producer.data_address(1)])
+            producer.send_batch("two", [b"after"], partition="1-0")
+            assert sum(c.connects for c in producer.data_pool._idle[producer.data_address(1)]) == connects
+
+            # a transaction's puts take the same path and stay invisible until the commit
+            data_puts = served(b, "PutData")
+            txn = producer.transaction("dp-txn")
+            txn.send_batch("two", [b"t1", b"t2"], partition="1-0")
+            assert served(b, "PutData") == data_puts + 1
+            txn.prepare()
+            end = consumer.offset_bounds("two", ["1-0"])["1-0"]
+            assert end[1] < end[2]  # last stable offset held back by the prepared transaction
+            txn.commit()
+            wait_until(lambda: consumer.fetch("two", "1-0", end[1]).batch.column("value").to_pylist()[-2:] == [b"t1", b"t2"],
+                       what="committed transaction visible")
+    finally:
+        b.stop(grace=1)
+
+
+def test_a_malformed_put_is_refused_and_the_broker_serves_on(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        with socket.create_connection(("127.0.0.1", b.data_port), timeout=10) as s:
+            # a PutRaw request whose header says the body starts past its end
+            s.sendall(dataport.PREFIX.pack(48, dataport.PUT, 0) + struct.pack("<IIiIIIHHI", 4096, 0, 0, 1, 0, 0, 0, 0, 0)
+                      + b"\0" * 8)
+            head = s.recv(dataport.PUT_REPLY.size, socket.MSG_WAITALL)
+            n, status = dataport.PUT_REPLY.unpack(head)[:2]
+            assert status == 3 and b"body starts at byte 4096" in s.recv(n - len(head), socket.MSG_WAITALL)
+            # a put claiming more than the data port takes: refused, the connection closed
+            s.sendall(dataport.PREFIX.pack(dataport.MAX_PUT_BYTES + 1, dataport.PUT, 0) + b"\0" * 24)
+            head = s.recv(dataport.PUT_REPLY.size, socket.MSG_WAITALL)
+            n, status = dataport.PUT_REPLY.unpack(head)[:2]
+            assert status == 3 and b"at most" in s.recv(n - len(head), socket.MSG_WAITALL)
+            assert s.recv(1) == b""
+        with DataConnection(f"127.0.0.1:{b.data_port}") as d:  # a put cut short, then a good one
+            d.connect()
+            d.sock.sendall(dataport.PREFIX.pack(4096, dataport.PUT, 0) + b"\0" * 100)
+            d.close()
+            body = records.encode_body([b"ok"])
+            d.send_put(rawput.pack_parts("t", 0, "", body.count, body.attributes, body.crc, body.parts))
+            base_offset, _, _, partition, count, fsynced = d.receive_put()
+            assert (base_offset, partition, count, fsynced) == (0, 0, 1, True) and d.connects == 2
+    finally:
+        b.stop(grace=1)
+
+
+def test_a_put_whose_broker_dies_before_answering_fails_without_a_resend(cluster):
+    """The request reached the broker but no answer came: the put fails naming that it may be stored
+    (never resent blindly); the next put reconnects to the restarted broker."""
+    from metaq_broker.protocol.status import BrokerUnavailableError
+    b = cluster.start_broker(1, {"dataPort": 0}, topics={"t": {"numPartitions": 1}})
+    with cluster.client(Producer, timeout=10) as producer:
+        wait_until(lambda: producer.data_address(1) and producer.partitions("t"), what="broker in the cluster view")
+        producer.send_batch("t", [b"first"], partition="1-0")
+        body = records.encode_body([b"lost?"])
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            put = producer.start_put("t", "1-0", body)  # sent into the socket of a frozen broker
+        finally:
+            b.proc.kill()
+            b.proc.wait(10)
+        with pytest.raises(BrokerUnavailableError, match="may or may not be stored"):
+            put.result()
+        cluster.start_broker(1, {"dataPort": 0}, topics={"t": {"numPartitions": 1}})
+        wait_until(lambda: producer.data_address(1), what="restarted broker in the cluster view")
+        assert producer.send_batch("t", [b"again"], partition="1-0")[0].base_offset == 1

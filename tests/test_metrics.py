@@ -101,8 +101,9 @@ def test_traffic_storage_latency_and_zookeeper_are_exported(tmp_path, zookeeper,
         # Group commit, one producer: each stored batch took exactly one fsync.
         assert (m("metaq_fsyncs_total", **one), m("metaq_fsyncs_total", **two)) == (6, 1)
         assert m("metaq_fsync_seconds_total", **one) > 0 and p0.fsync_count == 6
-        assert m("metaq_rpc_latency_seconds_count", method="Put") == puts
-        assert m("metaq_rpc_latency_seconds_bucket", method="Put", le="+Inf") == puts
+        # the producer knows the broker's data port from ZooKeeper, so its puts went there
+        assert m("metaq_rpc_latency_seconds_count", method="PutData") == puts
+        assert m("metaq_rpc_latency_seconds_bucket", method="PutData", le="+Inf") == puts
         assert m("metaq_rpc_latency_seconds_count", method="FetchRaw") == fetches  # the client fetches raw
         assert m("metaq_rpc_latency_seconds_sum", method="FetchRaw") > 0
         assert m.types["metaq_rpc_latency_seconds"] == "histogram" and m.types["metaq_messages_in"] == "counter"

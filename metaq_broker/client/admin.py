@@ -1,12 +1,18 @@
 """Administration across brokers: topics, partitions, offsets, consumer groups and their lag, stats."""
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
-from typing import Optional
+from datetime import datetime
+from typing import Iterable, Optional, Union
+
+from kazoo.exceptions import NoNodeError
 
 from metaq_broker.client.base import ClientBase
+from metaq_broker.errors import InvalidPartitionError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
-from metaq_broker.zk.group_offsets import GroupStore
+from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,38 @@ class GroupLag:
     def lag(self) -> int:
         """Offsets, not messages: transaction markers and aborted messages count too."""
         return self.latest - (self.committed or 0)
+
+
+@dataclass(frozen=True)
+class OffsetReset:
+    """One partition of a ``reset_offsets`` plan."""
+    topic: str
+    partition: str
+    old: Optional[int]  # None: the group had committed nothing for this partition
+    new: int
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """One broker as ``brokers_status`` finds it: ``live`` (registered) or ``starting`` (restarted after a
+    crash, waiting for ZooKeeper to expire its previous run's session until about ``expected_expiry``)."""
+    broker_id: int
+    address: str
+    state: str
+    since: Optional[float] = None  # starting: when it began to wait (seconds since the epoch)
+    expected_expiry: Optional[float] = None  # starting: when the previous session should be gone
+
+    def seconds_left(self, now: Optional[float] = None) -> Optional[float]:
+        if self.expected_expiry is None:
+            return None
+        return max(0.0, self.expected_expiry - (time.time() if now is None else now))
+
+    def describe(self, now: Optional[float] = None) -> str:
+        if self.state != "starting":
+            return self.state
+        left = self.seconds_left(now)
+        return ("starting: waiting for the previous ZooKeeper session to expire, "
+                + (f"~{left:.0f}s left" if left else "any moment now"))
 
 
 class Admin(ClientBase):
@@ -104,3 +142,84 @@ class Admin(ClientBase):
             for p in sorted(set(committed) | set(latest)):
                 rows.append(GroupLag(group, t, p, committed.get(p), latest.get(p, (0, 0))[1]))
         return rows
+
+    # -- group operations (``metaq groups reset-offsets`` and ``delete``) -----------------------------
+    def group_members(self, group: str) -> list:
+        """Consumer ids of the group's live members (``<root>/consumers/<group>/ids``)."""
+        return self._groups().members(group)
+
+    def _idle_group(self, store: GroupStore, group: str, force: bool) -> None:
+        if not store.exists(group):
+            raise UnknownGroupError(f"no consumer group {group!r} (groups: {', '.join(store.groups()) or 'none'})")
+        members = store.members(group)
+        if members and not force:
+            raise GroupHasMembersError(f"group {group!r} has {len(members)} live member(s) ({', '.join(members)}): "
+                                       f"stop them first, or force it (--force)")
+
+    def reset_offsets(self, group: str, topic: str, to: Union[str, int, datetime],
+                      partitions: Optional[Iterable[str]] = None, dry_run: bool = False,
+                      force: bool = False) -> list:
+        """Move the group's committed offsets for ``topic`` (its partitions on live brokers, or just
+        ``partitions``) to ``"earliest"``, ``"latest"`` (the last stable offset), an offset, or the first
+        offset stored at or after a datetime; one ZooKeeper transaction. Refused while the group has live
+        members unless ``force`` (they would overwrite it, or read on from where they are). Returns the
+        plan, written unless ``dry_run``."""
+        store = self._groups()
+        self._idle_group(store, group, force)
+        names = self.partitions(topic)
+        chosen = list(dict.fromkeys(partitions or names))
+        unknown = [p for p in chosen if p not in names]
+        if unknown:
+            raise InvalidPartitionError(f"topic {topic!r} has no live partition {', '.join(unknown)} "
+                                        f"(partitions: {', '.join(names)})")
+        if isinstance(to, datetime):
+            at = {p: o[2] for p, o in self.offsets(topic, chosen, timestamp_ms=int(to.timestamp() * 1000)).items()}
+        elif to in ("earliest", "latest"):
+            at = {p: o[0 if to == "earliest" else 1] for p, o in self.offsets(topic, chosen).items()}
+        elif isinstance(to, int) and not isinstance(to, bool):
+            bounds = self.offsets(topic, chosen)
+            for p in chosen:
+                earliest, latest = bounds[p]
+                if not earliest <= to <= latest:
+                    raise OffsetOutOfRangeError(f"partition {p} of topic {topic!r}", to, earliest, latest)
+            at = dict.fromkeys(chosen, to)
+        else:
+            raise ValueError(f"reset to 'earliest', 'latest', an offset or a datetime, not {to!r}")
+        old = store.fetch(group, topic)
+        plan = [OffsetReset(topic, p, old.get(p), at[p]) for p in chosen]
+        if not dry_run:
+            store.commit(group, topic, {r.partition: r.new for r in plan})
+        return plan
+
+    def delete_group(self, group: str, force: bool = False) -> None:
+        """Remove the group with its offsets; refused while it has live members unless ``force``."""
+        store = self._groups()
+        self._idle_group(store, group, force)
+        store.delete(group)
+
+    # -- brokers, starting ones included (``metaq brokers``) ------------------------------------------
+    def brokers_status(self) -> list:
+        """Every broker, live or starting (waiting for its crashed previous run's ZooKeeper session to
+        expire: ``<root>/brokers/starting``), by id. A static broker list knows only live ones."""
+        zk = self.cluster.zk
+        if zk is None:
+            return [BrokerStatus(bid, addr, "live") for bid, addr in sorted(self.cluster.brokers().items())]
+        out = {}
+        for bid, addr in self.cluster.brokers().items():
+            out[bid] = BrokerStatus(bid, addr, "live")
+        starting = self.cluster.paths.brokers_starting()
+        for name in zk.get_children(starting) if zk.exists(starting) else []:
+            try:
+                data, stat = zk.get(f"{starting}/{name}")
+                info = json.loads(data)
+                bid = int(name)
+            except (NoNodeError, ValueError):
+                continue  # registered meanwhile, or not ours
+            try:
+                registered = zk.get(self.cluster.paths.broker(bid))[1].ephemeralOwner == stat.ephemeralOwner
+            except NoNodeError:
+                registered = False  # the old session is gone; registering any moment
+            if not registered:  # the id's node, if any, is still the crashed run's
+                out[bid] = BrokerStatus(bid, info.get("address", ""), "starting", info.get("since"),
+                                        info.get("expectedExpiry"))
+        return [out[bid] for bid in sorted(out)]

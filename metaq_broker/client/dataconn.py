@@ -1,7 +1,7 @@
 """Client side of the broker's data port (``metaq_broker.server.data_server``): fetches over a persistent TCP
 connection, each reply received straight into a buffer of its own (``recv_into``, no further copies), and
 returned as the ``rawfetch.FetchReply`` that ``FetchRaw`` gives (the aborted transactions with it), so
-decoding is the same.
+decoding is the same. Puts send a ``PutRaw`` request's buffers with one scatter-gather write.
 
 A refusal (unknown topic, offset out of range, closed partition...) raises the same ``BrokerError``
 subclass as over gRPC, naming the same status code, and leaves the connection usable. A broken connection
@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 
 from metaq_broker.protocol import rawfetch
-from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, REPLY, STATUS_BY_NUMBER, ProtocolError, pack_request,
-                                            recv_exact)
+from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, PUT_REPLY, REPLY, STATUS_BY_NUMBER, ProtocolError,
+                                            pack_request, put_request, recv_exact, send_all)
 from metaq_broker.protocol.status import error_of
 
 # A longer header than this is not a data port reply. The aborted list makes it long: 24 bytes for each
@@ -42,23 +42,58 @@ class DataConnection:
         self.connects = 0  # connections made (a test sees reuse)
         self._head = bytearray(REPLY.size)
 
-    def send(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
-             max_wait_ms: int = 0, timeout: Optional[float] = None) -> None:
-        """Send one fetch (connecting first if need be)."""
-        timeout = self.timeout if timeout is None else timeout
-        request = pack_request(topic, partition, offset, max_bytes, max_messages, max_wait_ms)
+    def connect(self, timeout: Optional[float] = None) -> None:
+        """Connect if not connected. Nothing is sent, so a caller may fall back to gRPC when this fails."""
+        if self.sock is None:
+            timeout = self.timeout if timeout is None else timeout
+            sock = socket.create_connection(self._target, timeout=min(CONNECT_TIMEOUT, timeout))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock, self.outstanding = sock, 0
+            self.connects += 1
+
+    def _send(self, parts: list, timeout: Optional[float]) -> None:
         try:
-            if self.sock is None:
-                sock = socket.create_connection(self._target, timeout=min(CONNECT_TIMEOUT, timeout))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.sock, self.outstanding = sock, 0
-                self.connects += 1
-            self.sock.settimeout(timeout)
-            self.sock.sendall(request)
+            self.connect(timeout)
+            self.sock.settimeout(self.timeout if timeout is None else timeout)
+            send_all(self.sock, parts)
         except BaseException:
             self.close()
             raise
         self.outstanding += 1
+
+    def send(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
+             max_wait_ms: int = 0, timeout: Optional[float] = None) -> None:
+        """Send one fetch (connecting first if need be)."""
+        self._send([pack_request(topic, partition, offset, max_bytes, max_messages, max_wait_ms)], timeout)
+
+    def send_put(self, parts: list, timeout: Optional[float] = None) -> None:
+        """Send one put: ``parts`` of a ``PutRaw`` request (``rawput.pack_parts``), not joined."""
+        self._send(put_request(parts), timeout)
+
+    def receive_put(self, timeout: Optional[float] = None) -> tuple:
+        """The reply to the oldest request sent, a put: (base_offset, base_msg_id, timestamp_ms, partition,
+        count, fsynced); a refusal raises the gRPC path's error."""
+        if self.sock is None or not self.outstanding:
+            raise ProtocolError(f"data port {self.address}: no request awaits a reply")
+        head = bytearray(PUT_REPLY.size)
+        try:
+            self.sock.settimeout(self.timeout if timeout is None else timeout)
+            if not recv_exact(self.sock, memoryview(head)):
+                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            reply_len, status, *fields, _ = PUT_REPLY.unpack(head)
+            if not PUT_REPLY.size <= reply_len <= MAX_HEADER:
+                raise ProtocolError(f"data port {self.address}: bad put reply of {reply_len} bytes")
+            message = bytearray(reply_len - PUT_REPLY.size)
+            if message and not recv_exact(self.sock, memoryview(message)):
+                raise ConnectionResetError(f"data port {self.address} closed the connection")
+        except BaseException:
+            self.close()
+            raise
+        self.outstanding -= 1
+        if status != OK:
+            code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+            raise error_of(code, message.decode("utf-8", "replace"), self.address)
+        return tuple(fields[:5]) + (bool(fields[5]),)
 
     def receive(self, timeout: Optional[float] = None) -> rawfetch.FetchReply:
         """The reply to the oldest request sent. ``timeout`` bounds each wait for bytes."""

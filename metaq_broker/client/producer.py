@@ -3,11 +3,14 @@
 batch per partition every ``linger_ms`` or ``batch_size`` messages). ``PipelinedSender`` keeps Puts of
 many ``send_batch`` calls in flight, one per partition (the Spark sink's at-least-once writer).
 
-Delivery: a call waits for a restarting broker (gRPC wait-for-ready) instead of failing, so nothing is
-resent blindly; when the broker acknowledges, the message is stored under the topic's flush policy
-(``PutResult.fsynced`` says whether an fsync covered it)."""
+Puts go over the broker's data port where it has one (``start_put``), else as gRPC ``PutRaw``.
+Delivery: a put to a broker that is down or restarting waits for it (gRPC wait-for-ready) instead of
+failing, and a put whose connection broke after it was sent fails rather than being resent blindly; when
+the broker acknowledges, the message is stored under the topic's flush policy (``PutResult.fsynced`` says
+whether an fsync covered it)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -19,13 +22,17 @@ import numpy as np
 import pyarrow as pa
 
 from metaq_broker.client.base import ClientBase
+from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
 from metaq_broker.errors import InvalidPartitionError, MetaqError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
-from metaq_broker.protocol.status import to_error
+from metaq_broker.protocol.dataport import ProtocolError
+from metaq_broker.protocol.status import BrokerUnavailableError, to_error
+
+log = logging.getLogger(__name__)
 
 
 class PartitionUnavailableError(MetaqError, TimeoutError):
@@ -56,18 +63,57 @@ class SendResult:
     timestamp: int
 
 
-def _put_request(topic: str, partition: int, body: records.EncodedBody, xid: str = "") -> bytes:
-    """A ``PutRaw`` request (``protocol/rawput.py``): the body's parts joined once, its only copy here. A
-    ``PutRequest`` cost two more (into the message, then serialising it): ~1 ms per MB in all."""
-    return rawput.pack(topic, partition, xid, body.count, body.attributes, body.crc, body.parts)
+class _GrpcPut:
+    """A ``PutRaw`` in flight over gRPC: the body's parts joined once (a ``PutRequest`` cost two more
+    copies, ~1 ms per MB in all). The call waits for a restarting broker (wait-for-ready)."""
+
+    def __init__(self, conn, topic: str, name: str, parts: list):
+        self.conn, self.topic, self.name = conn, topic, name
+        request = b"".join(parts)
+        self.size = len(request)
+        self._future = conn.future("PutRaw", request)
+
+    def result(self) -> "PutResult":
+        r = _wait(self.conn, self._future)
+        return PutResult(self.topic, self.name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+
+class _DataPortPut:
+    """A put in flight over the broker's data port (``dataconn``): the parts sent with one scatter-gather
+    write, no copy in Python, and no HTTP/2 framing on either side. One per connection at a time."""
+
+    def __init__(self, pool: DataConnectionPool, conn: DataConnection, topic: str, name: str, parts: list):
+        self.pool, self.conn, self.topic, self.name = pool, conn, topic, name
+        self.size = sum(len(p) for p in parts)
+        conn.send_put(parts)  # raises if nothing could be sent: the caller may still use gRPC
+
+    def result(self) -> "PutResult":
+        try:
+            base_offset, base_msg_id, timestamp, _, count, fsynced = self.conn.receive_put()
+        except (OSError, ProtocolError) as e:  # the request was sent: it may or may not be stored
+            raise BrokerUnavailableError(
+                grpc.StatusCode.UNAVAILABLE, f"connection lost while putting to {self.name} of {self.topic!r}, "
+                f"which may or may not be stored: {e}", self.conn.address) from None
+        finally:
+            self.pool.release(self.conn)  # closed instead if the reply never came
+        return PutResult(self.topic, self.name, base_offset, count, base_msg_id, timestamp, fsynced)
+
+    def cancel(self) -> None:
+        self.conn.close()  # the reply is not wanted: the connection cannot serve another put
 
 
 class Producer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
-                 partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0):
+                 partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0,
+                 use_data_port: bool = True):
         if partitioner not in ("hash", "round_robin"):
             raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
         super().__init__(zk_connect, zk_root, brokers, timeout)
+        self.data_pool = DataConnectionPool(timeout)  # puts to brokers with a data port
+        self.use_data_port = use_data_port  # False: every put as gRPC PutRaw (benchmarks compare the two)
         self.partitioner = partitioner
         self.batch_size = batch_size
         self.linger = linger_ms / 1000
@@ -141,19 +187,28 @@ class Producer(ClientBase):
         return out
 
     # -- synchronous ----------------------------------------------------------------------------------
+    def start_put(self, topic: str, name: str, body: records.EncodedBody, xid: str = ""):
+        """Send one encoded batch to partition ``name`` and return at once; ``.result()`` waits for the
+        broker's acknowledgement (a PutResult), ``.size`` is the request's size. Over the broker's data
+        port when it has one and it takes the connection; else ``PutRaw`` over gRPC."""
+        conn, number = self.route(name)
+        parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts)
+        address = self.data_address(parse_partition_name(name)[0]) if self.use_data_port else None
+        if address is not None:
+            data = self.data_pool.acquire(address)
+            try:
+                return _DataPortPut(self.data_pool, data, topic, name, parts)
+            except (OSError, ProtocolError) as e:  # not sent (the broker is down or restarting): gRPC waits
+                log.debug("data port %s: %s; putting with PutRaw", address, e)
+        return _GrpcPut(conn, topic, name, parts)
+
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
         """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
         partition used). Messages with a key go by key hash; without, the whole call goes to one
         partition, round robin across calls."""
-        calls = []
-        for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition):
-            conn, number = self.route(name)
-            calls.append((name, conn, _put_request(topic, number, body)))
-        if len(calls) == 1:  # the common case: a plain blocking call (a future costs a thread)
-            name, conn, request = calls[0]
-            return [_put_result(topic, name, conn.call("PutRaw", request))]
-        futures = [(name, conn, conn.future("PutRaw", request)) for name, conn, request in calls]
-        return [_put_result(topic, name, _wait(conn, fut)) for name, conn, fut in futures]
+        puts = [self.start_put(topic, name, body)
+                for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition)]
+        return [p.result() for p in puts]
 
     # -- transactions ---------------------------------------------------------------------------------
     def transaction(self, xid_prefix: str, timeout_ms: int = 0, coordinator: str = "") -> "Transaction":
@@ -228,6 +283,7 @@ class Producer(ClientBase):
             self._closed = True
             self._cond.notify()
         self._sender.join()
+        self.data_pool.close()
         super().close()
 
 
@@ -241,29 +297,26 @@ class PipelinedSender:
 
     def __init__(self, producer: Producer, max_bytes: int = 32 << 20, transaction: Optional["Transaction"] = None):
         self.producer, self.max_bytes, self.transaction = producer, max_bytes, transaction
-        self._inflight: dict = {}  # (topic, partition name) -> (connection, future, request size), oldest first
+        self._inflight: dict = {}  # (topic, partition name) -> put in flight (Producer.start_put), oldest first
         self._bytes = 0
         self._results: list = []
 
     def _finish(self, key) -> None:
-        conn, fut, size = self._inflight.pop(key)
-        self._bytes -= size
-        self._results.append(_put_result(key[0], key[1], _wait(conn, fut)))
+        put = self._inflight.pop(key)
+        self._bytes -= put.size
+        self._results.append(put.result())
 
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
         for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
-            conn, number = self.producer.route(name)
-            if self.transaction is None:
-                request = _put_request(topic, number, body)
-            else:
-                request = _put_request(topic, number, body, self.transaction.xid_on(parse_partition_name(name)[0]))
-                self.transaction.messages += body.count
+            xid = "" if self.transaction is None else self.transaction.xid_on(parse_partition_name(name)[0])
             if (topic, name) in self._inflight:
                 self._finish((topic, name))
-            while self._inflight and self._bytes + len(request) > self.max_bytes:
+            while self._inflight and self._bytes + body.size > self.max_bytes:
                 self._finish(next(iter(self._inflight)))
-            self._inflight[(topic, name)] = (conn, conn.future("PutRaw", request), len(request))
-            self._bytes += len(request)
+            put = self._inflight[(topic, name)] = self.producer.start_put(topic, name, body, xid)
+            self._bytes += put.size
+            if self.transaction is not None:
+                self.transaction.messages += body.count
 
     def flush(self) -> list:
         while self._inflight:
@@ -272,8 +325,8 @@ class PipelinedSender:
         return results
 
     def close(self) -> None:
-        for _, fut, _ in self._inflight.values():
-            fut.cancel()
+        for put in self._inflight.values():
+            put.cancel()
         self._inflight.clear()
         self._bytes = 0
 
@@ -298,9 +351,7 @@ class Transaction:
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
         """Add messages (routed as ``Producer.send_batch`` does); they stay invisible until commit."""
         for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
-            bid, number = parse_partition_name(name)
-            request = _put_request(topic, number, body, self.xid_on(bid))
-            self.producer.connection(bid).call("PutRaw", request)
+            self.producer.start_put(topic, name, body, self.xid_on(parse_partition_name(name)[0])).result()
             self.messages += body.count
 
     def prepare(self) -> list:
@@ -321,10 +372,6 @@ def _wait(conn, fut):
         return fut.result()
     except grpc.RpcError as e:
         raise to_error(e, conn.address) from None
-
-
-def _put_result(topic: str, name: str, r) -> PutResult:
-    return PutResult(topic, name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
 
 
 def _columns(values, keys, attributes, flags) -> list:

@@ -1,6 +1,11 @@
-"""The data port's wire format (docs/protocol.md): a fixed 32-byte request and the topic, answered with
-``rawfetch``'s header (its ``flags`` field carrying a status code), the records' length, the aborted list
-(``rawfetch.pack_aborted``; only on status OK), and the records.
+"""The data port's wire format (docs/protocol.md). Every request starts with its length and kind.
+
+- FETCH: a fixed 32-byte request and the topic, answered with ``rawfetch``'s header (its ``flags`` field
+  carrying a status code), the records' length, the aborted list (``rawfetch.pack_aborted``; only on
+  status OK), and the records.
+- PUT: an 8-byte prefix and a ``PutRaw`` request (``rawput``) as it is, answered with a fixed 48-byte
+  reply (status, where the batch went) and, on an error, the message.
+
 No sockets are opened here: the broker's data server and the client's data connection both frame with it."""
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import grpc
 from metaq_broker.errors import MetaqError
 from metaq_broker.protocol import rawfetch
 
-FETCH = 1  # the one request kind
+FETCH, PUT = 1, 2  # request kinds
+# Every request: request_len (all of it), kind, a u16 the kind defines (FETCH: the topic's length; PUT: 0)
+PREFIX = struct.Struct("<IHH")
 # request_len (all of it, topic included), kind, topic_len, partition, offset, max_bytes, max_messages, max_wait_ms
 REQUEST = struct.Struct("<IHHiqiii")
 assert REQUEST.size == 32
@@ -22,6 +29,11 @@ MAX_TOPIC_BYTES = 1024
 REPLY = struct.Struct("<IIqqqqq")
 assert REPLY.size == 48 and REPLY.format[:7] == rawfetch.HEADER.format
 OK = 0
+# reply_len (the error message follows on a status other than OK), status, base_offset, base_msg_id,
+# timestamp_ms, partition, count, fsynced (0 or 1), reserved (0)
+PUT_REPLY = struct.Struct("<IIqqqiIII")
+assert PUT_REPLY.size == 48
+MAX_PUT_BYTES = 256 << 20  # as gRPC's message limit on the broker: a PutRaw too large for one is for the other
 CONNECT_TIMEOUT = 5.0  # a client gives up on the data port (and uses FetchRaw) after this
 
 
@@ -32,6 +44,14 @@ def pack_request(topic: str, partition: int, offset: int, max_bytes: int = 0, ma
         raise ValueError(f"topic name of {len(name)} bytes is over {MAX_TOPIC_BYTES}")
     return REQUEST.pack(REQUEST.size + len(name), FETCH, len(name), partition, offset, max_bytes, max_messages,
                         max_wait_ms) + name
+
+
+def put_request(parts: list) -> list:
+    """A PUT request as buffers: the prefix, then the ``PutRaw`` request's ``parts`` (``rawput.pack_parts``)."""
+    length = PREFIX.size + sum(len(p) for p in parts)
+    if length > MAX_PUT_BYTES:
+        raise ValueError(f"put request of {length} bytes is over the data port's {MAX_PUT_BYTES}")
+    return [PREFIX.pack(length, PUT, 0), *parts]
 
 
 def code_number(code: grpc.StatusCode) -> int:
@@ -57,3 +77,17 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
             raise ProtocolError(f"connection closed after {got} of {n} bytes")
         got += k
     return True
+
+
+def send_all(sock: socket.socket, parts: list) -> None:
+    """Send ``parts`` in order with scatter-gather writes (no join, no copy in Python), however the
+    kernel splits them."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views[:512])  # well under IOV_MAX
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0

@@ -43,15 +43,22 @@ class Request(NamedTuple):
     batch: Batch
 
 
-def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list) -> bytes:
-    """The request for a body given as ``parts`` (``EncodedBody.parts``): one join, the only copy."""
+def pack_parts(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int,
+               parts: list) -> list:
+    """The request as buffers: the header with the names (padded to 8), then the body's ``parts``
+    (``EncodedBody.parts``) as they are, for a scatter-gather send with no copy."""
     topic_b, xid_b = topic.encode(), xid.encode()
     if len(topic_b) > MAX_NAME_BYTES or len(xid_b) > MAX_NAME_BYTES:
         raise ValueError(f"topic or xid longer than {MAX_NAME_BYTES} bytes")
     header_len = HEADER.size + len(topic_b) + len(xid_b)
     pad = (-header_len) % ALIGN
     head = HEADER.pack(header_len + pad, 0, partition, count, attributes, body_crc, len(topic_b), len(xid_b), 0)
-    return b"".join((head, topic_b, xid_b, b"\0" * pad, *parts))
+    return [head + topic_b + xid_b + b"\0" * pad, *parts]
+
+
+def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list) -> bytes:
+    """The request for a body given as ``parts`` (``EncodedBody.parts``): one join, the only copy."""
+    return b"".join(pack_parts(topic, partition, xid, count, attributes, body_crc, parts))
 
 
 def unpack(request) -> Request:

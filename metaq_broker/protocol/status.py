@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 
-from metaq_broker.errors import (ConfigError, CorruptLogError, InvalidMessageError, InvalidOffsetError,
-                                 InvalidPartitionError, InvalidTopicError, MessageTooLargeError, MetaqError,
-                                 OffsetOutOfRangeError, PartitionClosedError, StoreClosedError, TransactionError,
-                                 UnknownTopicError)
+from metaq_broker.errors import (ConfigError, CorruptLogError, DiskFullError, InvalidMessageError,
+                                 InvalidOffsetError, InvalidPartitionError, InvalidTopicError, MessageTooLargeError,
+                                 MetaqError, OffsetOutOfRangeError, PartitionClosedError, StoreClosedError,
+                                 TransactionError, UnknownTopicError)
 from metaq_broker.protocol.records import RecordFormatError
 
 
@@ -31,6 +31,11 @@ class RemoteOffsetOutOfRangeError(BrokerError, LookupError):
 
 class RemoteMessageTooLargeError(BrokerError, MessageTooLargeError):
     pass
+
+
+class RemoteDiskFullError(BrokerError, DiskFullError):
+    """The broker's disk is full: nothing of the call was stored. Not resent by the client (a full disk
+    waits for an operator or for retention); sending it again once space is freed is safe."""
 
 
 class RemoteInvalidArgumentError(BrokerError, ValueError):
@@ -56,6 +61,7 @@ class BrokerUnavailableError(BrokerError):
 # (errors raised in the broker, most specific first) -> code -> error raised in the client
 TABLE = [
     ((MessageTooLargeError,), grpc.StatusCode.RESOURCE_EXHAUSTED, RemoteMessageTooLargeError),
+    ((DiskFullError,), grpc.StatusCode.RESOURCE_EXHAUSTED, RemoteDiskFullError),
     ((UnknownTopicError,), grpc.StatusCode.NOT_FOUND, RemoteUnknownTopicError),
     ((OffsetOutOfRangeError,), grpc.StatusCode.OUT_OF_RANGE, RemoteOffsetOutOfRangeError),
     ((InvalidPartitionError, InvalidOffsetError, InvalidTopicError, InvalidMessageError, ConfigError,
@@ -65,7 +71,9 @@ TABLE = [
     ((TransactionError,), grpc.StatusCode.ABORTED, RemoteTransactionError),
     ((PartitionClosedError,), grpc.StatusCode.FAILED_PRECONDITION, RemotePartitionClosedError),
 ]
-_ERROR_OF = {code: remote for _, code, remote in TABLE}
+# Two errors share RESOURCE_EXHAUSTED: a disk-full message starts with DISK_FULL, the rest are too large.
+DISK_FULL = "disk full:"
+_ERROR_OF = {code: remote for _, code, remote in reversed(TABLE)}  # the first of a code wins
 _ERROR_OF[grpc.StatusCode.DEADLINE_EXCEEDED] = BrokerUnavailableError
 
 
@@ -79,6 +87,8 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
 
 def error_of(code: grpc.StatusCode, message: str, address: str) -> BrokerError:
     """The client-side error for a status the broker at ``address`` answered."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith(DISK_FULL):
+        return RemoteDiskFullError(code, message, address)
     return _ERROR_OF.get(code, BrokerError)(code, message, address)
 
 

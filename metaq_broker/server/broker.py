@@ -18,6 +18,7 @@ from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
+from metaq_broker.server.disk import DiskState
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.service import BrokerService
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 RUNTIME_TOPICS_FILE = "runtime-topics.ini"
 SERVICE_NAME = "metaq.v1.Broker"
+WRITE_SERVICE = "metaq.write"  # health: NOT_SERVING while the last write found the disk full
 MAX_GRPC_MESSAGE = 256 << 20
 
 
@@ -49,6 +51,7 @@ class Broker:
         self.data_port: Optional[int] = None  # the data port once started (dataPort >= 0)
         self.data_server = None
         self.stats, self.metrics = BrokerStats(), None
+        self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
         self.store = self.server = self.registration = self.transactions = self.resolver = None
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
@@ -76,12 +79,13 @@ class Broker:
             self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
                                                    cfg.transaction_timeout_ms / 1000,
                                                    max_timeout_s=cfg.transaction_max_timeout_ms / 1000)
+            self.disk = DiskState(data, on_change=self._write_health)
             if cfg.metrics_port >= 0:
                 self.metrics = BrokerMetrics(self)
             service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
                                     self.create_topic, self.stats,
                                     observe=self.metrics.observe_rpc if self.metrics else None,
-                                    transactions=self.transactions)
+                                    transactions=self.transactions, disk=self.disk)
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -119,6 +123,7 @@ class Broker:
             raise
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._write_health(self.disk.full)
         log.info("metaq broker %d listening on %s%s (data in %s)", cfg.broker_id, self.address,
                  f", data port {self.data_port}" if self.data_port is not None else "", data.resolve())
         return self
@@ -134,6 +139,10 @@ class Broker:
             self.registration.stop()
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
+
+    def _write_health(self, full: bool) -> None:
+        self._health.set(WRITE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if full
+                         else health_pb2.HealthCheckResponse.SERVING)
 
     def open_transactions(self) -> dict:
         """Transactions by state (open, prepared, committing), for the metrics."""

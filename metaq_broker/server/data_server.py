@@ -1,5 +1,5 @@
-"""The broker's data port: bulk fetches over plain TCP, the record bytes sent from the segment file with
-``sendfile``.
+"""The broker's data port: bulk fetches and puts over plain TCP, fetched record bytes sent from the segment
+file with ``sendfile``, put bodies received straight into a buffer the connection reuses.
 
 gRPC in Python costs about a millisecond of CPU per MB fetched, end to end (copies in its Python layer
 and HTTP/2 framing), and a Spark task shares its cores with the broker. The data port serves one request,
@@ -8,9 +8,13 @@ with ``rawfetch``'s 40-byte header (its ``flags`` field carrying a status code),
 aborted transactions overlapping them, and the records copied by the kernel from the page cache to the
 socket. docs/protocol.md gives the layout.
 
-Everything but the transport is the gRPC fetch's: the same checks, errors (as gRPC status code numbers
+A PUT carries a ``PutRaw`` request as it is and is stored by the same ``BrokerService.put``; the reply
+comes after the store's acknowledgement (its fsync, by the topic's flush policy), so a connection has one
+put in flight and a producer opens one connection per partition it writes at once.
+
+Everything but the transport is the gRPC calls': the same checks, errors (as gRPC status code numbers
 and the same messages), counters and long-poll wait. ``dataPort`` = -1 turns the port off; clients then
-fetch with ``FetchRaw``, as they do whenever the data port cannot be reached.
+use ``FetchRaw`` and ``PutRaw``, as they do whenever the data port cannot be reached.
 """
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ import threading
 import time
 
 import grpc
+import numpy as np
 
 from metaq_broker.errors import InvalidOffsetError, MetaqError
 from metaq_broker.protocol import records
-from metaq_broker.protocol.dataport import (FETCH, MAX_TOPIC_BYTES, OK, REPLY, REQUEST, ProtocolError, code_number,
-                                            recv_exact)
+from metaq_broker.protocol.dataport import (FETCH, MAX_PUT_BYTES, MAX_TOPIC_BYTES, OK, PREFIX, PUT, PUT_REPLY, REPLY,
+                                            REQUEST, ProtocolError, code_number, recv_exact)
 from metaq_broker.protocol.rawfetch import pack_aborted
 from metaq_broker.protocol.status import code_of
 
@@ -98,11 +103,25 @@ class DataServer:
             thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
-        head = bytearray(REQUEST.size)
+        head = bytearray(REQUEST.size)  # no request is shorter: a PUT has a 32-byte PutRaw header after its prefix
+        put_buffer = np.empty(0, np.uint8)  # grown to the largest put, then reused: no new pages per put
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._stopping and recv_exact(sock, memoryview(head)):
                 length, kind, topic_len, *fields = REQUEST.unpack(head)
+                if kind == PUT:
+                    if not REQUEST.size + records.ALIGN <= length <= MAX_PUT_BYTES:
+                        self._send_put_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                                             f"data port put of {length} bytes (at most {MAX_PUT_BYTES}); closing "
+                                             f"the connection")
+                        return
+                    if len(put_buffer) < length:
+                        put_buffer = np.empty(length, np.uint8)
+                    put_buffer[:REQUEST.size] = np.frombuffer(head, np.uint8)
+                    if not recv_exact(sock, memoryview(put_buffer)[REQUEST.size:length]):
+                        raise ProtocolError("connection closed inside a request")
+                    self._put(sock, memoryview(put_buffer)[PREFIX.size:length])
+                    continue
                 if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
                     self._send_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
                                      f"malformed data port request (kind {kind}, {length} bytes, topic of "
@@ -121,28 +140,39 @@ class DataServer:
                 self._conns.pop(sock, None)
             sock.close()
 
-    # -- one fetch ------------------------------------------------------------------------------------
-    def _fetch(self, sock: socket.socket, name: bytearray, partition: int, offset: int, max_bytes: int,
-               max_messages: int, max_wait_ms: int) -> None:
+    # -- one request --------------------------------------------------------------------------------
+    @staticmethod
+    def _answer(sock: socket.socket, method: str, send_error, call):
+        """``call()``'s result, or None once a refusal is sent with ``send_error`` as the gRPC service
+        would answer it (the error's status, or INTERNAL with a logged traceback)."""
+        try:
+            return call()
+        except (MetaqError, records.RecordFormatError) as e:
+            send_error(sock, code_of(e), str(e))
+        except Exception as e:  # noqa: BLE001 - answered like the gRPC service's INTERNAL
+            log.exception("data port %s failed", method)
+            send_error(sock, grpc.StatusCode.INTERNAL, f"{method} failed: {type(e).__name__}: {e}")
+        return None
+
+    def _locate(self, name: bytearray, partition: int, offset: int, max_bytes: int, max_messages: int,
+                max_wait_ms: int) -> tuple:
+        """(FileRange, partition, a dup of its segment's fd or -1 when empty) of one fetch."""
+        try:
+            topic = name.decode()
+        except UnicodeDecodeError:
+            raise InvalidOffsetError("the topic name is not UTF-8") from None
+        where, log_ = self.service.read(topic, partition, offset, max_bytes, max_messages, max_wait_ms,
+                                        lambda: not self._stopping, locate=True)
+        return where, log_, where.dup_fd() if where.length else -1
+
+    def _fetch(self, sock: socket.socket, *request) -> None:
         start = time.perf_counter()
         fd = -1
         try:
-            try:
-                try:
-                    topic = name.decode()
-                except UnicodeDecodeError:
-                    raise InvalidOffsetError("the topic name is not UTF-8") from None
-                where, log_ = self.service.read(topic, partition, offset, max_bytes, max_messages, max_wait_ms,
-                                                lambda: not self._stopping, locate=True)
-                if where.length:
-                    fd = where.dup_fd()
-            except (MetaqError, records.RecordFormatError) as e:
-                self._send_error(sock, code_of(e), str(e))
+            located = self._answer(sock, "FetchData", self._send_error, lambda: self._locate(*request))
+            if located is None:
                 return
-            except Exception as e:  # noqa: BLE001 - answered like the gRPC service's INTERNAL
-                log.exception("data port fetch failed")
-                self._send_error(sock, grpc.StatusCode.INTERNAL, f"FetchData failed: {type(e).__name__}: {e}")
-                return
+            where, log_, fd = located
             aborted = pack_aborted(where.aborted)
             header = REPLY.pack(REPLY.size + len(aborted), OK, where.start_offset, where.end_offset,
                                 log_.earliest_offset, log_.latest_offset, where.length) + aborted
@@ -162,6 +192,22 @@ class DataServer:
                 os.close(fd)
             if self.service.observe is not None:
                 self.service.observe("FetchData", time.perf_counter() - start)
+
+    def _put(self, sock: socket.socket, request: memoryview) -> None:
+        start = time.perf_counter()
+        try:
+            r = self._answer(sock, "PutData", self._send_put_error, lambda: self.service.put(request))
+            if r is not None:
+                sock.sendall(PUT_REPLY.pack(PUT_REPLY.size, OK, r.base_offset, r.base_msg_id, r.timestamp_ms,
+                                            r.partition, r.count, int(r.fsynced), 0))
+        finally:
+            if self.service.observe is not None:
+                self.service.observe("PutData", time.perf_counter() - start)
+
+    @staticmethod
+    def _send_put_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        body = message.encode("utf-8", "replace")
+        sock.sendall(PUT_REPLY.pack(PUT_REPLY.size + len(body), code_number(code), -1, -1, -1, -1, 0, 0, 0) + body)
 
     @staticmethod
     def _send_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:

@@ -7,13 +7,20 @@ client) when Prometheus scrapes."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 
+from kazoo.exceptions import KazooException
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from metaq_broker import __version__
 from metaq_broker.errors import ConfigError, MetaqError
-from metaq_broker.names import partition_name
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.server.disk import free_space
+from metaq_broker.protocol import records
+from metaq_broker.zk.group_offsets import GroupOffsetWatcher
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +28,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ZK_STATES = ("connected", "suspended", "lost", "connecting", "disabled")
 PARTITION = ["topic", "partition"]
+GROUP_PARTITION = ["group", "topic", "partition"]
 
 # metric (without _total) -> (PartitionCounters field of stats.py, help)
 STATS_COUNTERS = {
@@ -80,6 +88,9 @@ class BrokerCollector:
 
     def __init__(self, broker):
         self.broker = broker
+        self._lag_lock = threading.Lock()
+        self._offsets = None  # GroupOffsetWatcher, made with the broker's first ZooKeeper session
+        self._batch_times: dict = {}  # (topic, partition, offset) -> store time (ms) of its batch
 
     def collect(self):
         b = self.broker
@@ -90,7 +101,9 @@ class BrokerCollector:
         yield info
         yield GaugeMetricFamily("metaq_uptime_seconds", "Seconds since the broker started", value=b.stats.uptime())
         yield from self._partitions(b, bid)
+        yield from self._disk(b)
         yield from self._zookeeper(b)
+        yield from self._group_lag(b, bid)
         txn = GaugeMetricFamily("metaq_open_transactions", "Open transactions, by state", labels=["state"])
         for state, n in b.open_transactions().items():
             txn.add_metric([state], n)
@@ -138,6 +151,20 @@ class BrokerCollector:
         yield fsync_s
 
     @staticmethod
+    def _disk(b):
+        """A full disk: whether the last write hit it, how many writes it refused, the space left."""
+        disk = b.disk
+        yield GaugeMetricFamily("metaq_disk_full", "1 while the last write found the disk full (ENOSPC)",
+                                value=int(disk is not None and disk.full))
+        yield CounterMetricFamily("metaq_disk_full_errors", "Writes refused because the disk was full",
+                                  value=disk.errors if disk is not None else 0)
+        free = GaugeMetricFamily("metaq_data_free_bytes", "Bytes free on the file system of the data directory",
+                                 labels=["path"])
+        if disk is not None:
+            free.add_metric([str(disk.data_path)], free_space(disk.data_path)[0])
+        yield free
+
+    @staticmethod
     def _zookeeper(b):
         reg = b.registration
         if not b.uses_zookeeper:
@@ -155,3 +182,67 @@ class BrokerCollector:
         yield states
         yield CounterMetricFamily("metaq_zookeeper_registrations", "Times the broker (re-)registered in ZooKeeper",
                                   value=reg.registrations if reg is not None else 0)
+
+    # -- consumer-group lag ---------------------------------------------------------------------------
+    def _committed(self, b, bid) -> dict:
+        """``{(group, topic, partition): offset}`` of this broker's partitions; {} without ZooKeeper."""
+        reg = b.registration
+        if reg is None or not reg.connected:
+            return {}  # stale offsets against fresh log ends would show a lag that is not there
+        if self._offsets is None or self._offsets.zk is not reg.client:
+            self._offsets = GroupOffsetWatcher(reg.client, b.config.zk_root, bid)
+        try:
+            return self._offsets.offsets()
+        except KazooException as e:
+            log.debug("group offsets not readable from ZooKeeper now: %s", e)
+            return {}
+
+    def _group_lag(self, b, bid):
+        """Per group and partition, the Kafka lag exporters' lag in offsets and in seconds. The seconds come
+        from the store time of the batch at the committed offset: one batch header read when that offset
+        changes, remembered while it stays committed."""
+        lag = GaugeMetricFamily("metaq_consumergroup_lag", "Last stable offset minus the group's committed "
+                                "offset", labels=GROUP_PARTITION)
+        lag_s = GaugeMetricFamily("metaq_consumergroup_lag_seconds", "Seconds since the first message not yet "
+                                  "consumed by the group was stored (0 when caught up)", labels=GROUP_PARTITION)
+        with self._lag_lock:  # scrapes may overlap; the caches are this collector's
+            committed = self._committed(b, bid)
+            now_ms, times = time.time() * 1000, {}
+            for (group, topic, name), offset in sorted(committed.items()):
+                try:
+                    p = b.store.partition(topic, parse_partition_name(name)[1])
+                except (MetaqError, ValueError):
+                    continue  # a topic or partition this broker does not hold (any more)
+                if offset < 0:
+                    continue  # not a number: nothing committed that a lag could be measured from
+                stable = p.latest_offset
+                labels = [group, topic, name]
+                lag.add_metric(labels, max(stable - offset, 0))
+                if offset >= stable:
+                    lag_s.add_metric(labels, 0.0)
+                    continue
+                key = (topic, name, max(offset, p.earliest_offset))
+                stored = self._batch_times.get(key)
+                if stored is None:
+                    try:
+                        stored = _batch_time(p, key[2])
+                    except (MetaqError, ValueError, OSError) as e:  # removed by retention, closing, damaged
+                        log.debug("no store time for %s %s offset %d: %s", topic, name, key[2], e)
+                        continue
+                times[key] = stored
+                lag_s.add_metric(labels, max(now_ms - stored, 0) / 1000)
+            self._batch_times = times
+        yield lag
+        yield lag_s
+
+
+def _batch_time(p, offset: int) -> int:
+    """Store time (ms) of the batch holding ``offset``: its header alone is read from the segment file."""
+    where = p.locate(offset, max_bytes=1, max_messages=1)
+    if where.segment is None:
+        raise MetaqError(f"offset {offset} of {p.name} is past the last stable offset")
+    fd = where.dup_fd()
+    try:
+        return records.parse_header(os.pread(fd, records.HEADER_SIZE, where.position)).timestamp
+    finally:
+        os.close(fd)

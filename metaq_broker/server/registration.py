@@ -9,7 +9,8 @@ Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an 
 ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because
 kazoo state listeners must not block). A second broker with an id that a live session holds is
 refused; when the holder has *our* address it is this broker's previous, crashed run, whose session
-will expire shortly, so we wait for that instead (Kafka does the same).
+will expire shortly, so we wait for that instead (Kafka does the same), and say so in an ephemeral
+``<root>/brokers/starting/<id>`` of our own session (``metaq brokers`` shows it) until we are registered.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ log = logging.getLogger(__name__)
 class BrokerIdInUseError(MetaqError):
     """Another live ZooKeeper session holds this broker id. ``holder`` is the address stored there."""
 
-    def __init__(self, message: str, broker_id: int = -1, holder=None):
+    def __init__(self, message: str, broker_id: int = -1, holder=None, session: int = 0):
         super().__init__(message)
-        self.broker_id, self.holder = broker_id, holder
+        self.broker_id, self.holder, self.session = broker_id, holder, session  # session: the holder's id
 
 
 class BrokerRegistration:
@@ -82,14 +83,45 @@ class BrokerRegistration:
                     if not self._warned:
                         self._warned = True
                         log.warning("broker id %d is still held by a session with our own address (a crashed "
-                                    "previous run?); waiting for it to expire", self.broker_id)
+                                    "previous run?); waiting for it to expire (within about %.0fs, "
+                                    "zk.sessionTimeout)", self.broker_id, self.session_timeout)
+                        self._announce_starting(e.session)
                     time.sleep(0.25)
         except BaseException:
             self._stopped = True
+            self._withdraw_starting()
             self._close_client()
             raise
+        self._withdraw_starting()
         self._started = True
         return self
+
+    def _announce_starting(self, old_session: int) -> None:
+        """``<root>/brokers/starting/<id>``, ephemeral: this broker waits for its previous run's session to
+        expire, ZooKeeper expiring it at the latest a session timeout from now."""
+        now = time.time()
+        info = {**self.address, "address": f"{self.address.get('host')}:{self.address.get('port')}",
+                "since": now, "expectedExpiry": now + self.session_timeout, "oldSession": f"0x{old_session:x}"}
+        try:
+            self.client.create(self.paths.broker_starting(self.broker_id), json.dumps(info, sort_keys=True).encode(),
+                               ephemeral=True, makepath=True)
+        except NodeExistsError:
+            log.info("%s exists already: another broker with id %d is starting", self.paths.broker_starting(
+                self.broker_id), self.broker_id)
+        except KazooException as e:  # only a notice: waiting goes on without it
+            log.warning("could not write %s: %s", self.paths.broker_starting(self.broker_id), e)
+
+    def _withdraw_starting(self) -> None:
+        path = self.paths.broker_starting(self.broker_id)
+        try:
+            if self._warned and self.client.connected:
+                _, stat = self.client.get(path)
+                if stat.ephemeralOwner == self.client.client_id[0]:
+                    self.client.delete(path, version=stat.version)
+        except NoNodeError:
+            pass
+        except KazooException as e:  # ephemeral: it goes with our session anyway
+            log.warning("could not remove %s: %s", path, e)
 
     def _same_address(self, holder) -> bool:
         return isinstance(holder, dict) and all(
@@ -121,7 +153,7 @@ class BrokerRegistration:
                     raise BrokerIdInUseError(
                         f"broker id {self.broker_id} is already registered in ZooKeeper ({self.node}) by another "
                         f"live session, address {held.decode(errors='replace')}; stop that broker or give this "
-                        f"one another brokerId", self.broker_id, holder) from None
+                        f"one another brokerId", self.broker_id, holder, stat.ephemeralOwner) from None
             for topic, n in list(self.topics.items()):
                 self._write_topic(topic, n)
             self.registrations += 1

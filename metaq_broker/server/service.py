@@ -19,6 +19,7 @@ from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput, records
 from metaq_broker.protocol.status import code_of
 from metaq_broker.server.config import topic_ini_values
+from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.zk.decisions import parse_coordinator
 
@@ -35,6 +36,9 @@ def rpc(method):
         except (MetaqError, records.RecordFormatError) as e:
             context.abort(code_of(e), str(e))
         except Exception as e:  # noqa: BLE001 - a bad request must never take the broker down
+            if is_disk_full(e):  # a full disk is no bug: RESOURCE_EXHAUSTED and one warning, no traceback
+                e = self.disk.error(e)
+                context.abort(code_of(e), str(e))
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(e).__name__}: {e}")
         finally:
@@ -45,8 +49,9 @@ def rpc(method):
 
 class BrokerService(pb_grpc.BrokerServicer):
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
-                 create_topic, stats: BrokerStats, observe=None, transactions=None):
+                 create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None):
         self.store = store
+        self.disk = disk or DiskState(store.data_path)  # whether the last write found the disk full
         self.transactions = transactions  # store.transactions.TransactionManager
         self.broker_id = broker_id
         self.max_transfer_size = max_transfer_size
@@ -82,7 +87,12 @@ class BrokerService(pb_grpc.BrokerServicer):
     # -- data -----------------------------------------------------------------------------------------
     @rpc
     def Put(self, request, context):
-        if isinstance(request, bytes):  # PutRaw (rawput): the same fields, the body a view of the request
+        return self.put(request)
+
+    def put(self, request) -> pb.PutResponse:
+        """What every produce path (gRPC ``Put``/``PutRaw`` and the data port's PUT) does: the request is a
+        ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them)."""
+        if not isinstance(request, pb.PutRequest):
             request = rawput.unpack(request)
         topic, partition = request.topic, request.partition
         config = self.store.topic_config(topic)
@@ -101,9 +111,12 @@ class BrokerService(pb_grpc.BrokerServicer):
                 result = self._transactions().put(request.xid, topic, partition, body)
             else:
                 result = log_.append_body(body)
-        except BaseException:
+        except BaseException as e:
             counters.record_failure("put")
+            if is_disk_full(e):  # here, not in ``rpc``: the data port's PUT comes this way too
+                raise self.disk.error(e, self.store.data_path / f"{topic}-{partition}") from None
             raise
+        self.disk.ok()
         counters.record_put(result.count, len(request.batch.body))
         return pb.PutResponse(topic=topic, partition=partition, base_offset=result.base_offset, count=result.count,
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
@@ -245,15 +258,29 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def PrepareTransaction(self, request, context):
         t = self._transactions().prepare(request.xid)
+        self.disk.ok()
         return self._reply(t.xid, t.state, t.messages)
 
     @rpc
     def CommitTransaction(self, request, context):
-        return self._reply(request.xid, self._transactions().commit(request.xid))
+        return self._reply(request.xid, self._settle(self._transactions().commit, request.xid))
 
     @rpc
     def RollbackTransaction(self, request, context):
-        return self._reply(request.xid, self._transactions().rollback(request.xid))
+        return self._reply(request.xid, self._settle(self._transactions().rollback, request.xid))
+
+    def _settle(self, settle, xid: str) -> str:
+        """``settle(xid)`` (commit or rollback). A full disk after the decision was journalled is still a
+        DiskFullError, saying that the broker finishes the settlement itself (``expire``) once space returns."""
+        try:
+            state = settle(xid)
+        except OSError as e:
+            if is_disk_full(e) and self.transactions.state(xid) in ("committing", "aborting"):
+                raise self.disk.error(e, note="the outcome is recorded: the broker finishes it by itself once space "
+                                              "is freed (sending it again is safe too)") from None
+            raise
+        self.disk.ok()
+        return state
 
     @rpc
     def RecoverTransactions(self, request, context):

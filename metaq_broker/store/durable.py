@@ -40,10 +40,13 @@ def replace_file(path: Path, data: bytes) -> None:
     either the old or the new contents, and the new ones once this returns."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise naming(e, tmp) from None
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -69,9 +72,19 @@ def append_or_cut_back(fd: int, path: Path, parts: list, end: int, fsync: bool =
         write_all(fd, parts, end)
         if fsync:
             os.fsync(fd)
-    except OSError:
+    except OSError as e:
         try:
             os.ftruncate(fd, end)
         except OSError:
             log.exception("could not cut %s back to %d bytes after a failed write", path, end)
-        raise
+        raise naming(e, path) from None
+
+
+def naming(e: OSError, path) -> OSError:
+    """``e`` with ``path`` as its file name if it has none (``os.pwritev`` and ``os.fsync`` name no file),
+    so a full disk's error can say where."""
+    if e.filename is not None:
+        return e
+    named = type(e)(e.errno, e.strerror, str(path))
+    named.__traceback__ = e.__traceback__
+    return named

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -14,6 +16,7 @@ from metaq_broker import __version__
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
 from metaq_broker.errors import MetaqError
 from metaq_broker.store.config import TopicConfig
@@ -64,6 +67,28 @@ def main(ctx, zk, zk_root, brokers):
 def zookeeper(port, data_dir):
     """Run a local ZooKeeper from the jars inside the pyspark wheel, for development (Ctrl-C stops it)."""
     sys.exit(_run(run_foreground, port, data_dir))
+
+
+# -- brokers ------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def brokers(obj, fmt):
+    """Brokers, live and starting: one restarted after a crash waits until ZooKeeper expires the session
+    of its previous run (about zk.sessionTimeout) before it registers."""
+    with _client(Admin, obj) as admin:
+        rows, now = _run(admin.brokers_status), time.time()
+    if fmt == "json":
+        click.echo(json.dumps([{"brokerId": r.broker_id, "address": r.address, "state": r.state,
+                                "since": r.since, "expectedExpiry": r.expected_expiry,
+                                "secondsLeft": None if r.seconds_left(now) is None else round(r.seconds_left(now), 1),
+                                "status": r.describe(now)} for r in rows]))
+        return
+    click.echo(f"{'broker':>6}  {'address':<22} state")
+    for r in rows:
+        click.echo(f"{r.broker_id:>6}  {r.address:<22} {r.describe(now)}")
+    if not rows:
+        click.echo("(no broker is registered)")
 
 
 # -- topics -------------------------------------------------------------------------------------------
@@ -160,44 +185,89 @@ def produce(obj, topic, path, count, size, key, partition, batch, progress):
 @main.command()
 @click.argument("topic")
 @click.option("--partition", "partitions", multiple=True, help="partition(s) to read (default: all)")
-@click.option("--from", "start", default="earliest", show_default=True, help="earliest, latest or an offset")
+@click.option("--from", "start", default=None,
+              help="earliest, latest or an offset  [default: earliest; with --group the group's committed "
+                   "offsets, earliest where it has none]")
 @click.option("--max", "max_messages", type=click.IntRange(1), default=None, help="stop after this many")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--follow/--no-follow", default=False, help="keep waiting for new messages")
+@click.option("--group", default=None, help="join this consumer group: read this member's share of the "
+              "partitions and commit the offset after each message printed")
 @click.pass_obj
-def consume(obj, topic, partitions, start, max_messages, fmt, follow):
+def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
     """Print messages: value per line (text), or one JSON object per line."""
-    if start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
+    if start is not None and start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
         raise click.BadParameter("use earliest, latest or an offset", param_hint="--from")
-    with _client(Consumer, obj) as consumer:
-        parts = list(partitions) or _run(consumer.partitions, topic)
-        ranges = _run(consumer.offsets, topic, parts)
-        pos = {p: ranges[p][0] if start == "earliest" else ranges[p][1] if start == "latest" else int(start)
-               for p in parts}
+    if group is not None and partitions:
+        raise click.UsageError("--group and --partition cannot be combined: a group member reads the share of "
+                               "the partitions the group assigns it")
+    with _client(Consumer, obj, group=group) as consumer:
+        if group is None:
+            parts = list(partitions) or _run(consumer.partitions, topic)
+            ranges = _run(consumer.offsets, topic, parts)
+            start = start or "earliest"
+            pos = {p: ranges[p][0] if start == "earliest" else ranges[p][1] if start == "latest" else int(start)
+                   for p in parts}
+        else:
+            parts, pos = _join_group(consumer, topic, start)
         printed = 0
         out = click.get_binary_stream("stdout")
-        while max_messages is None or printed < max_messages:
-            moved = False  # by offsets: a fetch of transaction markers or aborted messages prints nothing
-            for p in parts:
-                f = _run(consumer.fetch, topic, p, pos[p], max_wait_ms=200 if follow else 0)
-                moved |= f.next_offset > pos[p]
-                pos[p] = f.next_offset
-                for m in f.messages():
+        rebalance_at = time.monotonic() + GROUP_REBALANCE_S
+        try:
+            while max_messages is None or printed < max_messages:
+                moved = False  # by offsets: a fetch of transaction markers or aborted messages prints nothing
+                for p in parts:
                     if max_messages is not None and printed >= max_messages:
                         break
-                    if fmt == "text":
-                        out.write(m.value + b"\n")
+                    f = _run(consumer.fetch, topic, p, pos[p], max_wait_ms=200 if follow else 0)
+                    moved |= f.next_offset > pos[p]
+                    messages = f.messages()
+                    if max_messages is not None and printed + len(messages) > max_messages:
+                        messages = messages[:max_messages - printed]
+                        pos[p] = messages[-1].offset + 1  # the group resumes after the last one printed
                     else:
-                        out.write(json.dumps({
-                            "topic": m.topic, "partition": m.partition, "offset": m.offset,
-                            "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
-                            "value": m.value.decode("utf-8", "backslashreplace"),
-                            "timestamp": m.timestamp.isoformat(), "msgId": m.msg_id, "flag": m.flag,
-                            "attribute": m.attribute}).encode() + b"\n")
-                    printed += 1
-            out.flush()
-            if not moved and not follow:
-                break
+                        pos[p] = f.next_offset
+                    for m in messages:
+                        if fmt == "text":
+                            out.write(m.value + b"\n")
+                        else:
+                            out.write(json.dumps({
+                                "topic": m.topic, "partition": m.partition, "offset": m.offset,
+                                "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
+                                "value": m.value.decode("utf-8", "backslashreplace"),
+                                "timestamp": m.timestamp.isoformat(), "msgId": m.msg_id, "flag": m.flag,
+                                "attribute": m.attribute}).encode() + b"\n")
+                    printed += len(messages)
+                out.flush()
+                if group is not None and moved:
+                    _run(consumer.commit, topic, pos)
+                if not moved and not follow:
+                    break
+                if group is not None and follow and time.monotonic() >= rebalance_at:
+                    _run(consumer.commit, topic, pos)  # before any partition is handed to another member
+                    parts, pos = _join_group(consumer, topic, None)
+                    rebalance_at = time.monotonic() + GROUP_REBALANCE_S
+        finally:
+            if group is not None:
+                out.flush()
+                _run(consumer.commit, topic, pos)
+
+
+GROUP_REBALANCE_S = 5.0  # how often `consume --group --follow` re-takes its share (members come and go)
+
+
+def _join_group(consumer, topic: str, start):
+    """Join the consumer's group for ``topic`` (a member node under ``ids``, as every group consumer does)
+    and take this member's share; returns (partitions, {partition: offset to read from})."""
+    consumer.positions.clear()  # taken again from the group's committed offsets
+    mode = start if start in ("earliest", "latest") else "committed"
+    owned = _run(consumer.subscribe, topic, mode)
+    pos = {p: consumer.positions[(topic, p)] if start in (None, "earliest", "latest") else int(start) for p in owned}
+    missing = sorted(set(_run(consumer.partitions, topic)) - set(owned))
+    if missing:
+        click.echo(f"group {consumer.group}: partitions {','.join(missing)} of {topic} belong to other members now; "
+                   f"reading {','.join(owned) or 'none'}", err=True)
+    return owned, pos
 
 
 @main.command()
@@ -212,11 +282,26 @@ def offsets(obj, topic, timestamp):
             click.echo(f"{topic}\t{p}\t" + "\t".join(str(x) for x in item))
 
 
-@main.command()
+class _GroupsGroup(click.Group):
+    """``metaq groups [GROUP] [--topic T]`` lists, as before the subcommands came: arguments that start
+    with no subcommand's name go to ``list`` (a group named like a subcommand: ``metaq groups list NAME``)."""
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in self.get_help_option_names(ctx)):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_GroupsGroup)
+def groups():
+    """Consumer groups: list them with their lag (the default), reset their offsets, delete them."""
+
+
+@groups.command("list")
 @click.argument("group", required=False)
 @click.option("--topic", default=None)
 @click.pass_obj
-def groups(obj, group, topic):
+def groups_list(obj, group, topic):
     """Consumer groups with their committed offsets and lag per partition."""
     with _client(Admin, obj) as admin:
         names = [group] if group else _run(admin.groups)
@@ -225,6 +310,56 @@ def groups(obj, group, topic):
             for row in _run(admin.group_lag, g, topic):
                 committed = "-" if row.committed is None else row.committed
                 click.echo(f"{g:<24} {row.topic:<20} {row.partition:<10} {committed:>12} {row.latest:>12} {row.lag:>10}")
+
+
+def _datetime(value: str) -> datetime:
+    """ISO 8601; without a zone, local time (as Kafka's --to-datetime)."""
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO 8601 date and time, e.g. 2024-05-01T12:00:00 "
+                                 f"or 2024-05-01T12:00:00+02:00", param_hint="--to-datetime") from None
+
+
+@groups.command("reset-offsets")
+@click.option("--group", required=True)
+@click.option("--topic", required=True)
+@click.option("--to-earliest", is_flag=True, help="the first offset still stored")
+@click.option("--to-latest", is_flag=True, help="the last stable offset: skip everything stored so far")
+@click.option("--to-datetime", "to_datetime", metavar="ISO", default=None,
+              help="the first offset stored at or after this time (ISO 8601; no zone: local time)")
+@click.option("--to-offset", type=click.IntRange(0), default=None, help="this offset in every chosen partition")
+@click.option("--partition", "partitions", multiple=True, help="only these partitions (default: all)")
+@click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
+@click.option("--force", is_flag=True, help="even while the group has live members")
+@click.pass_obj
+def groups_reset_offsets(obj, group, topic, to_earliest, to_latest, to_datetime, to_offset, partitions, dry_run,
+                         force):
+    """Move a group's committed offsets for a topic; prints old -> new per partition. Refused while the
+    group has live members, unless --force. A Spark query follows its checkpoint, not these offsets: they
+    matter to a query started with startingOffsets=group and to `metaq consume --group`."""
+    targets = ((["earliest"] if to_earliest else []) + (["latest"] if to_latest else [])
+               + ([_datetime(to_datetime)] if to_datetime is not None else [])
+               + ([to_offset] if to_offset is not None else []))
+    if len(targets) != 1:
+        raise click.UsageError("give exactly one of --to-earliest, --to-latest, --to-datetime, --to-offset")
+    with _client(Admin, obj) as admin:
+        plan = _run(admin.reset_offsets, group, topic, targets[0], list(partitions) or None, dry_run, force)
+        for r in plan:
+            click.echo(f"{group}\t{topic}\t{r.partition}\t{'-' if r.old is None else r.old} -> {r.new}")
+        click.echo(f"dry run: nothing changed ({len(plan)} partitions)" if dry_run else
+                   f"group {group}: {len(plan)} partitions reset", err=True)
+
+
+@groups.command("delete")
+@click.option("--group", required=True)
+@click.option("--force", is_flag=True, help="even while the group has live members")
+@click.pass_obj
+def groups_delete(obj, group, force):
+    """Delete a consumer group and its committed offsets. Refused while it has live members, unless --force."""
+    with _client(Admin, obj) as admin:
+        _run(admin.delete_group, group, force)
+        click.echo(f"group {group} deleted", err=True)
 
 
 @main.command()
@@ -251,10 +386,32 @@ def stats(obj, broker_ids, topic):
 @click.option("--keep-running", is_flag=True, help="leave ZooKeeper and the broker up until Ctrl-C")
 @click.option("--spark/--no-spark", default=True, show_default=True,
               help="also run a Spark streaming query from one topic into another")
-def quickstart(workdir, messages, keep_running, spark):
-    """Start a local ZooKeeper and one broker, create a topic, produce sample data and read it back,
-    then pipe it through a Spark streaming query into a second topic."""
-    _run(run_quickstart, workdir, messages, keep_running, spark)
+@click.option("--console-port", type=click.IntRange(0, 65535), default=8480, show_default=True,
+              help="serve the web console here (0: any free port; another one if taken)")
+@click.option("--no-console", is_flag=True, help="do not start the web console")
+def quickstart(workdir, messages, keep_running, spark, console_port, no_console):
+    """Start a local ZooKeeper, one broker and the web console, create a topic, produce sample data and
+    read it back, then pipe it through a Spark streaming query into a second topic."""
+    _run(run_quickstart, workdir, messages, keep_running, spark, None if no_console else console_port)
+
+
+# -- console ------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8480, show_default=True, help="HTTP port (0: any free port)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
+@click.option("--interval", type=click.FloatRange(0.2, 60), default=2.0, show_default=True,
+              help="seconds between snapshots of the cluster")
+@click.option("--history", "history_minutes", type=click.FloatRange(1, 1440), default=10.0, show_default=True,
+              help="minutes of rates and lag kept for the charts")
+@click.pass_obj
+def console(obj, port, host, interval, history_minutes):
+    """Serve the read-only web console (brokers, topics, groups and lag, transactions, messages); prints
+    its URL and runs until Ctrl-C."""
+    try:
+        _run(run_console, None if obj["brokers"] else obj["zk"], obj["zk_root"], obj["brokers"], host, port,
+             interval, history_minutes * 60, click.echo)
+    except OSError as e:
+        raise Fail(f"cannot serve the console on {host}:{port}: {e}") from None
 
 
 # -- offline inspection -------------------------------------------------------------------------------

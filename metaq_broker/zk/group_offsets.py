@@ -12,6 +12,7 @@ inputs; the owner nodes make the hand-over safe while members disagree during a 
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable, Optional
 
 from kazoo.client import KazooClient
@@ -34,6 +35,14 @@ def _as_offset(data: bytes) -> int:
 
 class ConsumerIdInUseError(MetaqError):
     """Another live session already joined the group under this consumer id."""
+
+
+class UnknownGroupError(MetaqError, LookupError):
+    """No such consumer group in ZooKeeper."""
+
+
+class GroupHasMembersError(MetaqError):
+    """The operation would change a group under its live members' feet (Kafka refuses it too)."""
 
 
 def range_assign(members: Iterable[str], partitions: Iterable[str], consumer_id: str) -> list:
@@ -207,3 +216,127 @@ class GroupStore:
             return True
         except (NoNodeError, BadVersionError):
             return False
+
+    # -- whole groups (the ``metaq groups`` operations) -----------------------------------------------
+    def exists(self, group: str) -> bool:
+        return self.zk.exists(self.paths.group(group)) is not None
+
+    def delete(self, group: str) -> None:
+        """Remove the group: its offsets, owners and member nodes (a live member's node too)."""
+        try:
+            self.zk.delete(self.paths.group(group), recursive=True)
+        except NoNodeError:
+            pass
+
+
+class GroupOffsetWatcher:
+    """Every group's committed offsets for the partitions of one broker (``<brokerId>-<n>``), kept in step
+    with ZooKeeper for the broker's lag metrics. Each node read sets a one-shot watch that only marks the
+    node stale; ``offsets()`` re-reads just the stale nodes, level by level, each level's reads sent
+    together. So a scrape costs no ZooKeeper request when nothing was committed since the last one, and a
+    group that commits a hundred times between two scrapes costs one read of each node it changed. A new
+    session (the old one expired, and its watches with it) starts from a full read."""
+
+    def __init__(self, zk: KazooClient, root: str, broker_id: int):
+        self.zk = zk
+        self.paths = ZkPaths(root)
+        self.prefix = f"{int(broker_id)}-"
+        self._lock = threading.Lock()  # guards _stale (watches fire on kazoo's thread)
+        self._refresh_lock = threading.Lock()  # one refresh at a time (scrapes may run concurrently)
+        self._stale: set = set()
+        self._session = None
+        self._keys: dict = {}  # watched path -> key
+        self._children: dict = {}  # ("g",) | ("t", group) | ("p", group, topic) -> set of child names
+        self._offsets: dict = {}  # (group, topic, partition) -> committed offset
+
+    def offsets(self) -> dict:
+        """``{(group, topic, partition): committed offset}`` for this broker's partitions; raises kazoo's
+        errors when ZooKeeper cannot be read (the next call then reads everything again)."""
+        with self._refresh_lock:
+            if self._session != self.zk.client_id:
+                with self._lock:
+                    self._stale = {("g",)}
+                self._keys, self._children, self._offsets = {}, {}, {}
+                self._session = self.zk.client_id
+            with self._lock:
+                stale, self._stale = self._stale, set()
+            try:
+                self._refresh(stale)
+            except BaseException:
+                self._session = None
+                raise
+            return dict(self._offsets)
+
+    def _watch(self, event) -> None:
+        key = self._keys.get(event.path)
+        if key is not None:
+            with self._lock:
+                self._stale.add(key)
+
+    def _path(self, key: tuple, watched: bool = True) -> str:
+        path = {"g": self.paths.consumers, "t": self.paths.group_offset_topics, "p": self.paths.group_offsets,
+                "o": self.paths.group_offset}[key[0]](*key[1:])
+        if watched:
+            self._keys[path] = key
+        else:
+            self._keys.pop(path, None)
+        return path
+
+    def _known(self, key: tuple) -> bool:
+        """Still part of the tree (a watch of a node dropped since may fire later)."""
+        if key == ("g",):
+            return True
+        parent = ({"t": "g", "p": "t", "o": "p"}[key[0]],) + key[1:-1]
+        return key[-1] in self._children.get(parent, ())
+
+    def _refresh(self, stale: set) -> None:
+        pending = set(stale)
+        for kind in "gtpo":
+            level = [k for k in pending if k[0] == kind and self._known(k)]
+            if kind == "o":
+                calls = [(k, self.zk.get_async(self._path(k), watch=self._watch)) for k in level]
+                for k, call in calls:
+                    try:
+                        self._offsets[k[1:]] = _as_offset(call.get()[0])
+                    except NoNodeError:
+                        self._offsets.pop(k[1:], None)  # the parent's watch drops it from the tree
+                continue
+            calls = [(k, self.zk.get_children_async(self._path(k), watch=self._watch)) for k in level]
+            child_kind = {"g": "t", "t": "p", "p": "o"}[kind]
+            for k, call in calls:
+                try:
+                    names = set(call.get())
+                except NoNodeError:
+                    names = self._children_if_created(k)
+                if kind == "p":
+                    names = {n for n in names if n.startswith(self.prefix) and _is_partition(n)}
+                old = self._children.get(k, set())
+                self._children[k] = names
+                for gone in old - names:
+                    self._drop((child_kind,) + k[1:] + (gone,))
+                pending.update((child_kind,) + k[1:] + (n,) for n in names - old)
+
+    def _children_if_created(self, key: tuple) -> set:
+        """The node is missing: watch for its creation (a group that has not committed yet)."""
+        path = self._path(key)
+        while self.zk.exists(path, watch=self._watch) is not None:
+            try:
+                return set(self.zk.get_children(path, watch=self._watch))
+            except NoNodeError:
+                continue
+        return set()
+
+    def _drop(self, key: tuple) -> None:
+        for name in self._children.pop(key, ()):
+            self._drop(({"t": "p", "p": "o"}[key[0]],) + key[1:] + (name,))
+        if key[0] == "o":
+            self._offsets.pop(key[1:], None)
+        self._path(key, watched=False)
+
+
+def _is_partition(name: str) -> bool:
+    try:
+        parse_partition_name(name)
+        return True
+    except ValueError:
+        return False

@@ -4,6 +4,8 @@ The layout is MetaQ's (``MetaZookeeper``) under a configurable root (``zk.root``
 brokers, clients, the CLI and the Spark connector cannot drift apart on a path spelling::
 
     <root>/brokers/ids/<brokerId>                         ephemeral, JSON address of a live broker
+    <root>/brokers/starting/<brokerId>                    ephemeral, JSON: a restarted broker waiting for the
+                                                          session of its previous run to expire
     <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
     <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
     <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics
@@ -61,6 +63,12 @@ class ZkPaths:
 
     def broker(self, broker_id: int) -> str:
         return f"{self.broker_ids()}/{whole_number('broker id', broker_id)}"
+
+    def brokers_starting(self) -> str:
+        return f"{self.root}/brokers/starting"
+
+    def broker_starting(self, broker_id: int) -> str:
+        return f"{self.brokers_starting()}/{whole_number('broker id', broker_id)}"
 
     def topics_pub(self) -> str:
         return f"{self.root}/brokers/topics-pub"

@@ -1,0 +1,73 @@
+"""``metaq quickstart`` returns only once everything it started has exited: ZooKeeper, the broker, Spark's
+JVM and its Python workers. The command runs in a child Python that is a subreaper (Linux), so processes
+orphaned on the way stay visible as its descendants instead of moving to init."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent("""
+    import ctypes, json, os, threading, time
+
+    from metaq_broker.tools.cli import main
+
+    def descendants():
+        parent = {}
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except (OSError, ValueError):
+                continue
+            if entry.isdigit() and fields[0] not in (b"Z", b"X"):  # a zombie has exited
+                parent[int(entry)] = int(fields[1])
+        out, todo = {}, [os.getpid()]
+        while todo:
+            p = todo.pop()
+            for c in [c for c, pp in parent.items() if pp == p]:
+                try:
+                    out[c] = open(f"/proc/{c}/cmdline", "rb").read().replace(b"\\0", b" ").decode()[:200]
+                except OSError:
+                    continue
+                todo.append(c)
+        return out
+
+    assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    seen, done = {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(descendants())
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        main(["quickstart", "--messages", "2000", "--console-port", "0"], standalone_mode=False)
+    finally:
+        done.set()
+        watcher.join()
+    print("PROBE " + json.dumps({"seen": list(seen.values()), "left": descendants()}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
+def test_quickstart_returns_only_when_every_process_it_started_is_gone(tmp_path):
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    probe = json.loads(r.stdout.rpartition("PROBE ")[2])
+    seen = " ".join(probe["seen"])
+    assert "org.apache.zookeeper" in seen or "zookeeper" in seen.lower(), seen
+    assert "metaq_broker.server.main" in seen and "java" in seen  # the broker and Spark's JVM ran
+    assert "org.apache.spark" in seen or "pyspark" in seen, seen
+    assert probe["left"] == {}, probe["left"]
+    # and what it printed on the way: everything produced, read back, piped through Spark
+    out = r.stdout
+    assert "produced 2000 messages" in out and "total lag 0" in out
+    counts = out.split("read back per partition: ")[1].splitlines()[0]
+    assert sum(int(part.split(": ")[1]) for part in counts.split(", ")) == 2000
+    assert "Spark read 2000 messages from quickstart-events" in out
+    assert "quickstart-upper now holds 2000 messages" in out
+    assert "web console at http://127.0.0.1:" in out and "stopped the broker and ZooKeeper" in out
