@@ -6,6 +6,9 @@ beside the ceiling of the Python Arrow writer API measured in the same run and t
 * ``metaq exactly-once``: the sink's default (one broker transaction per task, prepared, then the driver's
   decision record in ZooKeeper and the commits).
 * ``metaq at-least-once``: ``deliveryGuarantee=at-least-once`` (plain ``send_batch`` per Arrow batch).
+* ``disk bound``: rows/s the broker's disk allows at most: sequential writes fsynced every 4 MiB (as group
+  commit does per put), measured in the same run on the broker's file system, over the bytes each row
+  takes there (its record and its offset-index entry).
 
 The input is the same for all three: ``spark.range(N, numPartitions=2)`` turned into a 100-byte binary
 ``value`` by Spark's own expressions (no Python, no disk), so the cases differ only in the sink. Then the
@@ -128,6 +131,23 @@ def produce_in(zk_connect: str, topic: str, n: int) -> float:
 
 # -- main ---------------------------------------------------------------------------------------------
 
+def fsynced_write_mb_s(directory: Path, total: int, step: int = 4 << 20) -> float:
+    """MB/s of sequential writes to a new file in ``directory``, fsynced every ``step`` bytes, as group
+    commit fsyncs each put of the sink (its merged puts are up to 4 MiB)."""
+    block = os.urandom(step)
+    path = directory / "bench-disk-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        start = time.perf_counter()
+        for _ in range(total // step):
+            os.write(fd, block)
+            os.fdatasync(fd)
+        return total / (time.perf_counter() - start) / 1e6
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=None, help="rows per write (default 10,000,000)")
@@ -193,6 +213,15 @@ def main(argv=None) -> int:
             if got != n:
                 raise RuntimeError(f"{topic} holds {got:,} messages after the write, expected {n:,}")
         log(f"checked: each of {len(written)} metaq writes stored {n:,} messages")
+        # The disk's bound: every acknowledged row is fsynced (group commit), with its index entry, so the
+        # sink cannot pass this many rows/s whatever the CPU does.
+        stored = sum(f.stat().st_size for f in (broker.workdir / "data").glob(f"{written[-1]}-*/*") if f.is_file())
+        mb_s = fsynced_write_mb_s(broker.workdir / "data", (256 if n <= 1_000_000 else 1024) << 20)
+        results["disk"] = {"fsynced_write_mb_per_s": mb_s, "stored_bytes_per_row": stored / n}
+        results["cases"]["disk bound (fsynced writes)"] = {"rows_per_s": mb_s * 1e6 / (stored / n), "best_s": 0.0,
+                                                           "machine_cpu_s": 0.0, "broker_cpu_s": 0.0}
+        log(f"disk: {mb_s:.0f} MB/s written in fsynced 4 MiB steps; {stored / n:.1f} B stored per row "
+            f"(record and index entry)")
 
         if not args.no_pipeline:
             create_topic(zk.connect_string, "in")
@@ -226,7 +255,9 @@ def main(argv=None) -> int:
         c = results["cases"]
         pairs = [("metaq exactly-once", "discard (ceiling)"), ("metaq at-least-once", "discard (ceiling)"),
                  ("metaq exactly-once", "metaq at-least-once"),
-                 ("pipeline in->out exactly-once", "discard (ceiling)")]
+                 ("pipeline in->out exactly-once", "discard (ceiling)"),
+                 ("metaq at-least-once", "disk bound (fsynced writes)"),
+                 ("metaq exactly-once", "disk bound (fsynced writes)")]
         pairs = [(a, b) for a, b in pairs if a in c and b in c]
         results["ratios"] = {f"{a} / {b}": c[a]["rows_per_s"] / c[b]["rows_per_s"] for a, b in pairs}
         results["figures"] = [  # for benchmarks/run_all.py

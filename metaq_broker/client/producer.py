@@ -206,9 +206,17 @@ class Producer(ClientBase):
         """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
         partition used). Messages with a key go by key hash; without, the whole call goes to one
         partition, round robin across calls."""
-        puts = [self.start_put(topic, name, body)
-                for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition)]
-        return [p.result() for p in puts]
+        puts: list = []
+        try:
+            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition):
+                puts.append(self.start_put(topic, name, body))
+            results = []
+            while puts:
+                results.append(puts.pop(0).result())
+            return results
+        finally:
+            for put in puts:  # after a failure: the others' replies are not awaited, their connections closed
+                put.cancel()
 
     # -- transactions ---------------------------------------------------------------------------------
     def transaction(self, xid_prefix: str, timeout_ms: int = 0, coordinator: str = "") -> "Transaction":

@@ -318,7 +318,7 @@ class PartitionLog:
         old = self._segments[-1]
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
-        new = Segment.create(self.directory, old.end, self._next_offset)
+        new = Segment.create(self.directory, old.end, self._next_offset, capacity=old.count + old.count // 8)
         self._segments = self._segments + (new,)
         self._unflushed = 0
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)

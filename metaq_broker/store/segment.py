@@ -101,8 +101,10 @@ class Segment:
 
     # -- creation -----------------------------------------------------------------------------------
     @classmethod
-    def create(cls, directory: Path, start: int, base_offset: int) -> "Segment":
-        """Create an empty segment; its header and the directory entry are fsynced before it is used."""
+    def create(cls, directory: Path, start: int, base_offset: int, capacity: int = 1024) -> "Segment":
+        """Create an empty segment; its header and the directory entry are fsynced before it is used.
+        ``capacity``: index entries to make room for at once (a roll passes the last segment's count), so
+        the index is not grown and copied over and over while the segment fills."""
         path = directory / (segment_name(start) + LOG_SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -114,7 +116,8 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE, np.empty(1024, INDEX_DTYPE), 0, True)
+        return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE, np.empty(max(capacity, 1024), INDEX_DTYPE),
+                   0, True)
 
     # -- appending ----------------------------------------------------------------------------------
     def append(self, parts: list, nbytes: int, entries: np.ndarray) -> None:
@@ -176,7 +179,7 @@ def write_index(path: Path, entries: np.ndarray) -> None:
     """Write an index file whole (to a temporary name, fsync, rename), so it is never half-written."""
     tmp = path.with_suffix(INDEX_SUFFIX + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(np.ascontiguousarray(entries).tobytes())
+        f.write(memoryview(np.ascontiguousarray(entries)).cast("B"))  # from the array: no copy of it first
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
