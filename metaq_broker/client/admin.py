@@ -1,18 +1,16 @@
 """Administration across brokers: topics, partitions, offsets, consumer groups and their lag, stats."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Iterable, Optional, Union
 
-from kazoo.exceptions import NoNodeError
-
 from metaq_broker.client.base import ClientBase
 from metaq_broker.errors import InvalidPartitionError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
+from metaq_broker.zk.starting import waiting_brokers
 
 
 @dataclass(frozen=True)
@@ -204,22 +202,8 @@ class Admin(ClientBase):
         zk = self.cluster.zk
         if zk is None:
             return [BrokerStatus(bid, addr, "live") for bid, addr in sorted(self.cluster.brokers().items())]
-        out = {}
-        for bid, addr in self.cluster.brokers().items():
-            out[bid] = BrokerStatus(bid, addr, "live")
-        starting = self.cluster.paths.brokers_starting()
-        for name in zk.get_children(starting) if zk.exists(starting) else []:
-            try:
-                data, stat = zk.get(f"{starting}/{name}")
-                info = json.loads(data)
-                bid = int(name)
-            except (NoNodeError, ValueError):
-                continue  # registered meanwhile, or not ours
-            try:
-                registered = zk.get(self.cluster.paths.broker(bid))[1].ephemeralOwner == stat.ephemeralOwner
-            except NoNodeError:
-                registered = False  # the old session is gone; registering any moment
-            if not registered:  # the id's node, if any, is still the crashed run's
-                out[bid] = BrokerStatus(bid, info.get("address", ""), "starting", info.get("since"),
-                                        info.get("expectedExpiry"))
+        out = {bid: BrokerStatus(bid, addr, "live") for bid, addr in self.cluster.brokers().items()}
+        for bid, info in waiting_brokers(zk, self.cluster.paths).items():
+            out[bid] = BrokerStatus(bid, info.get("address", ""), "starting", info.get("since"),
+                                    info.get("expectedExpiry"))
         return [out[bid] for bid in sorted(out)]
