@@ -5,13 +5,12 @@ so a slow or dead broker delays the next snapshot, never an HTTP reply."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
 from typing import Optional
 
-from metaq_broker.client.admin import Admin
+from metaq_broker.client.admin import Admin, BrokerStatus
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.names import parse_partition_name
 from metaq_broker.zk.group_offsets import GroupStore
@@ -33,19 +32,6 @@ _NO_COUNTS = collections.namedtuple("Counts", "put_messages put_bytes get_messag
 
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def _plain(value):
-    """Whatever ``Admin.brokers`` maps an id to (an address string, a dict, a dataclass), as JSON."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
 
 
 def show_bytes(data: Optional[bytes]) -> Optional[dict]:
@@ -229,25 +215,18 @@ class Collector:
         now = self.clock()
         try:
             if zk_ok:
-                listed = [(s.broker_id, s) for s in admin.brokers_status()]
+                listed = admin.brokers_status()
             else:
-                listed = sorted(admin.brokers().items())
+                listed = [BrokerStatus(bid, addr, "live") for bid, addr in sorted(admin.brokers().items())]
         except Exception as e:  # noqa: BLE001
             snap["errors"].append(f"listing brokers: {_error(e)}")
             return stats
-        for bid, entry in listed:
-            info = _plain(entry)
-            row = {"id": bid, "address": info if isinstance(info, str) else None, "state": "live",
+        for st in listed:
+            bid = st.broker_id
+            row = {"id": bid, "address": st.address, "state": st.state, "status": st.describe(now),
                    "data_address": admin.data_address(bid), "version": None, "uptime": None, "error": None,
-                   "details": {}}
-            if isinstance(info, dict):
-                row["address"] = info.get("address")
-                row["state"] = str(info.get("state") or "live")
-                row["details"] = {k: v for k, v in info.items()
-                                  if v is not None and k not in ("broker_id", "address", "state")}
-                if hasattr(entry, "describe"):
-                    row["status"] = entry.describe(now)  # e.g. "starting: waiting for ..., ~7s left"
-            row.setdefault("status", row["state"])
+                   "details": {k: v for k, v in (("since", st.since), ("expected_expiry", st.expected_expiry))
+                               if v is not None}}
             snap["brokers"].append(row)
             if row["state"] != "live":
                 continue  # a starting broker answers nothing until it is registered
