@@ -82,7 +82,7 @@ class BrokerConfig:
     host_name: str = "127.0.0.1"
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
-    data_port: int = 0  # bulk fetches over plain TCP with sendfile (dataport.py): -1 off, 0 any free port
+    data_port: int = 0  # bulk fetches (sendfile) and puts over plain TCP (data_server.py): -1 off, 0 any free port
     data_path: str = "metaq-data"
     zk_connect: str = "127.0.0.1:2181"
     zk_root: str = "/meta"
