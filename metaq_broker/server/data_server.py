@@ -37,6 +37,7 @@ from metaq_broker.protocol.status import code_of
 log = logging.getLogger(__name__)
 
 _SENDFILE_CHUNK = 1 << 30
+KEEP_PUT_BUFFER = 16 << 20  # a connection keeps its put buffer up to this size (the sink's puts are <= 4 MiB)
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
 
@@ -121,6 +122,8 @@ class DataServer:
                     if not recv_exact(sock, memoryview(put_buffer)[REQUEST.size:length]):
                         raise ProtocolError("connection closed inside a request")
                     self._put(sock, memoryview(put_buffer)[PREFIX.size:length])
+                    if len(put_buffer) > KEEP_PUT_BUFFER:  # a rare huge put: its memory is not kept
+                        put_buffer = np.empty(0, np.uint8)
                     continue
                 if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
                     self._send_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
