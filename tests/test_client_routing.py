@@ -57,6 +57,42 @@ def test_a_key_keeps_its_partition_while_its_broker_is_down(cluster):
         assert [r.partition for r in result["r"]] == [home[on_2[0]]]
 
 
+def test_a_graceful_stop_moves_no_key_and_forget_removes_the_broker_for_good(cluster):
+    """A rolling restart (SIGTERM, start again) keeps every key in its partition, as a crash does: the
+    stopped broker's topic entries stay. ``metaq brokers --forget`` removes a stopped broker for good
+    (refused while it is live); keys then hash over the partitions left."""
+    from click.testing import CliRunner
+
+    from metaq_broker.tools.cli import main
+    cli = ["--zk", cluster.zk_connect, "--zk-root", cluster.zk_root, "brokers", "--forget", "2"]
+    cluster.start_broker(1, topics=TOPICS)
+    cluster.start_broker(2, topics=TOPICS)
+    with cluster.client(Producer, timeout=2.0) as producer, cluster.client(Consumer) as consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 4, what="both brokers")
+        homes = {r.partition for r in producer.send_batch("k", KEYS, keys=KEYS)}
+        home = {key: parts.pop() for key, parts in where_keys_are(consumer).items()}
+        assert homes == {"1-0", "1-1", "2-0", "2-1"}
+        out = CliRunner().invoke(main, cli)
+        assert out.exit_code == 1 and "broker 2 is live: stop it first" in out.output, out.output
+
+        assert cluster.brokers[2].stop() == 0  # SIGTERM
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 2, what="broker 2 stopped")
+        assert producer.registered_partitions("k") == ["1-0", "1-1", "2-0", "2-1"]
+        with pytest.raises(PartitionUnavailableError, match="broker 2"):
+            producer.send_batch("k", KEYS, keys=KEYS)
+        cluster.start_broker(2, topics=TOPICS)
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 4, what="broker 2 back")
+        producer.send_batch("k", KEYS, keys=KEYS)
+        assert {key: parts for key, parts in where_keys_are(consumer).items()} == {k: {home[k]} for k in KEYS}
+
+        assert cluster.brokers[2].stop() == 0
+        wait_until(lambda: len(producer.cluster.topic_partitions("k")) == 2, what="broker 2 stopped again")
+        out = CliRunner().invoke(main, cli)
+        assert out.exit_code == 0 and "broker 2 forgotten: its partitions left k" in out.output, out.output
+        wait_until(lambda: producer.registered_partitions("k") == ["1-0", "1-1"], what="broker 2's partitions gone")
+        assert {r.partition for r in producer.send_batch("k", KEYS, keys=KEYS)} == {"1-0", "1-1"}
+
+
 def test_the_spark_sink_keeps_a_key_in_its_partition_while_its_broker_is_down(cluster, spark):
     """The sink routes keys through the producer: rows whose key's broker is down wait for it, then the
     write fails; no row moves to the live broker."""

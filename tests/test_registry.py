@@ -122,7 +122,7 @@ def exists(zk, path):
         return None
 
 
-def test_registration_writes_the_nodes_and_stop_removes_them(zk_server, zk, root):
+def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, topics={"orders": 2, "logs": 1}).start()
     try:
@@ -145,9 +145,17 @@ def test_registration_writes_the_nodes_and_stop_removes_them(zk_server, zk, root
     finally:
         reg.stop()
     assert not reg.connected
-    for path in (p.broker(1), p.topic_pub_broker("orders", 1), p.topic_sub_broker("orders", 1),
-                 p.topic_pub_broker("events", 1)):
-        assert zk.exists(path) is None, path
+    assert zk.exists(p.broker(1)) is None
+    # the topic entries stay: a stopped broker's partitions are down, not gone (keys keep their partition)
+    for path in (p.topic_pub_broker("orders", 1), p.topic_sub_broker("orders", 1), p.topic_pub_broker("events", 1)):
+        assert zk.exists(path), path
+    # started again without "events" (dropped while it was down): its stale entries go at registration
+    reg = registration(zk_server, root, topics={"orders": 3}).start()
+    try:
+        assert zk.exists(p.topic_pub_broker("orders", 1))
+        assert zk.exists(p.topic_pub_broker("events", 1)) is None and zk.exists(p.topic_sub_broker("events", 1)) is None
+    finally:
+        reg.stop()
 
 
 def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):

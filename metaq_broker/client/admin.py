@@ -10,6 +10,7 @@ from metaq_broker.client.base import ClientBase
 from metaq_broker.errors import InvalidPartitionError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
+from metaq_broker.zk import topic_entries
 from metaq_broker.zk.starting import waiting_brokers
 
 
@@ -207,3 +208,18 @@ class Admin(ClientBase):
             out[bid] = BrokerStatus(bid, info.get("address", ""), "starting", info.get("since"),
                                     info.get("expectedExpiry"))
         return [out[bid] for bid in sorted(out)]
+
+    def forget_broker(self, broker_id: int) -> list:
+        """Remove a broker for good: its topic entries, which stay while it is down (so keys keep their
+        partition), go, and keys hash over the remaining partitions. Refused while it is live or starting.
+        Returns the topics it had."""
+        zk = self.cluster.zk
+        if zk is None:
+            raise RuntimeError("topic entries live in ZooKeeper: create the admin with zk_connect")
+        status = {s.broker_id: s for s in self.brokers_status()}
+        if broker_id in status:
+            raise InvalidPartitionError(f"broker {broker_id} is {status[broker_id].describe()}: stop it first")
+        topics = topic_entries.topics_of(zk, self.cluster.paths, broker_id)
+        for topic in topics:
+            topic_entries.delete(zk, self.cluster.paths, topic, broker_id)
+        return topics

@@ -3,7 +3,9 @@
 * ``<root>/brokers/ids/<id>``: ephemeral, JSON address. Ephemeral so that a broker that dies drops out
   of every client's view by itself when its session expires.
 * ``<root>/brokers/topics-pub|topics-sub/<topic>/<id>-m``: persistent, ``{"numPartitions": n,
-  "brokerId": id}``. Clients keep only the entries of brokers that are alive.
+  "brokerId": id}``. Clients route to the entries of brokers that are alive; keys hash over all of them,
+  so the entries stay when the broker stops (as when it crashes) and go only with ``metaq brokers
+  forget`` or when the broker no longer has the topic.
 
 Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an expired session the
 ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because
@@ -24,6 +26,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from metaq_broker.errors import MetaqError
+from metaq_broker.zk import topic_entries
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client, start_client
 
@@ -154,6 +157,9 @@ class BrokerRegistration:
                         f"broker id {self.broker_id} is already registered in ZooKeeper ({self.node}) by another "
                         f"live session, address {held.decode(errors='replace')}; stop that broker or give this "
                         f"one another brokerId", self.broker_id, holder, stat.ephemeralOwner) from None
+            for topic in topic_entries.topics_of(self.client, self.paths, self.broker_id):
+                if topic not in self.topics:  # a topic this broker had before its restart, and has no more
+                    topic_entries.delete(self.client, self.paths, topic, self.broker_id)
             for topic, n in list(self.topics.items()):
                 self._write_topic(topic, n)
             self.registrations += 1
@@ -169,14 +175,6 @@ class BrokerRegistration:
             except NodeExistsError:
                 if self.client.get(path)[0] != data:
                     self.client.set(path, data)
-
-    def _delete_topic(self, topic: str) -> None:
-        for path in (self.paths.topic_pub_broker(topic, self.broker_id),
-                     self.paths.topic_sub_broker(topic, self.broker_id)):
-            try:
-                self.client.delete(path)
-            except NoNodeError:
-                pass
 
     # -- topics at runtime ----------------------------------------------------------------------------
     def add_topic(self, topic: str, num_partitions: int) -> None:
@@ -199,7 +197,7 @@ class BrokerRegistration:
                 for t in only if only is not None else list(topics):
                     self._write_topic(t, topics[t])
                 for t in removed:
-                    self._delete_topic(t)
+                    topic_entries.delete(self.client, self.paths, t, self.broker_id)
             except KazooException as e:
                 # Not connected: the re-registration that follows the reconnect writes self.topics.
                 log.warning("could not publish topics of broker %d now (%s); will on reconnect",
@@ -254,8 +252,10 @@ class BrokerRegistration:
 
     # -- stop -----------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Remove our broker node and this broker's topic nodes, then close the session. Nodes held by
-        another session (a broker that took over the id) are left alone."""
+        """Remove our broker node, then close the session. The topic entries stay (they are persistent), as
+        after a crash: the partitions are down, not gone, so keys keep their partition across a restart
+        and queries keep their offsets (``metaq brokers forget`` removes a broker for good). A node held by
+        another session (a broker that took over the id) is left alone."""
         with self._kick_lock:
             self._stopped = True
         locked = self._lock.acquire(timeout=self.session_timeout)
@@ -264,14 +264,10 @@ class BrokerRegistration:
                 try:
                     try:
                         _, stat = self.client.get(self.node)
-                        ours = stat.ephemeralOwner == self.client.client_id[0]
-                        if ours:
+                        if stat.ephemeralOwner == self.client.client_id[0]:
                             self.client.delete(self.node, version=stat.version)
                     except NoNodeError:
-                        ours = True
-                    if ours:
-                        for topic in list(self.topics):
-                            self._delete_topic(topic)
+                        pass
                 except Exception:  # noqa: BLE001 - the session ends below anyway
                     log.exception("deregistering broker %d failed", self.broker_id)
         finally:

@@ -72,11 +72,19 @@ def zookeeper(port, data_dir):
 # -- brokers ------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--forget", type=int, default=None, metavar="ID",
+              help="remove a stopped broker for good: its partitions leave the topics (keys then hash over "
+                   "the others)")
 @click.pass_obj
-def brokers(obj, fmt):
+def brokers(obj, fmt, forget):
     """Brokers, live and starting: one restarted after a crash waits until ZooKeeper expires the session
-    of its previous run (about zk.sessionTimeout) before it registers."""
+    of its previous run (about zk.sessionTimeout) before it registers. A stopped broker's partitions stay
+    in its topics (down, not gone) until --forget."""
     with _client(Admin, obj) as admin:
+        if forget is not None:
+            gone = _run(admin.forget_broker, forget)
+            click.echo(f"broker {forget} forgotten: its partitions left {', '.join(gone) or 'no topic'}")
+            return
         rows, now = _run(admin.brokers_status), time.time()
     if fmt == "json":
         click.echo(json.dumps([{"brokerId": r.broker_id, "address": r.address, "state": r.state,
