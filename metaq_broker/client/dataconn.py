@@ -73,37 +73,31 @@ class DataConnection:
     def receive_put(self, timeout: Optional[float] = None) -> tuple:
         """The reply to the oldest request sent, a put: (base_offset, base_msg_id, timestamp_ms, partition,
         count, fsynced); a refusal raises the gRPC path's error."""
-        if self.sock is None or not self.outstanding:
-            raise ProtocolError(f"data port {self.address}: no request awaits a reply")
+        self._check_awaiting()
         head = bytearray(PUT_REPLY.size)
         try:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
-            if not recv_exact(self.sock, memoryview(head)):
-                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            self._recv(memoryview(head))
             reply_len, status, *fields, _ = PUT_REPLY.unpack(head)
             if not PUT_REPLY.size <= reply_len <= MAX_HEADER:
                 raise ProtocolError(f"data port {self.address}: bad put reply of {reply_len} bytes")
             message = bytearray(reply_len - PUT_REPLY.size)
-            if message and not recv_exact(self.sock, memoryview(message)):
-                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            if message:
+                self._recv(memoryview(message))
         except BaseException:
             self.close()
             raise
         self.outstanding -= 1
         if status != OK:
-            code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-            raise error_of(code, message.decode("utf-8", "replace"), self.address)
+            raise self._refusal(status, message)
         return tuple(fields[:5]) + (bool(fields[5]),)
 
     def receive(self, timeout: Optional[float] = None) -> rawfetch.FetchReply:
         """The reply to the oldest request sent. ``timeout`` bounds each wait for bytes."""
-        if self.sock is None or not self.outstanding:
-            raise ProtocolError(f"data port {self.address}: no request awaits a reply")
-        sock = self.sock
+        self._check_awaiting()
         try:
-            sock.settimeout(self.timeout if timeout is None else timeout)
-            if not recv_exact(sock, memoryview(self._head)):
-                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            self.sock.settimeout(self.timeout if timeout is None else timeout)
+            self._recv(memoryview(self._head))
             header_len, status, start, end, earliest, latest, body_len = REPLY.unpack(self._head)
             if not REPLY.size <= header_len <= MAX_HEADER or body_len < 0:
                 raise ProtocolError(f"data port {self.address}: bad reply header ({header_len}, {body_len} bytes)")
@@ -111,8 +105,8 @@ class DataConnection:
             # header's length is a multiple of 8, so the records stay 8-aligned.
             extra = header_len - REPLY.size
             buf = np.empty(extra + body_len, np.uint8)
-            if len(buf) and not recv_exact(sock, memoryview(buf)):
-                raise ConnectionResetError(f"data port {self.address} closed the connection")
+            if len(buf):
+                self._recv(memoryview(buf))
             try:
                 aborted = rawfetch.unpack_aborted(buf, 0, extra) if status == OK else None
             except ValueError as e:
@@ -123,9 +117,22 @@ class DataConnection:
         self.outstanding -= 1
         body = buf[extra:]
         if status != OK:
-            code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-            raise error_of(code, body.tobytes().decode("utf-8", "replace"), self.address)
+            raise self._refusal(status, body.tobytes())
         return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body), aborted)
+
+    def _check_awaiting(self) -> None:
+        if self.sock is None or not self.outstanding:
+            raise ProtocolError(f"data port {self.address}: no request awaits a reply")
+
+    def _recv(self, view: memoryview) -> None:
+        """Fill ``view``; a connection closed before its first byte is ConnectionResetError."""
+        if not recv_exact(self.sock, view):
+            raise ConnectionResetError(f"data port {self.address} closed the connection")
+
+    def _refusal(self, status: int, message) -> Exception:
+        """The error the gRPC path raises for this status and message."""
+        code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+        return error_of(code, bytes(message).decode("utf-8", "replace"), self.address)
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
               max_wait_ms: int = 0, timeout: Optional[float] = None) -> rawfetch.FetchReply:

@@ -7,7 +7,6 @@ client) when Prometheus scrapes."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -19,7 +18,6 @@ from metaq_broker import __version__
 from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.server.disk import free_space
-from metaq_broker.protocol import records
 from metaq_broker.zk.group_offsets import GroupOffsetWatcher
 
 log = logging.getLogger(__name__)
@@ -90,7 +88,6 @@ class BrokerCollector:
         self.broker = broker
         self._lag_lock = threading.Lock()
         self._offsets = None  # GroupOffsetWatcher, made with the broker's first ZooKeeper session
-        self._batch_times: dict = {}  # (topic, partition, offset) -> store time (ms) of its batch
 
     def collect(self):
         b = self.broker
@@ -199,15 +196,14 @@ class BrokerCollector:
 
     def _group_lag(self, b, bid):
         """Per group and partition, the Kafka lag exporters' lag in offsets and in seconds. The seconds come
-        from the store time of the batch at the committed offset: one batch header read when that offset
-        changes, remembered while it stays committed."""
+        from the store time of the message at the committed offset, in the offset index."""
         lag = GaugeMetricFamily("metaq_consumergroup_lag", "Last stable offset minus the group's committed "
                                 "offset", labels=GROUP_PARTITION)
         lag_s = GaugeMetricFamily("metaq_consumergroup_lag_seconds", "Seconds since the first message not yet "
                                   "consumed by the group was stored (0 when caught up)", labels=GROUP_PARTITION)
-        with self._lag_lock:  # scrapes may overlap; the caches are this collector's
+        with self._lag_lock:  # scrapes may overlap; the offsets' watcher is this collector's
             committed = self._committed(b, bid)
-            now_ms, times = time.time() * 1000, {}
+            now_ms = time.time() * 1000
             for (group, topic, name), offset in sorted(committed.items()):
                 try:
                     p = b.store.partition(topic, parse_partition_name(name)[1])
@@ -221,28 +217,12 @@ class BrokerCollector:
                 if offset >= stable:
                     lag_s.add_metric(labels, 0.0)
                     continue
-                key = (topic, name, max(offset, p.earliest_offset))
-                stored = self._batch_times.get(key)
-                if stored is None:
-                    try:
-                        stored = _batch_time(p, key[2])
-                    except (MetaqError, ValueError, OSError) as e:  # removed by retention, closing, damaged
-                        log.debug("no store time for %s %s offset %d: %s", topic, name, key[2], e)
-                        continue
-                times[key] = stored
+                first = max(offset, p.earliest_offset)  # below it: removed by retention
+                try:
+                    stored = p.timestamp_at(first)
+                except MetaqError as e:  # retention or a roll moved the range meanwhile
+                    log.debug("no store time for %s %s offset %d: %s", topic, name, first, e)
+                    continue
                 lag_s.add_metric(labels, max(now_ms - stored, 0) / 1000)
-            self._batch_times = times
         yield lag
         yield lag_s
-
-
-def _batch_time(p, offset: int) -> int:
-    """Store time (ms) of the batch holding ``offset``: its header alone is read from the segment file."""
-    where = p.locate(offset, max_bytes=1, max_messages=1)
-    if where.segment is None:
-        raise MetaqError(f"offset {offset} of {p.name} is past the last stable offset")
-    fd = where.dup_fd()
-    try:
-        return records.parse_header(os.pread(fd, records.HEADER_SIZE, where.position)).timestamp
-    finally:
-        os.close(fd)

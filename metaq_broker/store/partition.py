@@ -495,6 +495,14 @@ class PartitionLog:
             raise CorruptLogError(f"{seg.path}: damaged batch at byte {file_pos} ({e}; reading offset {offset})",
                                   seg.path, file_pos) from None
 
+    def timestamp_at(self, offset: int) -> int:
+        """Store time (ms) of the message at ``offset``, from the offset index (no file read)."""
+        segs, end = self._segments, self.latest_offset
+        if not segs[0].base_offset <= offset < end:
+            raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
+        seg = self._segment_for(segs, offset)
+        return int(seg.index()[offset - seg.base_offset]["timestamp"])
+
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
         segs, end = self._segments, self.latest_offset
