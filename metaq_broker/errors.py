@@ -75,3 +75,15 @@ class DiskFullError(MetaqError):
     def __init__(self, message: str, path=None, free_bytes=None):
         super().__init__(message)
         self.path, self.free_bytes = path, free_bytes
+
+
+class AuthenticationError(MetaqError):
+    """Credentials were missing, wrong or no longer valid, or the TLS handshake failed (UNAUTHENTICATED)."""
+
+
+class AuthorizationError(MetaqError):
+    """The principal may not do this; names the principal, the operation and the resource (PERMISSION_DENIED)."""
+
+    def __init__(self, principal: str, operation: str, resource_type: str, name: str):
+        super().__init__(f"{principal} is not allowed {operation} on {resource_type} {name!r}")
+        self.principal, self.operation, self.resource_type, self.name = principal, operation, resource_type, name

@@ -11,7 +11,9 @@ cannot see the source's options. Each offset the source hands Spark therefore ca
 (``"@metaq": {"zk", "root", "group"}``; no topic can be named ``@metaq``) that says where and for which
 group to record it. Being part of the offsets, the marker is in the checkpoint, which is how a query
 that names no group keeps the group it was given (``SourceOptions.default_group``) across restarts.
-A query with ``commitOffsets=false`` carries no marker and is never recorded.
+A query with ``commitOffsets=false`` carries no marker and is never recorded. Nor does the listener record a
+query whose ZooKeeper needs credentials (``metaq.zk.auth``; the marker says ``"secured": true``): the
+checkpoint must not hold them, so such a query's group offsets come from ``commit`` alone, a batch late.
 
 Writes only move a partition's offset forward (``GroupStore.commit(forward_only=True)``, a versioned
 ZooKeeper transaction): the source's ``commit`` and the listener write in no fixed order, and neither
@@ -25,12 +27,11 @@ import threading
 import time
 from typing import Optional
 
-from kazoo.client import KazooClient
-from kazoo.retry import KazooRetry
 from pyspark.sql.streaming import StreamingQueryListener
 
+from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.zk.group_offsets import GroupStore
-from metaq_broker.zk.session import start_client
+from metaq_broker.zk.session import new_client, start_client
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ MARKER = "@metaq"
 ATTEMPTS = 5
 
 
-def mark(offsets: dict, zk_connect: str, zk_root: str, group: Optional[str]) -> dict:
+def mark(offsets: dict, zk_connect: str, zk_root: str, group: Optional[str], secured: bool = False) -> dict:
     """``offsets`` with the recording marker first (``group`` None: no marker, nothing is recorded)."""
     if group is None:
         return offsets
-    return {MARKER: {"group": group, "root": zk_root, "zk": zk_connect}, **offsets}
+    return {MARKER: {"group": group, "root": zk_root, "zk": zk_connect, **({"secured": True} if secured else {})},
+            **offsets}
 
 
 def unmark(offsets: Optional[dict]) -> Optional[dict]:
@@ -59,15 +61,13 @@ class _Recorder:
         self._lock = threading.Lock()
         self._stores: dict = {}
 
-    def _store(self, zk_connect: str, root: str):
+    def _store(self, zk_connect: str, root: str, security: Optional[ZkSecurity]):
         with self._lock:
             store = self._stores.get((zk_connect, root))
             if store is None:
                 # Bounded reconnects: a client whose ZooKeeper went away is dropped and made anew at the
                 # next write, rather than retrying (and logging) forever in the driver.
-                client = KazooClient(hosts=zk_connect, timeout=10.0,
-                                     connection_retry=KazooRetry(max_tries=3, max_delay=1.0),
-                                     command_retry=KazooRetry(max_tries=3, max_delay=1.0))
+                client = new_client(zk_connect, 10.0, security, reconnect_tries=3)
                 start_client(client, zk_connect, 10.0)
                 store = self._stores[(zk_connect, root)] = GroupStore(client, root)
             return store
@@ -79,13 +79,14 @@ class _Recorder:
             store.zk.stop()
             store.zk.close()
 
-    def record(self, zk_connect: str, root: str, group: str, offsets: dict) -> bool:
+    def record(self, zk_connect: str, root: str, group: str, offsets: dict,
+               security: Optional[ZkSecurity] = None) -> bool:
         """Write ``{topic: {partition: offset}}`` for ``group``, never lowering a recorded offset (the
         source's ``commit`` and the listener race); retried, and a failure is logged, never raised:
         ZooKeeper being away must not fail or stall a stream."""
         for attempt in range(ATTEMPTS):
             try:
-                store = self._store(zk_connect, root)
+                store = self._store(zk_connect, root, security)
                 for topic, parts in offsets.items():
                     store.commit(group, topic, {p: int(o) for p, o in parts.items()}, forward_only=True)
                 return True
@@ -116,7 +117,7 @@ def record_marked(offsets_json: Optional[str]) -> bool:
     except ValueError:
         return False
     meta = offsets.get(MARKER) if isinstance(offsets, dict) else None
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or meta.get("secured"):
         return False
     return RECORDER.record(meta["zk"], meta["root"], meta["group"], unmark(offsets))
 

@@ -8,9 +8,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from metaq_broker.errors import ConfigError
 from metaq_broker.names import parse_partition_name
+from metaq_broker.security.settings import ClientSecurity
 
-SOURCE_OPTIONS = {
+# Both the source and the sink take these: the client's security keys with the prefix "metaq." (docs/security.md)
+SECURITY_OPTIONS = {"metaq.security.protocol", "metaq.ssl.ca.location", "metaq.ssl.certificate.location",
+                    "metaq.ssl.key.location", "metaq.sasl.mechanism", "metaq.sasl.username", "metaq.sasl.password",
+                    "metaq.zk.auth"}
+SOURCE_OPTIONS = SECURITY_OPTIONS | {
     "metaq.zk.connect", "metaq.zk.root", "subscribe", "subscribePattern", "assign", "startingOffsets",
     "startingTimestamp", "startingOffsetsByTimestamp", "startingOffsetsByTimestampStrategy", "endingOffsets",
     "endingTimestamp", "maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
@@ -49,7 +55,8 @@ class SourceOptions:
     commit_offsets: bool = True
     fetch_max_bytes: int = 8 << 20
     fetch_timeout_ms: int = 120_000  # a task's wait for a partition's broker that is down (Kafka: pollTimeoutMs)
-    raw: dict = field(default_factory=dict)
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    raw: dict = field(default_factory=dict)  # the options as given, passwords left out
 
     def topic_matcher(self):
         if self.subscribe is not None:
@@ -71,6 +78,16 @@ class SourceOptions:
         else:
             what = "assign-" + "+".join(sorted(self.assign))
         return f"spark-metaq-{what}"[:180] + f"-{unique}"
+
+
+def security_option(opts: dict) -> ClientSecurity:
+    """The client security the ``metaq.security.*``, ``metaq.ssl.*``, ``metaq.sasl.*`` and ``metaq.zk.auth`` options
+    give (source and sink); OptionError naming the option otherwise (never showing a password)."""
+    props = {k[len("metaq."):]: v for k, v in opts.items() if k in SECURITY_OPTIONS}
+    try:
+        return ClientSecurity.from_properties(props)
+    except ConfigError as e:
+        raise OptionError(f"option metaq.{e}") from None
 
 
 def integer_option(name: str, raw: str, lo: int = 0) -> int:
@@ -134,7 +151,8 @@ def parse(options, streaming: bool) -> SourceOptions:
         opts[name] = value
     if not opts.get("metaq.zk.connect"):
         raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
-    o = SourceOptions(zk_connect=opts["metaq.zk.connect"], raw=opts)
+    o = SourceOptions(zk_connect=opts["metaq.zk.connect"], security=security_option(opts),
+                      raw={k: v for k, v in opts.items() if k not in ("metaq.sasl.password", "metaq.zk.auth")})
     if "metaq.zk.root" in opts:
         o.zk_root = opts["metaq.zk.root"]
         if not o.zk_root.startswith("/"):

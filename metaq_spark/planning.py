@@ -14,6 +14,7 @@ from pyspark.sql.datasource import InputPartition
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.security.settings import ClientSecurity
 from metaq_spark.options import EARLIEST, LATEST, OptionError, SourceOptions
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class Planner:
 
     def __init__(self, opts: SourceOptions):
         self.opts = opts
-        self.consumer = Consumer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, group=opts.group)
+        self.consumer = Consumer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, group=opts.group,
+                                 security=opts.security)
 
     def partitions(self, registered: bool = False) -> dict:
         """{topic: [partition names]} subscribed: on live brokers, or (``registered``) every partition the
@@ -216,8 +218,10 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
 
 class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
-                 fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None):
+                 fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None,
+                 security: Optional[ClientSecurity] = None):
         super().__init__((topic, partition, start, end))
+        self.security = security or ClientSecurity()  # how the task connects (TLS, SASL), as the driver does
         self.topic, self.partition, self.address = topic, partition, address
         self.data_address = data_address  # the broker's data port ("host:port"), None: FetchRaw only
         self.start, self.end = start, end
@@ -244,7 +248,7 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
                 pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
-                                             opts.fetch_timeout_ms, data_addr))
+                                             opts.fetch_timeout_ms, data_addr, opts.security))
     return pieces
 
 

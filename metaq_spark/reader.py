@@ -33,16 +33,16 @@ from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, Unsett
 
 log = logging.getLogger(__name__)
 
-_POOL: Optional[ConnectionPool] = None  # connections reused by every task of one Python worker
+_POOLS: dict = {}  # ClientSecurity -> connections reused by every task of one Python worker
 
 _DATA_POOL: Optional[DataConnectionPool] = None  # data port connections, likewise
 
 
-def _pool() -> ConnectionPool:
-    global _POOL
-    if _POOL is None:
-        _POOL = ConnectionPool()
-    return _POOL
+def _pool(security) -> ConnectionPool:
+    pool = _POOLS.get(security)
+    if pool is None:
+        pool = _POOLS.setdefault(security, ConnectionPool(security=security))
+    return pool
 
 
 def _data_pool() -> DataConnectionPool:
@@ -74,7 +74,7 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
     the read moves by each reply's end offset, never by rows. The next fetch is in flight while the
     current batch is decoded and handed to Spark."""
     _, number = parse_partition_name(part.partition)
-    with PartitionFetcher(_pool().get(part.address), part.topic, part.partition, number,
+    with PartitionFetcher(_pool(part.security).get(part.address), part.topic, part.partition, number,
                           part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(),
                           getattr(part, "data_address", None), "fetchTimeoutMs") as fetcher:
         yield from _read_partition(part, fetcher)
@@ -207,7 +207,8 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
 
     def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
         return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
-                    self._group_of(start) if self.opts.commit_offsets else None)
+                    self._group_of(start) if self.opts.commit_offsets else None,
+                    secured=self.opts.security.zk.digest is not None)
 
     def initialOffset(self) -> dict:
         ranges = self.planner.initial_ranges()
@@ -298,7 +299,8 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         of ``group_commit`` records the last batch too, and whichever writes last, offsets only move
         forward). Never fails or stalls the stream."""
         if self.opts.commit_offsets:
-            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self._group_of(end), unmark(end))
+            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self._group_of(end), unmark(end),
+                            self.opts.security.zk)
 
     def stop(self) -> None:
         if self._planner is not None:

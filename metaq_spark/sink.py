@@ -28,7 +28,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
 import pyarrow as pa
@@ -40,13 +40,15 @@ from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, Stri
 from metaq_broker.client.producer import PipelinedSender, Producer
 from metaq_broker.client.settle import COMMIT, rollback_quietly, settle
 from metaq_broker.errors import InvalidMessageError
+from metaq_broker.security.settings import ClientSecurity
 from metaq_broker.zk import decisions as txn_decisions
 from metaq_broker.zk.paths import ZkPaths, check_component
-from metaq_spark.options import OptionError, integer_option
+from metaq_spark.options import SECURITY_OPTIONS, OptionError, integer_option, security_option
 
 log = logging.getLogger(__name__)
 
-SINK_OPTIONS = {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId", "transactionTimeoutMs"}
+SINK_OPTIONS = SECURITY_OPTIONS | {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId",
+                                   "transactionTimeoutMs"}
 _SPELLING = {name.lower(): name for name in SINK_OPTIONS}
 _GIVEN_BY_SPARK = {"checkpointlocation", "path"}
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -85,6 +87,7 @@ class SinkOptions:
     sink_id: Optional[str] = None
     timeout_ms: int = 0  # BeginTransaction's timeout_ms; 0: the broker's transactionTimeout
     checkpoint: Optional[str] = None
+    security: ClientSecurity = field(default_factory=ClientSecurity)
 
 
 def parse_sink(options) -> SinkOptions:
@@ -121,7 +124,8 @@ def parse_sink(options) -> SinkOptions:
     if sink_id in (".", ".."):
         raise OptionError(f"option sinkId: {sink_id!r} is reserved")
     timeout = integer_option("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
-    return SinkOptions(opts["metaq.zk.connect"], root, topic, guarantee == "exactly-once", sink_id, timeout, checkpoint)
+    return SinkOptions(opts["metaq.zk.connect"], root, topic, guarantee == "exactly-once", sink_id, timeout, checkpoint,
+                       security_option(opts))
 
 
 def check_schema(schema: StructType, opts: SinkOptions) -> dict:
@@ -174,11 +178,11 @@ _LOCK = threading.Lock()
 
 def _producer(opts: SinkOptions):
     """One Producer per Python worker and cluster, reused by every task the worker runs."""
-    key = (opts.zk_connect, opts.zk_root)
+    key = (opts.zk_connect, opts.zk_root, opts.security)
     with _LOCK:
         p = _PRODUCERS.get(key)
         if p is None:
-            p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root)
+            p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, security=opts.security)
         return p
 
 

@@ -50,12 +50,12 @@ class Cluster:
         self.workdir, self.zk_connect, self.zk_root = workdir, zk_connect, zk_root
         self.brokers = {}
 
-    def start_broker(self, broker_id, settings=None, topics=None):
+    def start_broker(self, broker_id, settings=None, topics=None, **kw):
         from metaq_broker.devtools.broker_process import BrokerProcess
         settings = {"zk.root": self.zk_root, "zk.sessionTimeout": 4000, **(settings or {})}
         old = self.brokers.get(broker_id)
         b = BrokerProcess(self.workdir / f"broker-{broker_id}", broker_id, self.zk_connect,
-                          port=old.port if old else None, settings=settings, topics=topics)
+                          port=old.port if old else None, settings=settings, topics=topics, **kw)
         self.brokers[broker_id] = b
         return b.start()
 

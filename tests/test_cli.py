@@ -66,3 +66,20 @@ def test_errors_exit_with_1_and_usage_with_2(running):
     assert r.returncode == 2
     r = metaq(running, "topics", "create", "x", "--config", "novalue")
     assert r.returncode == 2 and b"KEY=VALUE" in r.stderr
+
+
+def test_command_config_is_read_by_every_command_that_connects(running, tmp_path):
+    config = tmp_path / "client.properties"
+    config.write_text("# Kafka's form\nsecurity.protocol=PLAINTEXT\n")
+    r = metaq(running, "--command-config", str(config), "topics", "create", "orders", "--partitions", "1")
+    assert r.returncode == 0, r.stderr
+    r = metaq(running, "--command-config", str(config), "topics", "list")
+    assert r.returncode == 0 and b"orders\t1 partitions" in r.stdout
+    config.write_text("security.protocol=PLAINTEXT\nsasl.jaas.config=whatever\n")
+    r = metaq(running, "--command-config", str(config), "topics", "list")
+    assert r.returncode == 2 and f"{config}: unknown security key 'sasl.jaas.config'".encode() in r.stderr
+    config.write_text("security.protocol=TLS\n")
+    r = metaq(running, "--command-config", str(config), "acls", "list")
+    assert r.returncode == 2 and b"security.protocol: 'TLS' is not one of PLAINTEXT, SSL, SASL_SSL" in r.stderr
+    r = metaq(running, "--command-config", str(tmp_path / "missing.properties"), "users", "list")
+    assert r.returncode == 2 and b"missing.properties: cannot read" in r.stderr

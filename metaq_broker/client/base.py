@@ -6,11 +6,19 @@ from typing import Iterable, Mapping, Optional, Union
 
 from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.connection import BrokerConnection, ConnectionPool
-from metaq_broker.errors import InvalidPartitionError, UnknownTopicError
+from metaq_broker.errors import AuthenticationError, InvalidPartitionError, UnknownTopicError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.security.settings import ClientSecurity
 
 BrokerList = Union[None, str, Mapping[int, str]]
+Security = Union[None, ClientSecurity, Mapping[str, str]]
+
+
+def client_security(security: Security) -> ClientSecurity:
+    """``ClientSecurity`` from itself, from Kafka-style keys (``security.protocol``, ``ssl.*``, ``sasl.*``,
+    ``zk.*``) or from None (PLAINTEXT)."""
+    return security if isinstance(security, ClientSecurity) else ClientSecurity.from_properties(security or {})
 
 
 def parse_broker_list(brokers: BrokerList) -> Optional[dict]:
@@ -31,15 +39,17 @@ def parse_broker_list(brokers: BrokerList) -> Optional[dict]:
 
 class ClientBase:
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers: BrokerList = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, security: Security = None):
         if (zk_connect is None) == (brokers is None):
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
-        self.pool = ConnectionPool(timeout)
+        self.security = client_security(security)
+        self.pool = ConnectionPool(timeout, self.security)
         static = parse_broker_list(brokers)
         if static is not None:
             static = self._resolve_ids(static)
         self.cluster = ClusterView(zk_connect=zk_connect, root=zk_root, brokers=static,
-                                   static_topics=self._static_topics if static else None)
+                                   static_topics=self._static_topics if static else None,
+                                   zk_security=self.security.zk)
 
     def _resolve_ids(self, static: dict) -> dict:
         resolved = {}
@@ -77,6 +87,10 @@ class ClientBase:
         addr = self.cluster.brokers().get(broker_id)
         if addr is None:
             raise InvalidPartitionError(f"broker {broker_id} is not alive (not registered)")
+        protocol = self.cluster.security_protocol(broker_id)
+        if protocol is not None and protocol != self.security.protocol:
+            raise AuthenticationError(f"broker {broker_id} at {addr} takes security.protocol {protocol}; this client "
+                                      f"is set to {self.security.protocol}")
         return self.pool.get(addr)
 
     def data_address(self, broker_id: int) -> Optional[str]:

@@ -22,8 +22,10 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from kazoo.exceptions import NoAuthError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
+from metaq_broker.errors import AuthenticationError
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client, start_client
 
@@ -53,7 +55,7 @@ _TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
 
 class ClusterView:
     def __init__(self, zk_connect: Optional[str] = None, root: str = "/meta", brokers: Optional[dict] = None,
-                 static_topics: Optional[Callable[[], dict]] = None, timeout: float = 15.0):
+                 static_topics: Optional[Callable[[], dict]] = None, timeout: float = 15.0, zk_security=None):
         if (zk_connect is None) == (brokers is None):
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
         self.root = root
@@ -66,6 +68,7 @@ class ClusterView:
         self._listeners: list = []
         self._brokers: dict = {}           # live brokerId -> "host:port"
         self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
+        self._protocols: dict = {}         # live brokerId -> its securityProtocol (PLAINTEXT if unsaid)
         self._broker_watched: set = set()
         self._topic_names: list = []       # children of topics-pub
         self._wanted: set = set()          # topics a caller asked about (watched while they exist)
@@ -73,12 +76,17 @@ class ClusterView:
         self._parts: dict = {}             # topic -> {brokerId: numPartitions}
         self._entry_watched: set = set()   # (topic, brokerId) with a DataWatch
         if zk_connect is not None:
-            self.zk = new_client(zk_connect)
+            self.zk = new_client(zk_connect, security=zk_security)
             start_client(self.zk, zk_connect, timeout)
             _track(self)
             try:
-                self.zk.ensure_path(self.paths.broker_ids())  # a watch needs its node to exist
-                self.zk.ensure_path(self.paths.topics_pub())
+                try:
+                    self.zk.ensure_path(self.paths.broker_ids())  # a watch needs its node to exist
+                    self.zk.ensure_path(self.paths.topics_pub())
+                except NoAuthError:
+                    raise AuthenticationError(
+                        f"ZooKeeper refused to create {self.paths.broker_ids()} (NoAuth): no broker has registered "
+                        f"under {root} yet, which is protected by zk.auth; start a broker first or set zk.auth") from None
                 ChildrenWatch(self.zk, self.paths.broker_ids(), self._on_broker_ids)
                 ChildrenWatch(self.zk, self.paths.topics_pub(), self._on_topic_names)
             except BaseException:
@@ -100,6 +108,11 @@ class ClusterView:
             return None
         with self._lock:
             return self._data.get(broker_id)
+
+    def security_protocol(self, broker_id: int) -> Optional[str]:
+        """The ``security.protocol`` a live broker registered (None: a static list, or not alive)."""
+        with self._lock:
+            return self._protocols.get(broker_id)
 
     def topics(self) -> list:
         """Names of the topics any broker has registered (static: as ``static_topics`` reports)."""
@@ -163,11 +176,12 @@ class ClusterView:
             DataWatch(self.zk, self.paths.broker(bid), functools.partial(self._on_broker_data, bid))
 
     def _on_broker_data(self, bid: int, data, stat, event=None) -> None:
-        address = data_address = None
+        address = data_address = protocol = None
         if data is not None:
             try:
                 info = json.loads(data)
                 address = f"{info['host']}:{int(info['port'])}"
+                protocol = str(info.get("securityProtocol", "PLAINTEXT"))
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
             else:
@@ -179,8 +193,10 @@ class ClusterView:
         with self._lock:
             if address is None:
                 self._brokers.pop(bid, None)
+                self._protocols.pop(bid, None)
             else:
                 self._brokers[bid] = address
+                self._protocols[bid] = protocol
             if data_address is None:
                 self._data.pop(bid, None)
             else:

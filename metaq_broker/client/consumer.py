@@ -55,8 +55,8 @@ class Fetched:
 
 class Consumer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
-                 group: Optional[str] = None, timeout: float = 30.0):
-        super().__init__(zk_connect, zk_root, brokers, timeout)
+                 group: Optional[str] = None, timeout: float = 30.0, security=None):
+        super().__init__(zk_connect, zk_root, brokers, timeout, security)
         self.group = group
         self._groups = None
         self.consumer_id = f"{uuid.uuid4().hex[:12]}"

@@ -8,56 +8,163 @@ subclass as over gRPC, naming the same status code, and leaves the connection us
 raises ``OSError`` (or ``dataport.ProtocolError``) and is closed; it connects again on its next use. Callers
 that must ride out a broker restart (the Spark source) fall back to gRPC ``FetchRaw``, which knows how to
 wait for a broker.
+
+Security is the client's ``ClientSecurity``: with SSL or SASL_SSL the connection is TLS, the broker's
+certificate checked against ``ssl.ca.location`` and the address's host name; with SASL_SSL the first frame
+is AUTH with the session token the broker's gRPC connection got (``session``). A failed handshake or a
+refused token raises ``AuthenticationError`` at once, never a fallback to gRPC: a certificate or a
+password that is wrong is a misconfiguration to be told, and gRPC would meet the same one. A broker that
+cannot be reached is still an ``OSError``, as without TLS.
 """
 from __future__ import annotations
 
+import functools
 import socket
+import ssl
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import numpy as np
 
+from metaq_broker.errors import AuthenticationError
 from metaq_broker.protocol import rawfetch
 from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, PUT_REPLY, REPLY, STATUS_BY_NUMBER, ProtocolError,
-                                            pack_request, put_request, recv_exact, send_all)
+                                            pack_auth, pack_request, put_request, recv_exact, send_all)
 from metaq_broker.protocol.status import error_of
+from metaq_broker.security import tls
+from metaq_broker.security.settings import ClientSecurity
 
 # A longer header than this is not a data port reply. The aborted list makes it long: 24 bytes for each
 # aborted transaction overlapping the reply (at most one per batch in it, plus those open across it).
 MAX_HEADER = 64 << 20
+MAX_AUTH_REPLY = 64 << 10
+DIAGNOSE_WAIT = 0.5  # how long a probe waits for a TLS alert after a fresh connection broke (_diagnose)
+# TLS failures that are a connection going away (the broker stopping), not a certificate refused
+_CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+
+
+@functools.lru_cache(maxsize=16)
+def _context(security: ClientSecurity) -> ssl.SSLContext:
+    """One context per security setting, shared by its connections (loading the CA file is not free)."""
+    return tls.client_context(security)
 
 
 class DataConnection:
     """One connection to one broker's data port, used by one caller at a time. ``send`` may run ahead of
-    ``receive`` (replies come in request order), so the next fetch is on its way while a reply is decoded."""
+    ``receive`` (replies come in request order), so the next fetch is on its way while a reply is decoded.
+    ``security`` (None: PLAINTEXT) says whether to speak TLS; ``session`` is a callable giving the broker's
+    session token (``BrokerConnection.session_token``, with ``renew=True`` for a new one), needed with
+    SASL_SSL."""
 
-    def __init__(self, address: str, timeout: float = 30.0):
+    def __init__(self, address: str, timeout: float = 30.0, security: Optional[ClientSecurity] = None,
+                 session: Optional[Callable[..., Optional[str]]] = None):
         self.address = address
         host, _, port = address.rpartition(":")
         self._target = (host.strip("[]"), int(port))
         self.timeout = timeout
+        self.security = security or ClientSecurity()
+        self.session = session
+        self.principal: Optional[str] = None  # the broker's name for us, after an AUTH (SASL_SSL)
         self.sock: Optional[socket.socket] = None
         self.outstanding = 0  # requests sent whose replies are not yet received
         self.connects = 0  # connections made (a test sees reuse)
         self._head = bytearray(REPLY.size)
+        self._answered = False  # a reply came on this connection (else a break may be a refusal in disguise)
 
     def connect(self, timeout: Optional[float] = None) -> None:
-        """Connect if not connected. Nothing is sent, so a caller may fall back to gRPC when this fails."""
+        """Connect if not connected (the TLS handshake and the AUTH frame included). An OSError means the
+        broker could not be reached and no request was sent, so a caller may fall back to gRPC;
+        AuthenticationError means the broker refused us (or we it), and gRPC would not do better."""
         if self.sock is None:
             timeout = self.timeout if timeout is None else timeout
             sock = socket.create_connection(self._target, timeout=min(CONNECT_TIMEOUT, timeout))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock, self.outstanding = sock, 0
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.security.uses_tls:
+                    sock = self._handshake(sock)
+                if self.security.uses_sasl:
+                    try:
+                        self._authenticate(sock)
+                    except OSError as e:
+                        self._diagnose(e)
+                        raise
+            except BaseException:
+                sock.close()
+                raise
+            self.sock, self.outstanding, self._answered = sock, 0, False
             self.connects += 1
+
+    def _handshake(self, sock: socket.socket) -> ssl.SSLSocket:
+        """TLS over ``sock`` (within its connect timeout); a refused handshake is AuthenticationError
+        with the reason in words."""
+        try:
+            return _context(self.security).wrap_socket(sock, server_hostname=self._target[0])
+        except _CLOSED:
+            raise
+        except ssl.SSLError as e:
+            raise AuthenticationError(tls.explain(e, self.address)) from None
+
+    def _diagnose(self, error: BaseException) -> None:
+        """A TLS connection broke before its first reply: a broker that refused our certificate (TLS 1.3
+        tells it only after the handshake, and the alert may be lost to the reset) looks the same as one
+        going away. Another handshake, waiting briefly for the broker's verdict, tells them apart: raises
+        AuthenticationError for a refusal, else returns (the caller raises ``error``)."""
+        if not self.security.uses_tls or isinstance(error, TimeoutError):
+            return
+        try:
+            probe = _context(self.security).wrap_socket(
+                socket.create_connection(self._target, timeout=CONNECT_TIMEOUT), server_hostname=self._target[0])
+        except (OSError, AuthenticationError):
+            return
+        try:
+            probe.settimeout(DIAGNOSE_WAIT)
+            probe.recv(1)  # a broker that accepted us waits for a request: this times out
+        except _CLOSED:
+            pass
+        except ssl.SSLError as e:
+            raise AuthenticationError(tls.explain(e, self.address)) from None
+        except OSError:
+            pass
+        finally:
+            probe.close()
+
+    def _authenticate(self, sock: ssl.SSLSocket) -> None:
+        """Send the AUTH frame; a refused token is renewed once (the broker restarted and forgot its
+        sessions) before the refusal is raised."""
+        if self.session is None:
+            raise AuthenticationError(f"data port {self.address}: SASL_SSL needs the broker's session token "
+                                      f"(DataConnection(session=...))")
+        for renew in (False, True):
+            token = self.session(renew=True) if renew else self.session()
+            if not token:
+                raise AuthenticationError(f"data port {self.address}: no session token for SASL_SSL")
+            send_all(sock, [pack_auth(token)])
+            status, body = self._auth_reply(sock)
+            if status == OK:
+                self.principal = bytes(body).decode("utf-8", "replace")
+                return
+            if renew or STATUS_BY_NUMBER.get(status) != grpc.StatusCode.UNAUTHENTICATED:
+                raise self._refusal(status, body)
+
+    def _auth_reply(self, sock: ssl.SSLSocket) -> tuple:
+        head = bytearray(REPLY.size)
+        self._recv(memoryview(head), sock)
+        header_len, status, *_, body_len = REPLY.unpack(head)
+        if header_len != REPLY.size or not 0 <= body_len <= MAX_AUTH_REPLY:
+            raise ProtocolError(f"data port {self.address}: bad AUTH reply ({header_len}, {body_len} bytes)")
+        body = bytearray(body_len)
+        if body_len:
+            self._recv(memoryview(body), sock)
+        return status, body
 
     def _send(self, parts: list, timeout: Optional[float]) -> None:
         try:
             self.connect(timeout)
             self.sock.settimeout(self.timeout if timeout is None else timeout)
             send_all(self.sock, parts)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._broken(e)
             raise
         self.outstanding += 1
 
@@ -84,10 +191,11 @@ class DataConnection:
             message = bytearray(reply_len - PUT_REPLY.size)
             if message:
                 self._recv(memoryview(message))
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._broken(e)
             raise
         self.outstanding -= 1
+        self._answered = True
         if status != OK:
             raise self._refusal(status, message)
         return tuple(fields[:5]) + (bool(fields[5]),)
@@ -111,23 +219,38 @@ class DataConnection:
                 aborted = rawfetch.unpack_aborted(buf, 0, extra) if status == OK else None
             except ValueError as e:
                 raise ProtocolError(f"data port {self.address}: {e}") from None
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._broken(e)
             raise
         self.outstanding -= 1
+        self._answered = True
         body = buf[extra:]
         if status != OK:
             raise self._refusal(status, body.tobytes())
         return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body), aborted)
 
+    def _broken(self, error: BaseException) -> None:
+        """Close after ``error``; raises AuthenticationError instead if the broker refused our certificate."""
+        fresh = self.sock is not None and not self._answered
+        self.close()
+        if fresh and isinstance(error, OSError):
+            self._diagnose(error)
+
     def _check_awaiting(self) -> None:
         if self.sock is None or not self.outstanding:
             raise ProtocolError(f"data port {self.address}: no request awaits a reply")
 
-    def _recv(self, view: memoryview) -> None:
-        """Fill ``view``; a connection closed before its first byte is ConnectionResetError."""
-        if not recv_exact(self.sock, view):
-            raise ConnectionResetError(f"data port {self.address} closed the connection")
+    def _recv(self, view: memoryview, sock: Optional[socket.socket] = None) -> None:
+        """Fill ``view``; a connection closed before its first byte is ConnectionResetError. A TLS alert
+        (the broker refused our certificate: TLS 1.3 tells it after the handshake) is AuthenticationError."""
+        try:
+            if recv_exact(self.sock if sock is None else sock, view):
+                return
+        except _CLOSED:
+            raise
+        except ssl.SSLError as e:
+            raise AuthenticationError(tls.explain(e, self.address)) from None
+        raise ConnectionResetError(f"data port {self.address} closed the connection")
 
     def _refusal(self, status: int, message) -> Exception:
         """The error the gRPC path raises for this status and message."""
@@ -156,8 +279,11 @@ class DataConnection:
             return False
         try:
             self.sock.settimeout(0)
-            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; any byte: nobody asked for it
-        except BlockingIOError:
+            if isinstance(self.sock, ssl.SSLSocket):  # no MSG_PEEK: a byte read is one nobody asked for anyway
+                self.sock.recv(1)  # TLS 1.3 session tickets are taken in, then SSLWantReadError
+            else:
+                self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; any byte: nobody asked for it
+        except (BlockingIOError, ssl.SSLWantReadError):
             return True  # nothing to read: still connected
         except OSError:
             pass
@@ -176,23 +302,31 @@ class DataConnection:
 
 
 class DataConnectionPool:
-    """Idle data connections by address. ``acquire`` hands one to a single caller (a fresh one when none
-    is idle or the idle ones were closed by the broker); ``release`` keeps it for the next caller when it
-    has no reply pending, else closes it."""
+    """Idle data connections by address and security. ``acquire`` hands one to a single caller (a fresh
+    one when none is idle or the idle ones were closed by the broker); ``release`` keeps it for the next
+    caller when it has no reply pending, else closes it. ``security`` is the pool's default; ``acquire``
+    may name another (a worker's pool shared by queries with different settings)."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 30.0, security: Optional[ClientSecurity] = None):
         self.timeout = timeout
+        self.security = security or ClientSecurity()
         self._idle: dict = {}
         self._lock = threading.Lock()
 
-    def acquire(self, address: str) -> DataConnection:
+    def acquire(self, address: str, session: Optional[Callable[..., Optional[str]]] = None,
+                security: Optional[ClientSecurity] = None) -> DataConnection:
+        """A connection to ``address``; ``session`` gives the session token its (re)connections send
+        (SASL_SSL)."""
+        security = security or self.security
         while True:
             with self._lock:
-                idle = self._idle.get(address)
-                conn = idle.pop() if idle else None
+                idle = self._idle.get(address, ())
+                i = next((i for i in range(len(idle) - 1, -1, -1) if idle[i].security == security), None)
+                conn = idle.pop(i) if i is not None else None
             if conn is None:
-                return DataConnection(address, self.timeout)
+                return DataConnection(address, self.timeout, security, session)
             if conn.alive():
+                conn.session = session or conn.session
                 return conn
             conn.close()
 

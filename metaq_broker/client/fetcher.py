@@ -2,12 +2,13 @@
 consume``, and the Spark source's tasks).
 
 A fetch goes to the broker's data port where it registered one (``dataconn``: persistent TCP, ``sendfile``
-on the broker, ``recv_into`` here), else as gRPC ``FetchRaw``. A data port that fails (the broker
-stopping, a port the client cannot reach) is given up for the rest of this fetcher's life after one
-attempt, and the fetch goes on over gRPC. While the broker is down or restarting the fetch is sent again
-until ``timeout_s`` from when the caller started waiting for it; then, or on any other refusal, the error
-names the topic, the partition, the offset and the broker. One fetch may be in flight while the caller
-decodes the previous reply (``send`` now, ``receive`` later)."""
+on the broker, ``recv_into`` here; with ``conn``'s TLS and SASL session), else as gRPC ``FetchRaw``. A data
+port that fails (the broker stopping, a port the client cannot reach) is given up for the rest of this
+fetcher's life after one attempt, and the fetch goes on over gRPC; one that refuses the client's
+certificate or session raises AuthenticationError instead. While the broker is down or restarting the
+fetch is sent again until ``timeout_s`` from when the caller started waiting for it; then, or on any other
+refusal, the error names the topic, the partition, the offset and the broker. One fetch may be in flight
+while the caller decodes the previous reply (``send`` now, ``receive`` later)."""
 from __future__ import annotations
 
 import logging
@@ -39,7 +40,9 @@ class PartitionFetcher:
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
         self.timeout_setting = timeout_setting  # the user's name for timeout_s in errors (in ms), e.g. fetchTimeoutMs
         self._data_pool = data_pool
-        self._data: Optional[DataConnection] = data_pool.acquire(data_address) if data_pool and data_address else None
+        # The broker's security and SASL session go with its data port too (a worker's pool serves every query).
+        self._data: Optional[DataConnection] = data_pool.acquire(
+            data_address, session=conn.session_token, security=conn.security) if data_pool and data_address else None
 
     # -- fetching -------------------------------------------------------------------------------------
     def send(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0):

@@ -108,11 +108,11 @@ class _DataPortPut:
 class Producer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
                  partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0,
-                 use_data_port: bool = True):
+                 use_data_port: bool = True, security=None):
         if partitioner not in ("hash", "round_robin"):
             raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
-        super().__init__(zk_connect, zk_root, brokers, timeout)
-        self.data_pool = DataConnectionPool(timeout)  # puts to brokers with a data port
+        super().__init__(zk_connect, zk_root, brokers, timeout, security)
+        self.data_pool = DataConnectionPool(timeout, self.security)  # puts to brokers with a data port
         self.use_data_port = use_data_port  # False: every put as gRPC PutRaw (benchmarks compare the two)
         self.partitioner = partitioner
         self.batch_size = batch_size
@@ -195,7 +195,7 @@ class Producer(ClientBase):
         parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts)
         address = self.data_address(parse_partition_name(name)[0]) if self.use_data_port else None
         if address is not None:
-            data = self.data_pool.acquire(address)
+            data = self.data_pool.acquire(address, session=conn.session_token)  # SASL_SSL: the AUTH frame's token
             try:
                 return _DataPortPut(self.data_pool, data, topic, name, parts)
             except (OSError, ProtocolError) as e:  # not sent (the broker is down or restarting): gRPC waits

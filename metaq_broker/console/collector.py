@@ -59,15 +59,16 @@ class Clients:
     """The console's Admin (and, for the message browser, a Consumer), made on first use and made again
     when making one failed (ZooKeeper not up yet)."""
 
-    def __init__(self, zk_connect: Optional[str], zk_root: str, brokers: Optional[str]):
+    def __init__(self, zk_connect: Optional[str], zk_root: str, brokers: Optional[str], security=None):
         self.zk_connect, self.zk_root, self.brokers = zk_connect, zk_root, brokers
+        self.security = security  # the clients' ClientSecurity (metaq --command-config), None: PLAINTEXT
         self._admin = self._consumer = None
         self._lock = threading.Lock()
         self._closed = False
 
     def _make(self, cls):
         kw = {"brokers": self.brokers} if self.brokers else {"zk_connect": self.zk_connect, "zk_root": self.zk_root}
-        return cls(timeout=RPC_TIMEOUT, **kw)
+        return cls(timeout=RPC_TIMEOUT, security=self.security, **kw)
 
     def _get(self, attr: str, cls):
         with self._lock:

@@ -125,8 +125,8 @@ class Console:
     cluster): ``start`` prints nothing and returns once it listens; ``stop`` is bounded."""
 
     def __init__(self, zk_connect: Optional[str], zk_root: str, brokers: Optional[str], host: str = "127.0.0.1",
-                 port: int = 8480, interval: float = 2.0, history_seconds: float = 600.0):
-        self.clients = Clients(zk_connect, zk_root, brokers)
+                 port: int = 8480, interval: float = 2.0, history_seconds: float = 600.0, security=None):
+        self.clients = Clients(zk_connect, zk_root, brokers, security)
         self.collector = Collector(self.clients, interval, history_seconds)
         self.server = ConsoleServer((host, port), self.collector)  # OSError when the port is taken
         self._serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -155,11 +155,11 @@ class Console:
 
 
 def run(zk_connect: Optional[str], zk_root: str, brokers: Optional[str], host: str = "127.0.0.1", port: int = 8480,
-        interval: float = 2.0, history_seconds: float = 600.0, out=print) -> int:
+        interval: float = 2.0, history_seconds: float = 600.0, out=print, security=None) -> int:
     """Serve the console until Ctrl-C or SIGTERM; returns 0."""
     # kazoo logs every failed reconnect at WARNING; the pages show ZooKeeper's state instead
     logging.getLogger("kazoo.client").setLevel(logging.ERROR)
-    console = Console(zk_connect, zk_root, brokers, host, port, interval, history_seconds)
+    console = Console(zk_connect, zk_root, brokers, host, port, interval, history_seconds, security)
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():

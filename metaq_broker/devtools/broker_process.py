@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from metaq_broker.devtools.process import ChildProcess
 from metaq_broker.devtools.zookeeper import free_port
+from metaq_broker.security.settings import read_pem
 
 
 class BrokerProcess:
@@ -18,13 +19,14 @@ class BrokerProcess:
     ``<workdir>/broker.log``. ``settings`` are [system] keys; ``topics`` maps names to their keys."""
 
     def __init__(self, workdir, broker_id: int = 0, zk_connect: str = "none", port: Optional[int] = None,
-                 settings: Optional[dict] = None, topics: Optional[dict] = None):
+                 settings: Optional[dict] = None, topics: Optional[dict] = None, health_certificate=None):
         self.workdir = Path(workdir)
         self.broker_id = broker_id
         self.port = port or free_port()
         self.settings = {"brokerId": broker_id, "hostName": "127.0.0.1", "serverPort": self.port,
                          "dataPath": str(self.workdir / "data"), "zk.connect": zk_connect, **(settings or {})}
         self.topics = topics or {}
+        self.health_certificate = health_certificate  # (cert, key) PEM paths when ssl.client.auth=required
         self._child: Optional[ChildProcess] = None
 
     @property
@@ -49,18 +51,33 @@ class BrokerProcess:
         """The running ``subprocess.Popen`` (None before the first start)."""
         return self._child.proc if self._child else None
 
-    def start(self, timeout: float = 30.0, args=(), wrapper=()) -> "BrokerProcess":
-        """Start and wait until its gRPC health check says SERVING; ``args`` are extra ``metaq-broker``
+    def start(self, timeout: float = 30.0, args=(), wrapper=(), ready_by_log: bool = False) -> "BrokerProcess":
+        """Start and wait until its gRPC health check says SERVING (``ready_by_log``: until its log says it
+        listens, for a broker whose certificate no client trusts); ``args`` are extra ``metaq-broker``
         flags, ``wrapper`` a command the broker runs under (e.g. ``strace -f -o FILE``)."""
         config = self.write_config()
         argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
         self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        with grpc.insecure_channel(self.address) as channel:
+        if ready_by_log:
+            self._child.start(lambda: "listening on" in self.log_path.read_text(errors="replace"), timeout,
+                              interval=0.1)
+            return self
+        with self._health_channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             self._child.start(lambda: stub.Check(health_pb2.HealthCheckRequest(service="metaq.v1.Broker"), timeout=1)
                               .status == health_pb2.HealthCheckResponse.SERVING, timeout, interval=0.1)
         return self
+
+    def _health_channel(self) -> grpc.Channel:
+        """A channel for the readiness check: TLS trusting ``ssl.ca.location`` when the broker uses TLS."""
+        if str(self.settings.get("security.protocol", "PLAINTEXT")).upper() == "PLAINTEXT":
+            return grpc.insecure_channel(self.address)
+        ca = self.settings.get("ssl.ca.location")
+        key, chain = ((read_pem("key", self.health_certificate[1]), read_pem("cert", self.health_certificate[0]))
+                      if self.health_certificate else (None, None))
+        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(
+            read_pem("ssl.ca.location", ca) if ca else None, key, chain))
 
     def log_tail(self, lines: int = 30) -> str:
         return self._child.log_tail(lines) if self._child else "(no log)"

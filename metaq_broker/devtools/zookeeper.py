@@ -72,21 +72,32 @@ class LocalZooKeeper:
 
     ``tick_time_ms`` (ZooKeeper's default is 3000) bounds session timeouts to 2–20 ticks; tests that
     want sessions to expire quickly pass a smaller one.
+
+    ``tls_cert``/``tls_key`` (PEM) add a TLS ``secureClientPort`` (``secure_connect_string``) beside the
+    plain port, with client certificates signed by ``tls_ca`` checked as ``tls_client_auth`` says
+    (ZooKeeper's ssl.clientAuth: need, want, none).
     """
 
     def __init__(self, data_dir=None, port: Optional[int] = None, host: str = "127.0.0.1",
-                 tick_time_ms: Optional[int] = None):
+                 tick_time_ms: Optional[int] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 tls_ca: Optional[str] = None, tls_client_auth: str = "need"):
         self._temporary = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="metaq-zk-") if data_dir is None else data_dir)
         self.host = host
         self._pick_port = not port  # ours to choose: choose again if taken before the first start
         self.port = port if port else free_port(host)
         self.tick_time_ms = tick_time_ms
+        self.tls = (tls_cert, tls_key, tls_ca, tls_client_auth) if tls_cert else None
+        self.secure_port = free_port(host) if tls_cert else None
         self._child: Optional[ChildProcess] = None
 
     @property
     def connect_string(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def secure_connect_string(self) -> Optional[str]:
+        return f"{self.host}:{self.secure_port}" if self.secure_port else None
 
     @property
     def log_path(self) -> Path:
@@ -109,16 +120,36 @@ class LocalZooKeeper:
         if not _port_free(self.host, self.port):
             raise RuntimeError(f"cannot start ZooKeeper: port {self.port} on {self.host} is already in use")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [java, "-Dzookeeper.admin.enableServer=false", "-Xmx256m", "-cp", f"{pyspark_jars()}/*",
-               "org.apache.zookeeper.server.ZooKeeperServerMain", str(self.port), str(self.data_dir / "data")]
+        args = [str(self.port), str(self.data_dir / "data")]
         if self.tick_time_ms:
-            cmd.append(str(int(self.tick_time_ms)))
+            args.append(str(int(self.tick_time_ms)))
+        netty = []
+        if self.tls:  # a secure port needs a configuration file and the Netty connection factory
+            args = [self._write_tls_config()]
+            netty = ["-Dzookeeper.serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory"]
+        cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, "-Xmx256m", "-cp", f"{pyspark_jars()}/*",
+               "org.apache.zookeeper.server.ZooKeeperServerMain", *args]
         # Its own session: Ctrl-C in a terminal is ours to handle (we stop it in order).
         self._child = ChildProcess("ZooKeeper", cmd, self.log_path, own_session=True)
         self._child.start(self._serving, timeout, interval=0.1)
         self._pick_port = False  # restarts keep the port clients know
         log.info("ZooKeeper up at %s (data in %s)", self.connect_string, self.data_dir)
         return self
+
+    def _write_tls_config(self) -> str:
+        cert, key, ca, client_auth = self.tls
+        keystore = self.data_dir / "keystore.pem"  # ZooKeeper's PEM key store: certificate and key in one file
+        keystore.touch(mode=0o600)  # holds a private key: never readable by others, not even for a moment
+        keystore.write_text(Path(cert).read_text() + Path(key).read_text())
+        lines = [f"dataDir={self.data_dir / 'data'}", f"clientPort={self.port}", f"clientPortAddress={self.host}",
+                 f"secureClientPort={self.secure_port}", f"secureClientPortAddress={self.host}",
+                 f"tickTime={int(self.tick_time_ms or 3000)}",
+                 f"ssl.keyStore.location={keystore}", "ssl.keyStore.type=PEM", f"ssl.clientAuth={client_auth}"]
+        if ca:
+            lines += [f"ssl.trustStore.location={ca}", "ssl.trustStore.type=PEM"]
+        path = self.data_dir / "zoo.cfg"
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
 
     def _serving(self) -> bool:
         """A real client session can be opened and used (four-letter words are off)."""

@@ -5,11 +5,15 @@
   status OK), and the records.
 - PUT: an 8-byte prefix and a ``PutRaw`` request (``rawput``) as it is, answered with a fixed 48-byte
   reply (status, where the batch went) and, on an error, the message.
+- AUTH: a FETCH-shaped 32-byte request whose "topic" is the session token a client got from the broker's
+  gRPC ``metaq.v1.Auth/Authenticate`` (SASL_SSL only; the first frame of a connection), answered in the
+  fetch reply's layout with the principal as the body, or a refusal.
 
 No sockets are opened here: the broker's data server and the client's data connection both frame with it."""
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 
 import grpc
@@ -17,13 +21,16 @@ import grpc
 from metaq_broker.errors import MetaqError
 from metaq_broker.protocol import rawfetch
 
-FETCH, PUT = 1, 2  # request kinds
-# Every request: request_len (all of it), kind, a u16 the kind defines (FETCH: the topic's length; PUT: 0)
+FETCH, PUT, AUTH = 1, 2, 4  # request kinds (3 is reserved for replication)
+# Every request: request_len (all of it), kind, a u16 the kind defines (FETCH: the topic's length; PUT: 0;
+# AUTH: the token's length)
 PREFIX = struct.Struct("<IHH")
 # request_len (all of it, topic included), kind, topic_len, partition, offset, max_bytes, max_messages, max_wait_ms
 REQUEST = struct.Struct("<IHHiqiii")
 assert REQUEST.size == 32
 MAX_TOPIC_BYTES = 1024
+MAX_TOKEN_BYTES = 4096  # an AUTH frame's session token
+AUTH_ATTEMPTS = 3  # refused AUTH frames a connection may send before the broker closes it
 # rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len; on status OK
 # the aborted list follows (header_len = REPLY.size + its length), then body_len bytes of records
 REPLY = struct.Struct("<IIqqqqq")
@@ -44,6 +51,14 @@ def pack_request(topic: str, partition: int, offset: int, max_bytes: int = 0, ma
         raise ValueError(f"topic name of {len(name)} bytes is over {MAX_TOPIC_BYTES}")
     return REQUEST.pack(REQUEST.size + len(name), FETCH, len(name), partition, offset, max_bytes, max_messages,
                         max_wait_ms) + name
+
+
+def pack_auth(token: str) -> bytes:
+    """The AUTH frame: REQUEST's layout with kind AUTH, the token in place of the topic, the rest 0."""
+    data = token.encode()
+    if len(data) > MAX_TOKEN_BYTES:
+        raise ValueError(f"session token of {len(data)} bytes is over {MAX_TOKEN_BYTES}")
+    return REQUEST.pack(REQUEST.size + len(data), AUTH, len(data), 0, 0, 0, 0, 0) + data
 
 
 def put_request(parts: list) -> list:
@@ -79,10 +94,27 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+COALESCE = 64 << 10  # on TLS, smaller parts are joined so that they share TLS records
+
+
 def send_all(sock: socket.socket, parts: list) -> None:
     """Send ``parts`` in order with scatter-gather writes (no join, no copy in Python), however the
-    kernel splits them."""
+    kernel splits them. A TLS socket has no ``sendmsg``: there, runs of small parts are joined into one
+    buffer (a record each, not one per header) and large parts are written as they are."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(sock, ssl.SSLSocket):
+        small: list = []
+        for view in views:
+            if len(view) < COALESCE:
+                small.append(view)
+                continue
+            if small:
+                sock.sendall(b"".join(small))
+                small = []
+            sock.sendall(view)
+        if small:
+            sock.sendall(b"".join(small))
+        return
     while views:
         sent = sock.sendmsg(views[:512])  # well under IOV_MAX
         while sent:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from metaq_broker.errors import (ConfigError, CorruptLogError, DiskFullError, InvalidMessageError,
+from metaq_broker.errors import (AuthenticationError, AuthorizationError, ConfigError, CorruptLogError, DiskFullError, InvalidMessageError,
                                  InvalidOffsetError, InvalidPartitionError, InvalidTopicError, MessageTooLargeError,
                                  MetaqError, OffsetOutOfRangeError, PartitionClosedError, StoreClosedError,
                                  TransactionError, UnknownTopicError)
@@ -54,6 +54,18 @@ class RemoteTransactionError(BrokerError, TransactionError):
     """The broker refused a transaction request (unknown xid, wrong state)."""
 
 
+class RemoteAuthenticationError(BrokerError, AuthenticationError):
+    """The broker does not know who the client is: no, wrong or expired credentials."""
+
+
+class RemoteAuthorizationError(BrokerError, AuthorizationError):
+    """The broker's ACLs do not allow this principal the operation; the message names all three."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, address: str):
+        MetaqError.__init__(self, f"broker {address}: {code.name}: {message}")
+        self.code, self.details, self.address = code, message, address
+
+
 class BrokerUnavailableError(BrokerError):
     """The broker is down, restarting or stopping, or the call timed out: nothing was done."""
 
@@ -70,6 +82,8 @@ TABLE = [
     ((StoreClosedError,), grpc.StatusCode.UNAVAILABLE, BrokerUnavailableError),
     ((TransactionError,), grpc.StatusCode.ABORTED, RemoteTransactionError),
     ((PartitionClosedError,), grpc.StatusCode.FAILED_PRECONDITION, RemotePartitionClosedError),
+    ((AuthenticationError,), grpc.StatusCode.UNAUTHENTICATED, RemoteAuthenticationError),
+    ((AuthorizationError,), grpc.StatusCode.PERMISSION_DENIED, RemoteAuthorizationError),
 ]
 # Two errors share RESOURCE_EXHAUSTED: a disk-full message starts with DISK_FULL, the rest are too large.
 DISK_FULL = "disk full:"

@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from metaq_broker import __version__
 from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.security.settings import read_pem
+from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
@@ -28,6 +30,10 @@ from metaq_broker.store import MessageStore, validate_topic_name
 from metaq_broker.store.durable import make_dirs, replace_file
 from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
+from metaq_broker.zk.acls import AclCache
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.users import UserCache
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ class Broker:
         self.stats, self.metrics = BrokerStats(), None
         self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
         self.store = self.server = self.registration = self.transactions = self.resolver = None
+        self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
+        self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
         self._stop_lock = threading.Lock()
@@ -82,27 +90,29 @@ class Broker:
             self.disk = DiskState(data, on_change=self._write_health)
             if cfg.metrics_port >= 0:
                 self.metrics = BrokerMetrics(self)
+            self.auth = self._start_auth()
             service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
                                     self.create_topic, self.stats,
                                     observe=self.metrics.observe_rpc if self.metrics else None,
-                                    transactions=self.transactions, disk=self.disk)
+                                    transactions=self.transactions, disk=self.disk, auth=self.auth,
+                                    sinks_root=ZkPaths(cfg.zk_root).sinks())
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                          ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
-            self.server.add_generic_rpc_handlers((service.raw_handler(),))
+            self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
-                self.port = self.server.add_insecure_port(f"{cfg.host_name}:{cfg.server_port}")
+                self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
             except RuntimeError as e:
                 raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
             if self.metrics is not None:
                 self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
             if cfg.data_port >= 0:
                 try:
-                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port)
+                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth)
                 except OSError as e:
                     raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
                 self.data_port = self.data_server.port
@@ -113,9 +123,10 @@ class Broker:
                 self.registration = BrokerRegistration(
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id,
                     {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
+                     "securityProtocol": cfg.security.protocol,
                      **({"dataPort": self.data_port} if self.data_port is not None else {})},
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
-                    session_timeout=cfg.zk_session_timeout_ms / 1000)
+                    session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security)
                 self.registration.start()
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._zk_if_connected).start()
         except BaseException:
@@ -139,6 +150,36 @@ class Broker:
             self.registration.stop()
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
+
+    def _start_auth(self) -> BrokerAuth:
+        """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a
+        session of their own, loaded before the first call is served."""
+        cfg = self.config
+        sec = cfg.security
+        needs_zk = sec.uses_sasl or sec.authorizer == "acl"
+        if needs_zk and not self.uses_zookeeper:
+            raise ConfigError("security.protocol SASL_SSL and authorizer=acl keep users and ACLs in ZooKeeper; "
+                              "set zk.connect")
+        if needs_zk:
+            self._security_zk = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
+            start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
+            self._users = UserCache(self._security_zk, cfg.zk_root)
+        auth = BrokerAuth(sec, cfg.data_path, self._users.credential if self._users is not None else None)
+        if sec.authorizer == "acl":
+            self._acls = AclCache(self._security_zk, cfg.zk_root, auth.set_acls)
+        return auth
+
+    def _listen(self, address: str) -> int:
+        """The gRPC port, with TLS (the same PEM files as the data port) unless PLAINTEXT."""
+        sec = self.config.security
+        if not sec.uses_tls:
+            return self.server.add_insecure_port(address)
+        key, chain = (read_pem(k, path) for k, path in (("ssl.key.location", sec.key_location),
+                                                         ("ssl.certificate.location", sec.certificate_location)))
+        self.auth.data_port_context()  # a key that does not fit its certificate fails here, naming the files
+        required = sec.client_auth == "required"
+        root = read_pem("ssl.ca.location", sec.ca_location) if required else None
+        return self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)], root, required))
 
     def _write_health(self, full: bool) -> None:
         self._health.set(WRITE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if full
@@ -165,6 +206,12 @@ class Broker:
             self.metrics.stop()  # before the store closes: scrapes read it
         if self.store is not None:
             self.store.close()  # fsyncs every partition
+        for cache in (self._acls, self._users):
+            if cache is not None:
+                cache.close()
+        if self._security_zk is not None:
+            self._security_zk.stop()
+            self._security_zk.close()
 
     def wait(self) -> None:
         # Wake now and then: a signal that the kernel hands to another thread (it may, e.g. under strace)

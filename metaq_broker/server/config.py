@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from metaq_broker.errors import ConfigError, InvalidTopicError
+from metaq_broker.security.settings import BROKER_KEYS, ZK_KEYS, BrokerSecurity, ZkSecurity
 from metaq_broker.store.config import DeletePolicy, TopicConfig, validate_topic_name
 
 
@@ -94,6 +95,8 @@ class BrokerConfig:
     transaction_timeout_ms: int = 60_000  # a transaction's limit when its BeginTransaction names none
     transaction_max_timeout_ms: int = 900_000  # the largest limit a BeginTransaction may ask for (Kafka's
     # transaction.max.timeout.ms): open, rolled back after it; prepared in-doubt, abort recorded after it
+    security: BrokerSecurity = field(default_factory=BrokerSecurity)  # TLS, SASL, ACLs (docs/security.md)
+    zk_security: ZkSecurity = field(default_factory=ZkSecurity)  # zk.auth, zk.ssl.*
     topic_defaults: TopicConfig = field(default_factory=TopicConfig)
     topics: dict = field(default_factory=dict)  # name -> TopicConfig
     source: Optional[str] = None
@@ -135,16 +138,20 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
             raise ConfigError(f"unknown section [{section}]; expected [system] or [topic=NAME]")
 
     cfg = BrokerConfig(source=str(path) if path else None)
-    topic_defaults = {}
+    topic_defaults, security = {}, {}
     for key, raw in system.items():
-        if key in SYSTEM_KEYS:
+        if key in BROKER_KEYS or key in ZK_KEYS:
+            security[key] = raw
+        elif key in SYSTEM_KEYS:
             attr, parse = SYSTEM_KEYS[key]
             setattr(cfg, attr, parse(f"[system] {key}", raw))
         elif key in TOPIC_KEYS:
             topic_defaults[key] = raw
         else:
-            known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS)
+            known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS) + sorted(BROKER_KEYS + ZK_KEYS)
             raise ConfigError(f"[system]: unknown key {key!r}; known keys are {', '.join(known)}")
+    cfg.security = BrokerSecurity.from_properties({k: v for k, v in security.items() if k in BROKER_KEYS})
+    cfg.zk_security = ZkSecurity.from_properties(security, "[system] ")
     cfg.topic_defaults = topic_config_from(TopicConfig(), topic_defaults, "[system]")
     for section in parser.sections():
         if section.startswith("topic="):

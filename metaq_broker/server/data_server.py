@@ -15,6 +15,15 @@ put in flight and a producer opens one connection per partition it writes at onc
 Everything but the transport is the gRPC calls': the same checks, errors (as gRPC status code numbers
 and the same messages), counters and long-poll wait. ``dataPort`` = -1 turns the port off; clients then
 use ``FetchRaw`` and ``PutRaw``, as they do whenever the data port cannot be reached.
+
+Security is the broker's (``BrokerAuth``): with SSL or SASL_SSL each accepted socket is wrapped in TLS in
+its own thread, the handshake bounded by ``HANDSHAKE_TIMEOUT``, and a failed one is logged at debug level
+only (a flood of bad handshakes costs short-lived threads, not a flood of log lines). The connection's
+principal is its client certificate's (or ANONYMOUS); with SASL_SSL it is the session's, named by the
+AUTH frame that must come first. ``BrokerService`` checks the ACLs with it. TLS cannot ``sendfile``
+(the kernel would send the file's bytes unencrypted): a TLS connection reads the located range with
+``os.preadv`` into a buffer it reuses, in chunks of ``TLS_CHUNK``, and ``sendall``s each, so the bytes
+pass through user space once, with no work per message.
 """
 from __future__ import annotations
 
@@ -27,30 +36,55 @@ import time
 import grpc
 import numpy as np
 
-from metaq_broker.errors import InvalidOffsetError, MetaqError
+from metaq_broker.errors import AuthenticationError, InvalidOffsetError, MetaqError
 from metaq_broker.protocol import records
-from metaq_broker.protocol.dataport import (FETCH, MAX_PUT_BYTES, MAX_TOPIC_BYTES, OK, PREFIX, PUT, PUT_REPLY, REPLY,
-                                            REQUEST, ProtocolError, code_number, recv_exact)
+from metaq_broker.protocol.dataport import (AUTH, AUTH_ATTEMPTS, FETCH, MAX_PUT_BYTES, MAX_TOKEN_BYTES, MAX_TOPIC_BYTES,
+                                            OK, PREFIX, PUT, PUT_REPLY, REPLY, REQUEST, ProtocolError, code_number,
+                                            recv_exact)
 from metaq_broker.protocol.rawfetch import pack_aborted
 from metaq_broker.protocol.status import code_of
+from metaq_broker.security import tls
 
 log = logging.getLogger(__name__)
 
 _SENDFILE_CHUNK = 1 << 30
+TLS_CHUNK = 1 << 20  # a TLS connection's read buffer: record bytes go file -> buffer -> TLS in this size
+HANDSHAKE_TIMEOUT = 10.0  # a TLS handshake not done by then is dropped
+RECHECK_SESSION_S = 60.0  # a SASL connection's session is checked again this often (expired, user removed)
 KEEP_PUT_BUFFER = 16 << 20  # a connection keeps its put buffer up to this size (the sink's puts are <= 4 MiB)
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
+class _Conn:
+    """One connection's state: its socket (TLS or not), principal (None until a SASL connection's AUTH),
+    and the buffers it reuses."""
+
+    def __init__(self, sock: socket.socket, tls_on: bool, principal):
+        self.sock, self.tls, self.principal = sock, tls_on, principal
+        self.token, self.checked_at = "", 0.0  # SASL: the session's token, when it was last found valid
+        self.put_buffer = np.empty(0, np.uint8)  # grown to the largest put, then reused: no new pages per put
+        self._read_buffer = None  # TLS only: TLS_CHUNK bytes, file ranges pass through it
+
+    def read_buffer(self) -> memoryview:
+        if self._read_buffer is None:
+            self._read_buffer = memoryview(bytearray(TLS_CHUNK))
+        return self._read_buffer
 
 
 class DataServer:
     """Accepts on ``host:port`` (0: any free port); one daemon thread per connection, each serving its
     requests in order. ``service`` is the broker's ``BrokerService``: the store, closed partitions,
-    counters and limits are its."""
+    counters, limits and ACL checks are its. ``auth`` (``BrokerAuth``, None: PLAINTEXT and anonymous)
+    gives the TLS context and checks session tokens."""
 
-    def __init__(self, service, host: str, port: int):
+    def __init__(self, service, host: str, port: int, auth=None):
         self.service = service
+        self.auth = auth
+        self._context = auth.data_port_context() if auth is not None else None
+        self._sasl = auth is not None and auth.security.uses_sasl
         self._listener = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: a restart rebinds
         self.port = self._listener.getsockname()[1]
-        self._conns: dict = {}  # socket -> thread
+        self._conns: dict = {}  # accepted socket -> thread
         self._lock = threading.Lock()
         self._stopping = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="metaq-data-accept", daemon=True)
@@ -75,6 +109,8 @@ class DataServer:
         self._listener.close()
         if self._acceptor.ident is not None:
             self._acceptor.join(5)
+        # The accepted sockets: a TLS connection serves on a dup of its fd, so shutting these down reaches
+        # it without touching its TLS state.
         for sock in conns:  # the next read of a request sees the end; a reply in progress goes on
             _shutdown(sock, socket.SHUT_RD)
         deadline = time.monotonic() + grace
@@ -88,7 +124,7 @@ class DataServer:
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 if self._stopping:
                     return
@@ -99,49 +135,137 @@ class DataServer:
                 if self._stopping:
                     sock.close()
                     return
-                thread = threading.Thread(target=self._serve, args=(sock,), name="metaq-data", daemon=True)
+                thread = threading.Thread(target=self._serve, args=(sock, peer), name="metaq-data", daemon=True)
                 self._conns[sock] = thread
             thread.start()
 
-    def _serve(self, sock: socket.socket) -> None:
-        head = bytearray(REQUEST.size)  # no request is shorter: a PUT has a 32-byte PutRaw header after its prefix
-        put_buffer = np.empty(0, np.uint8)  # grown to the largest put, then reused: no new pages per put
+    def _serve(self, raw: socket.socket, peer) -> None:
+        sock = raw
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while not self._stopping and recv_exact(sock, memoryview(head)):
-                length, kind, topic_len, *fields = REQUEST.unpack(head)
-                if kind == PUT:
-                    if not REQUEST.size + records.ALIGN <= length <= MAX_PUT_BYTES:
-                        self._send_put_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                                             f"data port put of {length} bytes (at most {MAX_PUT_BYTES}); closing "
-                                             f"the connection")
-                        return
-                    if len(put_buffer) < length:
-                        put_buffer = np.empty(length, np.uint8)
-                    put_buffer[:REQUEST.size] = np.frombuffer(head, np.uint8)
-                    if not recv_exact(sock, memoryview(put_buffer)[REQUEST.size:length]):
-                        raise ProtocolError("connection closed inside a request")
-                    self._put(sock, memoryview(put_buffer)[PREFIX.size:length])
-                    if len(put_buffer) > KEEP_PUT_BUFFER:  # a rare huge put: its memory is not kept
-                        put_buffer = np.empty(0, np.uint8)
-                    continue
-                if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
-                    self._send_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                                     f"malformed data port request (kind {kind}, {length} bytes, topic of "
-                                     f"{topic_len} bytes); closing the connection")
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._context is not None:
+                sock = self._handshake(raw, peer) or raw
+                if sock is raw:
                     return
-                name = bytearray(topic_len)
-                if topic_len and not recv_exact(sock, memoryview(name)):
-                    raise ProtocolError("connection closed inside a request")
-                self._fetch(sock, name, *fields)
+            if self._sasl:
+                principal = None  # until the AUTH frame
+            elif sock is not raw:
+                principal = tls.principal_of_peer(sock.getpeercert())
+            else:
+                principal = tls.ANONYMOUS
+            self._serve_requests(_Conn(sock, sock is not raw, principal))
         except (OSError, ProtocolError):
             pass  # the client went away or broke the framing: nothing to answer
         except Exception:  # noqa: BLE001 - a bad connection must never take the broker down
             log.exception("data port connection failed")
         finally:
             with self._lock:
-                self._conns.pop(sock, None)
+                self._conns.pop(raw, None)
+            if sock is not raw:
+                sock.close()
+            raw.close()
+
+    def _handshake(self, raw: socket.socket, peer):
+        """The TLS socket over a dup of ``raw``'s fd, handshake done; None (logged at debug level) when
+        it fails or takes over HANDSHAKE_TIMEOUT."""
+        dup = raw.dup()
+        try:
+            sock = self._context.wrap_socket(dup, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as e:
+            dup.close()
+            log.debug("data port: TLS with %s failed: %s", peer, e)
+            return None
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            sock.do_handshake()
+            sock.settimeout(None)
+        except (OSError, ValueError) as e:  # ssl.SSLError, a timeout, a reset
             sock.close()
+            log.debug("data port: TLS handshake with %s failed: %s", peer, e)
+            return None
+        return sock
+
+    def _serve_requests(self, conn: _Conn) -> None:
+        sock = conn.sock
+        head = bytearray(REQUEST.size)  # no request is shorter: a PUT has a 32-byte PutRaw header after its prefix
+        refused = 0  # AUTH frames refused on this connection
+        while not self._stopping and recv_exact(sock, memoryview(head)):
+            length, kind, topic_len, *fields = REQUEST.unpack(head)
+            if kind == AUTH and self._sasl and conn.principal is None and topic_len <= MAX_TOKEN_BYTES \
+                    and length == REQUEST.size + topic_len:
+                token = bytearray(topic_len)
+                if topic_len and not recv_exact(sock, memoryview(token)):
+                    raise ProtocolError("connection closed inside a request")
+                conn.principal = self._authenticate(sock, token, conn)
+                if conn.principal is None:
+                    refused += 1
+                    if refused >= AUTH_ATTEMPTS:
+                        return
+                continue
+            if self._sasl and conn.principal is not None and not self._session_valid(conn):
+                return  # closed unanswered: the client connects again with a new session, or is told why
+            if conn.principal is None:  # SASL_SSL: nothing is served before the AUTH frame
+                send = self._send_put_error if kind == PUT else self._send_error
+                send(sock, grpc.StatusCode.UNAUTHENTICATED,
+                     "authenticate first: the data port of a SASL_SSL broker takes an AUTH frame with the "
+                     "session token from metaq.v1.Auth/Authenticate before any request; closing the connection")
+                return
+            if kind == PUT:
+                if not REQUEST.size + records.ALIGN <= length <= MAX_PUT_BYTES:
+                    self._send_put_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"data port put of {length} bytes (at most {MAX_PUT_BYTES}); closing "
+                                         f"the connection")
+                    return
+                if len(conn.put_buffer) < length:
+                    conn.put_buffer = np.empty(length, np.uint8)
+                conn.put_buffer[:REQUEST.size] = np.frombuffer(head, np.uint8)
+                if not recv_exact(sock, memoryview(conn.put_buffer)[REQUEST.size:length]):
+                    raise ProtocolError("connection closed inside a request")
+                self._put(conn, memoryview(conn.put_buffer)[PREFIX.size:length])
+                if len(conn.put_buffer) > KEEP_PUT_BUFFER:  # a rare huge put: its memory is not kept
+                    conn.put_buffer = np.empty(0, np.uint8)
+                continue
+            if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
+                why = " (this broker takes no AUTH frame)" if kind == AUTH and not self._sasl else \
+                    " (already authenticated)" if kind == AUTH else ""
+                self._send_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"malformed data port request (kind {kind}, {length} bytes, topic of "
+                                 f"{topic_len} bytes){why}; closing the connection")
+                return
+            name = bytearray(topic_len)
+            if topic_len and not recv_exact(sock, memoryview(name)):
+                raise ProtocolError("connection closed inside a request")
+            self._fetch(conn, name, *fields)
+
+    def _session_valid(self, conn: _Conn) -> bool:
+        """Whether the connection's session still holds (checked every RECHECK_SESSION_S): it expires,
+        and ends when its user is removed or given a new password."""
+        now = time.monotonic()
+        if now - conn.checked_at < RECHECK_SESSION_S:
+            return True
+        try:
+            self.auth.principal_of_token(conn.token)
+        except AuthenticationError as e:
+            log.info("data port: closing a connection of %s: %s", conn.principal, e)
+            return False
+        conn.checked_at = now
+        return True
+
+    def _authenticate(self, sock: socket.socket, token: bytearray, conn: _Conn):
+        """The principal of the session ``token`` names, after replying it (OK, the principal as the body);
+        None after replying UNAUTHENTICATED. The token is never logged."""
+        def principal():
+            try:
+                text = token.decode()
+            except UnicodeDecodeError:
+                raise AuthenticationError("the session token is not UTF-8") from None
+            return self.auth.principal_of_token(text)
+        name = self._answer(sock, "Authenticate", self._send_error, principal)
+        if name is not None:
+            conn.token, conn.checked_at = token.decode(), time.monotonic()
+            body = name.encode("utf-8", "replace")
+            sock.sendall(REPLY.pack(REPLY.size, OK, -1, -1, -1, -1, len(body)) + body)
+        return name
 
     # -- one request --------------------------------------------------------------------------------
     @staticmethod
@@ -157,22 +281,23 @@ class DataServer:
             send_error(sock, grpc.StatusCode.INTERNAL, f"{method} failed: {type(e).__name__}: {e}")
         return None
 
-    def _locate(self, name: bytearray, partition: int, offset: int, max_bytes: int, max_messages: int,
-                max_wait_ms: int) -> tuple:
+    def _locate(self, principal: str, name: bytearray, partition: int, offset: int, max_bytes: int,
+                max_messages: int, max_wait_ms: int) -> tuple:
         """(FileRange, partition, a dup of its segment's fd or -1 when empty) of one fetch."""
         try:
             topic = name.decode()
         except UnicodeDecodeError:
             raise InvalidOffsetError("the topic name is not UTF-8") from None
         where, log_ = self.service.read(topic, partition, offset, max_bytes, max_messages, max_wait_ms,
-                                        lambda: not self._stopping, locate=True)
+                                        lambda: not self._stopping, locate=True, principal=principal)
         return where, log_, where.dup_fd() if where.length else -1
 
-    def _fetch(self, sock: socket.socket, *request) -> None:
+    def _fetch(self, conn: _Conn, *request) -> None:
         start = time.perf_counter()
-        fd = -1
+        sock, fd = conn.sock, -1
         try:
-            located = self._answer(sock, "FetchData", self._send_error, lambda: self._locate(*request))
+            located = self._answer(sock, "FetchData", self._send_error,
+                                   lambda: self._locate(conn.principal, *request))
             if located is None:
                 return
             where, log_, fd = located
@@ -181,25 +306,53 @@ class DataServer:
                                 log_.earliest_offset, log_.latest_offset, where.length) + aborted
             if not where.length:
                 sock.sendall(header)
-                return
-            sock.sendall(header, _MSG_MORE)
-            pos, left = where.position, where.length
-            while left:
-                n = os.sendfile(sock.fileno(), fd, pos, min(left, _SENDFILE_CHUNK))
-                if n == 0:  # the file is shorter than its index says: the client sees a cut reply
-                    raise ProtocolError(f"{where.path} ends at byte {pos}, {left} bytes short")
-                pos += n
-                left -= n
+            elif conn.tls:
+                self._send_range_tls(conn, header, fd, where)
+            else:
+                sock.sendall(header, _MSG_MORE)
+                pos, left = where.position, where.length
+                while left:
+                    n = os.sendfile(sock.fileno(), fd, pos, min(left, _SENDFILE_CHUNK))
+                    if n == 0:  # the file is shorter than its index says: the client sees a cut reply
+                        raise ProtocolError(f"{where.path} ends at byte {pos}, {left} bytes short")
+                    pos += n
+                    left -= n
         finally:
             if fd >= 0:
                 os.close(fd)
             if self.service.observe is not None:
                 self.service.observe("FetchData", time.perf_counter() - start)
 
-    def _put(self, sock: socket.socket, request: memoryview) -> None:
+    @staticmethod
+    def _send_range_tls(conn: _Conn, header: bytes, fd: int, where) -> None:
+        """``header`` and the file range through the connection's buffer: ``preadv`` a chunk, ``sendall``
+        it (the header rides in the first chunk). ``sendfile`` would bypass the encryption."""
+        view, sock = conn.read_buffer(), conn.sock
+        fill = len(header)
+        if fill <= TLS_CHUNK // 2:
+            view[:fill] = header
+        else:  # a long aborted list
+            sock.sendall(header)
+            fill = 0
+        pos, left = where.position, where.length
+        while left:
+            n = min(left, TLS_CHUNK - fill)
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[fill + got:fill + n]], pos + got)
+                if k == 0:  # the file is shorter than its index says: the client sees a cut reply
+                    raise ProtocolError(f"{where.path} ends at byte {pos + got}, {left - got} bytes short")
+                got += k
+            sock.sendall(view[:fill + n])
+            pos += n
+            left -= n
+            fill = 0
+
+    def _put(self, conn: _Conn, request: memoryview) -> None:
         start = time.perf_counter()
+        sock = conn.sock
         try:
-            r = self._answer(sock, "PutData", self._send_put_error, lambda: self.service.put(request))
+            r = self._answer(sock, "PutData", self._send_put_error, lambda: self.service.put(request, conn.principal))
             if r is not None:
                 sock.sendall(PUT_REPLY.pack(PUT_REPLY.size, OK, r.base_offset, r.base_msg_id, r.timestamp_ms,
                                             r.partition, r.count, int(r.fsynced), 0))

@@ -101,6 +101,7 @@ class BrokerCollector:
         yield from self._disk(b)
         yield from self._zookeeper(b)
         yield from self._group_lag(b, bid)
+        yield from self._security(b)
         txn = GaugeMetricFamily("metaq_open_transactions", "Open transactions, by state", labels=["state"])
         for state, n in b.open_transactions().items():
             txn.add_metric([state], n)
@@ -160,6 +161,21 @@ class BrokerCollector:
         if disk is not None:
             free.add_metric([str(disk.data_path)], free_space(disk.data_path)[0])
         yield free
+
+    @staticmethod
+    def _security(b):
+        """Refusals: calls the ACLs denied, by operation and resource type; failed SASL logins, by mechanism."""
+        denied = CounterMetricFamily("metaq_authorization_denials", "Requests the ACLs refused",
+                                     labels=["operation", "resource_type"])
+        failed = CounterMetricFamily("metaq_authentication_failures", "SASL logins refused (wrong password, "
+                                     "unknown user, malformed exchange)", labels=["mechanism"])
+        if b.auth is not None:
+            for (operation, resource_type), n in list(b.auth.denied.items()):
+                denied.add_metric([operation, resource_type], n)
+            for mechanism, n in list(b.auth.failures.items()):
+                failed.add_metric([mechanism], n)
+        yield denied
+        yield failed
 
     @staticmethod
     def _zookeeper(b):

@@ -13,6 +13,9 @@ kazoo state listeners must not block). A second broker with an id that a live se
 refused; when the holder has *our* address it is this broker's previous, crashed run, whose session
 will expire shortly, so we wait for that instead (Kafka does the same), and say so in an ephemeral
 ``<root>/brokers/starting/<id>`` of our own session (``metaq brokers`` shows it) until we are registered.
+
+With ``zk.auth`` these nodes (and the containers clients list) carry ``public_acl``: world-readable, so a
+client without ZooKeeper credentials still finds brokers, but writable by the digest identity only.
 """
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ from kazoo.client import KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from metaq_broker.errors import MetaqError
+from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.zk import topic_entries
 from metaq_broker.zk.paths import ZkPaths
-from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.session import ensure_public_path, new_client, public_acl, start_client
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +47,15 @@ class BrokerIdInUseError(MetaqError):
 
 class BrokerRegistration:
     def __init__(self, zk_connect: str, root: str, broker_id: int, address: dict, topics: dict,
-                 session_timeout: float = 10.0):
+                 session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None):
         self.paths = ZkPaths(root)
         self.broker_id = broker_id
         self.address = dict(address)
         self.topics: dict = dict(topics)
         self.session_timeout = session_timeout
-        self.client = new_client(zk_connect, session_timeout)
+        self.zk_security = zk_security
+        self._acl = public_acl(zk_security)  # None: kazoo's default (open, or private with zk.auth)
+        self.client = new_client(zk_connect, session_timeout, zk_security)
         self.zk_connect = zk_connect
         self.state_history: list = []  # every KazooState seen, in order (for tests and diagnosis)
         self.registrations = 0  # successful (re-)registrations
@@ -106,8 +112,10 @@ class BrokerRegistration:
         info = {**self.address, "address": f"{self.address.get('host')}:{self.address.get('port')}",
                 "since": now, "expectedExpiry": now + self.session_timeout, "oldSession": f"0x{old_session:x}"}
         try:
+            if self._acl is not None:
+                ensure_public_path(self.client, self.paths.brokers_starting(), self.zk_security)
             self.client.create(self.paths.broker_starting(self.broker_id), json.dumps(info, sort_keys=True).encode(),
-                               ephemeral=True, makepath=True)
+                               acl=self._acl, ephemeral=True, makepath=True)
         except NodeExistsError:
             log.info("%s exists already: another broker with id %d is starting", self.paths.broker_starting(
                 self.broker_id), self.broker_id)
@@ -136,9 +144,12 @@ class BrokerRegistration:
         with self._lock:
             if self._stopped:
                 return  # stop() won the lock: writing now would leave topic nodes behind
+            if self._acl is not None:
+                for container in (self.paths.broker_ids(), self.paths.topics_pub(), self.paths.topics_sub()):
+                    ensure_public_path(self.client, container, self.zk_security)
             while True:
                 try:
-                    self.client.create(self.node, data, ephemeral=True, makepath=True)
+                    self.client.create(self.node, data, acl=self._acl, ephemeral=True, makepath=True)
                     break
                 except NodeExistsError:
                     try:
@@ -171,7 +182,7 @@ class BrokerRegistration:
         for path in (self.paths.topic_pub_broker(topic, self.broker_id),
                      self.paths.topic_sub_broker(topic, self.broker_id)):
             try:
-                self.client.create(path, data, makepath=True)
+                self.client.create(path, data, acl=self._acl, makepath=True)
             except NodeExistsError:
                 if self.client.get(path)[0] != data:
                     self.client.set(path, data)

@@ -18,6 +18,8 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput, records
 from metaq_broker.protocol.status import code_of
+from metaq_broker.security.acl import CLUSTER
+from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server.config import topic_ini_values
 from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
@@ -26,13 +28,15 @@ from metaq_broker.zk.decisions import parse_coordinator
 log = logging.getLogger(__name__)
 
 def rpc(method):
-    """Run a handler; turn a metaq error into a status with its message, log anything unexpected; report
-    its duration to ``self.observe`` (the metrics' latency histogram) when metrics are on."""
+    """Run a handler with the caller's principal (``BrokerAuth``; authentication fails here); turn a metaq
+    error into a status with its message, log anything unexpected; report its duration to
+    ``self.observe`` (the metrics' latency histogram) when metrics are on."""
     @functools.wraps(method)
     def handler(self, request, context):
         start = time.perf_counter()
         try:
-            return method(self, request, context)
+            principal = self.auth.grpc_principal(context) if self.auth is not None else ANONYMOUS
+            return method(self, request, context, principal)
         except (MetaqError, records.RecordFormatError) as e:
             context.abort(code_of(e), str(e))
         except Exception as e:  # noqa: BLE001 - a bad request must never take the broker down
@@ -49,8 +53,11 @@ def rpc(method):
 
 class BrokerService(pb_grpc.BrokerServicer):
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
-                 create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None):
+                 create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None, auth=None,
+                 sinks_root: str = "/meta/sinks"):
         self.store = store
+        self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
+        self.sinks_root = sinks_root  # transactions' coordinators (decision records) must lie below it
         self.disk = disk or DiskState(store.data_path)  # whether the last write found the disk full
         self.transactions = transactions  # store.transactions.TransactionManager
         self.broker_id = broker_id
@@ -64,6 +71,14 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._round_robin = itertools.count()
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _allow(self, principal: str, operation: str, resource_type: str, name: str) -> None:
+        if self.auth is not None:
+            self.auth.authorize(principal, operation, resource_type, name)
+
+    def _allow_sink(self, principal: str, xid: str) -> None:
+        """Transactions belong to a sink: the xid's first component (the Spark sink's ``sinkId``)."""
+        self._allow(principal, "Write", "sink", xid.split("/", 1)[0])
+
     def _name(self, partition: int) -> str:
         return f"{self.broker_id}-{partition}"
 
@@ -86,15 +101,18 @@ class BrokerService(pb_grpc.BrokerServicer):
 
     # -- data -----------------------------------------------------------------------------------------
     @rpc
-    def Put(self, request, context):
-        return self.put(request)
+    def Put(self, request, context, principal):
+        return self.put(request, principal)
 
-    def put(self, request) -> pb.PutResponse:
+    def put(self, request, principal: str) -> pb.PutResponse:
         """What every produce path (gRPC ``Put``/``PutRaw`` and the data port's PUT) does: the request is a
         ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them)."""
         if not isinstance(request, pb.PutRequest):
             request = rawput.unpack(request)
         topic, partition = request.topic, request.partition
+        self._allow(principal, "Write", "topic", topic)
+        if request.xid:
+            self._allow_sink(principal, request.xid)
         config = self.store.topic_config(topic)
         if partition == -1:
             open_parts = [p for p in range(config.num_partitions) if (topic, p) not in self._closed]
@@ -123,10 +141,11 @@ class BrokerService(pb_grpc.BrokerServicer):
                               fsynced=result.fsynced)
 
     def read(self, topic: str, partition: int, offset: int, max_bytes: int, max_messages: int, max_wait_ms: int,
-             is_active, locate: bool = False):
+             is_active, locate: bool = False, *, principal: str):
         """What every fetch path (gRPC ``Fetch``/``FetchRaw`` and the data port) returns: (FetchResult, or
         FileRange with ``locate``, and the partition), with the checks, counters and long-poll wait (while
         ``is_active()``) they share."""
+        self._allow(principal, "Read", "topic", topic)
         self.store.partition(topic, partition)
         counters = self.stats.partition(topic, self._name(partition))
         try:
@@ -150,22 +169,22 @@ class BrokerService(pb_grpc.BrokerServicer):
                             result.length if locate else result.data.size)
         return result, log_
 
-    def _read_request(self, request, context):
+    def _read_request(self, request, context, principal):
         return self.read(request.topic, request.partition, request.offset, request.max_bytes, request.max_messages,
-                         request.max_wait_ms, context.is_active)
+                         request.max_wait_ms, context.is_active, principal=principal)
 
     @rpc
-    def Fetch(self, request, context):
-        result, log_ = self._read_request(request, context)
+    def Fetch(self, request, context, principal):
+        result, log_ = self._read_request(request, context, principal)
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
                                 earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset,
                                 aborted=result.aborted.astype(records.ABORTED_DTYPE, copy=False).tobytes())
 
     @rpc
-    def FetchRaw(self, request, context):
+    def FetchRaw(self, request, context, principal):
         """``Fetch`` answered as a struct header and the record bytes (``rawfetch``): no protobuf copies."""
-        result, log_ = self._read_request(request, context)
+        result, log_ = self._read_request(request, context, principal)
         return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.latest_offset,
                              result.data, result.aborted)
 
@@ -177,9 +196,10 @@ class BrokerService(pb_grpc.BrokerServicer):
         return grpc.method_handlers_generic_handler(rawfetch.SERVICE, {rawfetch.METHOD: fetch, rawput.METHOD: put})
 
     @rpc
-    def GetOffsets(self, request, context):
+    def GetOffsets(self, request, context, principal):
         out = []
         for q in request.queries:
+            self._allow(principal, "Describe", "topic", q.topic)
             p = self.store.partition(q.topic, q.partition)
             item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
                                        latest=p.latest_offset, log_end_offset=p.log_end_offset, for_timestamp=-1,
@@ -195,24 +215,29 @@ class BrokerService(pb_grpc.BrokerServicer):
 
     # -- admin ----------------------------------------------------------------------------------------
     @rpc
-    def ListTopics(self, request, context):
+    def ListTopics(self, request, context, principal):
+        """The topics the caller may Describe (all of them without ACLs), as Kafka's metadata does."""
         return pb.ListTopicsResponse(broker_id=self.broker_id, topics=[
             pb.TopicSummary(topic=t, num_partitions=self.store.topic_config(t).num_partitions)
-            for t in self.store.topics()])
+            for t in self.store.topics() if self.auth is None or self.auth.allows(principal, "Describe", "topic", t)])
 
     @rpc
-    def DescribeTopic(self, request, context):
+    def DescribeTopic(self, request, context, principal):
+        self._allow(principal, "Describe", "topic", request.topic)
         return self._describe(request.topic)
 
     @rpc
-    def CreateTopic(self, request, context):
+    def CreateTopic(self, request, context, principal):
+        if self.auth is not None:  # as Kafka: Create on the cluster, or on the topic
+            self.auth.authorize_any(principal, "Create", [("cluster", CLUSTER), ("topic", request.topic)])
         if request.num_partitions < 0:
             raise ConfigError(f"num_partitions must not be negative, got {request.num_partitions}")
         self._create_topic(request.topic, request.num_partitions or None, dict(request.config))
         return self._describe(request.topic)
 
     @rpc
-    def ClosePartitions(self, request, context):
+    def ClosePartitions(self, request, context, principal):
+        self._allow(principal, "Alter", "topic", request.topic)
         n = self.store.topic_config(request.topic).num_partitions
         if not 0 <= request.start <= request.end < n:
             raise InvalidPartitionError(f"partitions {request.start}..{request.end} are not within 0..{n - 1} "
@@ -223,7 +248,8 @@ class BrokerService(pb_grpc.BrokerServicer):
         return self._describe(request.topic)
 
     @rpc
-    def OpenPartitions(self, request, context):
+    def OpenPartitions(self, request, context, principal):
+        self._allow(principal, "Alter", "topic", request.topic)
         self.store.topic_config(request.topic)
         with self._closed_lock:
             self._closed = {tp for tp in self._closed if tp[0] != request.topic}
@@ -231,7 +257,8 @@ class BrokerService(pb_grpc.BrokerServicer):
         return self._describe(request.topic)
 
     @rpc
-    def Stats(self, request, context):
+    def Stats(self, request, context, principal):
+        self._allow(principal, "Describe", *(("topic", request.topic) if request.topic else ("cluster", CLUSTER)))
         if request.topic:
             self.store.topic_config(request.topic)
         return pb.StatsResponse(broker_id=self.broker_id, version=__version__, uptime_seconds=self.stats.uptime(),
@@ -248,25 +275,35 @@ class BrokerService(pb_grpc.BrokerServicer):
         return pb.TransactionReply(xid=xid, state=state, messages=messages)
 
     @rpc
-    def BeginTransaction(self, request, context):
+    def BeginTransaction(self, request, context, principal):
+        self._allow_sink(principal, request.xid)
         if request.timeout_ms < 0:
             raise TransactionError(f"timeout_ms must not be negative, got {request.timeout_ms}")
-        parse_coordinator(request.coordinator)
+        coordinator = parse_coordinator(request.coordinator)
+        if coordinator and self.auth is not None and self.auth.enabled:
+            # the broker writes abort decisions there: a caller may only name its own sink's records
+            sink = request.xid.split("/", 1)[0]
+            if not coordinator["path"].startswith(f"{self.sinks_root}/{sink}/"):
+                raise TransactionError(f"coordinator path {coordinator['path']!r} is not below "
+                                       f"{self.sinks_root}/{sink}/ (the decision records of sink {sink!r})")
         t = self._transactions().begin(request.xid, request.timeout_ms / 1000 or None, request.coordinator)
         return self._reply(t.xid, t.state)
 
     @rpc
-    def PrepareTransaction(self, request, context):
+    def PrepareTransaction(self, request, context, principal):
+        self._allow_sink(principal, request.xid)
         t = self._transactions().prepare(request.xid)
         self.disk.ok()
         return self._reply(t.xid, t.state, t.messages)
 
     @rpc
-    def CommitTransaction(self, request, context):
+    def CommitTransaction(self, request, context, principal):
+        self._allow_sink(principal, request.xid)
         return self._reply(request.xid, self._settle(self._transactions().commit, request.xid))
 
     @rpc
-    def RollbackTransaction(self, request, context):
+    def RollbackTransaction(self, request, context, principal):
+        self._allow_sink(principal, request.xid)
         return self._reply(request.xid, self._settle(self._transactions().rollback, request.xid))
 
     def _settle(self, settle, xid: str) -> str:
@@ -283,7 +320,8 @@ class BrokerService(pb_grpc.BrokerServicer):
         return state
 
     @rpc
-    def RecoverTransactions(self, request, context):
+    def RecoverTransactions(self, request, context, principal):
+        self._allow(principal, "Describe", "cluster", CLUSTER)
         now = time.time()
         return pb.RecoverTransactionsResponse(transactions=[
             pb.PreparedTransaction(xid=t.xid, coordinator=t.coordinator, messages=t.messages,

@@ -1,8 +1,10 @@
-"""The ``metaq`` command line: a local ZooKeeper, topics, produce, consume, offsets, groups, stats, the
-quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 the operation failed
-(the message says why), 2 bad usage."""
+"""The ``metaq`` command line: a local ZooKeeper, topics, produce, consume, offsets, groups, stats, SCRAM
+users and ACLs, the quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 the
+operation failed (the message says why), 2 bad usage. ``--command-config FILE`` (Kafka's name) gives the
+security settings of every command that connects: zk.* keys for ZooKeeper, the rest for brokers."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sys
@@ -11,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import click
+from kazoo.exceptions import KazooException, NoAuthError
 
 from metaq_broker import __version__
 from metaq_broker.client.admin import Admin
@@ -18,16 +21,24 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
-from metaq_broker.errors import MetaqError
+from metaq_broker.errors import ConfigError, MetaqError
+from metaq_broker.security import acl as acl_mod
+from metaq_broker.security.scram import DEFAULT_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
+from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.partition import PartitionLog
 from metaq_broker.tools.quickstart import run as run_quickstart
+from metaq_broker.zk import acls as zk_acls
+from metaq_broker.zk import users as zk_users
+from metaq_broker.zk.session import new_client, start_client
 
 ZK_HELP = "ZooKeeper connect string (env METAQ_ZK)"
 
 
 def _client(cls, ctx_obj, **kw):
     try:
+        if ctx_obj.get("props") is not None:
+            kw["security"] = _client_security(ctx_obj)
         if ctx_obj["brokers"]:
             return cls(brokers=ctx_obj["brokers"], **kw)
         return cls(zk_connect=ctx_obj["zk"], zk_root=ctx_obj["zk_root"], **kw)
@@ -53,10 +64,50 @@ def _run(fn, *args, **kwargs):
 @click.option("--zk-root", envvar="METAQ_ZK_ROOT", default="/meta", show_default=True)
 @click.option("--brokers", envvar="METAQ_BROKERS", default=None,
               help="static broker list instead of ZooKeeper: '1=host:port,2=host:port'")
+@click.option("--command-config", "command_config", type=click.Path(dir_okay=False), default=None,
+              envvar="METAQ_COMMAND_CONFIG",
+              help="properties file with security settings (security.protocol, ssl.*, sasl.*, zk.auth, zk.ssl.*)")
 @click.pass_context
-def main(ctx, zk, zk_root, brokers):
+def main(ctx, zk, zk_root, brokers, command_config):
     """metaq: a MetaQ-style message broker with an exactly-once Spark connector."""
-    ctx.obj = {"zk": zk, "zk_root": zk_root, "brokers": brokers}
+    props = None
+    if command_config is not None:
+        try:
+            props = load_properties(command_config)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--command-config") from None
+    ctx.obj = {"zk": zk, "zk_root": zk_root, "brokers": brokers, "command_config": command_config, "props": props}
+
+
+def _client_security(obj) -> ClientSecurity:
+    """The --command-config file's settings (checked; a bad key or value exits 2 naming it)."""
+    try:
+        where = obj.get("command_config")
+        return ClientSecurity.from_properties(obj.get("props") or {}, where=f"{where}: " if where else "")
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--command-config") from None
+
+
+def _zk_security(obj) -> ZkSecurity:
+    return _client_security(obj).zk
+
+
+@contextlib.contextmanager
+def _zk_session(obj):
+    """A ZooKeeper session with the --command-config file's zk.* settings; ZooKeeper's refusals become
+    one-line errors (exit 1)."""
+    client = new_client(obj["zk"], security=_zk_security(obj))
+    _run(start_client, client, obj["zk"], 15.0)
+    try:
+        yield client
+    except NoAuthError:
+        raise Fail(f"ZooKeeper refused access under {obj['zk_root']} (NoAuth): give the cluster's zk.auth "
+                   f"(zk.auth=digest:USER:PASSWORD) in the --command-config file") from None
+    except KazooException as e:
+        raise Fail(f"ZooKeeper request failed: {type(e).__name__} {e}".rstrip()) from None
+    finally:
+        client.stop()
+        client.close()
 
 
 # -- ZooKeeper ----------------------------------------------------------------------------------------
@@ -386,6 +437,209 @@ def stats(obj, broker_ids, topic):
                            f"{p.get_misses} misses, {p.get_failures} failed)")
 
 
+# -- SCRAM users (Kafka's kafka-configs --entity-type users) -------------------------------------------
+@main.group()
+def users():
+    """SCRAM-SHA-256 users, stored in ZooKeeper as salted credentials (never the password). Brokers notice
+    a change at once and end the sessions of a user who was changed or removed."""
+
+
+def _password(password, password_file, name) -> str:
+    if password is not None and password_file is not None:
+        raise click.UsageError("give --password or --password-file, not both")
+    if password_file is not None:
+        try:
+            lines = Path(password_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise click.BadParameter(f"cannot read {password_file}: {e.strerror}",
+                                     param_hint="--password-file") from None
+        password = lines[0] if lines else ""
+    if password is None:
+        password = click.prompt(f"password for {name}", hide_input=True, confirmation_prompt=True, err=True)
+    if not password:
+        raise click.BadParameter("the password must not be empty", param_hint="--password")
+    return password
+
+
+@users.command("add")
+@click.argument("name")
+@click.option("--password", default=None, help="the password (visible in the process list; prefer "
+              "--password-file or the prompt)")
+@click.option("--password-file", type=click.Path(dir_okay=False), default=None,
+              help="read the password from the first line of this file")
+@click.option("--iterations", type=click.IntRange(MIN_ITERATIONS), default=DEFAULT_ITERATIONS, show_default=True,
+              help="PBKDF2 iterations of the SCRAM credential")
+@click.pass_obj
+def users_add(obj, name, password, password_file, iterations):
+    """Create user NAME, or give it a new password."""
+    credential = Credential.make(_password(password, password_file, name), iterations)
+    with _zk_session(obj) as zk:
+        created = _run(zk_users.put_user, zk, obj["zk_root"], name, credential)
+    click.echo(f"user {name} {'created' if created else 'updated'} ({MECHANISM}, {iterations} iterations)")
+
+
+@users.command("remove")
+@click.argument("name")
+@click.pass_obj
+def users_remove(obj, name):
+    """Remove user NAME (its ACLs stay: `metaq acls remove` removes them)."""
+    with _zk_session(obj) as zk:
+        _run(zk_users.delete_user, zk, obj["zk_root"], name)
+    click.echo(f"user {name} removed")
+
+
+@users.command("list")
+@click.pass_obj
+def users_list(obj):
+    """The users' names, one a line."""
+    with _zk_session(obj) as zk:
+        for name in _run(zk_users.list_users, zk, obj["zk_root"]):
+            click.echo(name)
+
+
+# -- ACLs (Kafka's kafka-acls) ------------------------------------------------------------------------
+@main.group()
+def acls():
+    """Kafka-shaped ACLs, enforced by brokers with authorizer=acl: a principal (User:NAME, User:* for
+    everyone) is allowed or denied an operation on a topic, group, sink or the cluster, named literally
+    ('*': every name) or by a prefix. No matching allow means denied; a deny wins over any allow."""
+
+
+def _resource_options(pattern_types, default):
+    def decorate(fn):
+        for option in reversed((
+                click.option("--topic", default=None, help="a topic ('*': every topic)"),
+                click.option("--group", default=None, help="a consumer group ('*': every group)"),
+                click.option("--sink", default=None, help="an exactly-once sink id ('*': every sink)"),
+                click.option("--cluster", is_flag=True, help=f"the cluster ({acl_mod.CLUSTER})"),
+                click.option("--resource-pattern-type", "pattern_type", type=click.Choice(pattern_types,
+                             case_sensitive=False), default=default, show_default=True,
+                             help="literal: the name itself; prefixed: every name starting with it"
+                                  + ("; any: both; match: every ACL that applies to the name"
+                                     if "match" in pattern_types else "")))):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def _resource(topic, group, sink, cluster, required: bool):
+    """(resource type, name) of the one resource given; (None, None) if none and not ``required``."""
+    given = [(t, n) for t, n in (("topic", topic), ("group", group), ("sink", sink),
+                                 ("cluster", acl_mod.CLUSTER if cluster else None)) if n is not None]
+    if len(given) > 1:
+        raise click.UsageError("give one resource: --topic, --group, --sink or --cluster")
+    if not given and required:
+        raise click.UsageError("no resource: give --topic, --group, --sink or --cluster")
+    return given[0] if given else (None, None)
+
+
+def _principals(values, flag) -> list:
+    try:
+        return [parse_principal(v, flag) for v in values]
+    except ConfigError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint=flag) from None
+
+
+def _operations(values) -> list:
+    known = {o.lower(): o for o in acl_mod.OPERATIONS}
+    for v in values:
+        if v.strip().lower() not in known:
+            raise click.BadParameter(f"unknown operation {v!r}; use one of {', '.join(acl_mod.OPERATIONS)}",
+                                     param_hint="--operation")
+    return [known[v.strip().lower()] for v in values]
+
+
+def _acl_table(rows) -> None:
+    header = ("principal", "permission", "operation", "resource", "name", "pattern")
+    cells = [header] + [(a.principal, a.permission, a.operation, a.resource_type, a.name, a.pattern_type)
+                        for a in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+_ACL_OPERATION_HELP = f"operation, repeatable: {', '.join(acl_mod.OPERATIONS)} (case-insensitive)"
+
+
+@acls.command("add")
+@click.option("--allow-principal", "allow", multiple=True, metavar="User:NAME", help="repeatable")
+@click.option("--deny-principal", "deny", multiple=True, metavar="User:NAME", help="repeatable")
+@click.option("--operation", "operations", multiple=True, help=_ACL_OPERATION_HELP + "  [default: All]")
+@_resource_options(("literal", "prefixed"), "literal")
+@click.pass_obj
+def acls_add(obj, allow, deny, operations, topic, group, sink, cluster, pattern_type):
+    """Allow or deny principals operations on one resource."""
+    rtype, name = _resource(topic, group, sink, cluster, required=True)
+    allow, deny = _principals(allow, "--allow-principal"), _principals(deny, "--deny-principal")
+    if not allow and not deny:
+        raise click.UsageError("give --allow-principal or --deny-principal")
+    ops = _operations(operations) or ["All"]
+    try:
+        wanted = [acl_mod.Acl(p, perm, op, rtype, name, pattern_type.lower())
+                  for perm, principals in (("Allow", allow), ("Deny", deny)) for p in principals for op in ops]
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    with _zk_session(obj) as zk:
+        added = _run(zk_acls.add_acls, zk, obj["zk_root"], wanted)
+    click.echo(f"added {len(added)} ACL(s)" + (f" ({len(wanted) - len(added)} were there already)"
+                                               if len(added) < len(wanted) else ""))
+    if added:
+        _acl_table(added)
+
+
+@acls.command("remove")
+@click.option("--allow-principal", "allow", multiple=True, metavar="User:NAME", help="repeatable")
+@click.option("--deny-principal", "deny", multiple=True, metavar="User:NAME", help="repeatable")
+@click.option("--operation", "operations", multiple=True, help=_ACL_OPERATION_HELP + "  [default: every one]")
+@_resource_options(("literal", "prefixed"), "literal")
+@click.option("--force", is_flag=True, help="no question when every principal's ACLs of the resource go")
+@click.pass_obj
+def acls_remove(obj, allow, deny, operations, topic, group, sink, cluster, pattern_type, force):
+    """Remove the ACLs of one resource pattern that match the principals and operations given (without
+    principals: everyone's, after a question unless --force)."""
+    rtype, name = _resource(topic, group, sink, cluster, required=True)
+    allow, deny = _principals(allow, "--allow-principal"), _principals(deny, "--deny-principal")
+    ops = set(_operations(operations))
+    pattern_type = pattern_type.lower()
+    if not allow and not deny and not force:
+        click.confirm(f"remove every ACL of {rtype} {name!r} ({pattern_type}) for every principal?", abort=True,
+                      err=True)
+    wanted = {("Allow", p) for p in allow} | {("Deny", p) for p in deny}
+    with _zk_session(obj) as zk:
+        held = _run(zk_acls.list_acls, zk, obj["zk_root"], rtype, name, pattern_type)
+        doomed = [a for a in held if (not wanted or (a.permission, a.principal) in wanted)
+                  and (not ops or a.operation in ops)]
+        removed = _run(zk_acls.remove_acls, zk, obj["zk_root"], doomed)
+    click.echo(f"removed {len(removed)} ACL(s)")
+    if removed:
+        _acl_table(removed)
+
+
+@acls.command("list")
+@click.option("--principal", "principals", multiple=True, metavar="User:NAME", help="only these principals' ACLs")
+@_resource_options(("literal", "prefixed", "any", "match"), "any")
+@click.pass_obj
+def acls_list(obj, principals, topic, group, sink, cluster, pattern_type):
+    """List ACLs: all of them, or those of one resource."""
+    rtype, name = _resource(topic, group, sink, cluster, required=False)
+    principals = set(_principals(principals, "--principal"))
+    pattern_type = pattern_type.lower()
+    if pattern_type == "match" and name is None:
+        raise click.UsageError("--resource-pattern-type match needs a resource (--topic, --group, --sink or "
+                               "--cluster)")
+    with _zk_session(obj) as zk:
+        if pattern_type == "match":
+            rows = [a for a in _run(zk_acls.list_acls, zk, obj["zk_root"], rtype) if a.covers(rtype, name)]
+        else:
+            rows = _run(zk_acls.list_acls, zk, obj["zk_root"], rtype, name,
+                        None if pattern_type == "any" else pattern_type)
+    rows = [a for a in rows if not principals or a.principal in principals]
+    if rows:
+        _acl_table(rows)
+    else:
+        click.echo("(no ACLs)")
+
+
 # -- quickstart ---------------------------------------------------------------------------------------
 @main.command()
 @click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -417,7 +671,7 @@ def console(obj, port, host, interval, history_minutes):
     its URL and runs until Ctrl-C."""
     try:
         _run(run_console, None if obj["brokers"] else obj["zk"], obj["zk_root"], obj["brokers"], host, port,
-             interval, history_minutes * 60, click.echo)
+             interval, history_minutes * 60, click.echo, _client_security(obj))
     except OSError as e:
         raise Fail(f"cannot serve the console on {host}:{port}: {e}") from None
 

@@ -12,11 +12,15 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
     <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
     <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
+    <root>/config/users/<quoted user>                     JSON {"SCRAM-SHA-256": salted credential}
+    <root>/acls/<resourceType>/<patternType>/<quoted name>  the ACLs of one resource pattern (security.acl)
 
 Names that become one path component are checked here, so a bad topic or group name fails with a
 clear ValueError instead of silently addressing some other node (``a/b``, ``..``).
 """
 from __future__ import annotations
+
+from urllib.parse import quote, unquote
 
 from metaq_broker.names import parse_partition_name, whole_number
 
@@ -129,3 +133,34 @@ class ZkPaths:
     def sink_batch(self, sink_id: str, batch_id: int) -> str:
         """Zero-padded to 20 digits (any int64 fits) so ZooKeeper's string order is numeric order."""
         return f"{self.sink_batches(sink_id)}/{whole_number('batch id', batch_id):020d}"
+
+    # -- security: SCRAM users and ACLs, kept as Kafka keeps them --------------------------------------
+    def users(self) -> str:
+        return f"{self.root}/config/users"
+
+    def user(self, name: str) -> str:
+        return f"{self.users()}/{quoted_component('user name', name)}"
+
+    def acls(self) -> str:
+        return f"{self.root}/acls"
+
+    def acl_resource_type(self, resource_type: str) -> str:
+        return f"{self.acls()}/{check_component('resource type', resource_type)}"
+
+    def acl_pattern_type(self, resource_type: str, pattern_type: str) -> str:
+        return f"{self.acl_resource_type(resource_type)}/{check_component('pattern type', pattern_type)}"
+
+    def acl_resource(self, resource_type: str, pattern_type: str, name: str) -> str:
+        return f"{self.acl_pattern_type(resource_type, pattern_type)}/{quoted_component('resource name', name)}"
+
+
+def quoted_component(kind: str, value: str) -> str:
+    """``value`` URL-quoted into one path component (Kafka's Sanitizer does the same), so any user or
+    resource name fits, ``/`` and ``*`` included; ``unquote_component`` gives it back."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+    return check_component(kind, quote(value, safe=""))
+
+
+def unquote_component(component: str) -> str:
+    return unquote(component)

@@ -1,24 +1,83 @@
 """ZooKeeper sessions for metaq's processes: how a kazoo client is made and started, with a clear error
-when ZooKeeper does not answer."""
+when ZooKeeper does not answer.
+
+With ``zk.auth`` (a ZkSecurity with a digest) every znode the session creates is readable and writable by
+that digest identity only, so a stranger with ZooKeeper access cannot read or rewrite offsets, decision
+records, users or ACLs. Broker registrations and topic entries are made with ``public_acl`` instead
+(world READ as well) so that clients without credentials still find brokers. Without ``zk.auth`` znodes
+stay open, as before."""
 from __future__ import annotations
 
+import socket
+import ssl
+from typing import Optional
+
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
+from kazoo.security import READ_ACL_UNSAFE, make_digest_acl
 
 from metaq_broker.errors import MetaqError
+from metaq_broker.security.settings import ZkSecurity
+from metaq_broker.security.tls import explain
 
 
 class ZooKeeperUnavailableError(MetaqError):
     """ZooKeeper did not accept a session in time."""
 
 
-def new_client(zk_connect: str, session_timeout: float = 10.0) -> KazooClient:
-    """A kazoo client that reconnects forever (a broker must come back after any ZooKeeper outage) and
-    retries single commands a few times."""
+def private_acl(security: Optional[ZkSecurity]) -> Optional[list]:
+    """All permissions for the ``zk.auth`` digest identity only; None (kazoo's open ACL) without zk.auth."""
+    if security is None or not security.digest:
+        return None
+    return [make_digest_acl(security.auth_user, security.auth_password, all=True)]
+
+
+def public_acl(security: Optional[ZkSecurity]) -> Optional[list]:
+    """``private_acl`` plus world READ: for broker registrations, topic entries and starting brokers, which
+    clients without credentials read to find brokers. None without zk.auth."""
+    private = private_acl(security)
+    return None if private is None else private + list(READ_ACL_UNSAFE)
+
+
+def new_client(zk_connect: str, session_timeout: float = 10.0, security: Optional[ZkSecurity] = None,
+               reconnect_tries: int = -1) -> KazooClient:
+    """A kazoo client that reconnects forever (a broker must come back after any ZooKeeper outage; with
+    ``reconnect_tries`` >= 0 that many times, for a caller that drops and remakes the client) and retries
+    single commands a few times. ``security`` adds the zk.auth digest (sent again on every
+    reconnect) with ``private_acl`` as the default for znodes it creates, and TLS to ZooKeeper's secure
+    client port (the server's certificate and host name checked) when zk.ssl.ca.location is set."""
+    kw = {}
+    if security is not None and security.digest:
+        kw.update(auth_data=[("digest", security.digest)], default_acl=private_acl(security))
+    if security is not None and security.uses_tls:
+        kw.update(use_ssl=True, ca=security.ca_location, certfile=security.certificate_location,
+                  keyfile=security.key_location, verify_certs=True, check_hostname=True)
     return KazooClient(hosts=zk_connect, timeout=session_timeout,
-                       connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
-                       command_retry=KazooRetry(max_tries=5, max_delay=2.0))
+                       connection_retry=KazooRetry(max_tries=reconnect_tries, max_delay=2.0),
+                       command_retry=KazooRetry(max_tries=5 if reconnect_tries < 0 else reconnect_tries,
+                                                max_delay=2.0), **kw)
+
+
+def ensure_public_path(client: KazooClient, path: str, security: Optional[ZkSecurity]) -> None:
+    """Make sure ``path`` exists with ``public_acl`` (a container clients list to find brokers). Missing
+    parents are created private first; a node made private before (say by a client's ``ensure_path``)
+    is opened for READ. Nothing to do without zk.auth."""
+    acl = public_acl(security)
+    if acl is None:
+        client.ensure_path(path)
+        return
+    parent = path.rsplit("/", 1)[0]
+    if parent:
+        client.ensure_path(parent)
+    client.ensure_path(path, acl)
+    try:
+        held, _ = client.get_acls(path)
+    except NoNodeError:
+        return
+    if set(held) != set(acl):
+        client.set_acls(path, acl)
 
 
 def start_client(client: KazooClient, zk_connect: str, timeout: float) -> None:
@@ -28,5 +87,32 @@ def start_client(client: KazooClient, zk_connect: str, timeout: float) -> None:
     except KazooTimeoutError:
         client.stop()
         client.close()
+        why = _tls_diagnosis(client, zk_connect) if client.use_ssl else "is it running (zk.connect)?"
         raise ZooKeeperUnavailableError(
-            f"cannot connect to ZooKeeper at {zk_connect} within {timeout:.0f}s; is it running (zk.connect)?") from None
+            f"cannot connect to ZooKeeper at {zk_connect} within {timeout:.0f}s; {why}") from None
+
+
+def _tls_diagnosis(client: KazooClient, zk_connect: str) -> str:
+    """Why TLS to ZooKeeper fails, from one handshake of our own with the first server (kazoo only logs
+    it and retries)."""
+    host, _, port = zk_connect.split(",")[0].rpartition(":")
+    host = host.strip("[]")
+    ctx = ssl.create_default_context(cafile=client.ca)
+    if client.certfile:
+        ctx.load_cert_chain(client.certfile, client.keyfile)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            with ctx.wrap_socket(raw, server_hostname=host) as tls:
+                tls.recv(1)  # TLS 1.3 reports a refused client certificate only after the handshake
+    except ssl.SSLError as e:
+        text = str(e).lower()
+        if any(w in text for w in ("bad certificate", "certificate required", "unknown ca", "certificate unknown")):
+            return (f"ZooKeeper refused this client's certificate (zk.ssl.certificate.location, "
+                    f"zk.ssl.key.location): {e.reason}" if client.certfile else
+                    "ZooKeeper requires a client certificate (zk.ssl.certificate.location, zk.ssl.key.location)")
+        if "eof" in text:
+            return "ZooKeeper closed the connection during the TLS handshake: is that its secureClientPort?"
+        return "ZooKeeper's " + explain(e, f"{host}:{port}").replace("ssl.ca.location", "zk.ssl.ca.location")
+    except (OSError, ValueError) as e:
+        return f"over TLS: {e}"
+    return "the TLS handshake succeeds, but no session was opened (zk.ssl.* and the server's ssl.clientAuth?)"
