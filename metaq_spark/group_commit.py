@@ -12,8 +12,9 @@ cannot see the source's options. Each offset the source hands Spark therefore ca
 group to record it. Being part of the offsets, the marker is in the checkpoint, which is how a query
 that names no group keeps the group it was given (``SourceOptions.default_group``) across restarts.
 A query with ``commitOffsets=false`` carries no marker and is never recorded. Nor does the listener record a
-query whose ZooKeeper needs credentials (``metaq.zk.auth``; the marker says ``"secured": true``): the
-checkpoint must not hold them, so such a query's group offsets come from ``commit`` alone, a batch late.
+secured query (TLS or SASL to the brokers, or ``metaq.zk.auth``; the marker says ``"secured": true``): it
+would need credentials the checkpoint must not hold, so such a query's group offsets come from
+``commit`` alone (through a broker, which checks the group's ACLs), a batch late.
 
 Writes only move a partition's offset forward (``GroupStore.commit(forward_only=True)``, a versioned
 ZooKeeper transaction): the source's ``commit`` and the listener write in no fixed order, and neither

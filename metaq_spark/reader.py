@@ -25,6 +25,7 @@ from metaq_broker.client.dataconn import DataConnectionPool
 from metaq_broker.client.fetcher import PartitionFetcher
 from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
+from metaq_broker.protocol.services import COMMIT_OFFSETS
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
 from metaq_spark.group_commit import MARKER, RECORDER, mark, unmark
 from metaq_spark.options import LATEST, SourceOptions
@@ -208,7 +209,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
     def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
         return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
                     self._group_of(start) if self.opts.commit_offsets else None,
-                    secured=self.opts.security.zk.digest is not None)
+                    secured=self.opts.security.protocol != "PLAINTEXT" or self.opts.security.zk.digest is not None)
 
     def initialOffset(self) -> dict:
         ranges = self.planner.initial_ranges()
@@ -297,10 +298,21 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
     def commit(self, end: dict) -> None:
         """Record the batch's end offsets for the group (Spark calls this one batch late; the listener
         of ``group_commit`` records the last batch too, and whichever writes last, offsets only move
-        forward). Never fails or stalls the stream."""
-        if self.opts.commit_offsets:
-            RECORDER.record(self.opts.zk_connect, self.opts.zk_root, self._group_of(end), unmark(end),
-                            self.opts.security.zk)
+        forward). Never fails or stalls the stream. A secured query commits through a broker, which
+        checks the group's ACLs (``Consumer.commit``)."""
+        if not self.opts.commit_offsets:
+            return
+        group, offsets = self._group_of(end), unmark(end)
+        if self.planner.consumer.group_offsets_via_broker:
+            try:
+                for topic, parts in offsets.items():
+                    self.planner.consumer.broker_group_call(COMMIT_OFFSETS, {
+                        "group": group, "topic": topic, "offsets": {p: int(o) for p, o in parts.items()},
+                        "forward_only": True})
+            except Exception as e:  # noqa: BLE001 - reported, never fatal (as RECORDER.record)
+                log.warning("could not record offsets of group %s through the brokers: %s", group, e)
+            return
+        RECORDER.record(self.opts.zk_connect, self.opts.zk_root, group, offsets, self.opts.security.zk)
 
     def stop(self) -> None:
         if self._planner is not None:

@@ -396,3 +396,26 @@ def test_ssl_module_sees_the_brokers_certificate_chain(tls_brokers, pki):
     ctx.set_alpn_protocols(["h2"])
     with socket.create_connection((host, int(port)), timeout=5) as s, ctx.wrap_socket(s, server_hostname=host) as t:
         assert dict(x[0] for x in t.getpeercert()["subject"])["commonName"] == "broker"
+
+
+def test_group_offsets_go_through_the_broker_which_checks_the_group_acl(secured, pki):
+    bs, broker, zk = secured
+    with bs.client(Consumer, sasl(pki, "bob"), group="billing") as c:
+        with pytest.raises(AuthorizationError, match="User:bob is not allowed Read on group 'billing'"):
+            c.commit("orders-eu", {"1-0": 1})
+        add_acls(zk, bs.root, [Acl("User:bob", "Allow", "Read", "group", "billing")])
+        wait_until(lambda: _commits(c), what="bob may commit for billing")
+        assert c.committed("orders-eu") == {"1-0": 1}
+        with pytest.raises(AuthorizationError, match="User:bob is not allowed Read on topic 'other'"):
+            c.commit("other", {"1-0": 1})
+    data, _ = zk.get(f"{bs.root}/consumers/billing/offsets/orders-eu/1-0")  # written by the broker
+    assert data == b"1"
+
+
+def _commits(consumer) -> bool:
+    try:
+        consumer.commit("orders-eu", {"1-0": 1})
+        return True
+    except AuthorizationError:
+        return False
+

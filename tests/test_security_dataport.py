@@ -130,7 +130,7 @@ def test_fetch_and_put_over_the_tls_data_port(cluster, pki):
         puts = served(metrics, "PutData")
         for i in range(0, len(values), 1000):
             producer.send_batch("t", values[i:i + 1000], partition="1-0")
-        assert served(metrics, "PutData") == puts + 4
+        wait_until(lambda: served(metrics, "PutData") == puts + 4, what="4 puts counted")  # counted after the reply
         idle = producer.data_pool._idle[data_address]
         assert idle and all(isinstance(c.sock, ssl.SSLSocket) for c in idle)
 
@@ -142,7 +142,7 @@ def test_fetch_and_put_over_the_tls_data_port(cluster, pki):
             reply = fetcher.fetch(0)
             assert isinstance(fetcher._data.sock, ssl.SSLSocket)
             small = fetcher.fetch(1500, max_messages=10)  # the connection serves on
-        assert served(metrics, "FetchData") == fetches + 2
+        wait_until(lambda: served(metrics, "FetchData") == fetches + 2, what="2 fetches counted")
         assert (reply.start_offset, reply.end_offset) == (0, 4000) and values_of(reply) == values
         assert values_of(small) == values[1500:1510]
         raw = conn.call("FetchRaw", pb.FetchRequest(topic="t", partition=0, offset=0, max_bytes=8 << 20))
@@ -268,7 +268,7 @@ def test_produce_and_fetch_over_a_sasl_data_port(cluster, zk, pki):
         wait_until(lambda: producer.data_address(1), what="data port in the cluster view")
         puts = served(metrics, "PutData")
         producer.send_batch("t", [b"m%d" % i for i in range(100)], partition="1-0")
-        assert served(metrics, "PutData") == puts + 1
+        wait_until(lambda: served(metrics, "PutData") == puts + 1, what="the put counted")
         assert producer.data_pool._idle[data_address][0].principal == "User:alice"
     conn = BrokerConnection(b.address, 10, sec)
     pool = DataConnectionPool(10)
@@ -276,7 +276,7 @@ def test_produce_and_fetch_over_a_sasl_data_port(cluster, zk, pki):
         fetches = served(metrics, "FetchData")
         with PartitionFetcher(conn, "t", "1-0", 0, 10, 1 << 20, pool, data_address) as fetcher:
             assert values_of(fetcher.fetch(0)) == [b"m%d" % i for i in range(100)]
-        assert served(metrics, "FetchData") == fetches + 1
+        wait_until(lambda: served(metrics, "FetchData") == fetches + 1, what="the fetch counted")  # after the reply
     finally:
         pool.close()
         conn.close()
@@ -329,7 +329,8 @@ def test_a_flood_of_bad_handshakes_does_not_disturb_good_clients(cluster, zk, pk
                 t.join(60)
             pool.close()
             conn.close()
-        assert served(metrics, "PutData") == puts + rounds and served(metrics, "FetchData") == fetches + rounds
+        wait_until(lambda: served(metrics, "PutData") == puts + rounds and served(metrics, "FetchData") == fetches + rounds,
+                   what="every round counted")
     log = b.log_path.read_text()
     assert "TLS handshake" not in log and "Traceback" not in log  # failed handshakes are debug lines only
     assert len(log.splitlines()) < 50

@@ -31,6 +31,7 @@ def setup(tmp_path_factory, zookeeper):
         put_user(zk, root, user, Credential.make(password))
     add_acls(zk, root, [Acl("User:etl", "Allow", "Read", "topic", "in"),
                         Acl("User:etl", "Allow", "Write", "topic", "out"),
+                        Acl("User:etl", "Allow", "Read", "group", "etl-group"),
                         Acl("User:intruder", "Allow", "Read", "topic", "in"),
                         Acl("User:intruder", "Allow", "Write", "topic", "out")])
     add_acls(zk, root, [Acl("User:etl", "Allow", "Write", "sink", "etl-", "prefixed")])
@@ -69,7 +70,7 @@ def options(s, user, password):
 
 def start(spark, s, checkpoint, user="etl", password=PASSWORD, sink_id="etl-orders"):
     df = spark.readStream.format("metaq").options(**options(s, user, password)).option("subscribe", "in") \
-        .option("maxOffsetsPerTrigger", 1000).load()
+        .option("maxOffsetsPerTrigger", 1000).option("group", "etl-group").load()
     return (df.selectExpr("key", "value").writeStream.format("metaq").options(**options(s, user, password))
             .option("topic", "out").option("sinkId", sink_id).option("checkpointLocation", str(checkpoint))
             .trigger(availableNow=True).start()), df
@@ -98,6 +99,8 @@ def test_pipeline_over_sasl_ssl_with_acls_delivers_exactly_once_and_hides_the_pa
     assert not any(PASSWORD in text for text in shown)
     assert not any(PASSWORD in f.read_text(errors="replace") for f in (tmp_path / "cp").rglob("*") if f.is_file())
     assert PASSWORD not in setup["broker"].log_path.read_text()
+    with Consumer(zk_connect=setup["zk"], zk_root=setup["root"], security=setup["admin"], group="etl-group") as c:
+        assert sum(c.committed("in").values()) >= 1000  # the group's offsets, committed through the broker
 
 
 def failure(q) -> str:

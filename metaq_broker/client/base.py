@@ -2,11 +2,14 @@
 broker list), and connections to them. A partition is named ``<brokerId>-<n>`` as in MetaQ."""
 from __future__ import annotations
 
+import json
 from typing import Iterable, Mapping, Optional, Union
 
 from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.connection import BrokerConnection, ConnectionPool
 from metaq_broker.errors import AuthenticationError, InvalidPartitionError, UnknownTopicError
+from metaq_broker.protocol.services import groups_path
+from metaq_broker.protocol.status import BrokerUnavailableError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.security.settings import ClientSecurity
@@ -105,6 +108,27 @@ class ClientBase:
         except ValueError as e:
             raise InvalidPartitionError(str(e)) from None
         return self.connection(bid), n
+
+    # -- group offsets through a broker (secured clusters) --------------------------------------------
+    @property
+    def group_offsets_via_broker(self) -> bool:
+        """A secured client (SSL, SASL_SSL) commits and reads group offsets through a broker, which checks
+        the group ACLs and writes ZooKeeper itself (server/groups.py); a PLAINTEXT one uses ZooKeeper."""
+        return self.security.protocol != "PLAINTEXT"
+
+    def broker_group_call(self, method: str, request: dict) -> dict:
+        """``metaq.v1.Groups/<method>`` (``protocol.services``) on the first live broker that answers."""
+        brokers = sorted(self.cluster.brokers())
+        if not brokers:
+            raise InvalidPartitionError("no live broker to commit or read group offsets through")
+        error = None
+        for bid in brokers:
+            try:
+                reply = self.connection(bid).call(groups_path(method), json.dumps(request).encode())
+                return json.loads(reply)["offsets"]
+            except BrokerUnavailableError as e:
+                error = e
+        raise error
 
     # -- offsets --------------------------------------------------------------------------------------
     def offset_bounds(self, topic: str, partitions: Optional[Iterable[str]] = None,

@@ -16,12 +16,11 @@ from metaq_broker.errors import AuthenticationError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput
+from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import RemoteAuthenticationError, to_error
 from metaq_broker.security import scram, tls
 from metaq_broker.security.settings import ClientSecurity, read_pem
 
-AUTH_PATH = "/metaq.v1.Auth/Authenticate"  # server/auth.py serves it
-SESSION_METADATA = "metaq-session"
 PROBE_TIMEOUT = 5.0
 
 # A restarted broker is reconnected to within a second, as in Kafka (reconnect.backoff.max.ms), not after
@@ -175,7 +174,8 @@ class BrokerConnection:
         return done["session"], float(done["lifetime_s"])
 
     def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0):
-        """Call ``method``; ``retries`` > 0 resends on transient errors (only for idempotent calls). A
+        """Call ``method`` (a Broker RPC's name, or a full path ``/service/method`` taking and giving bytes);
+        ``retries`` > 0 resends on transient errors (only for idempotent calls). A
         session the broker no longer knows (it restarted with a new key, the session expired) is renewed
         once and the call sent again: it was refused before the broker did anything."""
         timeout = self.timeout if timeout is None else timeout
@@ -184,7 +184,8 @@ class BrokerConnection:
         attempt = 0
         while True:
             try:
-                return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=True)
+                stub = self.channel.unary_unary(method) if method.startswith("/") else getattr(self.stub, method)
+                return stub(request, timeout=timeout, wait_for_ready=True)
             except grpc.RpcError as e:
                 error = to_error(e, self.address)
                 if _session_error(error) and not renewed:

@@ -14,6 +14,7 @@ import pyarrow as pa
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
 from metaq_broker.protocol import records
+from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS
 from metaq_broker.zk.group_offsets import GroupStore
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,23 @@ class Consumer(ClientBase):
 
     def commit(self, topic: str, offsets: dict, forward_only: bool = False) -> dict:
         """Record ``{partition: next offset}`` as the group's position in ZooKeeper (``forward_only``: never
-        lower a recorded offset, see ``GroupStore.commit``); returns what was written."""
-        return self._group_store().commit(self.group, topic, {p: int(o) for p, o in offsets.items()},
-                                          forward_only=forward_only)
+        lower a recorded offset, see ``GroupStore.commit``), through a broker when this client is secured
+        (``group_offsets_via_broker``); returns what was written."""
+        offsets = {p: int(o) for p, o in offsets.items()}
+        if self.group_offsets_via_broker:
+            return self.broker_group_call(COMMIT_OFFSETS, {"group": self._group_name(), "topic": topic,
+                                                            "offsets": offsets, "forward_only": forward_only})
+        return self._group_store().commit(self.group, topic, offsets, forward_only=forward_only)
 
     def committed(self, topic: str) -> dict:
+        if self.group_offsets_via_broker:
+            return self.broker_group_call(FETCH_OFFSETS, {"group": self._group_name(), "topic": topic})
         return self._group_store().fetch(self.group, topic)
+
+    def _group_name(self) -> str:
+        if not self.group:
+            raise ValueError("this consumer has no group")
+        return self.group
 
     # -- balanced group consumption -------------------------------------------------------------------
     def subscribe(self, topic: str, start: str = "committed") -> list:
@@ -119,7 +131,7 @@ class Consumer(ClientBase):
             groups.release(self.group, topic, p, self.consumer_id)
         owned = [p for p in share if groups.claim(self.group, topic, p, self.consumer_id)]
         self._owned[topic] = owned
-        committed = groups.fetch(self.group, topic) if start == "committed" else {}
+        committed = self.committed(topic) if start == "committed" else {}
         ranges = self.offsets(topic, owned) if owned else {}
         for p in owned:
             if (topic, p) in self.positions:

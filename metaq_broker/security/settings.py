@@ -94,8 +94,21 @@ class ZkSecurity:
         return self.ca_location is not None
 
 
+class _Protocol:
+    """What ``security.protocol`` implies, for both sides."""
+    protocol: str
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.protocol == "SASL_SSL"
+
+
 @dataclass(frozen=True)
-class ClientSecurity:
+class ClientSecurity(_Protocol):
     """A client's side: how it connects to brokers (``security.protocol``), whom it trusts (``ssl.ca.location``),
     its own certificate for mutual TLS, its SASL user. The broker's host name is always checked against
     its certificate, as Kafka's default ``ssl.endpoint.identification.algorithm=https`` does."""
@@ -140,17 +153,9 @@ class ClientSecurity:
             raise ConfigError(f"{where}sasl.password is given but security.protocol is {self.protocol}, "
                               f"not SASL_SSL")
 
-    @property
-    def uses_tls(self) -> bool:
-        return self.protocol in ("SSL", "SASL_SSL")
-
-    @property
-    def uses_sasl(self) -> bool:
-        return self.protocol == "SASL_SSL"
-
 
 @dataclass(frozen=True)
-class BrokerSecurity:
+class BrokerSecurity(_Protocol):
     """A broker's side: one protocol for every listener (gRPC and the data port), its certificate and
     key, the CA that signs client certificates, whether one is required, the SASL mechanisms it accepts,
     and whether ACLs are checked."""
@@ -189,14 +194,6 @@ class BrokerSecurity:
         if out.uses_sasl and not mechanisms:
             raise ConfigError(f"{where}sasl.enabled.mechanisms: name at least one of {', '.join(MECHANISMS)}")
         return out
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.protocol in ("SSL", "SASL_SSL")
-
-    @property
-    def uses_sasl(self) -> bool:
-        return self.protocol == "SASL_SSL"
 
 
 def parse_principal(text: str, key: str = "principal") -> str:

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import grpc
 
 from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigError
+from metaq_broker.protocol.services import AUTH_SERVICE, AUTHENTICATE, SESSION_METADATA
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security import scram, tls
 from metaq_broker.security.acl import CLUSTER, AclTable
@@ -36,10 +37,6 @@ from metaq_broker.security.settings import BrokerSecurity
 
 log = logging.getLogger(__name__)
 
-SERVICE = "metaq.v1.Auth"
-METHOD = "Authenticate"
-PATH = f"/{SERVICE}/{METHOD}"
-METADATA_KEY = "metaq-session"
 SESSION_LIFETIME_S = 3600.0  # clients renew at half-life (client/connection.py)
 AUTH_CONCURRENCY = 2
 AUTH_QUEUE_WAIT_S = 0.5
@@ -47,7 +44,7 @@ HANDSHAKE_TTL_S = 30.0
 MAX_HANDSHAKES = 10_000  # SCRAM exchanges between their two rounds; the oldest go first
 KEY_FILE = "session.key"
 
-__all__ = ["BrokerAuth", "CLUSTER", "SERVICE", "METHOD", "PATH", "METADATA_KEY"]
+__all__ = ["BrokerAuth", "CLUSTER"]
 
 
 def _b64(data: bytes) -> str:
@@ -116,7 +113,7 @@ class BrokerAuth:
         ANONYMOUS otherwise. Raises AuthenticationError."""
         if self.security.uses_sasl:
             for key, value in context.invocation_metadata():
-                if key == METADATA_KEY:
+                if key == SESSION_METADATA:
                     return self.principal_of_token(value)
             raise AuthenticationError("authenticate first: this broker takes SASL_SSL clients only "
                                       "(security.protocol=SASL_SSL, sasl.username, sasl.password)")
@@ -148,7 +145,7 @@ class BrokerAuth:
     # -- SASL over gRPC -------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.unary_unary_rpc_method_handler(self._authenticate_rpc)
-        return grpc.method_handlers_generic_handler(SERVICE, {METHOD: method})
+        return grpc.method_handlers_generic_handler(AUTH_SERVICE, {AUTHENTICATE: method})
 
     def _authenticate_rpc(self, request: bytes, context) -> bytes:
         try:

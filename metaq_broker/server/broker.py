@@ -21,6 +21,7 @@ from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
+from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.service import BrokerService
@@ -103,6 +104,9 @@ class Broker:
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
             self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
+            if self.uses_zookeeper:
+                self.server.add_generic_rpc_handlers((GroupOffsetsService(self.auth, self._groups_zk,
+                                                                          cfg.zk_root).handler(),))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
                 self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
@@ -168,6 +172,12 @@ class Broker:
         if sec.authorizer == "acl":
             self._acls = AclCache(self._security_zk, cfg.zk_root, auth.set_acls)
         return auth
+
+    def _groups_zk(self):
+        """The ZooKeeper session group offsets are written with (None while ZooKeeper is away)."""
+        if self._security_zk is not None:
+            return self._security_zk if self._security_zk.connected else None
+        return self._zk_if_connected()
 
     def _listen(self, address: str) -> int:
         """The gRPC port, with TLS (the same PEM files as the data port) unless PLAINTEXT."""

@@ -1,0 +1,12 @@
+"""The gRPC services beside metaq.proto's ``Broker`` whose messages are JSON (no generated code), and the
+metadata key that carries a SASL session: names the broker serves and clients call (docs/security.md)."""
+
+AUTH_SERVICE, AUTHENTICATE = "metaq.v1.Auth", "Authenticate"  # SASL logins (server/auth.py)
+AUTH_PATH = f"/{AUTH_SERVICE}/{AUTHENTICATE}"
+GROUPS_SERVICE = "metaq.v1.Groups"  # group offsets of secured clients (server/groups.py)
+COMMIT_OFFSETS, FETCH_OFFSETS = "CommitOffsets", "FetchOffsets"
+SESSION_METADATA = "metaq-session"  # the session token a call carries after a SASL login
+
+
+def groups_path(method: str) -> str:
+    return f"/{GROUPS_SERVICE}/{method}"
