@@ -108,3 +108,39 @@ def test_a_replica_lacking_the_answered_epoch_asks_again(tmp_path):
     assert master.end_offset_for(3, log_end=100) == (2, 70)
     assert rejoin(replica, 80, master, 100) == 50
     assert replica.entries == [Epoch(1, 1, 0)]  # its epoch 3 went with the cut
+
+
+def test_an_epoch_marker_is_invisible_to_readers_and_to_transactions(tmp_path):
+    """Plan step 1: a CONTROL batch with txn 0 carries an epoch; readers skip it, it settles no
+    transaction, and recovery's scan passes it by (a reopen keeps the last stable offset at the log end)."""
+    from metaq_broker.protocol import records
+    from metaq_broker.store import MessageStore, TopicConfig
+    from metaq_broker.store.transactions import TransactionManager
+
+    def open_all():
+        store = MessageStore(tmp_path / "data", {"t": TopicConfig(num_partitions=1)}, background_interval=None)
+        return store, TransactionManager(store, tmp_path / "data" / "transactions", default_timeout_s=5)
+
+    value = records.epoch_marker(7, 2)
+    assert len(value) == 9 and records.parse_epoch_marker(value) == (7, 2)
+    assert records.parse_epoch_marker(records.COMMIT_MARKER) is None
+    store, tx = open_all()
+    log = store.partition("t", 0)
+    log.append_body(records.encode_body([b"before"]))
+    tx.begin("x1")
+    tx.put("x1", "t", 0, records.encode_body([b"in a transaction"]))
+    marker = log.append_bodies([records.encode_body([value])], 0, records.CONTROL)[0].base_offset
+    assert log.latest_offset == 1  # the open transaction still holds readers back: the marker settled nothing
+    tx.prepare("x1")
+    tx.commit("x1")
+    log.append_body(records.encode_body([b"after"]))
+    got = log.read(0, 1 << 20).decode().column("value").to_pylist()
+    assert got == [b"before", b"in a transaction", b"after"] and marker == 2
+    tx.close()
+    store.close()
+    store, tx = open_all()
+    log = store.partition("t", 0)
+    assert log.latest_offset == log.log_end_offset == 5
+    assert log.read(0, 1 << 20).decode().column("value").to_pylist() == got
+    tx.close()
+    store.close()

@@ -29,7 +29,8 @@ ALIGN = 8
 
 # Batch attribute bits. The first two describe the body (a producer sets them); the last two are the
 # broker's: TRANSACTIONAL marks the batch of an unsettled-at-append transaction (its number in ``txn``),
-# CONTROL a transaction marker (one message: COMMIT_MARKER or ABORT_MARKER), which no reader returns.
+# CONTROL a marker, which no reader returns: a transaction's (its number in ``txn``, one message:
+# COMMIT_MARKER or ABORT_MARKER), or with ``txn`` 0 an epoch marker (``epoch_marker``; replication).
 HAS_KEYS = 0x1
 HAS_ATTRIBUTES = 0x2
 TRANSACTIONAL = 0x4
@@ -37,6 +38,21 @@ CONTROL = 0x8
 BODY_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES
 KNOWN_ATTRIBUTE_BITS = BODY_ATTRIBUTE_BITS | TRANSACTIONAL | CONTROL
 ABORT_MARKER, COMMIT_MARKER = b"\x00", b"\x01"  # a marker's value
+EPOCH_MARKER = struct.Struct("<BII")  # an epoch marker's value: 0x02, the epoch, the master's replica id
+EPOCH_MARKER_TAG = 2
+
+
+def epoch_marker(epoch: int, replica_id: int) -> bytes:
+    """The value of the marker a master writes with an epoch's first append in a partition (a CONTROL
+    batch with ``txn`` 0: transaction numbers start at 1); docs/storage-format.md section 12."""
+    return EPOCH_MARKER.pack(EPOCH_MARKER_TAG, epoch, replica_id)
+
+
+def parse_epoch_marker(value: bytes):
+    """(epoch, replica id) of an epoch marker's value; None for any other value."""
+    if len(value) != EPOCH_MARKER.size or value[0] != EPOCH_MARKER_TAG:
+        return None
+    return EPOCH_MARKER.unpack(value)[1:]
 
 # Aborted transactions of a partition overlapping a fetched range: transaction number ``txn``'s batches
 # lie at offsets [first, last) (``last`` is its abort marker's offset). Readers drop those batches.

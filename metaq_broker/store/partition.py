@@ -267,7 +267,8 @@ class PartitionLog:
                 entries["batch_len"] = nbytes
                 seg.append([header] + body.parts, nbytes, entries)
                 if flags & records.CONTROL:
-                    self.txns.on_marker(txn, base, commit)
+                    if txn:  # txn 0: an epoch marker, which settles nothing
+                        self.txns.on_marker(txn, base, commit)
                 elif transactional:
                     self.txns.on_batch(txn, base)
                 self._next_offset = end = base + body.count

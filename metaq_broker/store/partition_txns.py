@@ -73,6 +73,8 @@ class PartitionTxns:
         flags = h["attributes"] & (records.TRANSACTIONAL | records.CONTROL)
         for i in np.flatnonzero(flags).tolist():
             txn, offset = int(h["txn"][i]), int(h["base_offset"][i])
+            if flags[i] & records.CONTROL and txn == 0:
+                continue  # an epoch marker (replication): no transaction's
             if flags[i] & records.CONTROL:
                 value = u8[int(positions[i]) + records.HEADER_SIZE + 8]  # flag and length columns, then the value
                 self.on_marker(txn, offset, value == records.COMMIT_MARKER[0])
