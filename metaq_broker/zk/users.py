@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Optional
 
 from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.recipe.cache import TreeCache, TreeEvent
@@ -70,13 +70,12 @@ def list_users(zk, root: str) -> list:
 
 class UserCache:
     """Every user's credential, kept current by ZooKeeper watches (kazoo's TreeCache on
-    ``<root>/config/users``). ``credential(name)`` is a dictionary lookup. Listeners get the name of a
-    user whose credential changed or who was removed, on the cache's thread (they must not block)."""
+    ``<root>/config/users``). ``credential(name)`` is a dictionary lookup. A changed or removed user's
+    sessions end by themselves: a session token names the credential's salt (server/auth.py)."""
 
     def __init__(self, zk, root: str, timeout: float = 15.0):
         self._path = ZkPaths(root).users()
         self._users: dict = {}
-        self._listeners: list = []
         self._ready = threading.Event()
         self._tree = TreeCache(zk, self._path)
         self._tree.listen(self._on_event)
@@ -87,12 +86,6 @@ class UserCache:
 
     def credential(self, name: str) -> Optional[Credential]:
         return self._users.get(name)
-
-    def names(self) -> list:
-        return sorted(self._users)
-
-    def add_listener(self, fn: Callable[[str], None]) -> None:
-        self._listeners.append(fn)
 
     def close(self) -> None:
         self._tree.close()
@@ -112,17 +105,8 @@ class UserCache:
             credential = decode_user(data.data)
             if credential is None:
                 log.warning("%s holds no %s credential; ignored", data.path, MECHANISM)
-                changed = self._users.pop(name, None) is not None
+                self._users.pop(name, None)
             else:
-                changed = self._users.get(name) not in (None, credential)
                 self._users[name] = credential
         elif event.event_type == TreeEvent.NODE_REMOVED:
-            changed = self._users.pop(name, None) is not None
-        else:
-            return
-        if changed:
-            for fn in list(self._listeners):
-                try:
-                    fn(name)
-                except Exception:  # noqa: BLE001 - one listener's bug must not stop the cache
-                    log.exception("a listener of user changes failed")
+            self._users.pop(name, None)
