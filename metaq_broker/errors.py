@@ -87,3 +87,43 @@ class AuthorizationError(MetaqError):
     def __init__(self, principal: str, operation: str, resource_type: str, name: str):
         super().__init__(f"{principal} is not allowed {operation} on {resource_type} {name!r}")
         self.principal, self.operation, self.resource_type, self.name = principal, operation, resource_type, name
+
+
+class _Prefixed(MetaqError):
+    """An error whose message starts with ``PREFIX``: the client tells it apart by that prefix, as a status
+    code alone is shared with other errors (protocol/status.py). The prefix is added when missing."""
+
+    PREFIX = ""
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        super().__init__(message if message.startswith(self.PREFIX) else f"{self.PREFIX} {message}".rstrip())
+
+
+class NotMasterError(_Prefixed):
+    """This member of a replicated broker group is not its master (a replica, or electing): nothing was
+    done, so the client finds the master and sends again (UNAVAILABLE)."""
+
+    PREFIX = "not master:"
+
+
+class NotEnoughReplicasError(_Prefixed):
+    """An ``acks=all`` put while the group's in-sync set is smaller than ``minInSyncReplicas``: nothing was
+    written, so sending it again later is safe (FAILED_PRECONDITION)."""
+
+    PREFIX = "not enough in-sync replicas:"
+
+
+class NotAcknowledgedError(_Prefixed):
+    """Stored on the master but not acknowledged by the in-sync set (a shrink, a demotion, no progress):
+    it may or may not become visible, so it must not be resent blindly (UNAVAILABLE)."""
+
+    PREFIX = "not acknowledged:"
+
+
+class ElectionLostError(MetaqError):
+    """Another member won the group's election (its state changed, or the master node exists): follow it."""
+
+
+class StaleStateError(MetaqError):
+    """A write of the group's ZooKeeper state at a version someone else already changed: re-read it."""

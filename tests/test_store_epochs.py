@@ -1,12 +1,14 @@
 """A partition's epochs file (store/epochs.py): its byte layout, damage found and named, the rules on
 appending, truncation and retention, and the answers a master gives a rejoining replica in the cases of
 docs/design/replication-plan.md section 6 (KIP-101 and KIP-279)."""
+import shutil
 import struct
 
 import pytest
 
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol.records import crc
+from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store.epochs import FILE_NAME, Epoch, EpochFile, decode, encode
 
 
@@ -144,3 +146,31 @@ def test_an_epoch_marker_is_invisible_to_readers_and_to_transactions(tmp_path):
     assert log.read(0, 1 << 20).decode().column("value").to_pylist() == got
     tx.close()
     store.close()
+
+
+def open_partition(path):
+    return PartitionLog(path, "t", 0, TopicConfig())
+
+
+def test_crash_between_the_marker_and_the_epochs_file(tmp_path):
+    """Plan step 3: the marker is in the log, the epochs file was not yet rewritten (a copy of the
+    directory taken without closing is what a crash leaves): reopening adds it."""
+    log = open_partition(tmp_path / "p")
+    log.append([b"before"])
+    log.begin_epoch(1, 0)
+    log.append([b"one"])
+    old = (tmp_path / "p" / "epochs").read_bytes()
+    log.begin_epoch(2, 3)
+    log.append([b"two"])
+    crashed = shutil.copytree(log.directory, tmp_path / "crashed")
+    (crashed / "epochs").write_bytes(old)
+    again = open_partition(crashed)
+    assert again.epochs.entries == [Epoch(1, 0, 1), Epoch(2, 3, 3)] == EpochFile.load(crashed).entries
+    assert again.read(0).decode().column("value").to_pylist() == [b"before", b"one", b"two"]
+    again.close()
+    crashed = shutil.copytree(log.directory, tmp_path / "crashed2")
+    (crashed / "epochs").unlink()  # the crash came before the file's first write: the same
+    again = open_partition(crashed)
+    assert again.epochs.entries == [Epoch(1, 0, 1), Epoch(2, 3, 3)]
+    again.close()
+    log.close()

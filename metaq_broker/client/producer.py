@@ -30,7 +30,7 @@ from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.dataport import ProtocolError
-from metaq_broker.protocol.status import BrokerUnavailableError, to_error
+from metaq_broker.protocol.status import STORED_NOTHING, BrokerUnavailableError, to_error
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +105,43 @@ class _DataPortPut:
         self.conn.close()  # the reply is not wanted: the connection cannot serve another put
 
 
+class _ResendingPut:
+    """A put that is sent again while the group answers a refusal that stored nothing (``not master:``
+    during a failover, ``not enough in-sync replicas``), until the producer's timeout. A put that may have
+    been stored (a lost connection, ``not acknowledged:``) is never sent again."""
+
+    def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str):
+        self.producer, self.topic, self.name, self.body, self.xid = producer, topic, name, body, xid
+        self.deadline = time.monotonic() + producer.pool.timeout
+        self._put = producer._start_put_once(topic, name, body, xid)
+        self.size = self._put.size
+
+    def result(self) -> "PutResult":
+        while True:
+            try:
+                return self._put.result()
+            except STORED_NOTHING as e:
+                if self.xid or time.monotonic() + RESEND_WAIT > self.deadline:
+                    raise
+                log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
+            time.sleep(RESEND_WAIT)
+            self._put = self.producer._start_put_once(self.topic, self.name, self.body, self.xid)
+
+    def cancel(self) -> None:
+        self._put.cancel()
+
+
+RESEND_WAIT = 0.1
+
+
 class Producer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
                  partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0,
-                 use_data_port: bool = True, security=None):
+                 use_data_port: bool = True, security=None, acks="all"):
         if partitioner not in ("hash", "round_robin"):
             raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
+        rawput.acks_code(acks)  # ValueError naming the choices
+        self.acks = acks  # "all": every in-sync member has it (durable by the flush policy); "1": the master
         super().__init__(zk_connect, zk_root, brokers, timeout, security)
         self.data_pool = DataConnectionPool(timeout, self.security)  # puts to brokers with a data port
         self.use_data_port = use_data_port  # False: every put as gRPC PutRaw (benchmarks compare the two)
@@ -189,10 +220,14 @@ class Producer(ClientBase):
     # -- synchronous ----------------------------------------------------------------------------------
     def start_put(self, topic: str, name: str, body: records.EncodedBody, xid: str = ""):
         """Send one encoded batch to partition ``name`` and return at once; ``.result()`` waits for the
-        broker's acknowledgement (a PutResult), ``.size`` is the request's size. Over the broker's data
-        port when it has one and it takes the connection; else ``PutRaw`` over gRPC."""
+        broker's acknowledgement (a PutResult; ``acks`` says whose), ``.size`` is the request's size. Over
+        the broker's data port when it has one and it takes the connection; else ``PutRaw`` over gRPC."""
+        return _ResendingPut(self, topic, name, body, xid)
+
+    def _start_put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str):
         conn, number = self.route(name)
-        parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts)
+        parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts,
+                                  acks=self.acks)
         address = self.data_address(parse_partition_name(name)[0]) if self.use_data_port else None
         if address is not None:
             data = self.data_pool.acquire(address, session=conn.session_token)  # SASL_SSL: the AUTH frame's token

@@ -19,16 +19,18 @@ class MessageBatch(_message.Message):
     def __init__(self, count: _Optional[int] = ..., attributes: _Optional[int] = ..., body: _Optional[bytes] = ..., body_crc: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("topic", "partition", "batch", "xid")
+    __slots__ = ("topic", "partition", "batch", "xid", "acks")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     batch: MessageBatch
     xid: str
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ..., xid: _Optional[str] = ...) -> None: ...
+    acks: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ..., xid: _Optional[str] = ..., acks: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("topic", "partition", "base_offset", "count", "base_msg_id", "timestamp_ms", "fsynced")
@@ -103,7 +105,7 @@ class GetOffsetsRequest(_message.Message):
     def __init__(self, queries: _Optional[_Iterable[_Union[OffsetQuery, _Mapping]]] = ...) -> None: ...
 
 class PartitionOffsets(_message.Message):
-    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset")
+    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset", "high_watermark")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class PartitionOffsets(_message.Message):
     FOR_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     AFTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     earliest: int
@@ -118,7 +121,8 @@ class PartitionOffsets(_message.Message):
     for_timestamp: int
     after_bytes: int
     log_end_offset: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ...) -> None: ...
+    high_watermark: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
 class GetOffsetsResponse(_message.Message):
     __slots__ = ("offsets",)
@@ -307,3 +311,43 @@ class RecoverTransactionsResponse(_message.Message):
     TRANSACTIONS_FIELD_NUMBER: _ClassVar[int]
     transactions: _containers.RepeatedCompositeFieldContainer[PreparedTransaction]
     def __init__(self, transactions: _Optional[_Iterable[_Union[PreparedTransaction, _Mapping]]] = ...) -> None: ...
+
+class DescribeGroupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GroupMemberInfo(_message.Message):
+    __slots__ = ("replica_id", "uuid", "address", "data_address", "role", "in_sync", "lag_offsets", "last_caught_up_ms_ago", "journal_lag")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
+    LAG_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CAUGHT_UP_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_LAG_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    uuid: str
+    address: str
+    data_address: str
+    role: str
+    in_sync: bool
+    lag_offsets: int
+    last_caught_up_ms_ago: int
+    journal_lag: int
+    def __init__(self, replica_id: _Optional[int] = ..., uuid: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ..., role: _Optional[str] = ..., in_sync: _Optional[bool] = ..., lag_offsets: _Optional[int] = ..., last_caught_up_ms_ago: _Optional[int] = ..., journal_lag: _Optional[int] = ...) -> None: ...
+
+class DescribeGroupResponse(_message.Message):
+    __slots__ = ("broker_id", "epoch", "master", "unclean", "members")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    UNCLEAN_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    broker_id: int
+    epoch: int
+    master: int
+    unclean: bool
+    members: _containers.RepeatedCompositeFieldContainer[GroupMemberInfo]
+    def __init__(self, broker_id: _Optional[int] = ..., epoch: _Optional[int] = ..., master: _Optional[int] = ..., unclean: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[GroupMemberInfo, _Mapping]]] = ...) -> None: ...

@@ -104,6 +104,11 @@ class BrokerStub:
                 request_serializer=metaq__pb2.RecoverTransactionsRequest.SerializeToString,
                 response_deserializer=metaq__pb2.RecoverTransactionsResponse.FromString,
                 _registered_method=True)
+        self.DescribeGroup = channel.unary_unary(
+                '/metaq.v1.Broker/DescribeGroup',
+                request_serializer=metaq__pb2.DescribeGroupRequest.SerializeToString,
+                response_deserializer=metaq__pb2.DescribeGroupResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -207,6 +212,14 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeGroup(self, request, context):
+        """Replication (docs/design/replication-plan.md §11): the group's epoch, master and members with their
+        progress, answered by the master. A broker that does not serve it answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +292,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.RecoverTransactions,
                     request_deserializer=metaq__pb2.RecoverTransactionsRequest.FromString,
                     response_serializer=metaq__pb2.RecoverTransactionsResponse.SerializeToString,
+            ),
+            'DescribeGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeGroup,
+                    request_deserializer=metaq__pb2.DescribeGroupRequest.FromString,
+                    response_serializer=metaq__pb2.DescribeGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +677,33 @@ class Broker:
             '/metaq.v1.Broker/RecoverTransactions',
             metaq__pb2.RecoverTransactionsRequest.SerializeToString,
             metaq__pb2.RecoverTransactionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/DescribeGroup',
+            metaq__pb2.DescribeGroupRequest.SerializeToString,
+            metaq__pb2.DescribeGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

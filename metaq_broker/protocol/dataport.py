@@ -22,6 +22,7 @@ from metaq_broker.errors import MetaqError
 from metaq_broker.protocol import rawfetch
 
 FETCH, PUT, AUTH = 1, 2, 4  # request kinds (3 is reserved for replication)
+REPLICA_FETCH = 3  # a group member's replica fetch (protocol/replication.py)
 # Every request: request_len (all of it), kind, a u16 the kind defines (FETCH: the topic's length; PUT: 0;
 # AUTH: the token's length)
 PREFIX = struct.Struct("<IHH")

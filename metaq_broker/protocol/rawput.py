@@ -18,11 +18,27 @@ SERVICE = "metaq.v1.Broker"
 METHOD = "PutRaw"
 PATH = f"/{SERVICE}/{METHOD}"
 
-# header length (where the body starts, 8-aligned), flags (0), partition, count, attributes, body_crc,
+# header length (where the body starts, 8-aligned), flags, partition, count, attributes, body_crc,
 # topic length, xid length, reserved (0)
 HEADER = struct.Struct("<IIiIIIHHI")
 assert HEADER.size == 32
 MAX_NAME_BYTES = 0xFFFF
+
+# flags bit 0: acknowledge once the master alone stored the batch. Clear (as every older client sends it)
+# is acks=all. Other bits are ignored, as all were before acks.
+FLAG_ACKS_ONE = 1
+# Request.acks values, the same as PutRequest.acks
+ACKS_ALL, ACKS_ONE = 0, 1
+
+
+def acks_code(acks) -> int:
+    """``"all"`` (or Kafka's -1) -> ACKS_ALL, ``"1"`` -> ACKS_ONE; ValueError otherwise (acks=0, Kafka's
+    "no acknowledgement", is not offered: a put always waits for the master's store)."""
+    if acks in ("all", "-1", -1):
+        return ACKS_ALL
+    if acks in ("1", 1) and not isinstance(acks, bool):
+        return ACKS_ONE
+    raise ValueError(f"acks {acks!r}: expected 'all' (the master and every in-sync replica) or '1' (the master)")
 
 
 class Batch(NamedTuple):
@@ -41,24 +57,27 @@ class Request(NamedTuple):
     partition: int
     xid: str
     batch: Batch
+    acks: int = ACKS_ALL  # ACKS_ALL or ACKS_ONE, as PutRequest.acks
 
 
 def pack_parts(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int,
-               parts: list) -> list:
+               parts: list, acks="all") -> list:
     """The request as buffers: the header with the names (padded to 8), then the body's ``parts``
-    (``EncodedBody.parts``) as they are, for a scatter-gather send with no copy."""
+    (``EncodedBody.parts``) as they are, for a scatter-gather send with no copy. ``acks``: see acks_code."""
+    flags = FLAG_ACKS_ONE if acks_code(acks) == ACKS_ONE else 0
     topic_b, xid_b = topic.encode(), xid.encode()
     if len(topic_b) > MAX_NAME_BYTES or len(xid_b) > MAX_NAME_BYTES:
         raise ValueError(f"topic or xid longer than {MAX_NAME_BYTES} bytes")
     header_len = HEADER.size + len(topic_b) + len(xid_b)
     pad = (-header_len) % ALIGN
-    head = HEADER.pack(header_len + pad, 0, partition, count, attributes, body_crc, len(topic_b), len(xid_b), 0)
+    head = HEADER.pack(header_len + pad, flags, partition, count, attributes, body_crc, len(topic_b), len(xid_b), 0)
     return [head + topic_b + xid_b + b"\0" * pad, *parts]
 
 
-def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list) -> bytes:
+def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list,
+         acks="all") -> bytes:
     """The request for a body given as ``parts`` (``EncodedBody.parts``): one join, the only copy."""
-    return b"".join(pack_parts(topic, partition, xid, count, attributes, body_crc, parts))
+    return b"".join(pack_parts(topic, partition, xid, count, attributes, body_crc, parts, acks))
 
 
 def unpack(request) -> Request:
@@ -66,7 +85,7 @@ def unpack(request) -> Request:
     view = memoryview(request).cast("B")
     if len(view) < HEADER.size:
         raise RecordFormatError(f"PutRaw request of {len(view)} bytes is shorter than its {HEADER.size}-byte header", 0)
-    header_len, _, partition, count, attributes, body_crc, topic_len, xid_len, _ = HEADER.unpack_from(view)
+    header_len, flags, partition, count, attributes, body_crc, topic_len, xid_len, _ = HEADER.unpack_from(view)
     names_end = HEADER.size + topic_len + xid_len
     if not names_end <= header_len <= len(view) or header_len % ALIGN:
         raise RecordFormatError(f"PutRaw request header says the body starts at byte {header_len} of {len(view)}", 0)
@@ -75,4 +94,5 @@ def unpack(request) -> Request:
         xid = str(view[HEADER.size + topic_len:names_end], "utf-8")
     except UnicodeDecodeError:
         raise RecordFormatError("PutRaw request: topic or xid is not UTF-8", 0) from None
-    return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc))
+    acks = ACKS_ONE if flags & FLAG_ACKS_ONE else ACKS_ALL
+    return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc), acks)

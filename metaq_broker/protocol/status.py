@@ -8,7 +8,8 @@ import grpc
 
 from metaq_broker.errors import (AuthenticationError, AuthorizationError, ConfigError, CorruptLogError, DiskFullError, InvalidMessageError,
                                  InvalidOffsetError, InvalidPartitionError, InvalidTopicError, MessageTooLargeError,
-                                 MetaqError, OffsetOutOfRangeError, PartitionClosedError, StoreClosedError,
+                                 MetaqError, NotAcknowledgedError, NotEnoughReplicasError, NotMasterError,
+                                 OffsetOutOfRangeError, PartitionClosedError, StoreClosedError,
                                  TransactionError, UnknownTopicError)
 from metaq_broker.protocol.records import RecordFormatError
 
@@ -70,6 +71,33 @@ class BrokerUnavailableError(BrokerError):
     """The broker is down, restarting or stopping, or the call timed out: nothing was done."""
 
 
+def _remote_init(self, code: grpc.StatusCode, message: str, address: str) -> None:
+    """BrokerError's fields without the local error's constructor, which would prefix the message again."""
+    MetaqError.__init__(self, f"broker {address}: {code.name}: {message}")
+    self.code, self.details, self.address = code, message, address
+
+
+class RemoteNotMasterError(BrokerUnavailableError, NotMasterError):
+    """The broker is a replica (or electing) in its group, not the master: nothing was done; resending to
+    the master, once known, is safe."""
+
+    __init__ = _remote_init
+
+
+class RemoteNotEnoughReplicasError(BrokerError, NotEnoughReplicasError):
+    """The group has fewer in-sync members than the topic's ``minInSyncReplicas``: nothing was written;
+    resending later is safe."""
+
+    __init__ = _remote_init
+
+
+class RemoteNotAcknowledgedError(BrokerUnavailableError, NotAcknowledgedError):
+    """Stored on the master, not acknowledged by the in-sync set: it may or may not be stored, so unlike
+    other BrokerUnavailableErrors it is never resent."""
+
+    __init__ = _remote_init
+
+
 # (errors raised in the broker, most specific first) -> code -> error raised in the client
 TABLE = [
     ((MessageTooLargeError,), grpc.StatusCode.RESOURCE_EXHAUSTED, RemoteMessageTooLargeError),
@@ -80,15 +108,29 @@ TABLE = [
       RecordFormatError), grpc.StatusCode.INVALID_ARGUMENT, RemoteInvalidArgumentError),
     ((CorruptLogError,), grpc.StatusCode.DATA_LOSS, RemoteDataLossError),
     ((StoreClosedError,), grpc.StatusCode.UNAVAILABLE, BrokerUnavailableError),
+    ((NotMasterError,), grpc.StatusCode.UNAVAILABLE, RemoteNotMasterError),
+    ((NotAcknowledgedError,), grpc.StatusCode.UNAVAILABLE, RemoteNotAcknowledgedError),
     ((TransactionError,), grpc.StatusCode.ABORTED, RemoteTransactionError),
     ((PartitionClosedError,), grpc.StatusCode.FAILED_PRECONDITION, RemotePartitionClosedError),
+    ((NotEnoughReplicasError,), grpc.StatusCode.FAILED_PRECONDITION, RemoteNotEnoughReplicasError),
     ((AuthenticationError,), grpc.StatusCode.UNAUTHENTICATED, RemoteAuthenticationError),
     ((AuthorizationError,), grpc.StatusCode.PERMISSION_DENIED, RemoteAuthorizationError),
 ]
 # Two errors share RESOURCE_EXHAUSTED: a disk-full message starts with DISK_FULL, the rest are too large.
 DISK_FULL = "disk full:"
+# Replicated groups (docs/protocol.md, Errors): told apart from the other errors of their code by prefix.
+NOT_MASTER = NotMasterError.PREFIX
+NOT_ENOUGH_REPLICAS = NotEnoughReplicasError.PREFIX
+NOT_ACKNOWLEDGED = NotAcknowledgedError.PREFIX
+_BY_PREFIX = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ((DISK_FULL, RemoteDiskFullError),),
+    grpc.StatusCode.UNAVAILABLE: ((NOT_MASTER, RemoteNotMasterError), (NOT_ACKNOWLEDGED, RemoteNotAcknowledgedError)),
+    grpc.StatusCode.FAILED_PRECONDITION: ((NOT_ENOUGH_REPLICAS, RemoteNotEnoughReplicasError),),
+}
 _ERROR_OF = {code: remote for _, code, remote in reversed(TABLE)}  # the first of a code wins
 _ERROR_OF[grpc.StatusCode.DEADLINE_EXCEEDED] = BrokerUnavailableError
+# Refusals that stored nothing, so a producer may send the put again (to the master, once known)
+STORED_NOTHING = (RemoteNotMasterError, RemoteNotEnoughReplicasError)
 
 
 def code_of(exc: BaseException) -> grpc.StatusCode:
@@ -101,8 +143,9 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
 
 def error_of(code: grpc.StatusCode, message: str, address: str) -> BrokerError:
     """The client-side error for a status the broker at ``address`` answered."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith(DISK_FULL):
-        return RemoteDiskFullError(code, message, address)
+    for prefix, remote in _BY_PREFIX.get(code, ()):
+        if message.startswith(prefix):
+            return remote(code, message, address)
     return _ERROR_OF.get(code, BrokerError)(code, message, address)
 
 

@@ -15,15 +15,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metaq_broker import __version__
 from metaq_broker.errors import ConfigError
+from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.security.settings import read_pem
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
+from metaq_broker.server.group import MASTER, GroupMember
 from metaq_broker.server.groups import GroupOffsetsService
+from metaq_broker.server.member import load_or_create
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.registration import BrokerRegistration
+from metaq_broker.server.replica_fetcher import ReplicaFetcher
+from metaq_broker.server.replica_manager import ReplicaManager
 from metaq_broker.server.service import BrokerService
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.server.txn_resolver import TransactionResolver
@@ -61,6 +66,8 @@ class Broker:
         self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
         self.store = self.server = self.registration = self.transactions = self.resolver = None
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
+        # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
+        self.identity = self.group = self.replicas = self.fetcher = None
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
@@ -85,9 +92,14 @@ class Broker:
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
                                   retention_interval=cfg.retention_check_interval_s, repair=self.repair)
         try:
+            # In a group, a member starts as a follower: only the elected master settles transactions, after
+            # its epoch marker, so the markers it writes are ordered in the log like every other append.
             self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
                                                    cfg.transaction_timeout_ms / 1000,
-                                                   max_timeout_s=cfg.transaction_max_timeout_ms / 1000)
+                                                   max_timeout_s=cfg.transaction_max_timeout_ms / 1000,
+                                                   follower=self.uses_zookeeper)
+            if self.uses_zookeeper:
+                self._start_replication_parts()
             self.disk = DiskState(data, on_change=self._write_health)
             if cfg.metrics_port >= 0:
                 self.metrics = BrokerMetrics(self)
@@ -96,7 +108,8 @@ class Broker:
                                     self.create_topic, self.stats,
                                     observe=self.metrics.observe_rpc if self.metrics else None,
                                     transactions=self.transactions, disk=self.disk, auth=self.auth,
-                                    sinks_root=ZkPaths(cfg.zk_root).sinks())
+                                    sinks_root=ZkPaths(cfg.zk_root).sinks(), group=self.group,
+                                    replicas=self.replicas)
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -116,7 +129,8 @@ class Broker:
                 self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
             if cfg.data_port >= 0:
                 try:
-                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth)
+                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth,
+                                                  replicas=self.replicas)
                 except OSError as e:
                     raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
                 self.data_port = self.data_server.port
@@ -125,14 +139,20 @@ class Broker:
                 self.data_server.start()
             if self.uses_zookeeper:
                 self.registration = BrokerRegistration(
-                    cfg.zk_connect, cfg.zk_root, cfg.broker_id,
-                    {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
-                     "securityProtocol": cfg.security.protocol,
-                     **({"dataPort": self.data_port} if self.data_port is not None else {})},
+                    cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
-                    session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security)
+                    session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
+                    replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake())
+                self.group = self._new_group_member()
+                service.group = self.group
                 self.registration.start()
-            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._zk_if_connected).start()
+                self.group.start()
+                role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
+                if role not in ("master", "replica"):
+                    log.warning("group %d member %d has no role yet: no master is alive and this member may not "
+                                "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
+            # Only the master settles prepared transactions from their decision records.
+            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
         except BaseException:
             self._shutdown_local(grace=0)
             raise
@@ -154,6 +174,78 @@ class Broker:
             self.registration.stop()
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
+
+    # -- replication ----------------------------------------------------------------------------------
+    def _start_replication_parts(self) -> None:
+        cfg = self.config
+        self.identity = load_or_create(cfg.data_path, cfg.broker_id, cfg.replica_id)
+        self.replicas = ReplicaManager(self.store, self.transactions, cfg.broker_id, cfg.replica_id,
+                                       self.identity.uuid, cfg.replica_lag_max_ms / 1000,
+                                       alter_isr=lambda isr: self.group is not None and self.group.alter_isr(isr),
+                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e))
+        self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
+                                      sync_topics=self._sync_topics,
+                                      on_fenced=lambda e: self.group and self.group.wake())
+
+    def _member_info(self) -> dict:
+        """The member node's JSON (and, plus ``replicaId``, the master node's): addresses and what an
+        election of a group without state compares."""
+        cfg = self.config
+        last_epoch, log_end = self._standing()
+        return {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
+                "securityProtocol": cfg.security.protocol, "replicaId": cfg.replica_id, "uuid": self.identity.uuid,
+                "lastEpoch": last_epoch, "logEnd": log_end,
+                **({"dataPort": self.data_port} if self.data_port is not None else {})}
+
+    def _standing(self) -> tuple:
+        parts = [p for t in self.store.topics() for p in self.store.partitions(t)]
+        return (max([p.last_epoch for p in parts], default=0), sum(p.written_end for p in parts))
+
+    def _new_group_member(self) -> GroupMember:
+        cfg = self.config
+        return GroupMember(self.registration, cfg.zk_root, cfg.broker_id, cfg.replica_id, self.identity.uuid,
+                           cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
+                           promote=self._promote, demote=self._demote, follow=self.fetcher.follow,
+                           tick=self.replicas.tick, unclean=cfg.unclean_election,
+                           lag_max_s=cfg.replica_lag_max_ms / 1000)
+
+    def _promote(self, state) -> None:
+        """Become master of ``state.epoch``: stop copying, stamp the epoch in the log (the first append of
+        each partition writes its marker), settle what the journal says, then serve. A group of one stamps
+        nothing (its offsets stay dense) until a replica first fetches (``ReplicaManager``): offsets before
+        the first stamp are epoch 0 on every member, since a replica copies them from this log."""
+        self.fetcher.pause()
+        if len(set(state.replicas)) > 1:  # a group that never had a second member needs no epoch in its log
+            self.store.begin_epoch(state.epoch, self.config.replica_id)
+        self.transactions.promote()
+        self.replicas.activate(state.epoch, dict(state.isr), self.fetcher.learned_hw)
+        self.registration.set_publishing(True)
+
+    def _demote(self, why: str) -> None:
+        self.replicas.deactivate()
+        self.transactions.follow()
+
+    def _sync_topics(self, master: dict) -> None:
+        """Create here the topics the master has and this replica lacks (asked over the master's gRPC)."""
+        target = f"{master['host']}:{master['port']}"
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.BrokerStub(channel)
+            listed = stub.ListTopics(pb.ListTopicsRequest(), timeout=10)
+            for summary in listed.topics:
+                have = summary.topic in self.store.topics()
+                if have and self.store.topic_config(summary.topic).num_partitions >= summary.num_partitions:
+                    continue
+                desc = stub.DescribeTopic(pb.TopicRequest(topic=summary.topic), timeout=10)
+                log.info("replica: creating topic %s (%d partitions) as the master has it", summary.topic,
+                         summary.num_partitions)
+                self.create_topic(summary.topic, summary.num_partitions, dict(desc.config))
+
+    @property
+    def is_master(self) -> bool:
+        return self.group is None or self.group.role == MASTER
+
+    def _resolver_zk(self):
+        return self._zk_if_connected() if self.is_master else None
 
     def _start_auth(self) -> BrokerAuth:
         """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a
@@ -204,6 +296,10 @@ class Broker:
         return r.client if r is not None and r.connected else None
 
     def _shutdown_local(self, grace: float) -> None:
+        if self.group is not None:
+            self.group.stop()  # a master resigns: another member takes over at once, not after the session timeout
+        if self.fetcher is not None:
+            self.fetcher.stop()
         if self.data_server is not None:
             self.data_server.stop(grace)  # no reply is sent from a segment file once the store closes
         if self.server is not None:
@@ -254,6 +350,8 @@ class Broker:
             created = topic not in self.store.topics()
             config = self.store.create_topic(topic, config)
             if created:
+                if self.replicas is not None:
+                    self.replicas.topic_created(topic)
                 self._remember_topic(topic, config)
         if created and self.registration is not None:
             self.registration.add_topic(topic, config.num_partitions)

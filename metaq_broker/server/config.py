@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Optional
 
 from metaq_broker.errors import ConfigError, InvalidTopicError
 from metaq_broker.security.settings import BROKER_KEYS, ZK_KEYS, BrokerSecurity, ZkSecurity
-from metaq_broker.store.config import DeletePolicy, TopicConfig, validate_topic_name
+from metaq_broker.store.config import MAX_REPLICAS, DeletePolicy, TopicConfig, validate_topic_name
 
 
 def _int(lo: int, hi: int = 2 ** 62) -> Callable[[str, str], int]:
@@ -30,6 +30,13 @@ def _str(key: str, raw: str) -> str:
     if not v:
         raise ConfigError(f"{key}: must not be empty")
     return v
+
+
+def _bool(key: str, raw: str) -> bool:
+    v = str(raw).strip().lower()
+    if v not in ("true", "false"):
+        raise ConfigError(f"{key}: {raw!r} is not true or false")
+    return v == "true"
 
 
 def _root(key: str, raw: str) -> str:
@@ -55,11 +62,13 @@ TOPIC_KEYS: dict = {
     "maxMessageSize": ("max_message_size", _int(1, 2 ** 30)),
     "deletePolicy": ("delete_policy", _policy),
     "retentionBytes": ("retention_bytes", _int(-1, 2 ** 62)),
+    "minInSyncReplicas": ("min_insync_replicas", _int(1, MAX_REPLICAS)),
 }
 
 # [system]-only keys: INI name -> (BrokerConfig field, parser); defaults live in BrokerConfig.
 SYSTEM_KEYS: dict = {
     "brokerId": ("broker_id", _int(0, 1023)),
+    "replicaId": ("replica_id", _int(0, MAX_REPLICAS - 1)),
     "hostName": ("host_name", _str),
     "serverPort": ("server_port", _int(0, 65535)),
     "metricsPort": ("metrics_port", _int(-1, 65535)),
@@ -68,18 +77,22 @@ SYSTEM_KEYS: dict = {
     "zk.connect": ("zk_connect", _str),
     "zk.root": ("zk_root", _root),
     "zk.sessionTimeout": ("zk_session_timeout_ms", _int(1000, 600_000)),
+    "zk.maxSessionTimeout": ("zk_max_session_timeout_ms", _int(1000, 2 ** 31 - 1)),
     "maxTransferSize": ("max_transfer_size", _int(1024, 1 << 30)),
     "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000)),
     "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400)),
     "grpcWorkers": ("grpc_workers", _int(2, 1024)),
     "transactionTimeout": ("transaction_timeout_ms", _int(100, 86_400_000)),
     "transactionMaxTimeout": ("transaction_max_timeout_ms", _int(100, 86_400_000)),
+    "replicaLagMaxMs": ("replica_lag_max_ms", _int(1, 86_400_000)),
+    "uncleanElection": ("unclean_election", _bool),
 }
 
 
 @dataclass
 class BrokerConfig:
     broker_id: int = 0
+    replica_id: int = 0  # this member of broker group broker_id (replication: same brokerId, own replicaId)
     host_name: str = "127.0.0.1"
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
@@ -88,6 +101,9 @@ class BrokerConfig:
     zk_connect: str = "127.0.0.1:2181"
     zk_root: str = "/meta"
     zk_session_timeout_ms: int = 10_000
+    # The ZooKeeper servers' maxSessionTimeout (theirs defaults to 20 x tickTime = 40 s): a longer
+    # zk.sessionTimeout would be lowered silently, and the master's lease assumes it was not.
+    zk_max_session_timeout_ms: int = 40_000
     max_transfer_size: int = 8 << 20
     max_fetch_wait_ms: int = 30_000
     retention_check_interval_s: int = 300
@@ -95,6 +111,8 @@ class BrokerConfig:
     transaction_timeout_ms: int = 60_000  # a transaction's limit when its BeginTransaction names none
     transaction_max_timeout_ms: int = 900_000  # the largest limit a BeginTransaction may ask for (Kafka's
     # transaction.max.timeout.ms): open, rolled back after it; prepared in-doubt, abort recorded after it
+    replica_lag_max_ms: int = 10_000  # a replica not caught up for this long leaves the in-sync set
+    unclean_election: bool = False  # elect an out-of-sync member when no in-sync one is alive (loses data)
     security: BrokerSecurity = field(default_factory=BrokerSecurity)  # TLS, SASL, ACLs (docs/security.md)
     zk_security: ZkSecurity = field(default_factory=ZkSecurity)  # zk.auth, zk.ssl.*
     topic_defaults: TopicConfig = field(default_factory=TopicConfig)
@@ -118,6 +136,21 @@ def topic_config_from(base: TopicConfig, overrides: Mapping[str, str], where: st
 
 def topic_ini_values(topic: TopicConfig) -> dict:
     return {key: str(getattr(topic, attr)) for key, (attr, _) in TOPIC_KEYS.items()}
+
+
+def _check_system(cfg: BrokerConfig) -> None:
+    """Rules between [system] keys."""
+    if cfg.zk_session_timeout_ms > cfg.zk_max_session_timeout_ms and cfg.zk_connect.lower() != "none":
+        raise ConfigError(
+            f"[system] zk.sessionTimeout: {cfg.zk_session_timeout_ms} is above zk.maxSessionTimeout "
+            f"{cfg.zk_max_session_timeout_ms}: ZooKeeper silently lowers a session timeout above its "
+            f"maxSessionTimeout (by default 20 x tickTime = 40000 ms), and a group's master would then serve past "
+            f"its lease; lower zk.sessionTimeout, or raise the ZooKeeper servers' maxSessionTimeout and set "
+            f"zk.maxSessionTimeout to it")
+    if cfg.data_port == -1 and cfg.replica_id != 0:
+        raise ConfigError(
+            f"[system] dataPort: -1 (off) with replicaId {cfg.replica_id}: the members of a broker group copy "
+            f"the master's log through its data port, so each needs one; set dataPort to a port (0: any free one)")
 
 
 def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = None) -> BrokerConfig:
@@ -150,6 +183,7 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
         else:
             known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS) + sorted(BROKER_KEYS + ZK_KEYS)
             raise ConfigError(f"[system]: unknown key {key!r}; known keys are {', '.join(known)}")
+    _check_system(cfg)
     cfg.security = BrokerSecurity.from_properties({k: v for k, v in security.items() if k in BROKER_KEYS})
     cfg.zk_security = ZkSecurity.from_properties(security, "[system] ")
     cfg.topic_defaults = topic_config_from(TopicConfig(), topic_defaults, "[system]")

@@ -38,12 +38,16 @@ import numpy as np
 
 from metaq_broker.errors import AuthenticationError, InvalidOffsetError, MetaqError
 from metaq_broker.protocol import records
+from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.dataport import (AUTH, AUTH_ATTEMPTS, FETCH, MAX_PUT_BYTES, MAX_TOKEN_BYTES, MAX_TOPIC_BYTES,
-                                            OK, PREFIX, PUT, PUT_REPLY, REPLY, REQUEST, ProtocolError, code_number,
+                                            OK, PREFIX, PUT, PUT_REPLY, REPLICA_FETCH, REPLY, REQUEST, ProtocolError,
+                                            code_number,
                                             recv_exact)
 from metaq_broker.protocol.rawfetch import pack_aborted
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security import tls
+from metaq_broker.security.acl import CLUSTER
+from metaq_broker.server.replica_manager import FencedError
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +81,10 @@ class DataServer:
     counters, limits and ACL checks are its. ``auth`` (``BrokerAuth``, None: PLAINTEXT and anonymous)
     gives the TLS context and checks session tokens."""
 
-    def __init__(self, service, host: str, port: int, auth=None):
+    def __init__(self, service, host: str, port: int, auth=None, replicas=None):
         self.service = service
         self.auth = auth
+        self.replicas = replicas  # ReplicaManager: the master's side of REPLICA_FETCH (None: not replicated)
         self._context = auth.data_port_context() if auth is not None else None
         self._sasl = auth is not None and auth.security.uses_sasl
         self._listener = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: a restart rebinds
@@ -225,6 +230,13 @@ class DataServer:
                 if len(conn.put_buffer) > KEEP_PUT_BUFFER:  # a rare huge put: its memory is not kept
                     conn.put_buffer = np.empty(0, np.uint8)
                 continue
+            if kind == REPLICA_FETCH and self.replicas is not None and REQUEST.size <= length <= rp.MAX_REQUEST_BYTES:
+                body = bytearray(length)
+                body[:REQUEST.size] = head
+                if not recv_exact(sock, memoryview(body)[REQUEST.size:]):
+                    raise ProtocolError("connection closed inside a request")
+                self._replica_fetch(conn, body)
+                continue
             if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
                 why = " (this broker takes no AUTH frame)" if kind == AUTH and not self._sasl else \
                     " (already authenticated)" if kind == AUTH else ""
@@ -347,6 +359,55 @@ class DataServer:
             pos += n
             left -= n
             fill = 0
+
+    def _replica_fetch(self, conn: _Conn, request: bytearray) -> None:
+        """A group member copying from this master (``ReplicaManager.serve_fetch`` decides what): the head,
+        the journal frames, then per partition a section head and its records from the segment file."""
+        sock, fds = conn.sock, []
+        try:
+            try:
+                if conn.tls:
+                    raise ProtocolError("replication over TLS is not supported yet: group members copy over a "
+                                        "PLAINTEXT data port")
+                if self.auth is not None:
+                    self.auth.authorize(conn.principal, "ClusterAction", "cluster", CLUSTER)
+                answer = self.replicas.serve_fetch(rp.unpack_request(request), lambda: not self._stopping)
+            except FencedError as e:
+                sock.sendall(rp.error_reply(code_number(grpc.StatusCode.FAILED_PRECONDITION), str(e),
+                                            self.replicas.epoch))
+                return
+            except (MetaqError, ProtocolError) as e:
+                sock.sendall(rp.error_reply(code_number(code_of(e)), str(e), self.replicas.epoch))
+                return
+            first, last, frames, snapshot = answer.journal
+            heads, ranges = [], []
+            for sec in answer.sections:
+                where = sec.where
+                n = where.length if where is not None else 0
+                fd = where.dup_fd() if n else -1
+                if fd >= 0:
+                    fds.append(fd)
+                heads.append(rp.pack_section_head(
+                    where.start_offset if where is not None else 0, where.end_offset if where is not None else 0,
+                    sec.earliest, sec.latest, n, where.aborted if where is not None else None, sec.log_end, sec.hw,
+                    sec.status, sec.epoch, sec.offset))
+                ranges.append((fd, where.position if n else 0, n))
+            flags = (rp.FLAG_JOURNAL_SNAPSHOT if snapshot else 0) | (rp.FLAG_TOPICS_CHANGED if answer.topics_changed
+                                                                     else 0)
+            journal = bytes(frames) + bytes(rp.pad8(len(frames)) - len(frames))
+            body_len = len(journal) + sum(len(h) + r[2] for h, r in zip(heads, ranges))
+            sock.sendall(rp.pack_reply_head(rp.ReplyHead(0, "", answer.epoch, len(heads), body_len, first, last,
+                                                         len(frames), flags)) + journal, _MSG_MORE)
+            for head, (fd, pos, n) in zip(heads, ranges):
+                sock.sendall(head, _MSG_MORE if n else 0)
+                while n:
+                    k = os.sendfile(sock.fileno(), fd, pos, min(n, _SENDFILE_CHUNK))
+                    if k == 0:
+                        raise ProtocolError(f"a segment file ends {n} bytes short of its index")
+                    pos, n = pos + k, n - k
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _put(self, conn: _Conn, request: memoryview) -> None:
         start = time.perf_counter()

@@ -47,9 +47,16 @@ class BrokerIdInUseError(MetaqError):
 
 class BrokerRegistration:
     def __init__(self, zk_connect: str, root: str, broker_id: int, address: dict, topics: dict,
-                 session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None):
+                 session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None,
+                 replica_id: Optional[int] = None, on_registered=lambda: None):
         self.paths = ZkPaths(root)
         self.broker_id = broker_id
+        # In a replicated group the node is the member's (``groups/<b>/members/<r>``); ``/brokers/ids/<b>`` is
+        # the master's, created by the election (``server/group.py``), and only the master publishes topics.
+        self.replica_id = replica_id
+        self.publish_topics = replica_id is None
+        self._on_registered = on_registered
+        self._registered_session = None
         self.address = dict(address)
         self.topics: dict = dict(topics)
         self.session_timeout = session_timeout
@@ -68,7 +75,32 @@ class BrokerRegistration:
 
     @property
     def node(self) -> str:
+        if self.replica_id is not None:
+            return self.paths.group_replica(self.broker_id, self.replica_id)
         return self.paths.broker(self.broker_id)
+
+    @property
+    def starting_node(self) -> str:
+        if self.replica_id:
+            return self.paths.group_starting(self.broker_id, self.replica_id)
+        return self.paths.broker_starting(self.broker_id)
+
+    @property
+    def acl(self):
+        return self._acl
+
+    @property
+    def registered(self) -> bool:
+        """Our node exists in the current session."""
+        return self.connected and self._registered_session == self.client.client_id
+
+    def set_publishing(self, publish: bool) -> None:
+        """The group's master publishes the topic entries; a replica leaves them alone."""
+        with self._lock:
+            self.publish_topics = publish
+            if publish and self._started and not self._stopped and self.connected:
+                for topic, n in list(self.topics.items()):
+                    self._write_topic(topic, n)
 
     @property
     def connected(self) -> bool:
@@ -114,16 +146,16 @@ class BrokerRegistration:
         try:
             if self._acl is not None:
                 ensure_public_path(self.client, self.paths.brokers_starting(), self.zk_security)
-            self.client.create(self.paths.broker_starting(self.broker_id), json.dumps(info, sort_keys=True).encode(),
+            self.client.create(self.starting_node, json.dumps(info, sort_keys=True).encode(),
                                acl=self._acl, ephemeral=True, makepath=True)
         except NodeExistsError:
-            log.info("%s exists already: another broker with id %d is starting", self.paths.broker_starting(
-                self.broker_id), self.broker_id)
+            log.info("%s exists already: another broker with id %d is starting", self.starting_node,
+                     self.broker_id)
         except KazooException as e:  # only a notice: waiting goes on without it
-            log.warning("could not write %s: %s", self.paths.broker_starting(self.broker_id), e)
+            log.warning("could not write %s: %s", self.starting_node, e)
 
     def _withdraw_starting(self) -> None:
-        path = self.paths.broker_starting(self.broker_id)
+        path = self.starting_node
         try:
             if self._warned and self.client.connected:
                 _, stat = self.client.get(path)
@@ -145,7 +177,10 @@ class BrokerRegistration:
             if self._stopped:
                 return  # stop() won the lock: writing now would leave topic nodes behind
             if self._acl is not None:
-                for container in (self.paths.broker_ids(), self.paths.topics_pub(), self.paths.topics_sub()):
+                containers = [self.paths.broker_ids(), self.paths.topics_pub(), self.paths.topics_sub()]
+                if self.replica_id is not None:
+                    containers.append(self.paths.group_members(self.broker_id))
+                for container in containers:
                     ensure_public_path(self.client, container, self.zk_security)
             while True:
                 try:
@@ -168,12 +203,15 @@ class BrokerRegistration:
                         f"broker id {self.broker_id} is already registered in ZooKeeper ({self.node}) by another "
                         f"live session, address {held.decode(errors='replace')}; stop that broker or give this "
                         f"one another brokerId", self.broker_id, holder, stat.ephemeralOwner) from None
-            for topic in topic_entries.topics_of(self.client, self.paths, self.broker_id):
-                if topic not in self.topics:  # a topic this broker had before its restart, and has no more
-                    topic_entries.delete(self.client, self.paths, topic, self.broker_id)
-            for topic, n in list(self.topics.items()):
-                self._write_topic(topic, n)
+            if self.publish_topics:
+                for topic in topic_entries.topics_of(self.client, self.paths, self.broker_id):
+                    if topic not in self.topics:  # a topic this broker had before its restart, and has no more
+                        topic_entries.delete(self.client, self.paths, topic, self.broker_id)
+                for topic, n in list(self.topics.items()):
+                    self._write_topic(topic, n)
             self.registrations += 1
+            self._registered_session = self.client.client_id
+        self._on_registered()
         log.info("broker %d registered in ZooKeeper at %s with %d topic(s)", self.broker_id, self.node,
                  len(self.topics))
 
@@ -202,7 +240,7 @@ class BrokerRegistration:
         with self._lock:
             removed = [t for t in self.topics if t not in topics]
             self.topics = topics
-            if not self._started or self._stopped:
+            if not self._started or self._stopped or not self.publish_topics:
                 return
             try:
                 for t in only if only is not None else list(topics):

@@ -54,8 +54,10 @@ def rpc(method):
 class BrokerService(pb_grpc.BrokerServicer):
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
                  create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None, auth=None,
-                 sinks_root: str = "/meta/sinks"):
+                 sinks_root: str = "/meta/sinks", group=None, replicas=None):
         self.store = store
+        self.group = group  # server.group.GroupMember: only the master serves clients (None: no ZooKeeper)
+        self.replicas = replicas  # server.replica_manager.ReplicaManager: acknowledgements wait for it
         self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
         self.sinks_root = sinks_root  # transactions' coordinators (decision records) must lie below it
         self.disk = disk or DiskState(store.data_path)  # whether the last write found the disk full
@@ -71,6 +73,11 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._round_robin = itertools.count()
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _gate(self) -> None:
+        """Refuse (``not master:``) unless this member is the group's master with a valid lease."""
+        if self.group is not None:
+            self.group.check_master()
+
     def _allow(self, principal: str, operation: str, resource_type: str, name: str) -> None:
         if self.auth is not None:
             self.auth.authorize(principal, operation, resource_type, name)
@@ -113,7 +120,9 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._allow(principal, "Write", "topic", topic)
         if request.xid:
             self._allow_sink(principal, request.xid)
+        self._gate()
         config = self.store.topic_config(topic)
+        acks_all = request.acks == 0 and not request.xid  # a transaction waits at its prepare
         if partition == -1:
             open_parts = [p for p in range(config.num_partitions) if (topic, p) not in self._closed]
             if not open_parts:
@@ -125,10 +134,16 @@ class BrokerService(pb_grpc.BrokerServicer):
             log_ = self._open_partition(topic, partition)
             b = request.batch
             body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            if acks_all and self.replicas is not None:
+                self.replicas.check_enough(topic)
             if request.xid:  # in the log, flagged with its transaction: invisible until the commit marker
                 result = self._transactions().put(request.xid, topic, partition, body)
             else:
                 result = log_.append_body(body)
+            if self.replicas is not None and not request.xid:
+                if acks_all:
+                    self.replicas.await_hw(topic, partition, result.base_offset + result.count)
+                self._gate()  # a master that lost its lease meanwhile must not acknowledge
         except BaseException as e:
             counters.record_failure("put")
             if is_disk_full(e):  # here, not in ``rpc``: the data port's PUT comes this way too
@@ -146,6 +161,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         FileRange with ``locate``, and the partition), with the checks, counters and long-poll wait (while
         ``is_active()``) they share."""
         self._allow(principal, "Read", "topic", topic)
+        self._gate()
         self.store.partition(topic, partition)
         counters = self.stats.partition(topic, self._name(partition))
         try:
@@ -198,12 +214,14 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def GetOffsets(self, request, context, principal):
         out = []
+        self._gate()
         for q in request.queries:
             self._allow(principal, "Describe", "topic", q.topic)
             p = self.store.partition(q.topic, q.partition)
+            hw = p.high_watermark
             item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
                                        latest=p.latest_offset, log_end_offset=p.log_end_offset, for_timestamp=-1,
-                                       after_bytes=-1)
+                                       after_bytes=-1, high_watermark=p.log_end_offset if hw is None else hw)
             if q.HasField("timestamp_ms"):
                 item.for_timestamp = p.offset_for_timestamp(q.timestamp_ms)
             if q.HasField("max_bytes") or q.HasField("from_offset"):
@@ -266,6 +284,7 @@ class BrokerService(pb_grpc.BrokerServicer):
 
     # -- transactions ---------------------------------------------------------------------------------
     def _transactions(self):
+        self._gate()
         if self.transactions is None:
             raise TransactionError("this broker does not support transactions")
         return self.transactions
@@ -293,6 +312,7 @@ class BrokerService(pb_grpc.BrokerServicer):
     def PrepareTransaction(self, request, context, principal):
         self._allow_sink(principal, request.xid)
         t = self._transactions().prepare(request.xid)
+        self._await_replicated(t.partitions)
         self.disk.ok()
         return self._reply(t.xid, t.state, t.messages)
 
@@ -306,9 +326,21 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._allow_sink(principal, request.xid)
         return self._reply(request.xid, self._settle(self._transactions().rollback, request.xid))
 
+    def _await_replicated(self, partitions) -> None:
+        """A transaction call is answered once the in-sync set has its batches or markers and its journal
+        records, whatever the producer's acks: an XA participant must not lose a prepare in a failover."""
+        if self.replicas is None:
+            return
+        for topic, partition in sorted(partitions):
+            self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).written_end)
+        self.replicas.await_journal(self.transactions.journal_seq)
+        self._gate()
+
     def _settle(self, settle, xid: str) -> str:
         """``settle(xid)`` (commit or rollback). A full disk after the decision was journalled is still a
         DiskFullError, saying that the broker finishes the settlement itself (``expire``) once space returns."""
+        t = self.transactions.get(xid)
+        partitions = list(t.partitions) if t is not None else []
         try:
             state = settle(xid)
         except OSError as e:
@@ -316,6 +348,7 @@ class BrokerService(pb_grpc.BrokerServicer):
                 raise self.disk.error(e, note="the outcome is recorded: the broker finishes it by itself once space "
                                               "is freed (sending it again is safe too)") from None
             raise
+        self._await_replicated(partitions)
         self.disk.ok()
         return state
 

@@ -10,6 +10,7 @@ MAX_TOPIC_LENGTH = 249
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
 
 GROUP_COMMIT = 0  # unflushThreshold <= 0 selects group commit, as in MetaQ
+MAX_REPLICAS = 256  # members of one broker group: replicaId 0-255
 
 
 def validate_topic_name(name) -> str:
@@ -68,6 +69,9 @@ class TopicConfig:
     max_message_size: int = 4 * 1024 * 1024
     delete_policy: DeletePolicy = DeletePolicy()
     retention_bytes: int = -1  # per partition; -1 means no size bound
+    # Replication: an acks=all put needs this many in-sync members (master included). Plain data carried
+    # for the server (runtime topics, DescribeTopic); the store ignores it.
+    min_insync_replicas: int = 1
 
     def __post_init__(self):
         if isinstance(self.delete_policy, str):
@@ -91,6 +95,8 @@ class TopicConfig:
             raise ConfigError(f"max_message_size must be between 1 and 1 GiB, got {self.max_message_size}")
         if self.retention_bytes < -1 or self.retention_bytes == 0:
             raise ConfigError(f"retention_bytes must be positive or -1 (no bound), got {self.retention_bytes}")
+        if not 1 <= self.min_insync_replicas <= MAX_REPLICAS:
+            raise ConfigError(f"min_insync_replicas must be between 1 and {MAX_REPLICAS}, got {self.min_insync_replicas}")
 
     @property
     def group_commit(self) -> bool:

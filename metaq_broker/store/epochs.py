@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from metaq_broker.errors import CorruptLogError
+from metaq_broker.protocol import records
 from metaq_broker.protocol.records import crc
 from metaq_broker.store.durable import replace_file
 
@@ -55,6 +58,21 @@ def decode(data: bytes, path: str = FILE_NAME) -> list:
     entries = [Epoch(*ENTRY.unpack_from(body, i * ENTRY.size)) for i in range(count)]
     _check_order(entries, path)
     return entries
+
+
+def markers(u8: np.ndarray, positions: np.ndarray) -> list:
+    """The epochs whose markers are among the batches at ``positions`` of ``u8`` (in log order): one
+    vectorised header read, then a step per marker only."""
+    if not len(positions):
+        return []
+    h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+    found = []
+    for i in np.flatnonzero(((h["attributes"] & records.CONTROL) != 0) & (h["txn"] == 0)).tolist():
+        at = int(positions[i]) + records.HEADER_SIZE + 8  # flag and length columns, then the value
+        parsed = records.parse_epoch_marker(bytes(u8[at: at + records.EPOCH_MARKER.size]))
+        if parsed is not None:
+            found.append(Epoch(parsed[0], parsed[1], int(h["base_offset"][i])))
+    return found
 
 
 def _check_order(entries: list, path: str) -> None:
@@ -98,6 +116,23 @@ class EpochFile:
             raise ValueError(f"epoch {epoch} at offset {start} cannot follow epoch {last.epoch} at offset "
                              f"{last.start}")
         self.entries.append(Epoch(epoch, replica_id, start))
+        self.save()
+
+    def add_missing(self, found: list) -> bool:
+        """Add the epochs of markers found in the log (``markers``) that follow the last entry: a crash
+        between a marker's write and this file's, or markers copied from the master). True when any was
+        added; the caller saves then. Older ones are in the file already and pass by."""
+        new = []
+        for e in found:
+            last = new[-1] if new else self.latest
+            if last is None or (e.epoch > last.epoch and e.start > last.start):
+                new.append(e)
+        self.entries.extend(new)
+        return bool(new)
+
+    def clear(self) -> None:
+        """No epochs: the log was emptied (``PartitionLog.reset_to``). Saved."""
+        self.entries = []
         self.save()
 
     def truncate(self, log_end: int) -> None:

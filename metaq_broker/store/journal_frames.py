@@ -31,3 +31,18 @@ def bad_record(data: bytes, pos: int, kinds: range) -> str:
 def valid_record_after(data: bytes, pos: int, kinds: range) -> bool:
     return any(not bad_record(data, p, kinds) and RECORD.unpack_from(data, p)[0] > 0
                for p in range(pos + 1, len(data) - RECORD.size))
+
+
+def split(data: bytes, kinds: range) -> list:
+    """The records of a stream from another broker as (type, payload, frame), each checked: a stream has
+    no torn tail, so any bad record raises ValueError."""
+    out, pos, view = [], 0, memoryview(data)
+    while pos < len(data):
+        bad = bad_record(data, pos, kinds)
+        if bad:
+            raise ValueError(f"journal stream: bad record at byte {pos} ({bad})")
+        length, _, kind = RECORD.unpack_from(data, pos)
+        end = pos + RECORD.size + length
+        out.append((kind, bytes(view[pos + RECORD.size:end]), bytes(view[pos:end])))
+        pos = end
+    return out

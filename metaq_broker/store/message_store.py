@@ -42,6 +42,9 @@ class MessageStore:
         self._configs: dict = {}
         self._partitions: dict = {}
         self._closed = False
+        self._epoch: Optional[tuple] = None  # (epoch, replica id) of begin_epoch: topics created later too
+        self._written = 0  # bumped on every append anywhere (wait_written)
+        self._written_cond = threading.Condition()
         on_disk: dict = {}
         for entry in sorted(self.data_path.iterdir()):
             if not entry.is_dir() or entry.name == TRANSACTIONS_DIRECTORY:
@@ -79,8 +82,11 @@ class MessageStore:
             config = config.with_(num_partitions=count)
         self._configs[topic] = config
         for p in range(count):
-            self._partitions[(topic, p)] = PartitionLog(self.data_path / f"{topic}-{p}", topic, p, config,
-                                                        self._ids, self._clock, self._repair)
+            part = PartitionLog(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
+                                self._repair, on_written=self.notify_written)
+            if self._epoch is not None:
+                part.begin_epoch(*self._epoch)
+            self._partitions[(topic, p)] = part
 
     # -- topics ---------------------------------------------------------------------------------------
     def topics(self) -> list:
@@ -128,6 +134,29 @@ class MessageStore:
     def read(self, topic: str, partition: int, offset: int, max_bytes: int = 1 << 20,
              max_messages: Optional[int] = None) -> FetchResult:
         return self.partition(topic, partition).read(offset, max_bytes, max_messages)
+
+    # -- replication ----------------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int, replica_id: int) -> None:
+        """This broker is master in ``epoch``: every partition, and those of topics created later, writes
+        the epoch's marker with its next append (``PartitionLog.begin_epoch``)."""
+        with self._lock:
+            self._epoch = (epoch, replica_id)
+            parts = list(self._partitions.values())
+        for p in parts:
+            p.begin_epoch(epoch, replica_id)
+
+    def notify_written(self) -> None:
+        """Something was written (any partition's append, or the transaction journal): wake wait_written."""
+        with self._written_cond:
+            self._written += 1
+            self._written_cond.notify_all()
+
+    def wait_written(self, seen: int, timeout: float) -> int:
+        """The write counter once it differs from ``seen`` or ``timeout`` seconds pass: a master's reply to
+        a replica at the log end long-polls on it."""
+        with self._written_cond:
+            self._written_cond.wait_for(lambda: self._written != seen, timeout)
+            return self._written
 
     # -- maintenance ----------------------------------------------------------------------------------
     def flush_due(self, now: Optional[float] = None) -> int:

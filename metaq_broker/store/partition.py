@@ -9,6 +9,11 @@ Transactions write into the log too (Kafka's design): their batches are appended
 with the transaction's number, and a marker batch settles them. Readers stop at the last stable offset
 (the first batch of the oldest unsettled transaction) and skip aborted batches and markers
 (``partition_txns``).
+
+Replication (docs/design/replication-plan.md) adds: an epoch marker before a master epoch's first append
+(``begin_epoch``, the ``epochs`` file), a verbatim copy of a master's batches (``append_replicated``), cuts
+(``truncate_to``, ``reset_to``), reads up to the written end for replicas (``locate(end=written_end)``),
+and a high watermark capping what readers see (``set_high_watermark``).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -28,10 +33,13 @@ from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageToo
                                  StoreClosedError)
 from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
+from metaq_broker.store import epochs as epoch_file
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.durable import fsync_dir, replace_file
-from metaq_broker.store.partition_txns import PartitionTxns
-from metaq_broker.store.recovery import ARCHIVE_DIR, last_msg_id, last_timestamp, recover, scan_segment
+from metaq_broker.store.epochs import EpochFile
+from metaq_broker.store.partition_txns import PartitionTxns, has_markers
+from metaq_broker.store.recovery import (ARCHIVE_DIR, index_entries, last_msg_id, last_timestamp, open_epochs,
+                                         recover, scan_segment, walk_batches)
 from metaq_broker.store.retention import archive_segment, removal_reason
 from metaq_broker.store.segment import INDEX_DTYPE, Segment
 
@@ -127,7 +135,8 @@ class PartitionLog:
     """One topic partition stored as ``<data>/<topic>-<n>/<20-digit start position>.meta`` segments."""
 
     def __init__(self, directory, topic: str, partition: int, config: TopicConfig,
-                 ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False):
+                 ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False,
+                 on_written: Optional[Callable[[], None]] = None):
         self.directory = Path(directory)
         self.topic, self.partition, self.config = topic, partition, config
         self.name = f"{topic}-{partition}"
@@ -139,7 +148,12 @@ class PartitionLog:
         self._failed: Optional[BaseException] = None
         self._closed = False
         self._closing = False
-        self._data_cond = threading.Condition()  # notified whenever the visible end moves
+        self._data_cond = threading.Condition()  # notified whenever the visible end or the HW moves
+        self._on_written = on_written  # told after every append (the store's wait_written)
+        self._hw: Optional[int] = None  # readers' cap (replication); None: none
+        self._next_epoch: Optional[tuple] = None  # (epoch, replica id) whose marker the next append writes
+        self._epochs_dirty = False  # an epochs save failed: retried before the next roll or close
+        self._truncations = 0  # bumped by truncate_to/reset_to: a group-commit leader's target is stale then
         acks_before_fsync = not config.group_commit or (self.directory / ACKS_BEFORE_FSYNC).exists()
         cut = ("repair was asked for: messages after the damage are gone" if repair
                else None if acks_before_fsync
@@ -154,10 +168,24 @@ class PartitionLog:
         self._durable_offset = self._next_offset
         self.txns = PartitionTxns()
         scan_from = self.txns.load(self.directory)
+        self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
         # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
         # snapshot could not be written yet (a roll always writes one first): transactional batches can
-        # then only be in the active segment, which recovery has just read.
-        self._scan_txns(active.base_offset if scan_from is None else max(scan_from, self.earliest_offset))
+        # then only be in the active segment, which recovery has just read. Every epoch marker below the
+        # snapshot's offset is in the epochs file (saved in the marker's write-lock hold, or retried
+        # before the snapshot), so the same scan finds those missing after a crash.
+        found = self._scan_txns(active.base_offset if scan_from is None else max(scan_from, self.earliest_offset))
+        if epochs_damaged:
+            found = [e for u8, pos in self._batches(self.earliest_offset, self._next_offset)
+                     for e in epoch_file.markers(u8, pos)]
+        try:
+            if self._epochs.add_missing(found) or epochs_damaged:
+                self._epochs.save()
+                log.info("%s: epochs from the log's markers: %s", self.name,
+                         [(e.epoch, e.start) for e in self._epochs.entries])
+        except OSError as e:  # e.g. a full disk: kept in memory, saved again before the next roll
+            log.warning("%s: could not write its epochs file (%s)", self.name, e)
+            self._epochs_dirty = True
         try:
             self._save_txns()
         except OSError as e:  # e.g. a full disk: the next open scans from the older snapshot again
@@ -180,12 +208,22 @@ class PartitionLog:
         elif not marker.exists():
             replace_file(marker, b"")
 
-    def _scan_txns(self, from_offset: int) -> None:
-        """Take in the transactional batches and markers written from ``from_offset`` on (recovery)."""
-        offset = from_offset
-        while offset < self._next_offset:
-            seg, first, length, n, idx = self._plan_read(offset, 64 << 20, None, self._next_offset)
-            self.txns.scan(seg.read(first, length), _batch_starts(idx, n, first))
+    def _scan_txns(self, from_offset: int) -> list:
+        """Take in the transactional batches and markers written from ``from_offset`` on (recovery);
+        returns the epoch markers seen."""
+        found = []
+        for u8, positions in self._batches(from_offset, self._next_offset):
+            self.txns.scan(u8, positions)
+            found += epoch_file.markers(u8, positions)
+        return found
+
+    def _batches(self, start: int, stop: int):
+        """(bytes, batch starts in them) of the written batches holding offsets [start, stop), 64 MiB at a
+        time: header scans of recovery, truncation and the first HW."""
+        offset = start
+        while offset < stop:
+            seg, first, length, n, idx = self._plan_read(offset, 64 << 20, None, stop)
+            yield seg.read(first, length), _batch_starts(idx, n, first)
             offset += n
 
     def _save_txns(self) -> None:
@@ -199,10 +237,41 @@ class PartitionLog:
     @property
     def latest_offset(self) -> int:
         """The last stable offset: readers read below it (Kafka's LSO, the end a read_committed consumer
-        sees). It stops at the first batch of the oldest unsettled transaction."""
+        sees). It stops at the first batch of the oldest unsettled transaction, and at the high watermark
+        when one is set."""
         visible = self._visible_offset  # read first: every transactional batch below it is in txns by now
-        first = self.txns.first_unstable()
-        return visible if first is None else min(first, visible)
+        first, hw = self.txns.first_unstable(), self._hw
+        return min(visible, visible if first is None else first, visible if hw is None else hw)
+
+    @property
+    def written_end(self) -> int:
+        """One past the last written batch, fsynced or not: where a replica's copy reads up to."""
+        return self._next_offset
+
+    @property
+    def durable_offset(self) -> int:
+        """One past the last fsynced batch."""
+        return self._durable_offset
+
+    @property
+    def high_watermark(self) -> Optional[int]:
+        """The readers' cap (``set_high_watermark``); None: none."""
+        return self._hw
+
+    @property
+    def epochs(self) -> EpochFile:
+        """This partition's leader epochs (read only: ``end_offset_for``, ``epoch_at``)."""
+        return self._epochs
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the last batch written; 0 for none, or a log from before replication."""
+        latest = self._epochs.latest
+        return 0 if latest is None else latest.epoch
+
+    def epoch_before(self, offset: int) -> int:
+        """The epoch of the batch just before ``offset`` (a replica's fetch says it); 0 for none."""
+        return self._epochs.epoch_at(offset - 1) if offset > 0 else 0
 
     @property
     def log_end_offset(self) -> int:
@@ -252,26 +321,19 @@ class PartitionLog:
         with self._write_lock:
             self._check_open()
             ts = max(int(self._clock() * 1000), self._last_ts)
+            marker = None if self._next_epoch is None else self._due_epoch_marker()
             for body in bodies:
-                base = self._next_offset
-                msg_id = self._ids.allocate(body.count)
-                header = records.encode_header(body, base, msg_id, ts, txn, flags)
-                nbytes = len(header) + body.size
-                seg = self._segments[-1]
-                if seg.count and seg.size + nbytes > self.config.max_segment_size:
-                    seg = self._roll()
-                entries = np.empty(body.count, INDEX_DTYPE)
-                entries["position"] = seg.end
-                entries["timestamp"] = ts
-                entries["size"] = body.message_sizes
-                entries["batch_len"] = nbytes
-                seg.append([header] + body.parts, nbytes, entries)
-                if flags & records.CONTROL:
-                    if txn:  # txn 0: an epoch marker, which settles nothing
-                        self.txns.on_marker(txn, base, commit)
-                elif transactional:
-                    self.txns.on_batch(txn, base)
-                self._next_offset = end = base + body.count
+                items = [(body, txn, flags, commit)]
+                if marker is not None:  # in the same write as the epoch's first batch
+                    items.insert(0, (records.encode_body([records.epoch_marker(*marker)]), 0, records.CONTROL,
+                                     False))
+                placed = self._write_locked(items, ts)
+                if marker is not None:
+                    self._next_epoch = None
+                    self._add_epochs([epoch_file.Epoch(marker[0], marker[1], placed[0][0])])
+                    marker = None
+                base, msg_id = placed[-1]
+                end = self._next_offset
                 results.append(AppendResult(base, body.count, msg_id, ts,
                                             self.config.group_commit and not transactional))
             self._last_ts = ts
@@ -283,9 +345,78 @@ class PartitionLog:
                     self._fsync_active_locked()
                     results = [replace(r, fsynced=True) for r in results]
                 self._publish(end)  # acknowledged after the page-cache write (or the fsync above)
+        self._written()
         if self.config.group_commit and not transactional:
             self._await_durable(end)
         return results
+
+    def _write_locked(self, items: list, ts: int) -> list:
+        """Write batches ``(body, txn, flags, commit)`` back to back in one write (rolling first if they
+        would overflow a non-empty segment), index them and take in their transactions. Returns each
+        one's (base offset, base message id)."""
+        seg = self._segments[-1]
+        nbytes = 0
+        for item in items:
+            nbytes += records.HEADER_SIZE + item[0].size
+        if seg.count and seg.size + nbytes > self.config.max_segment_size:
+            seg = self._roll()
+        parts, entries, placed = [], [], []
+        offset, position = self._next_offset, seg.end
+        for body, txn, flags, _ in items:
+            msg_id = self._ids.allocate(body.count)
+            header = records.encode_header(body, offset, msg_id, ts, txn, flags)
+            e = np.empty(body.count, INDEX_DTYPE)
+            e["position"] = position
+            e["timestamp"] = ts
+            e["size"] = body.message_sizes
+            e["batch_len"] = n = records.HEADER_SIZE + body.size
+            parts.append(header)
+            parts += body.parts
+            entries.append(e)
+            placed.append((offset, msg_id))
+            offset, position = offset + body.count, position + n
+        seg.append(parts, nbytes, entries[0] if len(entries) == 1 else np.concatenate(entries))
+        for (base, _), (body, txn, flags, commit) in zip(placed, items):
+            if flags & records.CONTROL:
+                if txn:  # txn 0: an epoch marker, which settles nothing
+                    self.txns.on_marker(txn, base, commit)
+            elif flags & records.TRANSACTIONAL:
+                self.txns.on_batch(txn, base)
+        self._next_offset = offset
+        return placed
+
+    def _written(self) -> None:
+        if self._on_written is not None:
+            self._on_written()
+
+    # -- epochs ---------------------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int, replica_id: int) -> None:
+        """This member is master in ``epoch``: the next append here (any path) first writes the epoch's
+        marker, in the same write-lock hold, write and fsync, and records it in ``epochs``. Lazy, so an idle
+        partition writes nothing; a no-op if the log already has this epoch or a later one."""
+        if not 0 < epoch <= epoch_file.MAX_EPOCH or not 0 <= replica_id < 2 ** 32:
+            raise ValueError(f"epoch {epoch}, replica {replica_id}: out of range")
+        with self._write_lock:
+            if epoch > max(self.last_epoch, self._next_epoch[0] if self._next_epoch else 0):
+                self._next_epoch = (epoch, replica_id)
+
+    def _due_epoch_marker(self) -> Optional[tuple]:
+        """(epoch, replica id) if the next append must write an epoch marker (copied data may have brought
+        that epoch meanwhile)."""
+        if self._next_epoch is not None and self._next_epoch[0] <= self.last_epoch:
+            self._next_epoch = None
+        return self._next_epoch
+
+    def _add_epochs(self, found: list) -> None:
+        """Record epoch markers just written in ``epochs`` (under the write lock). A failed save leaves
+        them in memory, saved again before the next roll or close; recovery finds them in the log too."""
+        try:
+            if self._epochs.add_missing(found) or self._epochs_dirty:
+                self._epochs.save()
+                self._epochs_dirty = False
+        except OSError as e:
+            log.warning("%s: could not write its epochs file (%s); retrying at the next roll", self.name, e)
+            self._epochs_dirty = True
 
     def append_marker(self, txn: int, commit: bool) -> int:
         """Settle transaction ``txn`` here: append its commit or abort marker (one message, which no reader
@@ -317,6 +448,9 @@ class PartitionLog:
 
     def _roll(self) -> Segment:
         old = self._segments[-1]
+        if self._epochs_dirty:  # before the snapshot: recovery looks for missing markers only after it
+            self._epochs.save()
+            self._epochs_dirty = False
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
         new = Segment.create(self.directory, old.end, self._next_offset, capacity=old.count + old.count // 8)
@@ -349,6 +483,9 @@ class PartitionLog:
                 if self._failed is not None:
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({self._failed}); "
                                            f"the append at offset {offset} was not acknowledged")
+                if offset > self._next_offset:
+                    raise StoreClosedError(f"partition {self.name} was truncated to offset {self._next_offset} "
+                                           f"(replication); the append at offset {offset} was not acknowledged")
                 if self._flush_in_progress or self._closing:
                     # While closing, close() itself fsyncs and then releases every waiter.
                     self._flush_cond.wait()
@@ -358,7 +495,7 @@ class PartitionLog:
                 error = None
                 try:
                     with self._write_lock:
-                        target, seg = self._next_offset, self._segments[-1]
+                        target, seg, cuts = self._next_offset, self._segments[-1], self._truncations
                     self._fsync(seg)  # earlier segments were fsynced when they were sealed
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter below
                     error = e
@@ -369,7 +506,7 @@ class PartitionLog:
                     self._failed = error
                     self._flush_cond.notify_all()
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({error})") from error
-                if target > self._durable_offset:
+                if target > self._durable_offset and cuts == self._truncations:
                     self._durable_offset = target
                     self._publish(target)
                 self._flush_cond.notify_all()
@@ -398,10 +535,11 @@ class PartitionLog:
         with self._write_lock:
             self._check_open()
             self._fsync_active_locked()
-            target = self._next_offset
+            target, cuts = self._next_offset, self._truncations
         with self._flush_cond:
-            self._durable_offset = max(self._durable_offset, target)
-            self._publish(target)
+            if cuts == self._truncations:
+                self._durable_offset = max(self._durable_offset, target)
+                self._publish(target)
             self._flush_cond.notify_all()
 
     def flush_if_due(self, now: Optional[float] = None) -> bool:
@@ -415,6 +553,170 @@ class PartitionLog:
             self._fsync_active_locked()
         return True
 
+    # -- replication: copy, cut, cap ------------------------------------------------------------------
+    def append_replicated(self, data, batch_positions: Optional[np.ndarray] = None) -> int:
+        """Append a master's batches verbatim (offsets, ids, timestamps, transaction numbers, flags), as
+        its segment file holds them: whole batches from ``written_end`` on. Every batch's checksums and
+        the offsets' continuity are checked first; on any mismatch CorruptLogError and nothing written.
+        Rolls segments as ``append`` does. Not fsynced: the caller's ``make_durable(written_end)`` (or
+        ``flush``) does, and ``durable_offset`` covers the copy then. Returns the new written end."""
+        u8 = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        if not len(u8):
+            return self._next_offset
+        what = f"{self.name}: replicated data"
+        positions, _, _ = walk_batches(u8, 0, None, what, lookahead=False, strict=True)  # CRCs, outside the lock
+        if batch_positions is not None and not np.array_equal(positions, batch_positions):
+            raise CorruptLogError(f"{what}: batches start at {positions[:8].tolist()}..., not at the positions "
+                                  f"given", what, 0)
+        h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+        ends = positions + h["batch_len"].astype(np.int64)  # where each batch ends in data
+        msg_ends = np.cumsum(h["count"], dtype=np.int64)
+        entries = index_entries(u8, positions, 0)
+        with self._write_lock:
+            self._check_open()
+            if int(h["base_offset"][0]) != self._next_offset:
+                raise CorruptLogError(f"{what}: begins at offset {int(h['base_offset'][0])}, the log ends at "
+                                      f"{self._next_offset}", what, 0)
+            found, i = [], 0
+            while i < len(positions):  # a step per segment written, not per batch
+                seg = self._segments[-1]
+                room = self.config.max_segment_size - seg.size
+                j = int(np.searchsorted(ends, int(positions[i]) + room, "right"))
+                if j <= i:
+                    if seg.count:
+                        self._roll()
+                        continue
+                    j = i + 1  # a batch larger than a segment goes alone into one, as append does
+                lo, hi = int(positions[i]), int(ends[j - 1])
+                run = entries[(msg_ends[i - 1] if i else 0): msg_ends[j - 1]].copy()
+                run["position"] += seg.end - lo
+                seg.append([u8[lo:hi]], hi - lo, run)
+                self.txns.scan(u8, positions[i:j])
+                found += epoch_file.markers(u8, positions[i:j])
+                self._next_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
+                i = j
+            self._add_epochs(found)
+            self._ids.observe(int(h["base_msg_id"][-1]) + int(h["count"][-1]) - 1)
+            self._last_ts = max(self._last_ts, int(h["timestamp"].max()))
+            end = self._next_offset
+            if not self.config.group_commit:
+                self._unflushed += int(msg_ends[-1])
+                self._publish(end)  # as append: visible once written under unflushThreshold > 0
+        self._written()
+        return end
+
+    def truncate_to(self, offset: int) -> int:
+        """Cut the log back to ``offset``, rounded down to a batch start (a replica whose tail the master
+        does not hold: plan section 6). Later segments go, the new tail is cut and fsynced with its
+        directory before this returns (a crash cannot bring the tail back), ``epochs`` and transaction
+        state follow, and the visible and durable ends and the HW cap drop to the cut. Transaction state
+        is rebuilt by a header scan from the earliest offset (no per-segment snapshot exists yet), saved
+        before the cut so that a crash half way leaves a snapshot valid for either log. Returns the new end."""
+        self._check_offset(offset)
+        with self._write_lock:
+            self._check_open()
+            segs = list(self._segments)
+            if offset >= self._next_offset:
+                return self._next_offset
+            offset = max(offset, segs[0].base_offset)
+            i = bisect.bisect_right([s.base_offset for s in segs], offset) - 1
+            seg, idx = segs[i], segs[i].index()
+            k = int(np.searchsorted(idx["position"], idx["position"][offset - seg.base_offset], "left"))
+            cut = seg.base_offset + k
+            self._rebuild_txns(cut)
+            self._epochs.truncate(cut)
+            for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
+                dropped.path.unlink()
+                dropped.index_path.unlink(missing_ok=True)
+            tail = seg.truncated(k, int(idx["position"][k]) - seg.start)
+            self._segments = tuple(segs[:i]) + (tail,)
+            fsync_dir(self.directory)
+            self._cut_ends(cut)
+            log.warning("%s: truncated to offset %d (replication)", self.name, cut)
+        return cut
+
+    def reset_to(self, offset: int) -> None:
+        """Drop every segment: the partition becomes empty, its next offset ``offset`` (a replica below the
+        master's earliest offset, or a wiped one). Epochs and transaction state are cleared, a HW cap set
+        moves to ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with a
+        snapshot that rescans it all."""
+        self._check_offset(offset)
+        with self._write_lock:
+            self._check_open()
+            segs, max_txn = self._segments, self.txns.max_txn
+            self.txns = PartitionTxns(None if self._hw is None else offset)
+            self.txns.max_txn = max_txn
+            self.txns.save(self.directory, 0, 0)  # valid for any prefix of the old log: it is scanned whole
+            self._epochs.clear()
+            self._epochs_dirty = False
+            for dropped in reversed(segs):
+                dropped.path.unlink()
+                dropped.index_path.unlink(missing_ok=True)
+            fsync_dir(self.directory)
+            self._segments = (Segment.create(self.directory, segs[-1].end, offset),)
+            self._cut_ends(offset)
+            self._hw = None if self._hw is None else offset  # a cap set stays set, at the empty log's end
+            self._save_txns()
+            log.warning("%s: emptied, next offset %d (replication)", self.name, offset)
+
+    def _rebuild_txns(self, end: int) -> None:
+        """Transaction state for the log below ``end`` (a cut, or the first HW cap), saved as of ``end``."""
+        hw = None if self._hw is None else min(self._hw, end)
+        fresh = self.txns.truncated(end, self.earliest_offset, hw)
+        for u8, positions in self._batches(self.earliest_offset, end):
+            fresh.scan(u8, positions)
+        self.txns = fresh
+        fresh.save(self.directory, end, self.earliest_offset)
+
+    def _cut_ends(self, end: int) -> None:
+        """After a cut (write lock held): every end is ``end``, all below it fsynced (sealed segments, and
+        the tail by the cut); group-commit leaders of the old log find their target stale
+        (``_truncations``), waiters of cut appends fail."""
+        self._next_offset = end
+        self._unflushed = 0
+        if self._hw is not None:
+            self._hw = min(self._hw, end)
+        with self._flush_cond:
+            self._truncations += 1
+            self._durable_offset = self._visible_offset = end
+            self._flush_cond.notify_all()
+        with self._data_cond:
+            self._data_cond.notify_all()
+
+    def set_high_watermark(self, hw: Optional[int]) -> None:
+        """Cap readers at ``hw`` (replication: what every in-sync member has); None removes the cap.
+        Never lowers it (only ``truncate_to``/``reset_to`` do). A transaction counts as unsettled until
+        its marker is below the cap. The first cap re-reads transaction state if markers lie at or above
+        it (they settled at open, before any cap): a header scan of the log, once."""
+        if hw is not None and self._hw is not None and hw <= self._hw:
+            return  # the common call, without the write lock
+        with self._write_lock:
+            self._set_hw_locked(hw)
+        with self._data_cond:
+            self._data_cond.notify_all()
+
+    def cap_at_visible(self) -> int:
+        """Cap readers exactly where they are now and return that offset: the switch from no cap (a group
+        whose only in-sync member is its master) to an explicit one, with no publish in between, so the
+        latest offset readers see never moves down."""
+        with self._write_lock:
+            with self._flush_cond:  # publishes happen under this (group commit) or the write lock
+                visible = self._visible_offset
+                self._set_hw_locked(visible if self._hw is None else max(self._hw, visible))
+                return self._hw
+
+    def _set_hw_locked(self, hw: Optional[int]) -> None:
+        if self._closed or (hw is not None and self._hw is not None and hw <= self._hw):
+            return
+        start = max(self.earliest_offset, hw or 0)
+        if hw is not None and self._hw is None and any(
+                has_markers(u8, pos) for u8, pos in self._batches(start, self._next_offset)):
+            self._hw = hw
+            self._rebuild_txns(self._next_offset)
+        else:
+            self.txns.advance(hw)
+            self._hw = hw
+
     # -- reading --------------------------------------------------------------------------------------
     @staticmethod
     def _check_offset(offset) -> None:
@@ -424,10 +726,12 @@ class PartitionLog:
             raise InvalidOffsetError(f"offset {offset} is negative")
 
     def _snapshot(self, offset: int, end: Optional[int] = None):
-        """(segments, end readable): end is the last stable offset unless given. An offset between it and
-        the log end is valid (a reader waiting for a transaction to settle) and reads nothing."""
-        segs, log_end = self._segments, self._visible_offset
-        stable = self.latest_offset if end is None else end
+        """(segments, end readable): end is the last stable offset unless given (then at most the written
+        end). An offset between it and the log end is valid (a reader waiting for a transaction to settle)
+        and reads nothing. The ends are read before the segments, which then hold every offset below them."""
+        log_end = self._visible_offset
+        stable = self.latest_offset if end is None else min(end, self._next_offset)
+        segs = self._segments
         if segs[0].closed:
             raise StoreClosedError(f"partition {self.name} is closed")
         if offset < segs[0].base_offset or offset > max(log_end, stable):
@@ -459,20 +763,24 @@ class PartitionLog:
         n = bisect.bisect_right(idx, limit, key=lambda e: int(e["position"]) + int(e["batch_len"]))
         return seg, first, int(idx[n - 1]["position"]) + int(idx[n - 1]["batch_len"]) - first, n, idx
 
-    def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FetchResult:
+    def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
+             end: Optional[int] = None) -> FetchResult:
         """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
-        so a consumer always progresses) and ``max_messages``. Empty at the log end."""
-        plan = self._plan_read(offset, max_bytes, max_messages)
+        so a consumer always progresses) and ``max_messages``. Empty at the log end. ``end`` (at most
+        ``written_end``) replaces the last stable offset as the end: a replica's copy reads written batches
+        not yet fsynced or visible, whole ones only."""
+        plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
             return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
         seg, first, length, n, idx = plan
         return FetchResult(offset, offset + n, seg.read(first, length), _batch_starts(idx, n, first),
                            self.aborted_in(offset, offset + n))
 
-    def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None) -> FileRange:
+    def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
+               end: Optional[int] = None) -> FileRange:
         """Where the bytes ``read`` would return with the same arguments are in the segment file, for a
         caller that sends them from the file itself (the broker's data port, with ``sendfile``)."""
-        plan = self._plan_read(offset, max_bytes, max_messages)
+        plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
             return FileRange(offset, offset, None, 0, 0)
         seg, first, length, n, _ = plan
@@ -604,6 +912,7 @@ class PartitionLog:
                          info.base_offset, info.base_offset + info.count - 1, info.size, reason)
             if removed:
                 fsync_dir(self.directory)
+                self._epochs.trim(self.earliest_offset)
         return removed
 
     # -- closing --------------------------------------------------------------------------------------
@@ -619,6 +928,8 @@ class PartitionLog:
                 return
             self._closed = True
             try:
+                if self._epochs_dirty:
+                    self._epochs.save()
                 self._save_txns()  # the next open scans nothing
             except OSError:
                 log.exception("%s: could not write its transaction snapshot while closing", self.name)

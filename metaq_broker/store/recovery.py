@@ -14,6 +14,7 @@ import numpy as np
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol import records
 from metaq_broker.store.durable import make_dirs
+from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE,
                                         Segment, decode_segment_header, load_index_map, read_exactly, segment_name,
                                         write_index)
@@ -173,11 +174,22 @@ def scan_segment(fd: int, path: Path, start: int, size: int, base: int, lookahea
     valid batch after the damage raises instead: cutting there would drop messages that may have been
     acknowledged."""
     buf = read_exactly(fd, path, 0, size)
-    pos, expected = SEGMENT_HEADER_SIZE, base
+    positions, pos, reason = walk_batches(buf, SEGMENT_HEADER_SIZE, base, path, lookahead, strict)
+    return index_entries(buf, positions, start), pos, reason
+
+
+def walk_batches(buf: np.ndarray, pos: int, expected: Optional[int], path, lookahead: bool, strict: bool):
+    """Check the batches of ``buf`` from byte ``pos`` on, one step per batch: both checksums, and offsets
+    continuing from ``expected`` (None: from the first batch's own). Returns (batch positions, end of the
+    last good batch, why the walk stopped or None); ``strict`` and ``lookahead`` as in ``scan_segment``.
+    Recovery and a replica's verbatim copy (``PartitionLog.append_replicated``) share it."""
+    size = len(buf)
     positions, reason = [], None
     while pos < size:
         try:
             h = records.check_batch(buf, pos)
+            if expected is None:
+                expected = h.base_offset
             if h.base_offset != expected:
                 raise records.RecordFormatError(f"batch at byte {pos} has offset {h.base_offset}, expected {expected}",
                                                 pos)
@@ -196,16 +208,37 @@ def scan_segment(fd: int, path: Path, start: int, size: int, base: int, lookahea
         positions.append(pos)
         expected = h.next_offset
         pos += h.batch_len
-    if not positions:
-        return np.empty(0, INDEX_DTYPE), pos, reason
-    pos_arr = np.array(positions, dtype=np.int64)
-    sizes, counts, ts, blens = records.index_columns(buf, pos_arr)
+    return np.array(positions, dtype=np.int64), pos, reason
+
+
+def index_entries(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarray:
+    """Offset-index entries of the batches at ``positions`` of ``buf`` (vectorised), ``buf[0]`` lying at
+    logical position ``start``."""
+    if not len(positions):
+        return np.empty(0, INDEX_DTYPE)
+    sizes, counts, ts, blens = records.index_columns(buf, positions)
     entries = np.empty(len(sizes), INDEX_DTYPE)
-    entries["position"] = np.repeat(pos_arr + start, counts)
+    entries["position"] = np.repeat(positions + start, counts)
     entries["timestamp"] = np.repeat(ts, counts)
     entries["size"] = sizes
     entries["batch_len"] = np.repeat(blens, counts)
-    return entries, pos, reason
+    return entries
+
+
+def open_epochs(directory: Path, name: str, log_end: int) -> tuple:
+    """The partition's ``epochs`` file in line with the recovered log: entries at or past its end go (their
+    markers were cut with a torn tail, or a truncation stopped half way). Returns (file, damaged): a
+    damaged file comes back empty, for the caller to rebuild from the log's epoch markers."""
+    try:
+        epochs = EpochFile.load(directory)
+    except CorruptLogError as e:
+        log.warning("%s: %s; rebuilding it from the epoch markers in the log", name, e)
+        return EpochFile(directory), True
+    if epochs.latest is not None and epochs.latest.start >= log_end:
+        log.warning("%s: epochs from offset %d on are past the log end %d; forgetting them", name,
+                    epochs.latest.start, log_end)
+        epochs.truncate(log_end)
+    return epochs, False
 
 
 def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> bool:

@@ -147,6 +147,22 @@ class Segment:
         self._index = load_index_map(self.index_path, self.count)
         self.mutable = False
 
+    def truncated(self, count: int, size: int) -> "Segment":
+        """This segment cut to its first ``count`` messages (``size`` bytes, whole batches), fsynced, and
+        appendable again (a replica's truncation). A new object with its own descriptor: readers holding
+        this one keep what they took, and its close never writes an index for the cut file. A stale
+        ``.idx`` of a sealed segment may stay behind: recovery ignores the tail's, sealing rewrites it."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        index = np.empty(max(1024, 2 * count), INDEX_DTYPE)
+        index[:count].view(_ENTRY)[:] = self._index[:count].view(_ENTRY)
+        return Segment(self.directory, self.start, self.base_offset, fd, size, index, count, mutable=True)
+
     # -- reading ------------------------------------------------------------------------------------
     def read(self, position: int, length: int) -> np.ndarray:
         """Read ``length`` bytes at logical ``position`` into a fresh (aligned) numpy buffer."""

@@ -6,6 +6,9 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/brokers/ids/<brokerId>                         ephemeral, JSON address of a live broker
     <root>/brokers/starting/<brokerId>                    ephemeral, JSON: a restarted broker waiting for the
                                                           session of its previous run to expire
+    <root>/brokers/groups/<brokerId>/state                JSON: the replicated group's epoch, master, in-sync set
+    <root>/brokers/groups/<brokerId>/members/<replicaId>  ephemeral, JSON: a live member of the group
+    <root>/brokers/groups/<brokerId>/starting/<replicaId> ephemeral, JSON: a member waiting for its old session
     <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
     <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
     <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics
@@ -73,6 +76,29 @@ class ZkPaths:
 
     def broker_starting(self, broker_id: int) -> str:
         return f"{self.brokers_starting()}/{whole_number('broker id', broker_id)}"
+
+    # -- replicated broker groups (zk/groups.py); ``group``/``group_member`` name consumer groups below ------
+    def broker_groups(self) -> str:
+        return f"{self.root}/brokers/groups"
+
+    def broker_group(self, broker_id: int) -> str:
+        return f"{self.broker_groups()}/{whole_number('broker id', broker_id)}"
+
+    def group_state(self, broker_id: int) -> str:
+        return f"{self.broker_group(broker_id)}/state"
+
+    def group_members(self, broker_id: int) -> str:
+        return f"{self.broker_group(broker_id)}/members"
+
+    def group_replica(self, broker_id: int, replica_id: int) -> str:
+        """A member's node (``group_member`` is a consumer group's)."""
+        return f"{self.group_members(broker_id)}/{whole_number('replica id', replica_id)}"
+
+    def group_startings(self, broker_id: int) -> str:
+        return f"{self.broker_group(broker_id)}/starting"
+
+    def group_starting(self, broker_id: int, replica_id: int) -> str:
+        return f"{self.group_startings(broker_id)}/{whole_number('replica id', replica_id)}"
 
     def topics_pub(self) -> str:
         return f"{self.root}/brokers/topics-pub"

@@ -1,0 +1,423 @@
+"""The master's side of replication (docs/replication.md): what each replica has, the in-sync set, the high
+watermark, and acknowledgements that wait for it.
+
+A replica's fetch request says, per partition, where its log ends (written and fsynced) and the epoch of
+its last batch. The master checks that prefix against its own epochs (Kafka's KIP-101/KIP-279): a
+consistent entry is *validated* and its durable offset counts towards the partition's high watermark
+(HW): the least durable end over the master and every member of the ack set. Readers stop at the HW, and
+an ``acks=all`` put is answered once the HW passes it, so an acknowledged or seen message is on every
+member that can be elected.
+
+The ack set is the committed in-sync set plus expansions being written (KIP-497): a replica leaves it only
+after ZooKeeper has the shrink, and joins it before ZooKeeper has the expansion, so it is always a superset
+of what an election may pick from. All state sits behind one lock; the lock is held while an expansion is
+decided, so no acknowledgement slips between the check "it has everything acknowledged" and the join.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from metaq_broker.errors import NotAcknowledgedError, NotEnoughReplicasError, NotMasterError, OffsetOutOfRangeError
+from metaq_broker.protocol import replication as rp
+
+log = logging.getLogger(__name__)
+
+LONG_POLL_S = 0.5  # a fetch with nothing to send waits this long at most for new data
+ACK_GRACE_S = 5.0  # an acks=all put gives up after replicaLagMaxMs plus this without progress
+
+
+@dataclass
+class ReplicaProgress:
+    """What the master knows of one replica in the current epoch."""
+
+    replica_id: int
+    uuid: str
+    durable: dict = field(default_factory=dict)  # (topic, partition) -> fsynced end, validated entries only
+    written: dict = field(default_factory=dict)  # (topic, partition) -> written end, validated entries only
+    sent_end: dict = field(default_factory=dict)  # (topic, partition) -> master log end in the last reply
+    sent_journal: int = 0  # journal_last_seq of the last reply
+    sent_at: float = 0.0  # monotonic time of the last reply
+    journal_applied: int = -1
+    last_caught_up: float = 0.0  # monotonic
+    last_fetch: float = 0.0
+    address: str = ""
+
+
+@dataclass
+class Section:
+    """One partition's answer to a replica fetch: ``where`` (a FileRange) on SECTION_DATA."""
+
+    status: int
+    where: object = None
+    earliest: int = 0
+    latest: int = 0
+    log_end: int = 0
+    hw: int = 0
+    epoch: int = 0
+    offset: int = 0
+
+
+@dataclass
+class Answer:
+    epoch: int
+    journal: tuple  # (first_seq, last_seq, frames, is_snapshot)
+    sections: list
+    topics_changed: bool
+
+
+class FencedError(Exception):
+    """A replica fetched with an older epoch than the master's: it must re-read the group's state."""
+
+
+class ReplicaManager:
+    """``alter_isr(isr) -> bool`` writes the in-sync set (``[(replicaId, uuid), ...]``) to ZooKeeper with
+    the state's version; False when the write lost (a newer epoch: the caller demotes)."""
+
+    def __init__(self, store, transactions, broker_id: int, replica_id: int, uuid: str, lag_max_s: float,
+                 alter_isr: Callable[[list], bool], on_higher_epoch: Callable[[int], None] = lambda e: None,
+                 clock=time.monotonic):
+        self.store, self.transactions = store, transactions
+        self.broker_id, self.replica_id, self.uuid = broker_id, replica_id, uuid
+        self._on_higher_epoch = on_higher_epoch
+        self.lag_max_s = lag_max_s
+        self._alter_isr = alter_isr
+        self._clock = clock
+        self._cond = threading.Condition()
+        self.epoch = 0
+        self.active = False  # master of ``epoch``
+        self.isr: dict = {}  # committed in-sync set: replicaId -> uuid (master included)
+        self.ack_set: set = set()  # replica ids, master included
+        self.progress: dict = {}  # replicaId -> ReplicaProgress
+        self._hw: dict = {}  # (topic, partition) -> high watermark
+        self._activated_at = 0.0
+
+    # -- roles ----------------------------------------------------------------------------------------
+    def activate(self, epoch: int, isr: dict, hw_hint: Optional[dict] = None) -> None:
+        """Become master of ``epoch`` with the committed in-sync set ``isr``; the HW starts at the best
+        known value (checkpoint or what fetch replies taught us) capped at the own log end."""
+        with self._cond:
+            self.epoch, self.active = epoch, True
+            self._activated_at = self._clock()
+            self.isr = dict(isr)
+            self.ack_set = set(isr) | {self.replica_id}
+            self.progress = {}
+            self._hw = {}
+            for t in self.store.topics():
+                for p in self.store.partitions(t):
+                    start = (hw_hint or {}).get((t, p.partition), 0)
+                    self._hw[(t, p.partition)] = min(max(start, p.earliest_offset), p.written_end)
+                    p.set_high_watermark(self._hw[(t, p.partition)] if self._capped else None)
+            self._cond.notify_all()
+        self.refresh_all()
+
+    def deactivate(self) -> None:
+        """Stop being master: waiting acknowledgements fail at once."""
+        with self._cond:
+            self.active = False
+            self._cond.notify_all()
+
+    def hw_of(self, topic: str, partition: int) -> int:
+        return self._hw.get((topic, partition), 0)
+
+    # -- acknowledgements -----------------------------------------------------------------------------
+    def check_enough(self, topic: str) -> None:
+        """Refuse an ``acks=all`` put before it is written when the in-sync set is below the topic's
+        minInSyncReplicas: nothing is half written."""
+        need = self._min_insync(topic)
+        if len(self.isr) < need:
+            raise NotEnoughReplicasError(
+                f"not enough in-sync replicas: group {self.broker_id} has in-sync set "
+                f"{sorted(self.isr)} ({len(self.isr)} of {len(self.roster())} members), topic {topic!r} needs "
+                f"minInSyncReplicas={need}; nothing was written")
+
+    def await_hw(self, topic: str, partition: int, end: int, acks_all: bool = True) -> None:
+        """Return once the HW of the partition is at ``end`` or beyond (every ack-set member has the
+        batch, durable by its flush policy). NotAcknowledgedError when that cannot be promised: a shrink
+        below minInSyncReplicas, a demotion, or no progress for replicaLagMaxMs plus ACK_GRACE_S."""
+        key = (topic, partition)
+        deadline = self._clock() + self.lag_max_s + ACK_GRACE_S
+        with self._cond:
+            while True:
+                if not self.active:
+                    raise NotAcknowledgedError(
+                        f"not acknowledged: this member stopped being master of group {self.broker_id} while "
+                        f"waiting for its in-sync set; the batch up to offset {end} of {topic}-{partition} may or "
+                        f"may not be stored")
+                if self._refresh(key) >= end:
+                    return
+                if acks_all and len(self.ack_set) < self._min_insync(topic):
+                    raise NotAcknowledgedError(
+                        f"not acknowledged: stored on the master, but the in-sync set {sorted(self.ack_set)} fell "
+                        f"below minInSyncReplicas={self._min_insync(topic)}; it may or may not become visible")
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise NotAcknowledgedError(
+                        f"not acknowledged: stored on the master, not on in-sync set {sorted(self.ack_set)} within "
+                        f"{self.lag_max_s + ACK_GRACE_S:.0f}s; it may or may not become visible")
+                self._cond.wait(min(left, 0.05))
+
+    def await_journal(self, seq: int) -> None:
+        """Return once every ack-set replica has applied journal record ``seq`` (a transaction call)."""
+        deadline = self._clock() + self.lag_max_s + ACK_GRACE_S
+        with self._cond:
+            while True:
+                if not self.active:
+                    raise NotAcknowledgedError(f"not acknowledged: this member stopped being master of group "
+                                               f"{self.broker_id}; the transaction's state is unknown")
+                behind = [r for r in self.ack_set if r != self.replica_id
+                          and (r not in self.progress or self.progress[r].journal_applied < seq)]
+                if not behind:
+                    return
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise NotAcknowledgedError(f"not acknowledged: in-sync replicas {behind} did not take the "
+                                               f"transaction record within {self.lag_max_s + ACK_GRACE_S:.0f}s")
+                self._cond.wait(min(left, 0.05))
+
+    def _refresh(self, key) -> int:
+        """Recompute one partition's HW (holding the lock); it never moves down."""
+        topic, partition = key
+        try:
+            part = self.store.partition(topic, partition)
+        except Exception:  # noqa: BLE001 - a topic dropped under us: nothing to wait for
+            return 1 << 62
+        hw = part.durable_offset
+        for r in self.ack_set:
+            if r == self.replica_id:
+                continue
+            prog = self.progress.get(r)
+            if prog is None or key not in prog.durable:
+                return self._hw.get(key, 0)  # an ack-set member not heard from in this epoch holds the HW
+            hw = min(hw, prog.durable[key])
+        old = self._hw.get(key, 0)
+        if hw > old:
+            self._hw[key] = hw
+            if self._capped:
+                part.set_high_watermark(hw)
+            self._cond.notify_all()
+            return hw
+        return old
+
+    @property
+    def _capped(self) -> bool:
+        """Readers are capped at the HW only while another member is in the ack set; a master alone has
+        HW = its durable end, which is what readers see without a cap (no wait, no change for a group
+        of one)."""
+        return len(self.ack_set) > 1
+
+    def topic_created(self, topic: str) -> None:
+        """Cap a new topic's partitions before anything is written to them, if readers are capped."""
+        with self._cond:
+            if self.active and self._capped:
+                for p in self.store.partitions(topic):
+                    p.set_high_watermark(p.earliest_offset)
+
+    def refresh_all(self) -> None:
+        """Move every partition's HW (a tick: the master's own fsyncs, markers, idle partitions)."""
+        with self._cond:
+            if not self.active:
+                return
+            for t in self.store.topics():
+                for p in range(self.store.topic_config(t).num_partitions):
+                    self._refresh((t, p))
+
+    # -- the replica fetch ----------------------------------------------------------------------------
+    def serve_fetch(self, req, is_active: Callable[[], bool]) -> Answer:
+        """Validate and record the request, then plan the reply (long-polling while nothing is new)."""
+        if req.epoch > self.epoch:
+            self._on_higher_epoch(req.epoch)
+            raise NotMasterError(f"not master: a replica follows epoch {req.epoch}, this member is at {self.epoch}")
+        if not self.active:
+            raise NotMasterError(f"not master: group {self.broker_id} member {self.replica_id} is not master")
+        if req.epoch < self.epoch:
+            raise FencedError(f"fenced: the replica fetches for epoch {req.epoch}, the master is at {self.epoch}")
+        uuid = req.uuid.hex()
+        parts = [(pf, self._partition(pf)) for pf in req.partitions]
+        with self._cond:
+            prog = self.progress.get(req.replica_id)
+            if prog is None or prog.uuid != uuid:
+                self.store.begin_epoch(self.epoch, self.replica_id)  # from now on the log says who wrote what
+                prog = self.progress[req.replica_id] = ReplicaProgress(req.replica_id, uuid)
+                if self.isr.get(req.replica_id) not in (None, uuid):  # a wiped member: not the one in sync
+                    self._shrink_locked(req.replica_id, "it came back with a new uuid (its data was wiped)")
+            # Kafka's lastCaughtUpTime: at the log end now, or at least where the previous reply said it was.
+            now = self._clock()
+            tm = self.transactions
+            now_ok = tm is None or req.journal_applied_seq >= tm.journal_seq
+            prev_ok = prog.sent_at > 0 and req.journal_applied_seq >= prog.sent_journal
+            for pf, part in parts:
+                key = (pf.topic, pf.partition)
+                if part is None or self._diverges(part, pf) or pf.fetch_offset < part.earliest_offset:
+                    prog.durable.pop(key, None)
+                    now_ok = prev_ok = False
+                    continue
+                prog.written[key] = pf.fetch_offset
+                prog.durable[key] = min(pf.durable_offset, pf.fetch_offset)
+                now_ok = now_ok and pf.fetch_offset >= part.written_end
+                prev_ok = prev_ok and pf.fetch_offset >= prog.sent_end.get(key, 0)
+            missing = self._missing_partitions(req)
+            if not missing and (now_ok or prev_ok):
+                prog.last_caught_up = max(prog.last_caught_up, now if now_ok else prog.sent_at)
+            prog.last_fetch = now
+            prog.journal_applied = req.journal_applied_seq
+            for pf, part in parts:
+                if part is not None:
+                    self._refresh((pf.topic, pf.partition))
+            self._maybe_expand_locked(prog)
+            self._cond.notify_all()
+        deadline = time.monotonic() + min(req.max_wait_ms / 1000, LONG_POLL_S)
+        seen = -1
+        while True:
+            seen = self.store.wait_written(seen, 0) if seen < 0 else seen
+            answer = self._plan(req, parts, prog, bool(missing))
+            if answer.topics_changed or answer.journal[2] or answer.journal[3] or \
+                    any(s.status != rp.SECTION_DATA or s.where.length for s in answer.sections):
+                return answer
+            left = deadline - time.monotonic()
+            if left <= 0 or not is_active() or not self.active:
+                return answer
+            seen = self.store.wait_written(seen, left)
+
+    def _partition(self, pf):
+        try:
+            return self.store.partition(pf.topic, pf.partition)
+        except Exception:  # noqa: BLE001 - unknown to this master: answered UNKNOWN
+            return None
+
+    @staticmethod
+    def _diverges(part, pf) -> bool:
+        e, end = part.epochs.end_offset_for(pf.last_epoch, part.written_end)
+        return e != pf.last_epoch or pf.fetch_offset > end
+
+    def _missing_partitions(self, req) -> bool:
+        have = {(pf.topic, pf.partition) for pf in req.partitions}
+        return any((t, p) not in have for t in self.store.topics()
+                   for p in range(self.store.topic_config(t).num_partitions))
+
+    def _plan(self, req, parts, prog, topics_changed: bool) -> Answer:
+        journal = self._journal_for(req.journal_applied_seq)
+        budget = max(req.max_bytes, 1 << 16)
+        sections = []
+        for pf, part in parts:
+            if part is None:
+                sections.append(Section(rp.SECTION_UNKNOWN))
+                continue
+            key = (pf.topic, pf.partition)
+            log_end, hw = part.written_end, self._hw.get(key, 0)
+            e, end = part.epochs.end_offset_for(pf.last_epoch, log_end)
+            base = dict(earliest=part.earliest_offset, latest=part.latest_offset, log_end=log_end, hw=hw)
+            if e != pf.last_epoch or pf.fetch_offset > end:
+                sections.append(Section(rp.DIVERGING, epoch=e, offset=end, **base))
+                continue
+            if pf.fetch_offset < part.earliest_offset:
+                sections.append(Section(rp.RESET, offset=part.earliest_offset, **base))
+                continue
+            try:  # past the budget: an empty section (the next request asks again)
+                where = part.locate(pf.fetch_offset, max(budget, 1), end=log_end if budget > 0 else pf.fetch_offset)
+            except OffsetOutOfRangeError:
+                sections.append(Section(rp.RESET, offset=part.earliest_offset, **base))
+                continue
+            budget -= where.length
+            with self._cond:
+                prog.sent_end[key] = log_end
+            sections.append(Section(rp.SECTION_DATA, where, **base))
+        with self._cond:
+            prog.sent_journal, prog.sent_at = journal[1], self._clock()
+        return Answer(self.epoch, journal, sections, topics_changed)
+
+    def _journal_for(self, applied: int) -> tuple:
+        tm = self.transactions
+        if tm is None:
+            return (0, 0, b"", False)
+        if applied >= 0:
+            got = tm.records_since(applied)
+            if got is not None:
+                return (*got, False)
+        return (*tm.snapshot_records(), True)
+
+    # -- the in-sync set ------------------------------------------------------------------------------
+    def _maybe_expand_locked(self, prog: ReplicaProgress) -> None:
+        """KIP-497: join the ack set now (so acknowledgements wait for it), then write the expansion."""
+        r = prog.replica_id
+        if r in self.ack_set or self._clock() - prog.last_caught_up > self.lag_max_s:
+            return
+        tm = self.transactions
+        if tm is not None and prog.journal_applied < tm.journal_seq:
+            return
+        parts = [(t, p) for t in self.store.topics() for p in self.store.partitions(t)]
+        if any(prog.durable.get((t, p.partition), -1) < self._hw.get((t, p.partition), 0) for t, p in parts):
+            return
+        if not self._capped:  # the first replica to join: from now on readers stop at the HW
+            if any(prog.durable.get((t, p.partition), -1) < p.log_end_offset for t, p in parts):
+                return  # not caught up with what readers may have seen
+            frozen = {(t, p.partition): p.cap_at_visible() for t, p in parts}
+            if any(prog.durable.get(key, -1) < hw for key, hw in frozen.items()):
+                for _, p in parts:
+                    p.set_high_watermark(None)
+                return
+            for key, hw in frozen.items():
+                self._hw[key] = max(self._hw.get(key, 0), hw)
+        self.ack_set.add(r)
+        isr = {**self.isr, r: prog.uuid}
+        if self._alter_isr(sorted(isr.items())):
+            self.isr = isr
+            log.info("replica %d joined the in-sync set of epoch %d: %s", r, self.epoch, sorted(isr))
+        else:
+            self.ack_set.discard(r)
+            if not self._capped:
+                for _, p in parts:
+                    p.set_high_watermark(None)
+
+    def _shrink_locked(self, r: int, why: str) -> None:
+        """Write the shrink first, then let acknowledgements stop waiting for the replica."""
+        if r not in self.isr and r not in self.ack_set:
+            return
+        isr = {k: v for k, v in self.isr.items() if k != r}
+        if r in self.isr and not self._alter_isr(sorted(isr.items())):
+            return
+        self.isr = isr
+        self.ack_set.discard(r)
+        if not self._capped:
+            for t in self.store.topics():
+                for p in self.store.partitions(t):
+                    p.set_high_watermark(None)
+        log.warning("replica %d left the in-sync set of epoch %d (%s): %s", r, self.epoch, why, sorted(isr))
+        self._cond.notify_all()
+
+    def tick(self) -> None:
+        """Shrink the in-sync set of replicas that fell behind; move the HWs."""
+        with self._cond:
+            if not self.active:
+                return
+            now = self._clock()
+            for r in list(self.ack_set):
+                if r == self.replica_id:
+                    continue
+                prog = self.progress.get(r)
+                since = max(prog.last_caught_up if prog is not None else 0.0, self._activated_at)
+                if now - since > self.lag_max_s:
+                    self._shrink_locked(r, f"not caught up for {now - since:.1f}s, over replicaLagMaxMs")
+        self.refresh_all()
+
+    # -- seeing it ------------------------------------------------------------------------------------
+    def lag_of(self, r: int) -> int:
+        prog = self.progress.get(r)
+        total = 0
+        for t in self.store.topics():
+            for p in self.store.partitions(t):
+                have = prog.written.get((t, p.partition), 0) if prog is not None else 0
+                total += max(p.written_end - have, 0)
+        return total
+
+    def roster(self) -> set:
+        return set(self.isr) | set(self.progress) | {self.replica_id}
+
+    def _min_insync(self, topic: str) -> int:
+        try:
+            return self.store.topic_config(topic).min_insync_replicas
+        except Exception:  # noqa: BLE001
+            return 1

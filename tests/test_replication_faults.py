@@ -1,0 +1,151 @@
+"""Replicated groups under the faults users meet: a master frozen past its session timeout (fencing),
+too few in-sync members for ``minInSyncReplicas`` (and ``acks=1``), a replica whose data directory was
+wiped, and a master that wrote past the high watermark before it died (divergence, truncation)."""
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotEnoughReplicasError,
+                                          RemoteNotMasterError)
+from conftest import wait_until
+from test_replication_basic import log_bytes, read_all
+
+TOPICS = {"orders": {"numPartitions": 2}}
+
+
+@pytest.fixture
+def group(tmp_path, zookeeper, zk_root):
+    g = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3, topics=TOPICS).start()
+    g.wait_master()
+    g.wait_in_sync(range(3))
+    yield g
+    for m in g.members:
+        if m.proc is not None and m.proc.poll() is None:
+            os.kill(m.proc.pid, signal.SIGCONT)
+    g.stop()
+
+
+def clients(group, **kw):
+    z = dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
+    return Producer(timeout=20.0, **z, **kw), Consumer(**z)
+
+
+def uuid_of(member) -> str:
+    return json.loads((member.workdir / "data" / "replication" / "member.json").read_text())["uuid"]
+
+
+def test_a_frozen_master_is_fenced_and_rejoins(group):
+    first = group.master_id()
+    producer, consumer = clients(group)
+    with producer, consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
+        producer.send_batch("orders", [b"before-%d" % i for i in range(20)])
+        old = group.members[first]
+        os.kill(old.proc.pid, signal.SIGSTOP)  # past the 4 s session timeout: another member takes over
+        second = group.wait_master(timeout=20, other_than=first)
+        wait_until(lambda: producer.cluster.brokers().get(1) == group.members[second].address, what="new master seen")
+        producer.send_batch("orders", [b"after-%d" % i for i in range(20)])
+        os.kill(old.proc.pid, signal.SIGCONT)
+        # the resumed process neither acknowledges nor serves: its lease ran out while it was frozen
+        with Producer(brokers={1: old.address}, timeout=1.0) as stale, \
+                Consumer(brokers={1: old.address}) as stale_reader:
+            with pytest.raises((RemoteNotMasterError, BrokerUnavailableError)) as put_error:
+                stale.send_batch("orders", [b"stale"], partition="1-0")
+            assert "not master" in str(put_error.value)
+            with pytest.raises(RemoteNotMasterError):
+                stale_reader.fetch("orders", "1-0", 0)
+        group.wait_in_sync(range(3))  # it rejoined as a replica
+        assert group.master_id() == second
+        seen = read_all(consumer)
+        assert b"stale" not in seen and len(seen) == len(set(seen)) == 40
+
+
+def test_min_insync_refuses_acks_all_and_acks_one_still_writes(tmp_path, zookeeper, zk_root):
+    g = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
+                    topics={"orders": {"numPartitions": 1, "minInSyncReplicas": 2}}).start()
+    try:
+        master = g.wait_master()
+        g.wait_in_sync(range(3))
+        others = [r for r in range(3) if r != master]
+        z = dict(zk_connect=g.zk_connect, zk_root=g.paths.root)
+        with Producer(timeout=2.0, **z) as producer, Producer(timeout=2.0, acks="1", **z) as fast, \
+                Consumer(**z) as consumer:
+            wait_until(lambda: producer.cluster.topic_partitions("orders"), what="topic routed")
+            producer.send_batch("orders", [b"ok"])
+            for r in others:
+                g.members[r].kill()
+            wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master], timeout=20, what="in-sync set shrunk")
+            end_before = consumer.offsets("orders")["1-0"][1]
+            with pytest.raises(RemoteNotEnoughReplicasError) as refused:
+                producer.send_batch("orders", [b"refused"])
+            message = str(refused.value)
+            assert "group 1" in message and "minInSyncReplicas=2" in message and f"[{master}]" in message
+            fast.send_batch("orders", [b"one"])  # acks=1: the master alone
+            wait_until(lambda: consumer.offsets("orders")["1-0"][1] == end_before + 1, what="acks=1 visible")
+            g.members[others[0]].start()
+            g.wait_in_sync([master, others[0]])
+            Producer.send_batch(producer, "orders", [b"again"])
+            assert sorted(read_all(consumer)) == [b"again", b"ok", b"one"]
+    finally:
+        g.stop()
+
+
+def test_a_wiped_replica_copies_everything_and_rejoins_with_a_new_identity(group):
+    master = group.master_id()
+    victim = next(r for r in range(3) if r != master)
+    producer, consumer = clients(group)
+    with producer, consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
+        for i in range(10):
+            producer.send_batch("orders", [b"m-%d-%d" % (i, j) for j in range(50)])
+        old_uuid = uuid_of(group.members[victim])
+        group.members[victim].stop()
+        shutil.rmtree(group.members[victim].workdir / "data")
+        group.members[victim].start()
+        new_uuid = uuid_of(group.members[victim])
+        assert new_uuid != old_uuid
+        wait_until(lambda: [victim, new_uuid] in group.state()["isr"], timeout=30, what="wiped member back in sync")
+        producer.send_batch("orders", [b"late"])
+        assert len(read_all(consumer)) == 501
+    group.stop()
+    logs = [log_bytes(m.workdir / "data") for m in group.members]
+    assert logs[0] == logs[1] == logs[2]
+
+
+def test_an_old_master_cuts_what_it_wrote_past_the_high_watermark(group):
+    """The old master takes acks=1 puts while both replicas are frozen, dies, and comes back after a
+    replica took over: it truncates exactly what nobody else had, and its log equals the new master's."""
+    first = group.master_id()
+    others = [r for r in range(3) if r != first]
+    producer, consumer = clients(group)
+    with producer, consumer:
+        wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
+        producer.send_batch("orders", [b"common-%d" % i for i in range(30)])
+        for r in others:
+            os.kill(group.members[r].proc.pid, signal.SIGSTOP)
+        time.sleep(1.5)  # fetches in flight are answered (a long poll ends within 0.5 s) before the puts below
+        with Producer(zk_connect=group.zk_connect, zk_root=group.paths.root, acks="1", timeout=5.0) as fast:
+            fast.send_batch("orders", [b"lost-%d" % i for i in range(10)])  # on the master alone
+        group.members[first].kill()
+        for r in others:
+            os.kill(group.members[r].proc.pid, signal.SIGCONT)
+        second = group.wait_master(timeout=30, other_than=first)
+        wait_until(lambda: producer.cluster.brokers().get(1) == group.members[second].address, what="new master seen")
+        producer.send_batch("orders", [b"new-%d" % i for i in range(10)])
+        group.members[first].start()
+        group.wait_in_sync(range(3))
+        seen = read_all(consumer)
+        assert not any(v.startswith(b"lost-") for v in seen)
+        assert sorted(v for v in seen if not v.startswith(b"lost-")) == sorted(
+            [b"common-%d" % i for i in range(30)] + [b"new-%d" % i for i in range(10)])
+        assert "truncated" in group.members[first].log_path.read_text()
+    group.stop()
+    logs = [log_bytes(m.workdir / "data") for m in group.members]
+    assert logs[0] == logs[1] == logs[2]
