@@ -178,6 +178,8 @@ class GroupMember:
         if state is not None:
             if state.in_isr(self.replica_id, self.uuid):
                 return True
+            if set(state.replicas) <= {self.replica_id}:
+                return True  # a group of one whose data was wiped: no other member can hold it
             if self.unclean and now - self._no_master_since > self.lag_max_s:
                 return self._best_among_live()
             return False

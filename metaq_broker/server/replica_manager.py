@@ -185,7 +185,7 @@ class ReplicaManager:
             part = self.store.partition(topic, partition)
         except Exception:  # noqa: BLE001 - a topic dropped under us: nothing to wait for
             return 1 << 62
-        hw = part.durable_offset
+        hw = part.log_end_offset  # what the topic's flush policy acknowledges: fsynced, or written (unflushThreshold)
         for r in self.ack_set:
             if r == self.replica_id:
                 continue
