@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.zk.paths import ZkPaths
@@ -46,10 +47,10 @@ class BrokerGroup:
 
     def master_id(self) -> Optional[int]:
         """The replicaId holding the master node, or None."""
-        stat = self.zk.exists(self.paths.broker(self.broker_id))
-        if stat is None:
+        try:
+            return int(json.loads(self.zk.get(self.paths.broker(self.broker_id))[0])["replicaId"])
+        except NoNodeError:
             return None
-        return int(json.loads(self.zk.get(self.paths.broker(self.broker_id))[0])["replicaId"])
 
     def wait_master(self, timeout: float = 30.0, other_than: Optional[int] = None) -> int:
         deadline = time.monotonic() + timeout

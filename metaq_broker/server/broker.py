@@ -198,7 +198,7 @@ class Broker:
                 **({"dataPort": self.data_port} if self.data_port is not None else {})}
 
     def _standing(self) -> tuple:
-        parts = [p for t in self.store.topics() for p in self.store.partitions(t)]
+        parts = self.store.all_partitions()
         return (max([p.last_epoch for p in parts], default=0), sum(p.written_end for p in parts))
 
     def _new_group_member(self) -> GroupMember:

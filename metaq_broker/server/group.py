@@ -51,7 +51,6 @@ class GroupMember:
         self.epoch = 0
         self.state: Optional[groups.GroupState] = None
         self.master_info: Optional[dict] = None  # the master's node, when another member is master
-        self.elections = 0  # won by this member, for the metrics
         self._lease_until = 0.0  # monotonic
         self._next_lease = 0.0
         self._started_at = time.monotonic()
@@ -212,7 +211,6 @@ class GroupMember:
         if new.unclean:
             log.warning("group %d: member %d became master WITHOUT being in sync (uncleanElection=true): "
                         "acknowledged messages it did not have are lost", self.broker_id, self.replica_id)
-        self.elections += 1
         self._become_master(new)
 
     def _become_master(self, state) -> None:

@@ -99,8 +99,7 @@ class BrokerRegistration:
         with self._lock:
             self.publish_topics = publish
             if publish and self._started and not self._stopped and self.connected:
-                for topic, n in list(self.topics.items()):
-                    self._write_topic(topic, n)
+                self._write_topics()
 
     @property
     def connected(self) -> bool:
@@ -207,13 +206,16 @@ class BrokerRegistration:
                 for topic in topic_entries.topics_of(self.client, self.paths, self.broker_id):
                     if topic not in self.topics:  # a topic this broker had before its restart, and has no more
                         topic_entries.delete(self.client, self.paths, topic, self.broker_id)
-                for topic, n in list(self.topics.items()):
-                    self._write_topic(topic, n)
+                self._write_topics()
             self.registrations += 1
             self._registered_session = self.client.client_id
         self._on_registered()
         log.info("broker %d registered in ZooKeeper at %s with %d topic(s)", self.broker_id, self.node,
                  len(self.topics))
+
+    def _write_topics(self) -> None:
+        for topic, n in list(self.topics.items()):
+            self._write_topic(topic, n)
 
     def _write_topic(self, topic: str, num_partitions: int) -> None:
         data = json.dumps({"numPartitions": int(num_partitions), "brokerId": self.broker_id}).encode()

@@ -7,11 +7,9 @@ The next request is sent only after the fsync of what the last reply brought, so
 reports (which move the master's high watermark) are true."""
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
-import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,9 +40,6 @@ class ReplicaFetcher:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.learned_hw: dict = {}  # (topic, partition) -> the master's HW in its last reply
-        self.truncated = 0  # offsets cut by truncation, for the metrics
-        self.last_reply = 0.0  # monotonic
-        self.master_log_end: dict = {}  # (topic, partition) -> the master's log end in its last reply
         self._body = np.empty(0, np.uint8)  # reply bodies, reused
 
     def _buffer(self, n: int):
@@ -76,10 +71,6 @@ class ReplicaFetcher:
             thread = self._thread
         if thread is not None:
             thread.join(timeout=10)
-
-    @property
-    def following(self) -> Optional[tuple]:
-        return self._target
 
     # -- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -115,10 +106,9 @@ class ReplicaFetcher:
 
     def _request(self, epoch: int):
         parts = []
-        for topic in self.store.topics():
-            for p in self.store.partitions(topic):
-                end = p.written_end
-                parts.append(rp.PartitionFetch(topic, p.partition, end, p.durable_offset, p.epoch_before(end)))
+        for p in self.store.all_partitions():
+            end = p.written_end
+            parts.append(rp.PartitionFetch(p.topic, p.partition, end, p.durable_offset, p.epoch_before(end)))
         seq = self.transactions.applied_seq if self.transactions is not None else 0
         return rp.FetchRequest(epoch, self.replica_id, self.uuid, seq, MAX_WAIT_MS, MAX_BYTES, parts)
 
@@ -126,7 +116,6 @@ class ReplicaFetcher:
         req = self._request(epoch)
         sock.sendall(rp.pack_request(req))
         head, journal, sections = rp.read_reply(sock, self._buffer)
-        self.last_reply = time.monotonic()
         if head.status != 0:
             if head.master_epoch != epoch or head.message.startswith(rp.FENCED):
                 self._on_fenced(head.master_epoch)
@@ -143,14 +132,12 @@ class ReplicaFetcher:
             elif sec.status == rp.RESET:
                 log.warning("%s: the master's log starts at %d, beyond this replica's end %d: starting the "
                             "partition over there", part.name, sec.offset, part.written_end)
-                self.truncated += part.written_end - part.earliest_offset
                 part.reset_to(sec.offset)
             elif sec.status == rp.SECTION_DATA and len(sec.records):
                 part.append_replicated(sec.records)
                 written.append(part)
             if sec.status != rp.SECTION_UNKNOWN:
                 self.learned_hw[key] = sec.hw
-                self.master_log_end[key] = sec.log_end
         for part in written:
             part.make_durable(part.written_end)
         if self.transactions is not None:
@@ -162,19 +149,13 @@ class ReplicaFetcher:
         """KIP-279: the master's largest epoch <= ours is ``epoch``, ending at ``end``. If we hold that epoch,
         cut to where it ends on both sides; if not, cut to the end of our largest epoch below it and ask again."""
         mine, my_end = part.epochs.end_offset_for(epoch, part.written_end)
+        # Epoch 0 (offsets before a log's first stamp) is held by every log, so epoch - 1 >= 0 below.
         cut = min(end, my_end, part.written_end) if mine == epoch else \
-            part.epochs.end_offset_for(max(epoch - 1, 0), part.written_end)[1]
-        if mine != epoch and epoch == 0:
-            cut = min(end, part.written_end)
+            part.epochs.end_offset_for(epoch - 1, part.written_end)[1]
         before = part.written_end
         new_end = part.truncate_to(max(cut, part.earliest_offset))
-        self.truncated += before - new_end
         log.warning("%s: truncated from %d to %d where this log parted from the master's (epoch %d ends at %d "
                     "there)", part.name, before, new_end, epoch, end)
-
-
-def master_node(data: bytes) -> dict:
-    return json.loads(data)
 
 
 def _close(sock) -> None:

@@ -37,14 +37,11 @@ class ReplicaProgress:
     replica_id: int
     uuid: str
     durable: dict = field(default_factory=dict)  # (topic, partition) -> fsynced end, validated entries only
-    written: dict = field(default_factory=dict)  # (topic, partition) -> written end, validated entries only
     sent_end: dict = field(default_factory=dict)  # (topic, partition) -> master log end in the last reply
     sent_journal: int = 0  # journal_last_seq of the last reply
     sent_at: float = 0.0  # monotonic time of the last reply
     journal_applied: int = -1
     last_caught_up: float = 0.0  # monotonic
-    last_fetch: float = 0.0
-    address: str = ""
 
 
 @dataclass
@@ -106,11 +103,10 @@ class ReplicaManager:
             self.ack_set = set(isr) | {self.replica_id}
             self.progress = {}
             self._hw = {}
-            for t in self.store.topics():
-                for p in self.store.partitions(t):
-                    start = (hw_hint or {}).get((t, p.partition), 0)
-                    self._hw[(t, p.partition)] = min(max(start, p.earliest_offset), p.written_end)
-                    p.set_high_watermark(self._hw[(t, p.partition)] if self._capped else None)
+            for p in self.store.all_partitions():
+                key = (p.topic, p.partition)
+                self._hw[key] = min(max((hw_hint or {}).get(key, 0), p.earliest_offset), p.written_end)
+                p.set_high_watermark(self._hw[key] if self._capped else None)
             self._cond.notify_all()
         self.refresh_all()
 
@@ -119,9 +115,6 @@ class ReplicaManager:
         with self._cond:
             self.active = False
             self._cond.notify_all()
-
-    def hw_of(self, topic: str, partition: int) -> int:
-        return self._hw.get((topic, partition), 0)
 
     # -- acknowledgements -----------------------------------------------------------------------------
     def check_enough(self, topic: str) -> None:
@@ -134,7 +127,7 @@ class ReplicaManager:
                 f"{sorted(self.isr)} ({len(self.isr)} of {len(self.roster())} members), topic {topic!r} needs "
                 f"minInSyncReplicas={need}; nothing was written")
 
-    def await_hw(self, topic: str, partition: int, end: int, acks_all: bool = True) -> None:
+    def await_hw(self, topic: str, partition: int, end: int) -> None:
         """Return once the HW of the partition is at ``end`` or beyond (every ack-set member has the
         batch, durable by its flush policy). NotAcknowledgedError when that cannot be promised: a shrink
         below minInSyncReplicas, a demotion, or no progress for replicaLagMaxMs plus ACK_GRACE_S."""
@@ -149,7 +142,7 @@ class ReplicaManager:
                         f"may not be stored")
                 if self._refresh(key) >= end:
                     return
-                if acks_all and len(self.ack_set) < self._min_insync(topic):
+                if len(self.ack_set) < self._min_insync(topic):
                     raise NotAcknowledgedError(
                         f"not acknowledged: stored on the master, but the in-sync set {sorted(self.ack_set)} fell "
                         f"below minInSyncReplicas={self._min_insync(topic)}; it may or may not become visible")
@@ -209,6 +202,11 @@ class ReplicaManager:
         of one)."""
         return len(self.ack_set) > 1
 
+    def _uncap(self) -> None:
+        """Readers see up to the log end again: the master is alone in the ack set."""
+        for p in self.store.all_partitions():
+            p.set_high_watermark(None)
+
     def topic_created(self, topic: str) -> None:
         """Cap a new topic's partitions before anything is written to them, if readers are capped."""
         with self._cond:
@@ -221,9 +219,8 @@ class ReplicaManager:
         with self._cond:
             if not self.active:
                 return
-            for t in self.store.topics():
-                for p in range(self.store.topic_config(t).num_partitions):
-                    self._refresh((t, p))
+            for p in self.store.all_partitions():
+                self._refresh((p.topic, p.partition))
 
     # -- the replica fetch ----------------------------------------------------------------------------
     def serve_fetch(self, req, is_active: Callable[[], bool]) -> Answer:
@@ -251,18 +248,16 @@ class ReplicaManager:
             prev_ok = prog.sent_at > 0 and req.journal_applied_seq >= prog.sent_journal
             for pf, part in parts:
                 key = (pf.topic, pf.partition)
-                if part is None or self._diverges(part, pf) or pf.fetch_offset < part.earliest_offset:
+                if part is None or self._divergence(part, pf) or pf.fetch_offset < part.earliest_offset:
                     prog.durable.pop(key, None)
                     now_ok = prev_ok = False
                     continue
-                prog.written[key] = pf.fetch_offset
                 prog.durable[key] = min(pf.durable_offset, pf.fetch_offset)
                 now_ok = now_ok and pf.fetch_offset >= part.written_end
                 prev_ok = prev_ok and pf.fetch_offset >= prog.sent_end.get(key, 0)
             missing = self._missing_partitions(req)
             if not missing and (now_ok or prev_ok):
                 prog.last_caught_up = max(prog.last_caught_up, now if now_ok else prog.sent_at)
-            prog.last_fetch = now
             prog.journal_applied = req.journal_applied_seq
             for pf, part in parts:
                 if part is not None:
@@ -289,14 +284,14 @@ class ReplicaManager:
             return None
 
     @staticmethod
-    def _diverges(part, pf) -> bool:
+    def _divergence(part, pf) -> Optional[tuple]:
+        """(e', end) when the replica's log parted from this one (KIP-279's answer), else None."""
         e, end = part.epochs.end_offset_for(pf.last_epoch, part.written_end)
-        return e != pf.last_epoch or pf.fetch_offset > end
+        return (e, end) if e != pf.last_epoch or pf.fetch_offset > end else None
 
     def _missing_partitions(self, req) -> bool:
         have = {(pf.topic, pf.partition) for pf in req.partitions}
-        return any((t, p) not in have for t in self.store.topics()
-                   for p in range(self.store.topic_config(t).num_partitions))
+        return any((p.topic, p.partition) not in have for p in self.store.all_partitions())
 
     def _plan(self, req, parts, prog, topics_changed: bool) -> Answer:
         journal = self._journal_for(req.journal_applied_seq)
@@ -308,10 +303,10 @@ class ReplicaManager:
                 continue
             key = (pf.topic, pf.partition)
             log_end, hw = part.written_end, self._hw.get(key, 0)
-            e, end = part.epochs.end_offset_for(pf.last_epoch, log_end)
             base = dict(earliest=part.earliest_offset, latest=part.latest_offset, log_end=log_end, hw=hw)
-            if e != pf.last_epoch or pf.fetch_offset > end:
-                sections.append(Section(rp.DIVERGING, epoch=e, offset=end, **base))
+            parted = self._divergence(part, pf)
+            if parted is not None:
+                sections.append(Section(rp.DIVERGING, epoch=parted[0], offset=parted[1], **base))
                 continue
             if pf.fetch_offset < part.earliest_offset:
                 sections.append(Section(rp.RESET, offset=part.earliest_offset, **base))
@@ -348,16 +343,15 @@ class ReplicaManager:
         tm = self.transactions
         if tm is not None and prog.journal_applied < tm.journal_seq:
             return
-        parts = [(t, p) for t in self.store.topics() for p in self.store.partitions(t)]
-        if any(prog.durable.get((t, p.partition), -1) < self._hw.get((t, p.partition), 0) for t, p in parts):
+        parts = {(p.topic, p.partition): p for p in self.store.all_partitions()}
+        if any(prog.durable.get(key, -1) < self._hw.get(key, 0) for key in parts):
             return
         if not self._capped:  # the first replica to join: from now on readers stop at the HW
-            if any(prog.durable.get((t, p.partition), -1) < p.log_end_offset for t, p in parts):
+            if any(prog.durable.get(key, -1) < p.log_end_offset for key, p in parts.items()):
                 return  # not caught up with what readers may have seen
-            frozen = {(t, p.partition): p.cap_at_visible() for t, p in parts}
+            frozen = {key: p.cap_at_visible() for key, p in parts.items()}
             if any(prog.durable.get(key, -1) < hw for key, hw in frozen.items()):
-                for _, p in parts:
-                    p.set_high_watermark(None)
+                self._uncap()
                 return
             for key, hw in frozen.items():
                 self._hw[key] = max(self._hw.get(key, 0), hw)
@@ -369,8 +363,7 @@ class ReplicaManager:
         else:
             self.ack_set.discard(r)
             if not self._capped:
-                for _, p in parts:
-                    p.set_high_watermark(None)
+                self._uncap()
 
     def _shrink_locked(self, r: int, why: str) -> None:
         """Write the shrink first, then let acknowledgements stop waiting for the replica."""
@@ -382,9 +375,7 @@ class ReplicaManager:
         self.isr = isr
         self.ack_set.discard(r)
         if not self._capped:
-            for t in self.store.topics():
-                for p in self.store.partitions(t):
-                    p.set_high_watermark(None)
+            self._uncap()
         log.warning("replica %d left the in-sync set of epoch %d (%s): %s", r, self.epoch, why, sorted(isr))
         self._cond.notify_all()
 
@@ -404,15 +395,6 @@ class ReplicaManager:
         self.refresh_all()
 
     # -- seeing it ------------------------------------------------------------------------------------
-    def lag_of(self, r: int) -> int:
-        prog = self.progress.get(r)
-        total = 0
-        for t in self.store.topics():
-            for p in self.store.partitions(t):
-                have = prog.written.get((t, p.partition), 0) if prog is not None else 0
-                total += max(p.written_end - have, 0)
-        return total
-
     def roster(self) -> set:
         return set(self.isr) | set(self.progress) | {self.replica_id}
 

@@ -127,6 +127,10 @@ class MessageStore:
     def partitions(self, topic: str) -> list:
         return [self.partition(topic, p) for p in range(self.topic_config(topic).num_partitions)]
 
+    def all_partitions(self) -> list:
+        """Every partition of every topic, in topic then partition order."""
+        return [p for topic in self.topics() for p in self.partitions(topic)]
+
     # -- data -----------------------------------------------------------------------------------------
     def append(self, topic: str, partition: int, values, keys=None, attributes=None, flags=None) -> AppendResult:
         return self.partition(topic, partition).append(values, keys, attributes, flags)

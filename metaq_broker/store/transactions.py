@@ -440,13 +440,12 @@ class TransactionManager:
                     part = self.store.partition(topic, p)
                 except (UnknownTopicError, InvalidPartitionError):  # not created here yet
                     return False
-                durable = getattr(part, "durable_offset", None)
-                if (part._durable_offset if durable is None else durable) < end:
+                if part.durable_offset < end:
                     return False
         elif kind == DONE:
             t = self._live.get(m["xid"])
             parts = ([self.store.partition(topic, p) for topic, p in t.partitions] if t is not None
-                     else [part for topic in self.store.topics() for part in self.store.partitions(topic)])
+                     else self.store.all_partitions())
             return not any(m["number"] in part.txns.ongoing for part in parts)
         return True
 
@@ -606,22 +605,21 @@ class TransactionManager:
         prepared or decided (it was open at the crash) is aborted; decided ones get their markers."""
         by_number = {t.number: t for t in self._live.values()}
         highest = 0
-        for topic in self.store.topics():
-            for part in self.store.partitions(topic):
-                highest = max(highest, part.txns.max_txn)
-                for number in sorted(part.txns.ongoing):
-                    t = by_number.get(number)
-                    if t is None and number in self._committed_numbers:  # a replica without its markers yet
-                        t = by_number[number] = self._live[f"(committed #{number})"] = Transaction(
-                            f"(committed #{number})", "committing", self.default_timeout_s, number)
-                        log.info("%s: transaction %d is committed but lacks its marker here: committing it",
-                                 part.name, number)
-                    elif t is None:  # open at a crash: the journal never heard of it
-                        t = by_number[number] = self._live[f"(never prepared #{number})"] = Transaction(
-                            f"(never prepared #{number})", "aborting", self.default_timeout_s, number)
-                        log.info("%s: transaction %d was never prepared (open at a crash): rolling it back",
-                                 part.name, number)
-                    t.partitions.setdefault((topic, part.partition), part.log_end_offset)
+        for part in self.store.all_partitions():
+            highest = max(highest, part.txns.max_txn)
+            for number in sorted(part.txns.ongoing):
+                t = by_number.get(number)
+                if t is None and number in self._committed_numbers:  # a replica without its markers yet
+                    t = by_number[number] = self._live[f"(committed #{number})"] = Transaction(
+                        f"(committed #{number})", "committing", self.default_timeout_s, number)
+                    log.info("%s: transaction %d is committed but lacks its marker here: committing it",
+                             part.name, number)
+                elif t is None:  # open at a crash: the journal never heard of it
+                    t = by_number[number] = self._live[f"(never prepared #{number})"] = Transaction(
+                        f"(never prepared #{number})", "aborting", self.default_timeout_s, number)
+                    log.info("%s: transaction %d was never prepared (open at a crash): rolling it back",
+                             part.name, number)
+                t.partitions.setdefault((part.topic, part.partition), part.log_end_offset)
         self._next_number = max(self._next_number, highest % MAX_NUMBER + 1)
         for t in [t for t in self._live.values() if t.settling]:
             try:
@@ -691,8 +689,7 @@ class TransactionManager:
         (batches appended by an interrupted run are never prepared here, so recovery aborts them)."""
         old = journal_v1.read(legacy)
         self._next_number = max(self._next_number, old.next_number,
-                                *(p.txns.max_txn % MAX_NUMBER + 1 for tp in self.store.topics()
-                                  for p in self.store.partitions(tp)))
+                                *(p.txns.max_txn % MAX_NUMBER + 1 for p in self.store.all_partitions()))
         for t in old.committing:
             journal_v1.finish_commit(self.store, old, t)
             self._remember(t.xid, "committed", _record_path(t.coordinator))
