@@ -125,6 +125,12 @@ class Planner:
         """The partition's broker's data port, if it registered one (else tasks fetch with FetchRaw)."""
         return self.consumer.cluster.data_address(parse_partition_name(partition)[0])
 
+    def other_members(self, partition: str, address: str) -> tuple:
+        """The other live members of the partition's broker group, as (address, data address): where its
+        tasks look for the master when the one planned with stops being it (a failover)."""
+        members = self.consumer.cluster.group_members(parse_partition_name(partition)[0])
+        return tuple(m for m in members if m[0] != address)
+
     def offsets_at(self, topic: str, partitions, timestamp_ms: int) -> dict:
         """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
         return {p: r[2] for p, r in self.consumer.offsets(topic, partitions, timestamp_ms=timestamp_ms).items()}
@@ -219,8 +225,9 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
 class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
                  fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None,
-                 security: Optional[ClientSecurity] = None):
+                 security: Optional[ClientSecurity] = None, other_members: tuple = ()):
         super().__init__((topic, partition, start, end))
+        self.other_members = other_members  # ((address, data address), ...) of its group's other members
         self.security = security or ClientSecurity()  # how the task connects (TLS, SASL), as the driver does
         self.topic, self.partition, self.address = topic, partition, address
         self.data_address = data_address  # the broker's data port ("host:port"), None: FetchRaw only
@@ -245,10 +252,11 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
             n = max(1, round(opts.min_partitions * (e - s) / total))
         bounds = np.linspace(s, e, n + 1).astype(np.int64)
         addr, data_addr = planner.address(p), planner.data_address(p)
+        others = planner.other_members(p, addr)
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
                 pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
-                                             opts.fetch_timeout_ms, data_addr, opts.security))
+                                             opts.fetch_timeout_ms, data_addr, opts.security, others))
     return pieces
 
 

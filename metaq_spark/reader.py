@@ -3,6 +3,7 @@ executors each task's read of its range through the client's fetcher, yielded as
 loop per message)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -75,10 +76,25 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
     the read moves by each reply's end offset, never by rows. The next fetch is in flight while the
     current batch is decoded and handed to Spark."""
     _, number = parse_partition_name(part.partition)
-    with PartitionFetcher(_pool(part.security).get(part.address), part.topic, part.partition, number,
-                          part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(),
-                          getattr(part, "data_address", None), "fetchTimeoutMs") as fetcher:
+    pool = _pool(part.security)
+    with PartitionFetcher(pool.get(part.address), part.topic, part.partition, number,
+                          part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(), part.data_address,
+                          "fetchTimeoutMs", _members_in_turn(pool, part)) as fetcher:
         yield from _read_partition(part, fetcher)
+
+
+def _members_in_turn(pool: ConnectionPool, part: MetaqPartition):
+    """The fetcher's ``reroute`` for a replicated group: its members one after the other, from the one
+    the partition was planned with (the master then); None for a group of one (it waits for its broker)."""
+    members = ((part.address, part.data_address),) + tuple(getattr(part, "other_members", ()))
+    if len(members) == 1:
+        return None
+    turn = itertools.count(1)
+
+    def reroute():
+        address, data_address = members[next(turn) % len(members)]
+        return pool.get(address), data_address
+    return reroute
 
 
 def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator[pa.RecordBatch]:

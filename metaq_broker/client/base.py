@@ -3,16 +3,19 @@ broker list), and connections to them. A partition is named ``<brokerId>-<n>`` a
 from __future__ import annotations
 
 import json
+import time
 from typing import Iterable, Mapping, Optional, Union
 
 from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.connection import BrokerConnection, ConnectionPool
 from metaq_broker.errors import AuthenticationError, InvalidPartitionError, UnknownTopicError
 from metaq_broker.protocol.services import groups_path
-from metaq_broker.protocol.status import BrokerUnavailableError
+from metaq_broker.protocol.status import STORED_NOTHING, BrokerError, BrokerUnavailableError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.security.settings import ClientSecurity
+
+RESEND_WAIT = 0.1  # seconds between sends of a call its broker group refused while it has no master
 
 BrokerList = Union[None, str, Mapping[int, str]]
 Security = Union[None, ClientSecurity, Mapping[str, str]]
@@ -53,6 +56,7 @@ class ClientBase:
         self.cluster = ClusterView(zk_connect=zk_connect, root=zk_root, brokers=static,
                                    static_topics=self._static_topics if static else None,
                                    zk_security=self.security.zk)
+        self.cluster.on_moved(lambda _bid, old: self.pool.retire(old))
 
     def _resolve_ids(self, static: dict) -> dict:
         resolved = {}
@@ -72,10 +76,15 @@ class ClientBase:
 
     # -- routing --------------------------------------------------------------------------------------
     def partitions(self, topic: str) -> list:
-        """The topic's partitions on live brokers, as ``<brokerId>-<n>`` names, in a stable order."""
-        parts = self.cluster.topic_partitions(topic)
-        if not parts:
-            raise UnknownTopicError(f"topic {topic!r} is not on any live broker")
+        """The topic's partitions on live brokers, as ``<brokerId>-<n>`` names, in a stable order. When all
+        of its brokers went down while this client ran (a failover: a group between masters), waits for one
+        up to the client's timeout."""
+        deadline = time.monotonic() + self.pool.timeout
+        while not (parts := self.cluster.topic_partitions(topic)):
+            if time.monotonic() + RESEND_WAIT > deadline or not any(
+                    self.cluster.known(b) for b, _ in self.cluster.registered_partitions(topic)):
+                raise UnknownTopicError(f"topic {topic!r} is not on any live broker")
+            time.sleep(RESEND_WAIT)
         return [partition_name(b, n) for b, n in parts]
 
     def registered_partitions(self, topic: str) -> list:
@@ -95,6 +104,41 @@ class ClientBase:
             raise AuthenticationError(f"broker {broker_id} at {addr} takes security.protocol {protocol}; this client "
                                       f"is set to {self.security.protocol}")
         return self.pool.get(addr)
+
+    def call(self, broker_id: int, method: str, request, timeout: Optional[float] = None, retries: int = 0):
+        """``method`` on broker ``broker_id``, that is on its group's current master. While the group has no
+        master (an election, a restart) or the member called answers ``not master:`` or ``not enough
+        in-sync replicas`` (it did nothing), the call is sent again, each time to wherever
+        ``/brokers/ids/<b>`` points then, until the client's timeout; ``retries`` as for
+        ``BrokerConnection.call`` (transient errors, idempotent calls only)."""
+        deadline = time.monotonic() + self.pool.timeout
+        while True:
+            conn = None
+            try:
+                conn = self.connection(broker_id)
+                return conn.call(method, request, timeout, retries)
+            except InvalidPartitionError:
+                if not self.cluster.known(broker_id):
+                    raise
+                error = None
+            except STORED_NOTHING as e:
+                error = e
+            except BrokerError as e:
+                if conn is None or not conn.retired:
+                    raise
+                error = e  # the master moved while the call waited on the old one (``ConnectionPool.retire``)
+            if time.monotonic() + RESEND_WAIT > deadline:
+                if error is None:
+                    raise InvalidPartitionError(f"broker {broker_id} has no master (none registered within "
+                                                f"{self.pool.timeout:g}s)")
+                raise error
+            time.sleep(RESEND_WAIT)
+
+    def _master_of(self, broker_id: int) -> Optional[tuple]:
+        """(connection, data port address) of the broker group's master now; None while it has none."""
+        if broker_id not in self.cluster.brokers():
+            return None
+        return self.connection(broker_id), self.data_address(broker_id)
 
     def data_address(self, broker_id: int) -> Optional[str]:
         """``"host:dataPort"`` of the broker's data port (bulk fetches, ``client.dataconn``), or None when it
@@ -124,7 +168,7 @@ class ClientBase:
         error = None
         for bid in brokers:
             try:
-                reply = self.connection(bid).call(groups_path(method), json.dumps(request).encode())
+                reply = self.call(bid, groups_path(method), json.dumps(request).encode())
                 return json.loads(reply)["offsets"]
             except BrokerUnavailableError as e:
                 error = e
@@ -143,7 +187,7 @@ class ClientBase:
         out = {}
         at = {} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}
         for bid, numbers in by_broker.items():
-            r = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=[
+            r = self.call(bid, "GetOffsets", pb.GetOffsetsRequest(queries=[
                 pb.OffsetQuery(topic=topic, partition=n, **at) for n in numbers]), retries=3)
             for o in r.offsets:
                 out[partition_name(bid, o.partition)] = (o.earliest, o.latest, o.log_end_offset) + (
@@ -166,7 +210,7 @@ class ClientBase:
                                                                 max_bytes=max_bytes))
         out = {}
         for bid, queries in by_broker.items():
-            reply = self.connection(bid).call("GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
+            reply = self.call(bid, "GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3)
             for o in reply.offsets:
                 out[(o.topic, partition_name(bid, o.partition))] = o.after_bytes
         return out

@@ -26,6 +26,7 @@ from kazoo.exceptions import NoAuthError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
 from metaq_broker.errors import AuthenticationError
+from metaq_broker.zk import groups
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client, start_client
 
@@ -69,7 +70,9 @@ class ClusterView:
         self._brokers: dict = {}           # live brokerId -> "host:port"
         self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
         self._protocols: dict = {}         # live brokerId -> its securityProtocol (PLAINTEXT if unsaid)
-        self._broker_watched: set = set()
+        self._broker_watched: set = set()  # every brokerId registered at some time while this view ran
+        self._last: dict = {}              # brokerId -> its last "host:port" (kept while it is down)
+        self._moved_listeners: list = []
         self._topic_names: list = []       # children of topics-pub
         self._wanted: set = set()          # topics a caller asked about (watched while they exist)
         self._topic_watch: dict = {}       # topic -> token of its current ChildrenWatch
@@ -145,6 +148,34 @@ class ClusterView:
             counts = dict(self._parts.get(topic, {}))
         return sorted((b, n) for b, count in counts.items() for n in range(count))
 
+    def known(self, broker_id: int) -> bool:
+        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now: a
+        call to it may wait for its (new) master instead of failing at once."""
+        if self.zk is None:
+            return broker_id in self._static
+        with self._lock:
+            return broker_id in self._last
+
+    def group_members(self, broker_id: int) -> list:
+        """[("host:port", "host:dataPort" or None)] of the live members of a replicated broker group, by
+        replicaId (read from ZooKeeper now, not cached); [] for a broker that is no group or a static list."""
+        if self.zk is None:
+            return []
+        out = []
+        for _, info in sorted(groups.members(self.zk, self.paths, broker_id).items()):
+            try:
+                data_port = int(info.get("dataPort", 0))
+                out.append((f"{info['host']}:{int(info['port'])}",
+                            f"{info['host']}:{data_port}" if data_port > 0 else None))
+            except (KeyError, TypeError, ValueError):
+                log.warning("ignoring an unreadable member of broker group %d: %r", broker_id, info)
+        return out
+
+    def on_moved(self, callback: Callable[[int, str], None]) -> None:
+        """Call ``callback(brokerId, old address)`` (on a kazoo thread) when a broker registers at an
+        address other than its last one: a replicated group's new master."""
+        self._moved_listeners.append(callback)
+
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (on a kazoo thread; it must not block) whenever brokers or watched topics
         change."""
@@ -191,16 +222,23 @@ class ClusterView:
                 except (ValueError, TypeError):
                     log.warning("broker %d: unreadable dataPort in %r; fetching with FetchRaw", bid, data[:200])
         with self._lock:
+            old = self._last.get(bid)
             if address is None:
                 self._brokers.pop(bid, None)
                 self._protocols.pop(bid, None)
             else:
-                self._brokers[bid] = address
+                self._brokers[bid] = self._last[bid] = address
                 self._protocols[bid] = protocol
             if data_address is None:
                 self._data.pop(bid, None)
             else:
                 self._data[bid] = data_address
+        if address is not None and old is not None and old != address:
+            for cb in list(self._moved_listeners):
+                try:
+                    cb(bid, old)
+                except Exception:  # noqa: BLE001
+                    log.exception("broker move listener failed")
         self._changed()
 
     # -- topics ---------------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class BrokerConnection:
         self._session: Optional[str] = None
         self._renew_at = 0.0
         self._session_lock = threading.Lock()
+        self.retired = False  # closed because its broker group's master moved elsewhere (ConnectionPool.retire)
         self.channel = self._auth_channel = self._open_channel()
         if self.security.uses_sasl:
             self.channel = grpc.intercept_channel(self._auth_channel, _SessionMetadata(self))
@@ -173,7 +174,8 @@ class BrokerConnection:
             client.verify(done["message"])
         return done["session"], float(done["lifetime_s"])
 
-    def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0):
+    def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0,
+             wait_for_ready: bool = True):
         """Call ``method`` (a Broker RPC's name, or a full path ``/service/method`` taking and giving bytes);
         ``retries`` > 0 resends on transient errors (only for idempotent calls). A
         session the broker no longer knows (it restarted with a new key, the session expired) is renewed
@@ -185,7 +187,7 @@ class BrokerConnection:
         while True:
             try:
                 stub = self.channel.unary_unary(method) if method.startswith("/") else getattr(self.stub, method)
-                return stub(request, timeout=timeout, wait_for_ready=True)
+                return stub(request, timeout=timeout, wait_for_ready=wait_for_ready)
             except grpc.RpcError as e:
                 error = to_error(e, self.address)
                 if _session_error(error) and not renewed:
@@ -201,9 +203,11 @@ class BrokerConnection:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def future(self, method: str, request, timeout: Optional[float] = None):
+    def future(self, method: str, request, timeout: Optional[float] = None, wait_for_ready: bool = True):
+        """``wait_for_ready=False``: fail at once (UNAVAILABLE) while the broker cannot be reached, for a
+        caller that has somewhere else to try."""
         return getattr(self.stub, method).future(request, timeout=self.timeout if timeout is None else timeout,
-                                                 wait_for_ready=True)
+                                                 wait_for_ready=wait_for_ready)
 
     def close(self) -> None:
         self.channel.close()
@@ -230,3 +234,13 @@ class ConnectionPool:
             for conn in self._conns.values():
                 conn.close()
             self._conns.clear()
+
+    def retire(self, address: str) -> None:
+        """Close the connection to ``address`` (a group master that moved elsewhere): calls waiting on it
+        end at once (CANCELLED) instead of waiting for a dead address until their timeout, and
+        ``ClientBase.call`` sends them to the new master."""
+        with self._lock:
+            conn = self._conns.pop(address, None)
+        if conn is not None:
+            conn.retired = True
+            conn.close()

@@ -3,6 +3,7 @@ client, end to end) or to message objects; keep a group's offsets in ZooKeeper; 
 share a group's partitions among its members with MetaQ's ids/owners scheme."""
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import pyarrow as pa
 
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
+from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
 from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS
 from metaq_broker.zk.group_offsets import GroupStore
@@ -71,7 +73,8 @@ class Consumer(ClientBase):
         fetch policy of ``fetcher.PartitionFetcher``); waits up to ``max_wait_ms`` at the log end. Bulk
         readers (the Spark source) add the broker's data port."""
         conn, number = self.route(partition)
-        r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes).fetch(
+        r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes,
+                             reroute=functools.partial(self._master_of, parse_partition_name(partition)[0])).fetch(
             offset, max_messages or 0, max_wait_ms)
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)

@@ -7,13 +7,16 @@ port that fails (the broker stopping, a port the client cannot reach) is given u
 fetcher's life after one attempt, and the fetch goes on over gRPC; one that refuses the client's
 certificate or session raises AuthenticationError instead. While the broker is down or restarting the
 fetch is sent again until ``timeout_s`` from when the caller started waiting for it; then, or on any other
-refusal, the error names the topic, the partition, the offset and the broker. One fetch may be in flight
-while the caller decodes the previous reply (``send`` now, ``receive`` later)."""
+refusal, the error names the topic, the partition, the offset and the broker. In a replicated group the
+member that answered may no longer be master (``not master:``, or it is down): ``reroute`` then gives the
+member to try next (the consumer: the group's master now; a Spark task: the next member it was planned
+with). One fetch may be in flight while the caller decodes the previous reply (``send`` now, ``receive``
+later)."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -22,11 +25,12 @@ from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawfetch
 from metaq_broker.protocol.dataport import ProtocolError
-from metaq_broker.protocol.status import BrokerError, to_error
+from metaq_broker.protocol.status import BrokerError, BrokerUnavailableError, to_error
 
 log = logging.getLogger(__name__)
 
 RESEND = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # the broker is down or restarting
+Route = Callable[[], Optional[tuple]]  # () -> (BrokerConnection, data port address or None) to try next, or None
 
 
 class PartitionFetcher:
@@ -35,14 +39,32 @@ class PartitionFetcher:
 
     def __init__(self, conn: BrokerConnection, topic: str, partition: str, number: int, timeout_s: float,
                  max_bytes: int, data_pool: Optional[DataConnectionPool] = None, data_address: Optional[str] = None,
-                 timeout_setting: str = ""):
-        self.conn, self.topic, self.partition, self.number = conn, topic, partition, number
+                 timeout_setting: str = "", reroute: Optional[Route] = None):
+        self.topic, self.partition, self.number = topic, partition, number
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
         self.timeout_setting = timeout_setting  # the user's name for timeout_s in errors (in ms), e.g. fetchTimeoutMs
         self._data_pool = data_pool
+        self._reroute = reroute
+        self._data: Optional[DataConnection] = None
+        self._use(conn, data_address)
+
+    def _use(self, conn: BrokerConnection, data_address: Optional[str]) -> None:
+        self.conn = conn
         # The broker's security and SASL session go with its data port too (a worker's pool serves every query).
-        self._data: Optional[DataConnection] = data_pool.acquire(
-            data_address, session=conn.session_token, security=conn.security) if data_pool and data_address else None
+        self._data = self._data_pool.acquire(data_address, session=conn.session_token, security=conn.security) \
+            if self._data_pool and data_address else None
+
+    def _follow(self) -> None:
+        """The member called refused or is unreachable: go on with the one ``reroute`` names, if another."""
+        found = self._reroute() if self._reroute is not None else None
+        if found is None:
+            return
+        conn, data_address = found
+        if conn is not self.conn:
+            log.info("%s %s: fetching from %s instead of %s", self.topic, self.partition, conn.address,
+                     self.conn.address)
+            self.close()
+            self._use(conn, data_address)
 
     # -- fetching -------------------------------------------------------------------------------------
     def send(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0):
@@ -70,20 +92,24 @@ class PartitionFetcher:
                 if e.code not in RESEND:
                     raise self._named(e, request) from None
                 self._drop_data_port(e)
+                self._follow()
             except (OSError, ProtocolError) as e:  # the connection broke: the broker is stopping
                 self._drop_data_port(e)
+                self._follow()
             future = self._grpc(request, deadline)
         while True:
             try:
                 return future.result()
             except grpc.RpcError as e:
                 left = deadline - time.monotonic()
-                if e.code() not in RESEND or left <= 0:
+                moved = e.code() == grpc.StatusCode.CANCELLED and self.conn.retired  # its group's master moved
+                if (e.code() not in RESEND and not moved) or left <= 0:
                     late = "" if e.code() not in RESEND else \
                         f" (still failing after {self.timeout_setting}={round(self.timeout_s * 1000)})" \
                         if self.timeout_setting else f" (still failing after {self.timeout_s:g}s)"
                     raise self._named(to_error(e, self.conn.address), request, late) from None
             time.sleep(min(0.05, left))
+            self._follow()
             future = self._grpc(request, deadline)
 
     def fetch(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0) -> rawfetch.FetchReply:
@@ -92,9 +118,19 @@ class PartitionFetcher:
     def offsets(self) -> tuple:
         """(earliest, latest, log end) of the partition now: latest is the last stable offset, where
         readers stop; the log end is past it while a transaction is open."""
-        r = self.conn.call("GetOffsets", pb.GetOffsetsRequest(queries=[
-            pb.OffsetQuery(topic=self.topic, partition=self.number)]), retries=5).offsets[0]
-        return r.earliest, r.latest, r.log_end_offset
+        request = pb.GetOffsetsRequest(queries=[pb.OffsetQuery(topic=self.topic, partition=self.number)])
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                r = self.conn.call("GetOffsets", request, retries=0 if self._reroute else 5,
+                                   wait_for_ready=self._reroute is None).offsets[0]
+                return r.earliest, r.latest, r.log_end_offset
+            except BrokerError as e:  # not master (any more), down: its group's master may be elsewhere
+                moved = isinstance(e, BrokerUnavailableError) or self.conn.retired
+                if self._reroute is None or not moved or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+            self._follow()
 
     def close(self) -> None:
         if self._data is not None:
@@ -111,7 +147,7 @@ class PartitionFetcher:
     def _grpc(self, request, deadline: Optional[float] = None):
         wait = request.max_wait_ms / 1000
         timeout = self.timeout_s + wait if deadline is None else max(deadline - time.monotonic(), 0.001)
-        return self.conn.future("FetchRaw", request, timeout=timeout)
+        return self.conn.future("FetchRaw", request, timeout=timeout, wait_for_ready=self._reroute is None)
 
     def _drop_data_port(self, reason) -> None:
         if self._data is not None:

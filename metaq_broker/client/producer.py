@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from metaq_broker.client.base import ClientBase
+from metaq_broker.client.base import RESEND_WAIT, ClientBase
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
@@ -113,8 +113,19 @@ class _ResendingPut:
     def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str):
         self.producer, self.topic, self.name, self.body, self.xid = producer, topic, name, body, xid
         self.deadline = time.monotonic() + producer.pool.timeout
-        self._put = producer._start_put_once(topic, name, body, xid)
+        self._put = self._start()
         self.size = self._put.size
+
+    def _start(self):
+        """Send it; while its broker group has no master registered (a failover), wait for one."""
+        while True:
+            try:
+                return self.producer._start_put_once(self.topic, self.name, self.body, self.xid)
+            except InvalidPartitionError:
+                known = self.producer.cluster.known(parse_partition_name(self.name)[0])
+                if not known or time.monotonic() + RESEND_WAIT > self.deadline:
+                    raise
+            time.sleep(RESEND_WAIT)
 
     def result(self) -> "PutResult":
         while True:
@@ -125,13 +136,11 @@ class _ResendingPut:
                     raise
                 log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
             time.sleep(RESEND_WAIT)
-            self._put = self.producer._start_put_once(self.topic, self.name, self.body, self.xid)
+            self._put = self._start()
 
     def cancel(self) -> None:
         self._put.cancel()
 
-
-RESEND_WAIT = 0.1
 
 
 class Producer(ClientBase):
@@ -386,7 +395,7 @@ class Transaction:
         xid = self.xids.get(broker_id)
         if xid is None:
             xid = f"{self.prefix}@{broker_id}"
-            self.producer.connection(broker_id).call("BeginTransaction", pb.BeginTransactionRequest(
+            self.producer.call(broker_id, "BeginTransaction", pb.BeginTransactionRequest(
                 xid=xid, timeout_ms=self.timeout_ms, coordinator=self.coordinator))
             self.xids[broker_id] = xid
         return xid
@@ -400,7 +409,7 @@ class Transaction:
     def prepare(self) -> list:
         """Prepare (durably) on every broker touched; returns [[brokerId, xid], ...]."""
         for bid, xid in self.xids.items():
-            self.producer.connection(bid).call("PrepareTransaction", pb.TransactionRequest(xid=xid), retries=5)
+            self.producer.call(bid, "PrepareTransaction", pb.TransactionRequest(xid=xid), retries=5)
         return [[bid, xid] for bid, xid in sorted(self.xids.items())]
 
     def commit(self) -> None:

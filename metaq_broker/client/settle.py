@@ -35,7 +35,7 @@ def settle(client, xids: list, method: str, wait_s: float) -> None:
         for xid in by_broker[bid]:
             while True:
                 try:
-                    client.connection(bid).call(method, pb.TransactionRequest(xid=xid), retries=3)
+                    client.call(bid, method, pb.TransactionRequest(xid=xid), retries=3)
                     break
                 except (InvalidPartitionError, BrokerUnavailableError) as e:
                     if time.monotonic() > deadline:
@@ -55,7 +55,7 @@ def settle(client, xids: list, method: str, wait_s: float) -> None:
 def rollback_quietly(client, bid: int, xid: str) -> bool:
     """One rollback attempt; False (and a warning) if it could not be sent."""
     try:
-        client.connection(int(bid)).call(ROLLBACK, pb.TransactionRequest(xid=xid), timeout=10, retries=1)
+        client.call(int(bid), ROLLBACK, pb.TransactionRequest(xid=xid), timeout=10, retries=1)
         return True
     except Exception as e:  # noqa: BLE001 - best effort: the broker rolls back what is left
         log.warning("could not roll back transaction %s on broker %s (its broker will): %s", xid, bid, e)

@@ -1,0 +1,92 @@
+"""Issue 14: a Spark pipeline metaq -> Spark -> metaq on a replicated broker group, its master killed
+(kill -9) several times while the query runs. The source's tasks and planning, the sink's tasks and the
+driver's settlement find each new master by themselves; the query does not fail, and the output topic
+holds every input message exactly once."""
+import time
+from collections import Counter
+
+import pytest
+from conftest import wait_until
+from pyspark.sql import functions as F
+from spark_helpers import spark_builder
+
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.group import BrokerGroup
+
+PER_PARTITION = 1500
+TOPICS = {"in": {"numPartitions": 2}, "out": {"numPartitions": 2}}
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
+    import metaq_spark
+    session = spark_builder("local[2,4]", "metaq-replication-tests").getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    metaq_spark.register(session)
+    yield session
+    session.stop()
+
+
+def values_of(consumer, topic) -> Counter:
+    out = Counter()
+    for p, (start, end) in consumer.offsets(topic).items():
+        if end > start:
+            out.update(v.decode() for v in consumer.read_range(topic, p, start, end).column("value").to_pylist())
+    return out
+
+
+def settled(consumer, topic) -> bool:
+    return all(stable == end for _, stable, end in consumer.offset_bounds(topic).values())
+
+
+def test_exactly_once_pipeline_through_master_kills(spark, tmp_path, zookeeper, zk_root):
+    group = BrokerGroup(tmp_path / "group", 1, zookeeper.connect_string, zk_root, members=3, topics=TOPICS,
+                        settings={"transactionTimeout": 60_000}).start()
+    try:
+        group.wait_master()
+        group.wait_in_sync(range(3))
+        with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as producer:
+            wait_until(lambda: len(producer.cluster.topic_partitions("in")) == 2, what="topic in routed")
+            for p in ("1-0", "1-1"):
+                producer.send_batch("in", [f"{p}:{i}".encode() for i in range(PER_PARTITION)], partition=p)
+
+        @F.udf("string")
+        def slow(value):
+            time.sleep(0.002)  # the query runs for a while: the kills land in the middle of batches
+            return "out:" + value
+
+        df = (spark.readStream.format("metaq").option("metaq.zk.connect", zookeeper.connect_string)
+              .option("metaq.zk.root", zk_root).option("subscribe", "in").option("maxOffsetsPerTrigger", 300)
+              .option("commitOffsets", "false").load())
+        out = df.select(slow(F.col("value").cast("string")).alias("value"))
+        q = (out.writeStream.format("metaq").option("metaq.zk.connect", zookeeper.connect_string)
+             .option("metaq.zk.root", zk_root).option("topic", "out")
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+
+        kills = []
+        for after_batch in (1, 4, 7):
+            wait_until(lambda: q.lastProgress is not None and q.lastProgress["batchId"] >= after_batch
+                       or not q.isActive, timeout=180, what=f"batch {after_batch}")
+            if not q.isActive:
+                break
+            master = group.wait_master(timeout=30)
+            group.members[master].kill()
+            kills.append(master)
+            group.wait_master(timeout=30, other_than=master)
+            group.members[master].start()  # it rejoins as a replica and catches up
+            group.wait_in_sync(range(3), timeout=60)
+        q.awaitTermination(300)
+        assert q.exception() is None, q.exception()
+        assert len(kills) == 3, f"the query ended after {len(kills)} kills: make it longer"
+        assert group.state()["epoch"] >= 4
+
+        with Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
+            wait_until(lambda: settled(consumer, "out"), timeout=60, what="every transaction on out settled")
+            values = values_of(consumer, "out")
+        want = Counter(f"out:{p}:{i}" for p in ("1-0", "1-1") for i in range(PER_PARTITION))
+        assert values == want, (f"missing {sum((want - values).values())}, "
+                                f"duplicated {sum((values - want).values())}")
+    finally:
+        group.stop()
