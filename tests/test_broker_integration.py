@@ -73,7 +73,7 @@ def test_two_brokers_host_one_topic(cluster):
     for bid in (1, 2):
         cluster.start_broker(bid, settings={"numPartitions": 2})
     with cluster.client(Admin) as admin, cluster.client(Producer) as producer, cluster.client(Consumer) as consumer:
-        wait_until(lambda: len(admin.brokers()) == 2, what="two brokers")
+        wait_until(lambda: len(admin.masters()) == 2, what="two brokers")
         assert sorted(admin.create_topic("shared", 2)) == ["1-0", "1-1", "2-0", "2-1"]
         wait_until(lambda: len(producer.cluster.topic_partitions("shared")) == 4, what="four partitions")
         for i in range(8):  # no keys: each call goes to the next partition, round robin

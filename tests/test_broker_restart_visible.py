@@ -34,6 +34,10 @@ def test_a_restarted_broker_is_shown_starting_until_its_old_session_expires(clus
             ["0", first.address, "live"], ["1", cluster.brokers[1].address, "live"]]
 
         first.kill()  # no deregistration: ZooKeeper keeps broker 0's node until the session times out
+        # A restart on the same data would take its dead run's nodes over at once (docs/replication.md,
+        # "Restart right after a crash"); a new lock file (another inode) is a run that cannot prove it: it waits.
+        lock = first.workdir / "data" / "replication" / "lock"
+        lock.rename(lock.with_name("lock.old"))
         restarted = {}
         restart = threading.Thread(target=lambda: restarted.setdefault("b", cluster.start_broker(0, settings)))
         restart.start()

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
                                 reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
 SHOTS = Path(__file__).resolve().parent.parent / "docs" / "console"
 TOPIC = "orders"
-BROKER2 = {"numPartitions": 2, "zk.sessionTimeout": 8000}  # long enough to see it restart after a kill
+BROKER2 = {"numPartitions": 2, "zk.sessionTimeout": 12000}  # long enough to see it restart after a kill
 
 
 def start_console(zk_connect, zk_root, *args):
@@ -133,7 +133,7 @@ def n(x):
 def test_brokers_page_lists_live_brokers(env, browser):
     c, admin, _, url = env
     open_page(browser, url, "brokers")
-    for bid, addr in admin.brokers().items():
+    for bid, addr in admin.masters().items():
         assert cell(browser, f'tr[data-broker="{bid}"]', "address") == addr
         assert cell(browser, f'tr[data-broker="{bid}"]', "state") == "live"
         assert cell(browser, f'tr[data-broker="{bid}"]', "version")
@@ -254,7 +254,7 @@ def test_static_broker_list_without_zookeeper(env):
     """``metaq --brokers ... console``: brokers and topics from the brokers themselves, groups explained."""
     from metaq_broker.console.collector import Clients, Collector
     c, admin, _, url = env
-    clients = Clients(None, "/meta", ",".join(f"{b}={a}" for b, a in sorted(admin.brokers().items())))
+    clients = Clients(None, "/meta", ",".join(f"{b}={a}" for b, a in sorted(admin.masters().items())))
     try:
         snap = Collector(clients).collect()
     finally:
@@ -272,6 +272,8 @@ def test_a_restarted_and_a_stopped_broker_show_on_the_pages(env, browser):
     wait_until(lambda: texts(browser, "#card-groups .value") == [str(len(admin.groups()))], what="the groups counted")
     screenshot(browser, "brokers")
     c.brokers[2].kill()  # its ZooKeeper node stays until the session expires (BROKER2["zk.sessionTimeout"])
+    lock = c.brokers[2].workdir / "data" / "replication" / "lock"  # a new lock file: the restart cannot take
+    lock.rename(lock.with_name("lock.old"))  # its dead run's nodes over (docs/replication.md), so it waits
     restart = threading.Thread(target=c.start_broker, args=(2, BROKER2))
     restart.start()
     try:

@@ -237,33 +237,132 @@ def environment(service: dict) -> dict:
         {k: str(v) for k, v in env.items()}
 
 
-def test_compose_has_zookeeper_two_brokers_and_the_spark_job():
+def compose_members(spec: dict) -> dict:
+    """{service name: service} of the services built from the broker image."""
+    return {name: s for name, s in spec["services"].items()
+            if s.get("build", {}).get("dockerfile") == "docker/Dockerfile"}
+
+
+def container_env(service: dict) -> dict:
+    """The METAQ_* variables a container of ``service`` sees: the image's ENV, then the service's."""
+    return {**dockerfile_env(DOCKER / "Dockerfile"), **environment(service)}
+
+
+def test_compose_has_zookeeper_a_group_of_three_and_the_spark_job():
     spec = compose()
     services = spec["services"]
     zk = services["zookeeper"]
     assert zk["image"] == "zookeeper:3.9" and zk["healthcheck"]["test"]
-    brokers = {name: s for name, s in services.items() if s.get("build", {}).get("dockerfile") == "docker/Dockerfile"}
-    assert len(brokers) == 2
-    ids = set()
-    for name, s in brokers.items():
+    members = compose_members(spec)
+    assert len(members) == 3
+    for name, s in members.items():
         assert (DOCKER / s["build"]["context"] / "setup.py").is_file()
         env = environment(s)
-        container.config_from_env(env)  # every variable is one the entrypoint accepts
-        ids.add(env["METAQ_BROKER_ID"])
-        assert env["METAQ_HOST_NAME"] == name and env["METAQ_ZK_CONNECT"] == "zookeeper:2181"
+        assert env["METAQ_HOST_NAME"] == name == s["hostname"] and env["METAQ_ZK_CONNECT"] == "zookeeper:2181"
         targets = {str(p).rsplit(":", 1)[-1] for p in s["ports"]}
-        assert {"8123", "8125", "9123"} <= targets
+        assert {"8123", "8125", "9123"} <= targets  # gRPC, the data port replicas copy through, metrics
         volume, path = s["volumes"][0].split(":")[:2]
         assert path == "/var/lib/metaq" and volume in spec["volumes"]
         assert s["healthcheck"]["test"] == ["CMD", "python", "-m", "metaq_broker.tools.container", "health"]
         assert s["depends_on"] == {"zookeeper": {"condition": "service_healthy"}}
-    assert len(ids) == 2
-    assert len({s["volumes"][0] for s in brokers.values()}) == 2
+    # one group: the same brokerId, replicaId 0, 1, 2, nothing on the host shared
+    envs = [environment(s) for s in members.values()]
+    assert {e["METAQ_BROKER_ID"] for e in envs} == {"1"}
+    assert sorted(e["METAQ_REPLICA_ID"] for e in envs) == ["0", "1", "2"]
+    host_ports = [str(p).rsplit(":", 1)[0] for s in services.values() for p in s.get("ports", [])]
+    assert len(host_ports) == len(set(host_ports)) == 1 + 3 * 3, host_ports
+    assert len({s["volumes"][0].split(":")[0] for s in members.values()}) == 3
     job = services["spark-job"]
     assert job["build"]["dockerfile"] == "docker/spark-job.Dockerfile"
     assert (DOCKER / job["build"]["context"] / job["build"]["dockerfile"]).is_file()
-    assert job["depends_on"] == {name: {"condition": "service_healthy"} for name in brokers}
+    assert job["depends_on"] == {name: {"condition": "service_healthy"} for name in members}
     assert environment(job)["METAQ_ZK"] == "zookeeper:2181"
+    assert environment(job)["PIPELINE_BROKERS"] == "1"  # a group is one broker: only its master is listed
+
+
+def test_compose_members_load_as_one_group_through_the_config_loader(tmp_path):
+    """Each member's variables, over the image's ENV as a container sees them, through the entrypoint's
+    mapping and the broker's own loader: one brokerId, its own replicaId and host, the same topic defaults."""
+    configs = {}
+    for name, s in compose_members(compose()).items():
+        path = tmp_path / f"{name}.ini"
+        path.write_text(container.config_from_env(container_env(s)))
+        configs[name] = load(str(path))
+    assert sorted((c.broker_id, c.replica_id, c.host_name) for c in configs.values()) == \
+        [(1, 0, "broker1-0"), (1, 1, "broker1-1"), (1, 2, "broker1-2")]
+    for c in configs.values():
+        assert (c.server_port, c.data_port, c.metrics_port, c.data_path) == (8123, 8125, 9123, "/var/lib/metaq")
+        assert (c.zk_connect, c.zk_root) == ("zookeeper:2181", "/meta")
+        t = c.topic_defaults
+        assert (t.num_partitions, t.min_insync_replicas) == (2, 2)
+    first = next(iter(configs.values()))
+    assert all(c.topic_defaults == first.topic_defaults for c in configs.values())  # the same topics everywhere
+
+
+def test_compose_members_form_a_group_through_the_real_entrypoint(tmp_path, zookeeper, zk_root):
+    """The three members' variables, with only what a single host forces changed (loopback, free ports, a
+    data directory each, the test's ZooKeeper), started through the real entrypoint: one master is elected,
+    the other two join the in-sync set, and an acks=all put is acknowledged and read back."""
+    from kazoo.client import KazooClient
+
+    from metaq_broker.client.consumer import Consumer
+    from metaq_broker.client.producer import Producer
+    from metaq_broker.zk.paths import ZkPaths
+
+    procs, logs = [], []
+    try:
+        for name, s in compose_members(compose()).items():
+            env = clean_env(**{**container_env(s), **dict(
+                METAQ_HOST_NAME="127.0.0.1", METAQ_SERVER_PORT=str(free_port()), METAQ_DATA_PORT=str(free_port()),
+                METAQ_METRICS_PORT=str(free_port()), METAQ_DATA_PATH=str(tmp_path / name),
+                METAQ_ZK_CONNECT=zookeeper.connect_string, METAQ_ZK_ROOT=zk_root, TMPDIR=str(tmp_path),
+                PYTHONUNBUFFERED="1")})
+            logs.append(open(tmp_path / f"{name}.log", "w+"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "metaq_broker.tools.container"], env=env,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT))
+        kz = KazooClient(hosts=zookeeper.connect_string)
+        kz.start(15)
+        try:
+            state_path = ZkPaths(zk_root).group_state(1)
+            deadline = time.monotonic() + 90
+            while True:
+                state = json.loads(kz.get(state_path)[0]) if kz.exists(state_path) else None
+                if state and sorted(r for r, _ in state["isr"]) == [0, 1, 2]:
+                    break
+                assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.log").read_text()[-2000:]
+                                                             for n in compose_members(compose())]
+                assert time.monotonic() < deadline, f"no in-sync set of three: {state}"
+                time.sleep(0.2)
+            assert state["master"] in (0, 1, 2) and state["epoch"] >= 1
+        finally:
+            kz.stop()
+            kz.close()
+        with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root, acks="all", timeout=60) as producer, \
+                Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
+            with Admin(zk_connect=zookeeper.connect_string, zk_root=zk_root) as admin:
+                assert sorted(admin.create_topic("events")) == ["1-0", "1-1"]
+            deadline = time.monotonic() + 60
+            while len(producer.partitions("events")) != 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            sent = [b"event %d" % i for i in range(100)]
+            assert sum(r.count for r in producer.send_batch("events", sent)) == 100
+            got = []
+            for name, (start, end) in consumer.offsets("events").items():
+                got += consumer.read_range("events", name, start, end).column("value").to_pylist()
+            assert sorted(got) == sorted(sent)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
 
 
 # -- docker/README.md ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Replicated groups under the faults users meet: a master frozen past its session timeout (fencing),
 too few in-sync members for ``minInSyncReplicas`` (and ``acks=1``), a replica whose data directory was
-wiped, and a master that wrote past the high watermark before it died (divergence, truncation)."""
+wiped, a master that wrote past the high watermark before it died (divergence, truncation), an unclean
+election, and a member restarted at once after a crash."""
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import pytest
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotEnoughReplicasError,
                                           RemoteNotMasterError)
@@ -149,3 +151,97 @@ def test_an_old_master_cuts_what_it_wrote_past_the_high_watermark(group):
     group.stop()
     logs = [log_bytes(m.workdir / "data") for m in group.members]
     assert logs[0] == logs[1] == logs[2]
+
+
+def test_unclean_election_only_when_enabled(tmp_path, zookeeper, zk_root):
+    """A group of two whose only in-sync member dies for good while the other is out of sync (frozen past
+    replicaLagMaxMs): by default it stays without master and says why; restarted with uncleanElection=true
+    the out-of-sync member takes over, the state says unclean, and what only the dead master had is lost."""
+    g = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=2, topics=TOPICS,
+                    settings={"replicaLagMaxMs": 1500}).start()
+    try:
+        master = g.wait_master()
+        g.wait_in_sync(range(2))
+        other = 1 - master
+        producer, consumer = clients(g)
+        with producer, consumer:
+            wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
+            producer.send_batch("orders", [b"both-%d" % i for i in range(20)])
+            os.kill(g.members[other].proc.pid, signal.SIGSTOP)
+            wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master], timeout=20, what="replica left the set")
+            producer.send_batch("orders", [b"alone-%d" % i for i in range(20)])  # acknowledged by the master alone
+        g.members[master].kill()
+        os.kill(g.members[other].proc.pid, signal.SIGCONT)
+        wait_until(lambda: g.zk.exists(g.paths.group_replica(1, master)) is None, timeout=30,
+                   what="the dead master's session expired")
+        time.sleep(3 * 1.5)  # three times replicaLagMaxMs: an unclean election would have happened by now
+        assert g.master_id() is None and g.state()["master"] == master
+        with Producer(brokers={1: g.members[other].address}, timeout=1.0) as direct:
+            with pytest.raises(RemoteNotMasterError) as refused:
+                direct.send_batch("orders", [b"refused"], partition="1-0")
+        message = str(refused.value)
+        assert "group 1 has no master" in message and f"in-sync set [{master}]" in message
+        assert "uncleanElection=false" in message
+
+        g.members[other].stop()
+        g.members[other].settings["uncleanElection"] = "true"
+        g.members[other].start()
+        assert g.wait_master(timeout=30) == other
+        state = g.state()
+        assert state["unclean"] and [r for r, _ in state["isr"]] == [other] and state["master"] == other
+        assert "WITHOUT being in sync" in g.members[other].log_path.read_text()
+        producer, consumer = clients(g)
+        with producer, consumer:
+            wait_until(lambda: producer.cluster.brokers().get(1) == g.members[other].address, what="new master seen")
+            producer.send_batch("orders", [b"after-%d" % i for i in range(5)])
+            seen = read_all(consumer)
+        assert sorted(seen) == sorted([b"both-%d" % i for i in range(20)] + [b"after-%d" % i for i in range(5)])
+    finally:
+        for m in g.members:
+            if m.proc is not None and m.proc.poll() is None:
+                os.kill(m.proc.pid, signal.SIGCONT)
+        g.stop()
+
+
+def test_a_member_restarted_at_once_takes_over_its_own_stale_nodes(tmp_path, zookeeper, zk_root):
+    """kill -9 then restart at once: the new process holds the data directory's lock, so the nodes the old
+    session still holds are a dead run's: it deletes them and is master again without waiting for the
+    session to expire. A copy of the data directory (same uuid, another lock) never takes over, and a second
+    process on the same data directory is refused."""
+    g = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=1, topics=TOPICS,
+                    settings={"zk.sessionTimeout": 10000}).start()
+    try:
+        assert g.wait_master() == 0
+        m = g.members[0]
+        producer, consumer = clients(g)
+        with producer, consumer:
+            wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
+            producer.send_batch("orders", [b"before-%d" % i for i in range(20)])
+            old_session = g.zk.exists(g.paths.broker(1)).ephemeralOwner
+            epoch = g.state()["epoch"]
+            m.kill()
+            m.start()
+            assert g.wait_master() == 0
+            assert g.zk.exists(g.paths.broker(1)).ephemeralOwner != old_session and g.state()["epoch"] > epoch
+            text = m.log_path.read_text()
+            assert f"from ZooKeeper session 0x{old_session:x}" in text and "waiting for it to expire" not in text
+            producer.send_batch("orders", [b"after-%d" % i for i in range(5)])
+            assert len(read_all(consumer)) == 25
+
+            owner = g.zk.exists(g.paths.broker(1)).ephemeralOwner
+            keys = {k: v for k, v in m.settings.items() if k not in ("serverPort", "dataPath")}
+            copy = BrokerProcess(tmp_path / "copy", 1, g.zk_connect, settings=keys)
+            shutil.copytree(m.workdir / "data", tmp_path / "copy" / "data")
+            with pytest.raises(RuntimeError, match="exited with code 2"):
+                copy.start(timeout=60)
+            assert "already registered" in copy.log_path.read_text()
+            same = BrokerProcess(tmp_path / "same", 1, g.zk_connect,
+                                 settings={k: v for k, v in m.settings.items() if k != "serverPort"})
+            with pytest.raises(RuntimeError, match="exited with code 2"):
+                same.start(timeout=60)
+            assert "is in use by another running broker" in same.log_path.read_text()
+            assert g.zk.exists(g.paths.broker(1)).ephemeralOwner == owner
+            producer.send_batch("orders", [b"still-%d" % i for i in range(5)])
+            assert len(read_all(consumer)) == 30
+    finally:
+        g.stop()

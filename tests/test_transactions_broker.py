@@ -81,7 +81,7 @@ def test_prepared_survives_a_broker_crash(cluster):
     broker.kill()
     start(cluster)
     with cluster.client(Admin) as admin:
-        wait_until(lambda: 1 in admin.brokers(), what="broker back")
+        wait_until(lambda: 1 in admin.masters(), what="broker back")
         [prepared] = admin.prepared_transactions(1)
         assert (prepared.xid, prepared.messages) == ("crash@1", 100)
     assert visible(cluster, "t", "1-0") == []

@@ -1,6 +1,7 @@
 """A replicated broker group's ZooKeeper state (zk/groups.py) against a real ZooKeeper: the first election
 creates it, two members racing on the same state give exactly one master, a stale in-sync write fails,
-member nodes, resigning."""
+member nodes, resigning, taking over the nodes of a dead previous run."""
+import json
 import threading
 
 import pytest
@@ -176,3 +177,24 @@ def test_member_nodes(clients):
     assert a.get(paths.group_replica(7, 0))[1].ephemeralOwner == a.client_id[0]
     a.stop()  # ephemeral: gone with the session
     assert groups.members(b, paths, 7) == {1: {"host": "h", "port": 3, "uuid": U1}}
+
+
+def test_take_over_stale_deletes_only_nodes_naming_this_run(clients):
+    """A restarted member deletes the member and master nodes its dead previous run's session holds: only
+    where replicaId, uuid and instance (the locked data directory) are its own, never its own session's."""
+    make, paths = clients
+    old, new, other = make(), make(), make()
+    mine = {"replicaId": 0, "uuid": U0, "instance": "boot:1:42"}
+    groups.register_member(old, paths, 8, 0, mine)
+    groups.elect(old, paths, 8, 0, U0, json.dumps(mine).encode(), None)
+    groups.register_member(other, paths, 8, 1, {"replicaId": 1, "uuid": U1, "instance": "boot:1:42"})
+    for instance, uuid in (("boot:1:43", U0), ("other-boot:1:42", U0), ("boot:1:42", U2)):  # a copy, or wiped
+        assert groups.take_over_stale(new, paths, 8, 0, uuid, instance) == []
+    assert old.exists(paths.broker(8)) is not None and old.exists(paths.group_replica(8, 0)) is not None
+    assert groups.take_over_stale(old, paths, 8, 0, U0, "boot:1:42") == []  # its own session: nothing stale
+    taken = groups.take_over_stale(new, paths, 8, 0, U0, "boot:1:42")
+    assert taken == [(paths.group_replica(8, 0), old.client_id[0]), (paths.broker(8), old.client_id[0])]
+    assert new.exists(paths.broker(8)) is None and new.exists(paths.group_replica(8, 0)) is None
+    assert new.exists(paths.group_replica(8, 1)) is not None  # another member's node stays
+    groups.register_member(new, paths, 8, 0, mine)  # the restarted run registers at once
+    assert groups.take_over_stale(new, paths, 8, 0, U0, "boot:1:42") == []

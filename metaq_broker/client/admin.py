@@ -1,15 +1,19 @@
 """Administration across brokers: topics, partitions, offsets, consumer groups and their lag, stats."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Iterable, Optional, Union
 
+from kazoo.exceptions import NoNodeError
+
 from metaq_broker.client.base import ClientBase
-from metaq_broker.errors import InvalidPartitionError, OffsetOutOfRangeError
+from metaq_broker.errors import InvalidPartitionError, MetaqError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
+from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk import topic_entries
 from metaq_broker.zk.starting import waiting_brokers
 
@@ -73,8 +77,94 @@ class BrokerStatus:
 
 
 class Admin(ClientBase):
-    def brokers(self) -> dict:
+    def masters(self) -> dict:
+        """{brokerId: "host:port"} of every live broker (group), at its master: where clients route."""
         return dict(self.cluster.brokers())
+
+    def brokers(self) -> list:
+        """One dict per member of every live broker group (a broker without replicas is a group of one),
+        by brokerId and replicaId: ``brokerId``, ``replicaId``, ``address``, ``dataAddress``, ``role``
+        (master, replica, starting, down; electing while the group has no master), ``epoch``, ``inSync``,
+        ``lagMessages`` (offsets the member is behind the master's log end, summed over partitions; None
+        when unknown) and ``error`` (why the master did not describe the group: the other fields then come
+        from ZooKeeper, without lag). The master answers ``DescribeGroup``, asked once: a listing must not
+        wait for an election."""
+        masters = self.masters()
+        rows = []
+        for bid in sorted(set(masters) | set(self._masterless_groups())):
+            rows.extend(self._group_rows(bid, masters.get(bid)))
+        return rows
+
+    def _group_rows(self, bid: int, address: Optional[str]) -> list:
+        error = "no master"
+        for attempt in range(2):  # again once at the master ZooKeeper names now, if it moved meanwhile
+            if address is None:
+                break
+            try:
+                conn = self.connection(bid) if attempt == 0 else self.pool.get(address)
+                d = conn.call("DescribeGroup", pb.DescribeGroupRequest(), timeout=min(self.pool.timeout, 5.0),
+                              retries=1, wait_for_ready=False)  # a dead master fails now, not at the timeout
+                return [_member_row(bid, d.epoch, m, address if m.role == "master" else "") for m in d.members]
+            except MetaqError as e:
+                if getattr(e, "code", None) is not None and e.code.name == "UNIMPLEMENTED":  # an older broker
+                    return [_member_row(bid, 0, pb.GroupMemberInfo(role="master", in_sync=True), address)]
+                error = str(e)
+            moved = self._master_address(bid)
+            address = moved if moved != address else None
+        if self.cluster.zk is None:
+            return [{"brokerId": bid, "replicaId": None, "address": address or "", "dataAddress": "",
+                     "role": "not answering", "epoch": None, "inSync": None, "lagMessages": None, "error": error}]
+        return self._zk_group_rows(bid, error)
+
+    def _zk_group_rows(self, bid: int, error: str) -> list:
+        """A group's members as ZooKeeper has them (state, member nodes, the master node), without lag."""
+        zk, paths = self.cluster.zk, self.cluster.paths
+        state = zk_groups.read_state(zk, paths, bid)
+        live = zk_groups.members(zk, paths, bid)
+        starting = set(_children(zk, paths.group_startings(bid)))
+        try:
+            master = json.loads(zk.get(paths.broker(bid))[0]).get("replicaId", 0)
+        except NoNodeError:
+            master = None
+        ids = set(live) | starting | (set(state.replicas) if state is not None else set())
+        if master is not None:
+            ids.add(master)
+        rows = []
+        for r in sorted(ids):
+            node = live.get(r, {})
+            host = node.get("host", "")
+            role = ("master" if r == master else "starting" if r in starting else
+                    ("replica" if master is not None else "electing") if r in live else "down")
+            rows.append({"brokerId": bid, "replicaId": r,
+                         "address": f"{host}:{node['port']}" if node.get("port") else "",
+                         "dataAddress": f"{host}:{node['dataPort']}" if node.get("dataPort") else "",
+                         "role": role, "epoch": state.epoch if state is not None else 0,
+                         "inSync": r in state.isr_ids if state is not None else r == master,
+                         "lagMessages": 0 if r == master else None, "error": error})
+        return rows
+
+    def _master_address(self, bid: int) -> Optional[str]:
+        """``host:port`` in ``/brokers/ids/<bid>`` now (not the cached view); None without it or ZooKeeper."""
+        if self.cluster.zk is None:
+            return None
+        try:
+            node = json.loads(self.cluster.zk.get(self.cluster.paths.broker(bid))[0])
+        except NoNodeError:
+            return None
+        return f"{node.get('host')}:{node.get('port')}"
+
+    def _masterless_groups(self) -> list:
+        """Broker ids of groups with live (or starting) members but no master now; [] without ZooKeeper."""
+        zk, paths = self.cluster.zk, self.cluster.paths
+        if zk is None:
+            return []
+        masters = self.masters()
+        out = []
+        for name in _children(zk, paths.broker_groups()):
+            if name.isdigit() and int(name) not in masters and (
+                    _children(zk, paths.group_members(int(name))) or _children(zk, paths.group_startings(int(name)))):
+                out.append(int(name))
+        return out
 
     def topics(self) -> dict:
         """{topic: [partition names]} over live brokers."""
@@ -83,13 +173,13 @@ class Admin(ClientBase):
     def describe(self, topic: str) -> list:
         out = []
         for bid in sorted({b for b, _ in self.cluster.topic_partitions(topic)}):
-            d = self.connection(bid).call("DescribeTopic", pb.TopicRequest(topic=topic), retries=3)
+            d = self.call(bid, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3)
             out.extend(PartitionInfo(topic, p.name, bid, p.earliest, p.latest, p.bytes, p.segments, p.closed)
                        for p in d.partitions)
         return out
 
     def topic_config(self, topic: str, broker_id: int) -> dict:
-        return dict(self.connection(broker_id).call("DescribeTopic", pb.TopicRequest(topic=topic), retries=3).config)
+        return dict(self.call(broker_id, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3).config)
 
     def create_topic(self, topic: str, num_partitions: int = 0, broker_ids: Optional[list] = None,
                      config: Optional[dict] = None) -> list:
@@ -99,26 +189,26 @@ class Admin(ClientBase):
         if not ids:
             raise RuntimeError("no live broker to create the topic on")
         for bid in ids:
-            self.connection(bid).call("CreateTopic", pb.CreateTopicRequest(
+            self.call(bid, "CreateTopic", pb.CreateTopicRequest(
                 topic=topic, num_partitions=num_partitions, config={k: str(v) for k, v in (config or {}).items()}))
         return [p for bid in ids for p in self._describe_on(bid, topic)]
 
     def _describe_on(self, bid: int, topic: str) -> list:
-        d = self.connection(bid).call("DescribeTopic", pb.TopicRequest(topic=topic), retries=3)
+        d = self.call(bid, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3)
         return [p.name for p in d.partitions]
 
     def close_partitions(self, topic: str, broker_id: int, start: int, end: int) -> None:
-        self.connection(broker_id).call("ClosePartitions", pb.PartitionRangeRequest(topic=topic, start=start, end=end))
+        self.call(broker_id, "ClosePartitions", pb.PartitionRangeRequest(topic=topic, start=start, end=end))
 
     def open_partitions(self, topic: str, broker_id: int) -> None:
-        self.connection(broker_id).call("OpenPartitions", pb.TopicRequest(topic=topic))
+        self.call(broker_id, "OpenPartitions", pb.TopicRequest(topic=topic))
 
     def stats(self, broker_id: int, topic: str = "") -> pb.StatsResponse:
-        return self.connection(broker_id).call("Stats", pb.StatsRequest(topic=topic), retries=3)
+        return self.call(broker_id, "Stats", pb.StatsRequest(topic=topic), retries=3)
 
     def prepared_transactions(self, broker_id: int) -> list:
         """The broker's prepared transactions awaiting an outcome (XA recover)."""
-        return list(self.connection(broker_id).call("RecoverTransactions", pb.RecoverTransactionsRequest(),
+        return list(self.call(broker_id, "RecoverTransactions", pb.RecoverTransactionsRequest(),
                                                     retries=3).transactions)
 
     # -- groups ---------------------------------------------------------------------------------------
@@ -198,8 +288,9 @@ class Admin(ClientBase):
 
     # -- brokers, starting ones included (``metaq brokers``) ------------------------------------------
     def brokers_status(self) -> list:
-        """Every broker, live or starting (waiting for its crashed previous run's ZooKeeper session to
-        expire: ``<root>/brokers/starting``), by id. A static broker list knows only live ones."""
+        """Every broker, live, starting (waiting for its crashed previous run's ZooKeeper session to
+        expire: ``<root>/brokers/starting``) or a replicated group with live members but ``no master`` now,
+        by id. A static broker list knows only live ones."""
         zk = self.cluster.zk
         if zk is None:
             return [BrokerStatus(bid, addr, "live") for bid, addr in sorted(self.cluster.brokers().items())]
@@ -207,6 +298,8 @@ class Admin(ClientBase):
         for bid, info in waiting_brokers(zk, self.cluster.paths).items():
             out[bid] = BrokerStatus(bid, info.get("address", ""), "starting", info.get("since"),
                                     info.get("expectedExpiry"))
+        for bid in self._masterless_groups():  # members alive, none master: an election, or none may stand
+            out.setdefault(bid, BrokerStatus(bid, "", "no master"))
         return [out[bid] for bid in sorted(out)]
 
     def forget_broker(self, broker_id: int) -> list:
@@ -223,3 +316,17 @@ class Admin(ClientBase):
         for topic in topics:
             topic_entries.delete(zk, self.cluster.paths, topic, broker_id)
         return topics
+
+
+def _children(zk, path: str) -> list:
+    try:
+        return zk.get_children(path)
+    except NoNodeError:
+        return []
+
+
+def _member_row(bid: int, epoch: int, m, address: str) -> dict:
+    """A ``GroupMemberInfo`` as a row of ``Admin.brokers``; ``address`` where the member does not say."""
+    return {"brokerId": bid, "replicaId": m.replica_id, "address": m.address or address,
+            "dataAddress": m.data_address, "role": m.role, "epoch": epoch, "inSync": m.in_sync,
+            "lagMessages": None if m.lag_offsets < 0 else m.lag_offsets, "error": None}

@@ -8,7 +8,7 @@ from typing import Iterable, Mapping, Optional, Union
 
 from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.connection import BrokerConnection, ConnectionPool
-from metaq_broker.errors import AuthenticationError, InvalidPartitionError, UnknownTopicError
+from metaq_broker.errors import AuthenticationError, InvalidPartitionError, NotMasterError, UnknownTopicError
 from metaq_broker.protocol.services import groups_path
 from metaq_broker.protocol.status import STORED_NOTHING, BrokerError, BrokerUnavailableError
 from metaq_broker.names import parse_partition_name, partition_name
@@ -122,6 +122,8 @@ class ClientBase:
                     raise
                 error = None
             except STORED_NOTHING as e:
+                if isinstance(e, NotMasterError) and self.cluster.zk is None:
+                    raise  # a static broker list names no other member to find the master at
                 error = e
             except BrokerError as e:
                 if conn is None or not conn.retired:
@@ -135,8 +137,9 @@ class ClientBase:
             time.sleep(RESEND_WAIT)
 
     def _master_of(self, broker_id: int) -> Optional[tuple]:
-        """(connection, data port address) of the broker group's master now; None while it has none."""
-        if broker_id not in self.cluster.brokers():
+        """(connection, data port address) of the broker group's master now; None while it has none (or
+        this client has a static broker list: nothing to look it up in)."""
+        if self.cluster.zk is None or broker_id not in self.cluster.brokers():
             return None
         return self.connection(broker_id), self.data_address(broker_id)
 

@@ -74,7 +74,8 @@ class Consumer(ClientBase):
         readers (the Spark source) add the broker's data port."""
         conn, number = self.route(partition)
         r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes,
-                             reroute=functools.partial(self._master_of, parse_partition_name(partition)[0])).fetch(
+                             reroute=functools.partial(self._master_of, parse_partition_name(partition)[0]),
+                             wait_for_master=self.cluster.zk is not None).fetch(
             offset, max_messages or 0, max_wait_ms)
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)

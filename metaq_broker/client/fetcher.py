@@ -22,6 +22,7 @@ import grpc
 
 from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
+from metaq_broker.errors import NotMasterError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawfetch
 from metaq_broker.protocol.dataport import ProtocolError
@@ -39,12 +40,13 @@ class PartitionFetcher:
 
     def __init__(self, conn: BrokerConnection, topic: str, partition: str, number: int, timeout_s: float,
                  max_bytes: int, data_pool: Optional[DataConnectionPool] = None, data_address: Optional[str] = None,
-                 timeout_setting: str = "", reroute: Optional[Route] = None):
+                 timeout_setting: str = "", reroute: Optional[Route] = None, wait_for_master: bool = True):
         self.topic, self.partition, self.number = topic, partition, number
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
         self.timeout_setting = timeout_setting  # the user's name for timeout_s in errors (in ms), e.g. fetchTimeoutMs
         self._data_pool = data_pool
         self._reroute = reroute
+        self.wait_for_master = wait_for_master  # False: ``not master:`` is final (a static list: nowhere to look)
         self._data: Optional[DataConnection] = None
         self._use(conn, data_address)
 
@@ -103,11 +105,13 @@ class PartitionFetcher:
             except grpc.RpcError as e:
                 left = deadline - time.monotonic()
                 moved = e.code() == grpc.StatusCode.CANCELLED and self.conn.retired  # its group's master moved
-                if (e.code() not in RESEND and not moved) or left <= 0:
+                error = to_error(e, self.conn.address)
+                if (e.code() not in RESEND and not moved) or left <= 0 or (
+                        isinstance(error, NotMasterError) and not self.wait_for_master):
                     late = "" if e.code() not in RESEND else \
                         f" (still failing after {self.timeout_setting}={round(self.timeout_s * 1000)})" \
                         if self.timeout_setting else f" (still failing after {self.timeout_s:g}s)"
-                    raise self._named(to_error(e, self.conn.address), request, late) from None
+                    raise self._named(error, request, late) from None
             time.sleep(min(0.05, left))
             self._follow()
             future = self._grpc(request, deadline)

@@ -74,7 +74,14 @@ class _GrpcPut:
         self._future = conn.future("PutRaw", request)
 
     def result(self) -> "PutResult":
-        r = _wait(self.conn, self._future)
+        try:
+            r = self._future.result()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and self.conn.retired:
+                raise BrokerUnavailableError(
+                    grpc.StatusCode.UNAVAILABLE, f"the master of {self.name} moved while this put to it of "
+                    f"{self.topic!r} waited for an answer: it may or may not be stored", self.conn.address) from None
+            raise to_error(e, self.conn.address) from None
         return PutResult(self.topic, self.name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
 
     def cancel(self) -> None:
@@ -417,13 +424,6 @@ class Transaction:
 
     def rollback(self) -> None:
         settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
-
-
-def _wait(conn, fut):
-    try:
-        return fut.result()
-    except grpc.RpcError as e:
-        raise to_error(e, conn.address) from None
 
 
 def _columns(values, keys, attributes, flags) -> list:

@@ -126,7 +126,8 @@ class Collector:
         self._thread: Optional[threading.Thread] = None
         self._collecting_since: Optional[float] = None  # monotonic time the snapshot under way began
         self.snapshot: dict = {"time": None, "interval": interval, "target": clients.describe_target(),
-                               "connecting": True, "errors": [], "brokers": [], "topics": [], "groups": [],
+                               "connecting": True, "errors": [], "brokers": [], "members": [], "topics": [],
+                               "groups": [],
                                "transactions": {"prepared": [], "unsettled": [], "note": TXN_NOTE}}
 
     # -- the sampler thread -----------------------------------------------------------------------------
@@ -181,7 +182,8 @@ class Collector:
     def collect(self) -> dict:
         now = self.clock()
         snap = {"time": now, "interval": self.interval, "target": self.clients.describe_target(),
-                "connecting": False, "errors": [], "zookeeper": None, "brokers": [], "topics": [], "groups": [],
+                "connecting": False, "errors": [], "zookeeper": None, "brokers": [], "members": [], "topics": [],
+                "groups": [],
                 "transactions": {"prepared": [], "unsettled": [], "errors": [], "note": TXN_NOTE}}
         try:
             admin = self.clients.admin()
@@ -210,18 +212,23 @@ class Collector:
     def _brokers(self, admin: Admin, snap: dict, zk_ok: bool) -> dict:
         """Fills ``snap["brokers"]`` and prepared transactions; returns {brokerId: StatsResponse} of the
         brokers that answered. ``Admin.brokers_status`` (live, and restarted ones still waiting for their
-        old ZooKeeper session) while ZooKeeper is connected, else ``Admin.brokers`` (live ones, from the
-        client's cached view: reading ZooKeeper now would wait until it is back)."""
+        old ZooKeeper session) while ZooKeeper is connected, else ``Admin.masters`` (live ones, from the
+        client's cached view: reading ZooKeeper now would wait until it is back). Each broker's group
+        members (``Admin.brokers``: role, epoch, in sync, lag) go in ``snap["members"]``."""
         stats = {}
         now = self.clock()
         try:
             if zk_ok:
                 listed = admin.brokers_status()
             else:
-                listed = [BrokerStatus(bid, addr, "live") for bid, addr in sorted(admin.brokers().items())]
+                listed = [BrokerStatus(bid, addr, "live") for bid, addr in sorted(admin.masters().items())]
         except Exception as e:  # noqa: BLE001
             snap["errors"].append(f"listing brokers: {_error(e)}")
             return stats
+        try:
+            snap["members"] = admin.brokers() if zk_ok else []
+        except Exception as e:  # noqa: BLE001
+            snap["errors"].append(f"listing broker group members: {_error(e)}")
         for st in listed:
             bid = st.broker_id
             row = {"id": bid, "address": st.address, "state": st.state, "status": st.describe(now),

@@ -3,8 +3,10 @@ registration, topics created at runtime, and an orderly shutdown."""
 from __future__ import annotations
 
 import configparser
+import fcntl
 import io
 import logging
+import os
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -24,6 +26,7 @@ from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group import MASTER, GroupMember
 from metaq_broker.server.groups import GroupOffsetsService
+from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import load_or_create
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.registration import BrokerRegistration
@@ -36,6 +39,7 @@ from metaq_broker.store import MessageStore, validate_topic_name
 from metaq_broker.store.durable import make_dirs, replace_file
 from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
+from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client, start_client
@@ -47,6 +51,8 @@ RUNTIME_TOPICS_FILE = "runtime-topics.ini"
 SERVICE_NAME = "metaq.v1.Broker"
 WRITE_SERVICE = "metaq.write"  # health: NOT_SERVING while the last write found the disk full
 MAX_GRPC_MESSAGE = 256 << 20
+LOCK_FILE = "lock"  # <dataPath>/replication/lock: held by the running member (flock), names this run
+HAND_OVER_S = 5.0  # a stopping master waits at most this long for its in-sync replicas to have its whole log
 
 
 class Broker:
@@ -68,6 +74,8 @@ class Broker:
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
+        self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
+        self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
         self._health = health.HealthServicer()
         self._topic_lock = threading.Lock()
@@ -88,6 +96,8 @@ class Broker:
         cfg = self.config
         data = Path(cfg.data_path)
         make_dirs(data)
+        if self.uses_zookeeper:
+            self._lock_data(data)
         topics = {**self._runtime_topics(), **cfg.topics}
         self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
                                   retention_interval=cfg.retention_check_interval_s, repair=self.repair)
@@ -145,6 +155,7 @@ class Broker:
                     replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake())
                 self.group = self._new_group_member()
                 service.group = self.group
+                self._take_over_stale_nodes()
                 self.registration.start()
                 self.group.start()
                 role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
@@ -155,6 +166,7 @@ class Broker:
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
         except BaseException:
             self._shutdown_local(grace=0)
+            self._unlock_data()
             raise
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -169,9 +181,12 @@ class Broker:
                 return
             self._stopping = True
         self._health.enter_graceful_shutdown()
+        if self.group is not None and grace > 0:
+            self.group.hand_over(self._replicas_caught_up, min(grace, HAND_OVER_S))
         self._shutdown_local(grace)
         if self.registration is not None:
             self.registration.stop()
+        self._unlock_data()  # last: a successor takes over only nodes of a run that holds the lock no more
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
 
@@ -187,6 +202,66 @@ class Broker:
                                       sync_topics=self._sync_topics,
                                       on_fenced=lambda e: self.group and self.group.wake())
 
+    def _lock_data(self, data: Path) -> None:
+        """Lock ``<dataPath>/replication/lock`` for this process's life: a second broker on the same data is
+        refused, and ``instance`` (boot id, device, inode of the locked file) goes into this member's nodes,
+        so that a restart can take over the nodes its crashed run's session still holds
+        (``_take_over_stale_nodes``): whoever holds this lock knows that run is dead."""
+        directory = data / MEMBER_DIRECTORY
+        make_dirs(directory)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"dataPath {data} is in use by another running broker (pid {holder}, holding "
+                              f"{directory / LOCK_FILE}): give this one its own dataPath") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                boot = f.read().strip()
+        except OSError:
+            return  # no boot id: no proof that a stale run is dead, so never take its nodes over
+        st = os.fstat(fd)
+        self.instance = f"{boot}:{st.st_dev}:{st.st_ino}"
+
+    def _unlock_data(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def _take_over_stale_nodes(self) -> None:
+        """A restart right after a crash (``kill -9``): the crashed run's ZooKeeper session still holds this
+        member's node and, if it was master, ``/brokers/ids/<b>``, and ZooKeeper drops them only after
+        ``zk.sessionTimeout``. They carry that run's ``instance``; when it is ours, that run held the lock we
+        hold now, so it is dead: delete them and go on at once (for a group of one: master again at once).
+        A process sharing our uuid through a copied data directory has another instance: its nodes stay,
+        and this member waits for them (or is refused) as before."""
+        if self.instance is None:
+            return
+        cfg = self.config
+        client = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
+        try:
+            start_client(client, cfg.zk_connect, 15.0)
+            taken = zk_groups.take_over_stale(client, ZkPaths(cfg.zk_root), cfg.broker_id, cfg.replica_id,
+                                              self.identity.uuid, self.instance)
+        except Exception as e:  # noqa: BLE001 - only a shortcut: registration waits for the old session instead
+            log.warning("could not check for nodes of this member's previous run: %s", e)
+            return
+        finally:
+            try:
+                client.stop()
+                client.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing the ZooKeeper client failed", exc_info=True)
+        for path, session in taken:
+            log.warning("took over %s from ZooKeeper session 0x%x, this member's previous run (dead: this "
+                        "process holds its data directory's lock), instead of waiting for the session to expire",
+                        path, session)
+
     def _member_info(self) -> dict:
         """The member node's JSON (and, plus ``replicaId``, the master node's): addresses and what an
         election of a group without state compares."""
@@ -195,6 +270,7 @@ class Broker:
         return {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
                 "securityProtocol": cfg.security.protocol, "replicaId": cfg.replica_id, "uuid": self.identity.uuid,
                 "lastEpoch": last_epoch, "logEnd": log_end,
+                **({"instance": self.instance} if self.instance is not None else {}),
                 **({"dataPort": self.data_port} if self.data_port is not None else {})}
 
     def _standing(self) -> tuple:
@@ -224,6 +300,21 @@ class Broker:
     def _demote(self, why: str) -> None:
         self.replicas.deactivate()
         self.transactions.follow()
+
+    def _replicas_caught_up(self) -> bool:
+        """Every other in-sync member has fetched the whole log, durably, and the whole journal (the
+        graceful hand-over waits for this before resigning)."""
+        rm = self.replicas
+        ends = [((p.topic, p.partition), p.written_end) for p in self.store.all_partitions()]
+        for r in set(rm.isr) | set(rm.ack_set):
+            if r == self.config.replica_id:
+                continue
+            prog = rm.progress.get(r)
+            if prog is None or prog.journal_applied < self.transactions.journal_seq:
+                return False
+            if any(prog.durable.get(key, -1) < end for key, end in ends):
+                return False
+        return True
 
     def _sync_topics(self, master: dict) -> None:
         """Create here the topics the master has and this replica lacks (asked over the master's gRPC)."""

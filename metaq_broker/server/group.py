@@ -55,6 +55,8 @@ class GroupMember:
         self._next_lease = 0.0
         self._started_at = time.monotonic()
         self._no_master_since: Optional[float] = None
+        self._why_not_standing = ""  # when there is no master and this member may not stand: why (clients see it)
+        self._handing_over = False  # a graceful stop: new calls are refused, the replicas catch up
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.RLock()  # role changes
@@ -69,16 +71,29 @@ class GroupMember:
         return self.role == MASTER and time.monotonic() < self._lease_until
 
     def check_master(self) -> None:
-        """NotMasterError naming the master (if known) unless this member is master with a valid lease."""
+        """The gate of every new client call: NotMasterError naming the master (if known) unless this member
+        is master with a valid lease and not handing over (a graceful stop)."""
+        if self._handing_over and self.role == MASTER:
+            raise NotMasterError(f"not master: group {self.broker_id} member {self.replica_id} is stopping and "
+                                 f"hands over to an in-sync member; the next master is being chosen")
+        self.check_lease()
+
+    def check_lease(self) -> None:
+        """What an acknowledgement needs: master with a valid lease. A master handing over still answers the
+        calls it took before (they must not be refused after they were stored: a producer resends ``not
+        master``)."""
         if self.lease_valid():
             return
         if self.role == MASTER:
             raise NotMasterError(f"not master: group {self.broker_id} member {self.replica_id} lost contact with "
                                  f"ZooKeeper (its lease ran out); a new master is being chosen")
         m = self.master_info
+        if m is None and self._why_not_standing:
+            raise NotMasterError(f"not master: group {self.broker_id} has no master: {self._why_not_standing}")
         where = (f", master replica {m.get('replicaId')} at {m.get('host')}:{m.get('port')}, epoch {self.epoch}"
                  if m else ", no master right now")
-        raise NotMasterError(f"not master: group {self.broker_id} member {self.replica_id} is a {self.role}{where}")
+        what = "a replica" if self.role == REPLICA else self.role
+        raise NotMasterError(f"not master: group {self.broker_id} member {self.replica_id} is {what}{where}")
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> "GroupMember":
@@ -97,6 +112,31 @@ class GroupMember:
         with self._lock:
             if self.role == MASTER:
                 self._step_down("stopping", resign=resign)
+
+    def hand_over(self, caught_up: Callable[[], bool], timeout: float) -> bool:
+        """A graceful stop of the master: refuse new calls (``not master:``, which clients resend), wait up to
+        ``timeout`` until ``caught_up()`` says every in-sync replica has the whole log, then resign, so an
+        in-sync member is elected at once instead of after the session timeout. True if they caught up.
+        ``caught_up`` must hold twice in a row: a call admitted just before the refusals may still append."""
+        if self.role != MASTER:
+            return False
+        self._handing_over = True
+        log.info("group %d: member %d stops: refusing new calls until the in-sync replicas have its whole log",
+                 self.broker_id, self.replica_id)
+        deadline = time.monotonic() + timeout
+        streak = 0
+        while self.lease_valid() and streak < 2 and time.monotonic() < deadline:
+            streak = streak + 1 if caught_up() else 0
+            time.sleep(0.05)
+        if streak >= 2:
+            log.info("group %d: member %d: its in-sync replicas have its whole log; resigning so one of them is "
+                     "elected at once", self.broker_id, self.replica_id)
+        else:
+            log.warning("group %d: member %d stops although its in-sync replicas did not catch up within %.0fs; "
+                        "what they lack was never acknowledged under acks=all (acks=1 puts may be lost)",
+                        self.broker_id, self.replica_id, timeout)
+        self.stop(resign=True)
+        return streak >= 2
 
     def wait_role(self, timeout: float) -> str:
         """Wait until the member is master or replica (tests, startup logs)."""
@@ -169,9 +209,10 @@ class GroupMember:
             if self._no_master_since is None:
                 self._no_master_since = now
             if self._may_stand(state, now):
+                self._why_not_standing = ""
                 self._stand(state)
-            elif self.role == MASTER:
-                self.role = ELECTING
+            else:
+                self._why_not_standing = self._not_standing_reason(state)
 
     def _may_stand(self, state, now: float) -> bool:
         if state is not None:
@@ -187,6 +228,18 @@ class GroupMember:
         if len(live) > 1 and now - self._started_at < BOOTSTRAP_GRACE_S:
             return False
         return self._best_among_live(live)
+
+    def _not_standing_reason(self, state) -> str:
+        if state is None:
+            return "its members are still choosing the first one"
+        isr = list(state.isr_ids)
+        head = (f"none of its in-sync set {isr} (epoch {state.epoch}) holds the master node, and member "
+                f"{self.replica_id} is out of sync")
+        if self.unclean:
+            return (f"{head}; it stands (uncleanElection=true) once the group has been without master for "
+                    f"replicaLagMaxMs ({self.lag_max_s:g}s) and no live member has more data")
+        return (f"{head}: it waits for an in-sync member to come back (uncleanElection=false; true would let it "
+                f"take over and lose what only the in-sync set had)")
 
     def _best_among_live(self, live: Optional[dict] = None) -> bool:
         live = groups.members(self.zk, self.paths, self.broker_id) if live is None else live

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # Fetch latencies include long-poll waits (up to maxFetchWait), hence the long tail of buckets.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ZK_STATES = ("connected", "suspended", "lost", "connecting", "disabled")
+ROLES = ("master", "replica", "electing")  # server/group.py's
 PARTITION = ["topic", "partition"]
 GROUP_PARTITION = ["group", "topic", "partition"]
 
@@ -101,6 +102,7 @@ class BrokerCollector:
         yield from self._disk(b)
         yield from self._zookeeper(b)
         yield from self._group_lag(b, bid)
+        yield from self._replication(b)
         yield from self._security(b)
         txn = GaugeMetricFamily("metaq_open_transactions", "Open transactions, by state", labels=["state"])
         for state, n in b.open_transactions().items():
@@ -196,6 +198,52 @@ class BrokerCollector:
         yield CounterMetricFamily("metaq_zookeeper_registrations", "Times the broker (re-)registered in ZooKeeper",
                                   value=reg.registrations if reg is not None else 0)
 
+    @staticmethod
+    def _replication(b):
+        """A broker group member's role and epoch; on the master, the in-sync set, each replica's lag and
+        the under-replicated partitions (Kafka's UnderReplicatedPartitions: all of them while the in-sync
+        set is smaller than the group, since it is one set per group). Nothing without ZooKeeper."""
+        group, manager, fetcher = b.group, b.replicas, b.fetcher
+        role = GaugeMetricFamily("metaq_replication_role", "This member's role in its broker group (1 for the "
+                                 "current one)", labels=["role"])
+        epoch = GaugeMetricFamily("metaq_replication_epoch", "The broker group's epoch as this member knows it")
+        isr = GaugeMetricFamily("metaq_replication_in_sync_replicas", "Members in the group's in-sync set, "
+                                "master included")
+        lag = GaugeMetricFamily("metaq_replication_replica_lag_messages", "On the master: offsets a replica is "
+                                "behind the master's log end, summed over partitions (markers count)",
+                                labels=["replica"])
+        under = GaugeMetricFamily("metaq_replication_under_replicated_partitions", "On the master: partitions "
+                                  "while the in-sync set is smaller than the group")
+        elections = CounterMetricFamily("metaq_replication_elections", "Times this member became master")
+        shrinks = CounterMetricFamily("metaq_replication_isr_shrinks", "Replicas the master removed from the "
+                                      "in-sync set")
+        expands = CounterMetricFamily("metaq_replication_isr_expands", "Replicas the master added to the "
+                                      "in-sync set")
+        truncations = CounterMetricFamily("metaq_replication_truncations", "Partition logs this member cut "
+                                          "where they parted from the master's")
+        truncated = CounterMetricFamily("metaq_replication_truncated_offsets", "Offsets those cuts removed")
+        if group is not None and manager is not None:
+            for r in ROLES:
+                role.add_metric([r], int(group.role == r))
+            state = group.state
+            seen = manager.describe()
+            epoch.add_metric([], seen["epoch"] if seen["active"] else group.epoch)
+            if seen["active"]:
+                isr.add_metric([], len(seen["isr"]))
+                for r, prog in sorted(seen["replicas"].items()):
+                    lag.add_metric([str(r)], prog["lag"])
+                group_size = len(set(state.replicas) | set(seen["isr"])) if state is not None else len(seen["isr"])
+                under.add_metric([], seen["partitions"] if len(seen["isr"]) < group_size else 0)
+            elif state is not None:
+                isr.add_metric([], len(state.isr))
+            elections.add_metric([], manager.elections)
+            shrinks.add_metric([], manager.isr_shrinks)
+            expands.add_metric([], manager.isr_expands)
+        if fetcher is not None:
+            truncations.add_metric([], fetcher.truncations)
+            truncated.add_metric([], fetcher.truncated_offsets)
+        yield from (role, epoch, isr, lag, under, elections, shrinks, expands, truncations, truncated)
+
     # -- consumer-group lag ---------------------------------------------------------------------------
     def _committed(self, b, bid) -> dict:
         """``{(group, topic, partition): offset}`` of this broker's partitions; {} without ZooKeeper."""
@@ -218,7 +266,8 @@ class BrokerCollector:
         lag_s = GaugeMetricFamily("metaq_consumergroup_lag_seconds", "Seconds since the first message not yet "
                                   "consumed by the group was stored (0 when caught up)", labels=GROUP_PARTITION)
         with self._lag_lock:  # scrapes may overlap; the offsets' watcher is this collector's
-            committed = self._committed(b, bid)
+            # a group's replicas hold the same partitions: only its master reports, so sums stay right
+            committed = self._committed(b, bid) if b.is_master else {}
             now_ms = time.time() * 1000
             for (group, topic, name), offset in sorted(committed.items()):
                 try:

@@ -40,6 +40,7 @@ class ReplicaFetcher:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.learned_hw: dict = {}  # (topic, partition) -> the master's HW in its last reply
+        self.truncations = self.truncated_offsets = 0  # cuts where the log parted from the master's (metrics)
         self._body = np.empty(0, np.uint8)  # reply bodies, reused
 
     def _buffer(self, n: int):
@@ -154,6 +155,9 @@ class ReplicaFetcher:
             part.epochs.end_offset_for(epoch - 1, part.written_end)[1]
         before = part.written_end
         new_end = part.truncate_to(max(cut, part.earliest_offset))
+        if new_end < before:
+            self.truncations += 1
+            self.truncated_offsets += before - new_end
         log.warning("%s: truncated from %d to %d where this log parted from the master's (epoch %d ends at %d "
                     "there)", part.name, before, new_end, epoch, end)
 

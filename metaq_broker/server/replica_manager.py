@@ -37,6 +37,7 @@ class ReplicaProgress:
     replica_id: int
     uuid: str
     durable: dict = field(default_factory=dict)  # (topic, partition) -> fsynced end, validated entries only
+    fetched: dict = field(default_factory=dict)  # (topic, partition) -> its written end in the last request (lag)
     sent_end: dict = field(default_factory=dict)  # (topic, partition) -> master log end in the last reply
     sent_journal: int = 0  # journal_last_seq of the last reply
     sent_at: float = 0.0  # monotonic time of the last reply
@@ -91,6 +92,7 @@ class ReplicaManager:
         self.progress: dict = {}  # replicaId -> ReplicaProgress
         self._hw: dict = {}  # (topic, partition) -> high watermark
         self._activated_at = 0.0
+        self.elections = self.isr_shrinks = self.isr_expands = 0  # since start, for the metrics
 
     # -- roles ----------------------------------------------------------------------------------------
     def activate(self, epoch: int, isr: dict, hw_hint: Optional[dict] = None) -> None:
@@ -98,6 +100,7 @@ class ReplicaManager:
         known value (checkpoint or what fetch replies taught us) capped at the own log end."""
         with self._cond:
             self.epoch, self.active = epoch, True
+            self.elections += 1
             self._activated_at = self._clock()
             self.isr = dict(isr)
             self.ack_set = set(isr) | {self.replica_id}
@@ -248,6 +251,7 @@ class ReplicaManager:
             prev_ok = prog.sent_at > 0 and req.journal_applied_seq >= prog.sent_journal
             for pf, part in parts:
                 key = (pf.topic, pf.partition)
+                prog.fetched[key] = pf.fetch_offset
                 if part is None or self._divergence(part, pf) or pf.fetch_offset < part.earliest_offset:
                     prog.durable.pop(key, None)
                     now_ok = prev_ok = False
@@ -359,6 +363,7 @@ class ReplicaManager:
         isr = {**self.isr, r: prog.uuid}
         if self._alter_isr(sorted(isr.items())):
             self.isr = isr
+            self.isr_expands += 1
             log.info("replica %d joined the in-sync set of epoch %d: %s", r, self.epoch, sorted(isr))
         else:
             self.ack_set.discard(r)
@@ -374,6 +379,7 @@ class ReplicaManager:
             return
         self.isr = isr
         self.ack_set.discard(r)
+        self.isr_shrinks += 1
         if not self._capped:
             self._uncap()
         log.warning("replica %d left the in-sync set of epoch %d (%s): %s", r, self.epoch, why, sorted(isr))
@@ -397,6 +403,25 @@ class ReplicaManager:
     # -- seeing it ------------------------------------------------------------------------------------
     def roster(self) -> set:
         return set(self.isr) | set(self.progress) | {self.replica_id}
+
+    def describe(self) -> dict:
+        """What ``DescribeGroup`` and the metrics show, read under the lock: ``{"epoch", "active", "isr",
+        "partitions", "replicas": {replicaId: {"uuid", "lag", "caught_up_ago", "journal_lag"}}}``. A replica's
+        lag is the master's written end less the replica's, summed over partitions (offsets, so epoch and
+        transaction markers count); a partition it has not asked for yet counts whole."""
+        parts = self.store.all_partitions()
+        ends = [((p.topic, p.partition), p.written_end, p.earliest_offset) for p in parts]
+        with self._cond:
+            now = self._clock()
+            seq = self.transactions.journal_seq if self.transactions is not None else 0
+            replicas = {}
+            for r, prog in self.progress.items():
+                lag = sum(max(end - max(prog.fetched.get(key, earliest), earliest), 0)
+                          for key, end, earliest in ends)
+                replicas[r] = {"uuid": prog.uuid, "lag": lag, "journal_lag": max(seq - prog.journal_applied, 0),
+                               "caught_up_ago": now - prog.last_caught_up if prog.last_caught_up else None}
+            return {"epoch": self.epoch, "active": self.active, "isr": dict(self.isr), "partitions": len(ends),
+                    "replicas": replicas}
 
     def _min_insync(self, topic: str) -> int:
         try:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+from kazoo.exceptions import KazooException, NoNodeError
 
 from metaq_broker import __version__
 from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, MetaqError,
@@ -23,6 +24,7 @@ from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server.config import topic_ini_values
 from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
+from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.decisions import parse_coordinator
 
 log = logging.getLogger(__name__)
@@ -71,12 +73,15 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._closed = set()  # (topic, partition) closed by an operator
         self._closed_lock = threading.Lock()
         self._round_robin = itertools.count()
+        self._addresses: dict = {}  # replicaId -> (address, data address) last seen in its member node
+        self._last_nodes: tuple = ({}, set())  # DescribeGroup's last ZooKeeper read of members and starting
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _gate(self) -> None:
-        """Refuse (``not master:``) unless this member is the group's master with a valid lease."""
+    def _gate(self, admit: bool = True) -> None:
+        """Refuse (``not master:``) unless this member is the group's master with a valid lease; ``admit``:
+        a new call (refused too while a stopping master hands over), else an acknowledgement of one taken."""
         if self.group is not None:
-            self.group.check_master()
+            (self.group.check_master if admit else self.group.check_lease)()
 
     def _allow(self, principal: str, operation: str, resource_type: str, name: str) -> None:
         if self.auth is not None:
@@ -143,7 +148,7 @@ class BrokerService(pb_grpc.BrokerServicer):
             if self.replicas is not None and not request.xid:
                 if acks_all:
                     self.replicas.await_hw(topic, partition, result.base_offset + result.count)
-                self._gate()  # a master that lost its lease meanwhile must not acknowledge
+                self._gate(admit=False)  # a master that lost its lease meanwhile must not acknowledge
         except BaseException as e:
             counters.record_failure("put")
             if is_disk_full(e):  # here, not in ``rpc``: the data port's PUT comes this way too
@@ -334,7 +339,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         for topic, partition in sorted(partitions):
             self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).written_end)
         self.replicas.await_journal(self.transactions.journal_seq)
-        self._gate()
+        self._gate(admit=False)
 
     def _settle(self, settle, xid: str) -> str:
         """``settle(xid)`` (commit or rollback). A full disk after the decision was journalled is still a
@@ -360,3 +365,60 @@ class BrokerService(pb_grpc.BrokerServicer):
             pb.PreparedTransaction(xid=t.xid, coordinator=t.coordinator, messages=t.messages,
                                    prepared_seconds_ago=now - t.prepared_at)
             for t in self._transactions().prepared()])
+
+    # -- replication ----------------------------------------------------------------------------------
+    @rpc
+    def DescribeGroup(self, request, context, principal):
+        """The group's members as its master sees them: ZooKeeper's state and member nodes, each replica's
+        lag from its last fetch request. A replica answers ``not master:`` (clients ask the master); a
+        broker without ZooKeeper is a group of one."""
+        self._allow(principal, "Describe", "cluster", CLUSTER)
+        if self.group is None or self.replicas is None:
+            return pb.DescribeGroupResponse(broker_id=self.broker_id, members=[pb.GroupMemberInfo(
+                role="master", in_sync=True, lag_offsets=0, last_caught_up_ms_ago=0)])
+        self._gate()
+        group = self.group
+        live, starting = self._member_nodes(group)
+        seen = self.replicas.describe()
+        state = group.state
+        me = group.replica_id
+        isr = seen["isr"]
+        ids = set(isr) | set(seen["replicas"]) | set(live) | set(starting) | {me}
+        ids |= set(state.replicas) if state is not None else set()
+        members = []
+        for r in sorted(ids):
+            address, data_address = self._addresses.get(r, ("", ""))
+            prog = seen["replicas"].get(r)
+            role = "master" if r == me else "starting" if r in starting else "replica" if r in live else "down"
+            info = pb.GroupMemberInfo(replica_id=r, uuid=isr.get(r) or (prog or {}).get("uuid", ""),
+                                      address=address, data_address=data_address, role=role, in_sync=r in isr,
+                                      lag_offsets=-1, last_caught_up_ms_ago=-1)
+            if r == me:
+                info.lag_offsets, info.last_caught_up_ms_ago = 0, 0
+            elif prog is not None:
+                info.lag_offsets, info.journal_lag = prog["lag"], prog["journal_lag"]
+                if prog["caught_up_ago"] is not None:
+                    info.last_caught_up_ms_ago = int(prog["caught_up_ago"] * 1000)
+            members.append(info)
+        return pb.DescribeGroupResponse(broker_id=self.broker_id, epoch=seen["epoch"], master=me,
+                                        unclean=bool(state is not None and state.unclean), members=members)
+
+    def _member_nodes(self, group) -> tuple:
+        """({replicaId: member node}, {replicaIds starting}) from ZooKeeper; what was last seen if it does
+        not answer. Addresses are remembered, so a member that went down is still shown where it was."""
+        try:
+            live = zk_groups.members(group.zk, group.paths, self.broker_id)
+            try:
+                starting = {int(c) for c in group.zk.get_children(group.paths.group_startings(self.broker_id))
+                            if c.isdigit()}
+            except NoNodeError:
+                starting = set()
+        except KazooException as e:
+            log.debug("group %d: members not readable from ZooKeeper now: %s", self.broker_id, e)
+            return self._last_nodes
+        for r, node in live.items():
+            host = node.get("host", "")
+            self._addresses[r] = (f"{host}:{node.get('port')}" if node.get("port") else "",
+                                  f"{host}:{node['dataPort']}" if node.get("dataPort") else "")
+        self._last_nodes = (live, starting)
+        return live, starting

@@ -9,7 +9,9 @@ decision cannot overtake) and roll it back. An *open* transaction whose decision
 and does not list it (a task attempt that died before its prepare, while a retry wrote the batch) can never
 commit: it is rolled back at once rather than at its timeout, since its first batch holds back every reader
 of its partitions. Rarely, it also tells the manager which decision records are gone, so that it forgets
-the outcomes it kept for them (a replay of an existing record may still ask)."""
+the outcomes it kept for them (a replay of an existing record may still ask). In a replicated group only the
+master does any of this: a replica's manager is a follower, and the member promoted next settles from the
+same records (its journal holds the prepared transactions and their coordinators)."""
 from __future__ import annotations
 
 import logging
@@ -48,6 +50,8 @@ class TransactionResolver:
                 log.warning("transaction housekeeping failed (will retry): %s", e)
 
     def run_once(self) -> None:
+        if getattr(self.manager, "follower", False):
+            return  # a replica: the group's master settles (its journal then reaches this member)
         self.manager.expire()
         zk = self.zk()
         if zk is None:

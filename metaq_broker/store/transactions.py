@@ -48,6 +48,10 @@ KEEP_FINISHED = 100_000  # coordinator-less outcomes remembered so that a repeat
 COMPACT_BYTES = 16 << 20
 MAX_NUMBER = (1 << 32) - 1  # numbers are u32 in batch headers
 TAIL_BYTES = 8 << 20  # recent records kept in memory for replicas; one further behind gets a snapshot
+# A promoted member's first record comes this far past its last one: a replica that applied records of the
+# old master this member never got asks from a seq it does not hold, and gets a snapshot, not a stream
+# whose seqs mean other records (there are never this many unacknowledged records).
+PROMOTION_SEQ_GAP = 1 << 32
 
 
 @dataclass
@@ -348,13 +352,17 @@ class TransactionManager:
     def promote(self) -> None:
         """Leave follower mode: drop records not applied, then settle from the journal as recovery does
         (prepared stays prepared, decided ones get their markers, ones unknown to the journal are
-        aborted). Seqs continue from the last applied record."""
+        aborted at once: an open transaction is not journalled, so this member cannot continue it, and its
+        first batch would hold readers back). Seqs go on ``PROMOTION_SEQ_GAP`` past the last applied one,
+        so every replica starts from a snapshot of this member's journal."""
         with self._lock:
             if not self._follower:
                 return
             self._pending.clear()
             self._pending_snapshot = self._image_cache = None
             self._follower = self._need_snapshot = False
+            self._seq += PROMOTION_SEQ_GAP
+            self._tail, self._tail_first, self._tail_bytes = [], self._seq + 1, 0
             self._reconcile()
 
     def apply(self, frames: bytes, first_seq: int, last_seq: int, snapshot: bool) -> int:
@@ -603,6 +611,13 @@ class TransactionManager:
     def _reconcile(self) -> None:
         """Bring the partitions in line with the journal: a transaction the journal does not know as
         prepared or decided (it was open at the crash) is aborted; decided ones get their markers."""
+        for t in [t for t in self._live.values() if t.state == "prepared"]:
+            outcome = self._outcome_in_log(t)
+            if outcome is not None:  # a replica got a marker before the decision record: the log decides
+                log.info("transaction %s is prepared in the journal but %s in the log here: finishing that",
+                         t.xid, "committed" if outcome == COMMIT else "rolled back")
+                self._write(outcome, {"xid": t.xid, "number": t.number}, fsync=True)
+                t.state, t.decision_seq = "committing" if outcome == COMMIT else "aborting", self._seq
         by_number = {t.number: t for t in self._live.values()}
         highest = 0
         for part in self.store.all_partitions():
@@ -626,6 +641,26 @@ class TransactionManager:
                 self._settle(t)
             except Exception as e:  # noqa: BLE001 - e.g. a full disk: expire() retries every second
                 log.warning("could not finish settling transaction %s yet (%s); retrying", t.xid, e)
+
+    def _outcome_in_log(self, t: Transaction) -> Optional[int]:
+        """COMMIT or ROLLBACK when a partition of prepared ``t`` already holds its marker (a replica copies
+        the log and the journal in separate parts of a reply, so a marker may come before its decision
+        record), else None. A PREPARE is applied only once its batches are durable here, so a number no
+        longer unsettled in a partition that still holds its last batch was settled by a marker."""
+        for (topic, p), end in sorted(t.partitions.items()):
+            try:
+                part = self.store.partition(topic, p)
+            except (UnknownTopicError, InvalidPartitionError):
+                continue
+            txns = part.txns
+            if t.number in txns.ongoing or part.earliest_offset >= end:  # (gone with retention: no evidence)
+                continue
+            for _, number, _, commit in txns.settled:  # marker above the high watermark
+                if number == t.number:
+                    return COMMIT if commit else ROLLBACK
+            aborted = txns.aborted_in(0, end)
+            return ROLLBACK if (aborted["txn"] == t.number).any() else COMMIT
+        return None
 
     def _replay(self, kind: int, m: dict) -> None:
         self._seq = max(self._seq, m["seq"])  # a compacted journal's FINISHED has the highest

@@ -130,24 +130,42 @@ def zookeeper(port, data_dir):
 def brokers(obj, fmt, forget):
     """Brokers, live and starting: one restarted after a crash waits until ZooKeeper expires the session
     of its previous run (about zk.sessionTimeout) before it registers. A stopped broker's partitions stay
-    in its topics (down, not gone) until --forget."""
+    in its topics (down, not gone) until --forget. Then the members of replicated broker groups: replicaId,
+    address, role, epoch, in the in-sync set or not, lag in offsets behind the master (--format json: every
+    broker's "members", groups of one included)."""
     with _client(Admin, obj) as admin:
         if forget is not None:
             gone = _run(admin.forget_broker, forget)
             click.echo(f"broker {forget} forgotten: its partitions left {', '.join(gone) or 'no topic'}")
             return
         rows, now = _run(admin.brokers_status), time.time()
+        members = _run(admin.brokers)
+    by_broker: dict = {}
+    for m in members:
+        by_broker.setdefault(m["brokerId"], []).append(m)
     if fmt == "json":
         click.echo(json.dumps([{"brokerId": r.broker_id, "address": r.address, "state": r.state,
                                 "since": r.since, "expectedExpiry": r.expected_expiry,
                                 "secondsLeft": None if r.seconds_left(now) is None else round(r.seconds_left(now), 1),
-                                "status": r.describe(now)} for r in rows]))
+                                "status": r.describe(now),
+                                "members": [{k: v for k, v in m.items() if k != "brokerId"}
+                                            for m in by_broker.get(r.broker_id, [])]} for r in rows]))
         return
     click.echo(f"{'broker':>6}  {'address':<22} state")
     for r in rows:
         click.echo(f"{r.broker_id:>6}  {r.address:<22} {r.describe(now)}")
     if not rows:
         click.echo("(no broker is registered)")
+    replicated = [m for r in rows for m in by_broker.get(r.broker_id, []) if len(by_broker[r.broker_id]) > 1]
+    if replicated:  # a group of one is its broker row above
+        click.echo(f"\n{'group':>6} {'replica':>7}  {'address':<22} {'role':<9} {'epoch':>6} {'in-sync':<8} "
+                   f"{'lag':>10}")
+        for m in replicated:
+            lag = "?" if m["lagMessages"] is None else m["lagMessages"]
+            click.echo(f"{m['brokerId']:>6} {m['replicaId']:>7}  {m['address'] or '-':<22} {m['role']:<9} "
+                       f"{m['epoch']:>6} {'yes' if m['inSync'] else 'no':<8} {lag:>10}")
+        for bid in sorted({m["brokerId"] for m in replicated if m["error"]}):
+            click.echo(f"group {bid}: no lag figures: {by_broker[bid][0]['error']}")
 
 
 # -- topics -------------------------------------------------------------------------------------------
@@ -428,7 +446,7 @@ def groups_delete(obj, group, force):
 def stats(obj, broker_ids, topic):
     """MetaQ's counters per partition: puts, gets, misses, failures, bytes; uptime and version."""
     with _client(Admin, obj) as admin:
-        for bid in broker_ids or sorted(_run(admin.brokers)):
+        for bid in broker_ids or sorted(_run(admin.masters)):
             s = _run(admin.stats, bid, topic)
             click.echo(f"broker {s.broker_id} version {s.version} uptime {s.uptime_seconds:.0f}s")
             for p in s.partitions:

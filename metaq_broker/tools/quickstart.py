@@ -51,7 +51,7 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False, spar
         with Admin(zk_connect=zk.connect_string) as admin, Producer(zk_connect=zk.connect_string) as producer, \
                 Consumer(zk_connect=zk.connect_string, group=GROUP) as consumer:
             deadline = time.monotonic() + 15
-            while not admin.brokers() and time.monotonic() < deadline:
+            while not admin.masters() and time.monotonic() < deadline:
                 time.sleep(0.1)
             parts = admin.create_topic(TOPIC, 4)
             say(f"created topic {TOPIC} with partitions {', '.join(parts)}")

@@ -19,7 +19,7 @@ from metaq_broker.errors import ElectionLostError, MetaqError, StaleStateError
 from metaq_broker.zk.paths import ZkPaths
 
 __all__ = ["GroupState", "ElectionLostError", "StaleStateError", "MemberHeldError", "read_state", "elect",
-           "alter_isr", "register_member", "members", "resign"]
+           "alter_isr", "register_member", "members", "resign", "take_over_stale"]
 
 
 class MemberHeldError(MetaqError):
@@ -203,3 +203,34 @@ def resign(zk, paths: ZkPaths, broker_id: int) -> bool:
         return True
     except (NoNodeError, BadVersionError):
         return False
+
+
+def take_over_stale(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, instance: str) -> list:
+    """Delete this member's member node and master node (``/brokers/ids/<b>``) where another session holds
+    them with this member's ``uuid`` and ``instance``; returns ``[(path, session), ...]`` deleted.
+
+    ``instance`` names the data directory's lock file (boot id, device, inode) that the caller holds locked:
+    the run that wrote it into those nodes held the same lock, so it is dead, and its session, which
+    ZooKeeper would expire only after the session timeout, can act no more. Another process sharing the
+    uuid (a copied data directory, here or on another host) has another instance: its nodes stay."""
+    taken = []
+    for path in (paths.group_replica(broker_id, replica_id), paths.broker(broker_id)):
+        try:
+            data, stat = zk.get(path)
+        except NoNodeError:
+            continue
+        if stat.ephemeralOwner in (0, zk.client_id[0]):
+            continue
+        try:
+            info = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(info, dict) or (info.get("replicaId"), info.get("uuid"), info.get("instance")) != \
+                (replica_id, uuid, instance):
+            continue
+        try:
+            zk.delete(path, version=stat.version)
+        except (NoNodeError, BadVersionError):
+            continue
+        taken.append((path, stat.ephemeralOwner))
+    return taken

@@ -157,8 +157,25 @@ pages.brokers = (snap) => {
     { key: "id", title: "id", num: true }, { key: "address", title: "gRPC address" }, { key: "data", title: "data port" },
     { key: "state", title: "state" }, { key: "version", title: "version" }, { key: "uptime", title: "uptime", num: true },
     ...(detailed ? [{ key: "details", title: "details" }] : []), { key: "error", title: "error" }], rows,
-  "no live broker registered")];
+  "no live broker registered"), ...groupMembers(snap.members || [])];
 };
+
+// Members of replicated broker groups (Admin.brokers); a group of one is its broker row.
+function groupMembers(members) {
+  const size = {};
+  for (const m of members) size[m.brokerId] = (size[m.brokerId] || 0) + 1;
+  const rows = members.filter((m) => size[m.brokerId] > 1).map((m) => ({
+    attrs: { "data-member": `${m.brokerId}-${m.replicaId}`,
+      class: m.role === "down" || m.role === "electing" || !m.inSync ? "bad" : null },
+    cells: { group: String(m.brokerId), replica: String(m.replicaId), address: m.address || "–", role: m.role,
+      epoch: num(m.epoch), insync: m.inSync ? "yes" : "no", lag: num(m.lagMessages) },
+  }));
+  if (!rows.length) return [];
+  return [el("h2", {}, "Broker group members"), table([
+    { key: "group", title: "broker", num: true }, { key: "replica", title: "replica", num: true },
+    { key: "address", title: "gRPC address" }, { key: "role", title: "role" }, { key: "epoch", title: "epoch", num: true },
+    { key: "insync", title: "in sync" }, { key: "lag", title: "lag (offsets)", num: true }], rows)];
+}
 
 pages.topics = (snap, history) => {
   const now = history ? history.now : snap.time;
