@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from kazoo.exceptions import NoAuthError
+from kazoo.exceptions import KazooException, NoAuthError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
 from metaq_broker.errors import AuthenticationError
@@ -149,12 +149,18 @@ class ClusterView:
         return sorted((b, n) for b, count in counts.items() for n in range(count))
 
     def known(self, broker_id: int) -> bool:
-        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now: a
-        call to it may wait for its (new) master instead of failing at once."""
+        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now, or
+        a group with live members (electing a master): a call to it may wait for its (new) master instead
+        of failing at once."""
         if self.zk is None:
             return broker_id in self._static
         with self._lock:
-            return broker_id in self._last
+            if broker_id in self._last:
+                return True
+        try:
+            return bool(groups.members(self.zk, self.paths, broker_id))  # a group between masters
+        except KazooException:
+            return False
 
     def group_members(self, broker_id: int) -> list:
         """[("host:port", "host:dataPort" or None)] of the live members of a replicated broker group, by
