@@ -3,7 +3,6 @@ and the mapping from gRPC status codes back to metaq errors."""
 from __future__ import annotations
 
 import collections
-import json
 import socket
 import ssl
 import threading
@@ -15,7 +14,7 @@ import grpc
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
-from metaq_broker.protocol import rawfetch, rawput
+from metaq_broker.protocol import rawfetch, rawput, sasl
 from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import RemoteAuthenticationError, to_error
 from metaq_broker.security import scram, tls
@@ -152,27 +151,8 @@ class BrokerConnection:
 
     def _authenticate(self) -> tuple:
         sec = self.security
-        call = self._auth_channel.unary_unary(AUTH_PATH)
-
-        def step(message: str, **more) -> dict:
-            request = json.dumps({"mechanism": sec.sasl_mechanism, "message": message, **more}).encode()
-            for attempt in range(20):  # UNAVAILABLE: the broker is busy authenticating others
-                try:
-                    return json.loads(call(request, timeout=self.timeout, wait_for_ready=True))
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAUTHENTICATED or "busy" not in (e.details() or "") \
-                            or attempt == 19:
-                        raise to_error(e, self.address) from None
-                time.sleep(0.05 * (attempt + 1))
-
-        if sec.sasl_mechanism == "PLAIN":
-            done = step(f"\0{sec.sasl_username}\0{sec.sasl_password}")
-        else:
-            client = scram.ScramClient(sec.sasl_username, sec.sasl_password)
-            first = step(client.first())
-            done = step(client.final(first["message"]), handshake=first["handshake"])
-            client.verify(done["message"])
-        return done["session"], float(done["lifetime_s"])
+        return sasl.authenticate(self._auth_channel.unary_unary(AUTH_PATH), sec.sasl_mechanism, sec.sasl_username,
+                                 sec.sasl_password, self.timeout, self.address, scram.ScramClient)
 
     def call(self, method: str, request, timeout: Optional[float] = None, retries: int = 0,
              wait_for_ready: bool = True):

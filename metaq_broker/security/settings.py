@@ -21,7 +21,8 @@ CLIENT_KEYS = ("security.protocol", "ssl.ca.location", "ssl.certificate.location
 ZK_KEYS = ("zk.auth", "zk.ssl.ca.location", "zk.ssl.certificate.location", "zk.ssl.key.location")
 # Keys of a broker's [system] section.
 BROKER_KEYS = ("security.protocol", "ssl.ca.location", "ssl.certificate.location", "ssl.key.location",
-               "ssl.client.auth", "sasl.enabled.mechanisms", "authorizer", "super.users")
+               "ssl.client.auth", "sasl.enabled.mechanisms", "authorizer", "super.users",
+               "replication.sasl.username", "replication.sasl.password")
 
 
 def _choice(key: str, raw: str, allowed, upper: bool = True) -> str:
@@ -167,6 +168,9 @@ class BrokerSecurity(_Protocol):
     mechanisms: tuple = MECHANISMS
     authorizer: str = "none"
     super_users: frozenset = frozenset()
+    # The SASL user a group member logs in to its master with (SASL_SSL); mutual TLS needs none.
+    replication_username: Optional[str] = None
+    replication_password: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def from_properties(cls, props: Mapping[str, str], where: str = "[system] ") -> "BrokerSecurity":
@@ -183,7 +187,9 @@ class BrokerSecurity(_Protocol):
                   client_auth=_choice(f"{where}ssl.client.auth", get("ssl.client.auth", "none"), CLIENT_AUTH, False),
                   mechanisms=mechanisms,
                   authorizer=_choice(f"{where}authorizer", get("authorizer", "none"), AUTHORIZERS, False),
-                  super_users=supers)
+                  super_users=supers,
+                  replication_username=str(get("replication.sasl.username") or "").strip() or None,
+                  replication_password=str(get("replication.sasl.password") or "") or None)
         if out.uses_tls and not (out.certificate_location and out.key_location):
             raise ConfigError(f"{where}security.protocol {out.protocol} needs ssl.certificate.location and "
                               f"ssl.key.location")
@@ -193,7 +199,37 @@ class BrokerSecurity(_Protocol):
             raise ConfigError(f"{where}ssl.client.auth=required needs security.protocol SSL or SASL_SSL")
         if out.uses_sasl and not mechanisms:
             raise ConfigError(f"{where}sasl.enabled.mechanisms: name at least one of {', '.join(MECHANISMS)}")
+        if (out.replication_username is None) != (out.replication_password is None):
+            raise ConfigError(f"{where}replication.sasl.username and replication.sasl.password go together")
+        if out.replication_username and not out.uses_sasl:
+            raise ConfigError(f"{where}replication.sasl.username is given but security.protocol is {out.protocol}, "
+                              f"not SASL_SSL")
         return out
+
+    def replication_problem(self, where: str = "[system] ") -> Optional[str]:
+        """Why this broker cannot copy from its group's master, or None: the CA to trust the master by
+        (TLS), the user to log in with (SASL_SSL)."""
+        if self.uses_tls and not self.ca_location:
+            return (f"{where}ssl.ca.location is needed for replication over {self.protocol}: a group member "
+                    f"checks its master's certificate against that CA")
+        if self.uses_sasl and not self.replication_username:
+            return (f"{where}replication.sasl.username and replication.sasl.password are needed for replication "
+                    f"over SASL_SSL: a group member logs in to its master's data port as that user")
+        return None
+
+    def replication_client(self) -> "ClientSecurity":
+        """How this broker connects to its group's master: its own protocol, trusting ``ssl.ca.location``,
+        presenting its own certificate (mutual TLS: the master sees ``User:<CN>``), logging in as the
+        replication user under SASL_SSL (SCRAM-SHA-256 when enabled, else PLAIN). Check
+        ``replication_problem`` first."""
+        if not self.uses_tls:
+            return ClientSecurity()
+        mechanism = "SCRAM-SHA-256" if "SCRAM-SHA-256" in self.mechanisms else self.mechanisms[0]
+        return ClientSecurity(protocol=self.protocol, ca_location=self.ca_location,
+                              certificate_location=self.certificate_location, key_location=self.key_location,
+                              sasl_mechanism=mechanism,
+                              sasl_username=self.replication_username if self.uses_sasl else None,
+                              sasl_password=self.replication_password if self.uses_sasl else None)
 
 
 def parse_principal(text: str, key: str = "principal") -> str:

@@ -82,6 +82,10 @@ def explain(error: BaseException, address: str) -> str:
     if "alert" in low and any(s in low.replace("_", " ") for s in ("unknown ca", "bad certificate",
                                                                     "certificate unknown")):
         why = "it refused our client certificate (not signed by a CA it trusts?)"
+    elif "alert" in low and "unsupported certificate" in low.replace("_", " "):
+        why = ("it refused our client certificate for its purpose: a certificate used as a client needs the "
+               "clientAuth extended key usage (a group member presents its broker certificate, which then needs "
+               "serverAuth and clientAuth)")
     elif "expired" in low:
         why = "its certificate has expired"
     elif "hostname" in low or "ip address mismatch" in low or "host name" in low:

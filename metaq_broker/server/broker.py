@@ -19,6 +19,7 @@ from metaq_broker import __version__
 from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import read_pem
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
@@ -200,7 +201,9 @@ class Broker:
                                        on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e))
         self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
                                       sync_topics=self._sync_topics,
-                                      on_fenced=lambda e: self.group and self.group.wake())
+                                      on_fenced=lambda e: self.group and self.group.wake(),
+                                      security=cfg.security.replication_client(),
+                                      problem=cfg.security.replication_problem())
 
     def _lock_data(self, data: Path) -> None:
         """Lock ``<dataPath>/replication/lock`` for this process's life: a second broker on the same data is
@@ -316,20 +319,26 @@ class Broker:
                 return False
         return True
 
-    def _sync_topics(self, master: dict) -> None:
-        """Create here the topics the master has and this replica lacks (asked over the master's gRPC)."""
-        target = f"{master['host']}:{master['port']}"
-        with grpc.insecure_channel(target) as channel:
-            stub = pb_grpc.BrokerStub(channel)
-            listed = stub.ListTopics(pb.ListTopicsRequest(), timeout=10)
+    def _sync_topics(self, master: dict, link) -> int:
+        """Create here the topics the master has and this replica lacks, asked over the master's gRPC through
+        ``link`` (the fetcher's ``MasterLink``: TLS and the SASL session as the replica fetch); returns how
+        many were created or grown. With ACLs the member's principal needs Describe on the topics."""
+        stub = pb_grpc.BrokerStub(link.channel)
+        changed = 0
+        try:
+            listed = stub.ListTopics(pb.ListTopicsRequest(), timeout=10, metadata=link.metadata())
             for summary in listed.topics:
                 have = summary.topic in self.store.topics()
                 if have and self.store.topic_config(summary.topic).num_partitions >= summary.num_partitions:
                     continue
-                desc = stub.DescribeTopic(pb.TopicRequest(topic=summary.topic), timeout=10)
+                desc = stub.DescribeTopic(pb.TopicRequest(topic=summary.topic), timeout=10, metadata=link.metadata())
                 log.info("replica: creating topic %s (%d partitions) as the master has it", summary.topic,
                          summary.num_partitions)
                 self.create_topic(summary.topic, summary.num_partitions, dict(desc.config))
+                changed += 1
+        except grpc.RpcError as e:
+            raise to_error(e, link.address) from None  # PERMISSION_DENIED etc. as metaq errors, told in words
+        return changed
 
     @property
     def is_master(self) -> bool:

@@ -153,6 +153,18 @@ def _check_system(cfg: BrokerConfig) -> None:
             f"the master's log through its data port, so each needs one; set dataPort to a port (0: any free one)")
 
 
+def _check_replication(cfg: BrokerConfig, member: bool) -> None:
+    """A member of a replicated group (``replicaId`` given) copies from its master over the broker's own
+    protocol, so it needs what a client of it would: the CA (TLS) and a user (SASL_SSL). A broker without
+    ``replicaId`` may be a group of one and is told at run time, by the fetcher, if it ever must copy."""
+    if not member or cfg.zk_connect.lower() == "none":
+        return
+    problem = cfg.security.replication_problem()
+    if problem:
+        raise ConfigError(f"{problem} (replicaId {cfg.replica_id}: this broker is a member of replicated group "
+                          f"{cfg.broker_id}; docs/replication.md, Security)")
+
+
 def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = None) -> BrokerConfig:
     """Read the INI file (if any), apply ``overrides`` (flags) to [system], and check everything."""
     parser = configparser.ConfigParser(interpolation=None, strict=True)
@@ -185,6 +197,7 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
             raise ConfigError(f"[system]: unknown key {key!r}; known keys are {', '.join(known)}")
     _check_system(cfg)
     cfg.security = BrokerSecurity.from_properties({k: v for k, v in security.items() if k in BROKER_KEYS})
+    _check_replication(cfg, "replicaId" in system)
     cfg.zk_security = ZkSecurity.from_properties(security, "[system] ")
     cfg.topic_defaults = topic_config_from(TopicConfig(), topic_defaults, "[system]")
     for section in parser.sections():

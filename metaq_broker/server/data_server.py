@@ -23,7 +23,8 @@ principal is its client certificate's (or ANONYMOUS); with SASL_SSL it is the se
 AUTH frame that must come first. ``BrokerService`` checks the ACLs with it. TLS cannot ``sendfile``
 (the kernel would send the file's bytes unencrypted): a TLS connection reads the located range with
 ``os.preadv`` into a buffer it reuses, in chunks of ``TLS_CHUNK``, and ``sendall``s each, so the bytes
-pass through user space once, with no work per message.
+pass through user space once, with no work per message. A group member's REPLICA_FETCH takes the same
+path (``_send_range``), and needs ClusterAction on the cluster from the connection's principal.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ _SENDFILE_CHUNK = 1 << 30
 TLS_CHUNK = 1 << 20  # a TLS connection's read buffer: record bytes go file -> buffer -> TLS in this size
 HANDSHAKE_TIMEOUT = 10.0  # a TLS handshake not done by then is dropped
 RECHECK_SESSION_S = 60.0  # a SASL connection's session is checked again this often (expired, user removed)
+REFUSAL_LOG_S = 60.0  # a principal refused the replica fetch is logged at most this often
 KEEP_PUT_BUFFER = 16 << 20  # a connection keeps its put buffer up to this size (the sink's puts are <= 4 MiB)
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
@@ -92,6 +94,7 @@ class DataServer:
         self._conns: dict = {}  # accepted socket -> thread
         self._lock = threading.Lock()
         self._stopping = False
+        self._refusals_logged: dict = {}  # principal -> when a refused replica fetch of it was last logged
         self._acceptor = threading.Thread(target=self._accept_loop, name="metaq-data-accept", daemon=True)
 
     def start(self) -> "DataServer":
@@ -318,17 +321,8 @@ class DataServer:
                                 log_.earliest_offset, log_.latest_offset, where.length) + aborted
             if not where.length:
                 sock.sendall(header)
-            elif conn.tls:
-                self._send_range_tls(conn, header, fd, where)
             else:
-                sock.sendall(header, _MSG_MORE)
-                pos, left = where.position, where.length
-                while left:
-                    n = os.sendfile(sock.fileno(), fd, pos, min(left, _SENDFILE_CHUNK))
-                    if n == 0:  # the file is shorter than its index says: the client sees a cut reply
-                        raise ProtocolError(f"{where.path} ends at byte {pos}, {left} bytes short")
-                    pos += n
-                    left -= n
+                self._send_range(conn, header, fd, where.position, where.length, where.path)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -336,29 +330,41 @@ class DataServer:
                 self.service.observe("FetchData", time.perf_counter() - start)
 
     @staticmethod
-    def _send_range_tls(conn: _Conn, header: bytes, fd: int, where) -> None:
-        """``header`` and the file range through the connection's buffer: ``preadv`` a chunk, ``sendall``
-        it (the header rides in the first chunk). ``sendfile`` would bypass the encryption."""
-        view, sock = conn.read_buffer(), conn.sock
+    def _send_range(conn: _Conn, header, fd: int, position: int, length: int, path) -> None:
+        """``header``, then ``length`` bytes of ``fd`` from ``position``. Plain TCP: the header corked
+        (``MSG_MORE``), the range by ``sendfile``. TLS, which ``sendfile`` would bypass: through the
+        connection's buffer, ``preadv`` a chunk and ``sendall`` it (the header rides in the first chunk)."""
+        sock, left = conn.sock, length
+        if not conn.tls:
+            sock.sendall(header, _MSG_MORE if left else 0)
+            while left:
+                n = os.sendfile(sock.fileno(), fd, position, min(left, _SENDFILE_CHUNK))
+                if n == 0:  # the file is shorter than its index says: the client sees a cut reply
+                    raise ProtocolError(f"{path} ends at byte {position}, {left} bytes short")
+                position += n
+                left -= n
+            return
+        view = conn.read_buffer()
         fill = len(header)
         if fill <= TLS_CHUNK // 2:
             view[:fill] = header
-        else:  # a long aborted list
+        else:  # a long aborted list or journal
             sock.sendall(header)
             fill = 0
-        pos, left = where.position, where.length
         while left:
             n = min(left, TLS_CHUNK - fill)
             got = 0
             while got < n:
-                k = os.preadv(fd, [view[fill + got:fill + n]], pos + got)
+                k = os.preadv(fd, [view[fill + got:fill + n]], position + got)
                 if k == 0:  # the file is shorter than its index says: the client sees a cut reply
-                    raise ProtocolError(f"{where.path} ends at byte {pos + got}, {left - got} bytes short")
+                    raise ProtocolError(f"{path} ends at byte {position + got}, {left - got} bytes short")
                 got += k
             sock.sendall(view[:fill + n])
-            pos += n
+            position += n
             left -= n
             fill = 0
+        if fill:  # an empty range
+            sock.sendall(view[:fill])
 
     def _replica_fetch(self, conn: _Conn, request: bytearray) -> None:
         """A group member copying from this master (``ReplicaManager.serve_fetch`` decides what): the head,
@@ -366,11 +372,8 @@ class DataServer:
         sock, fds = conn.sock, []
         try:
             try:
-                if conn.tls:
-                    raise ProtocolError("replication over TLS is not supported yet: group members copy over a "
-                                        "PLAINTEXT data port")
                 if self.auth is not None:
-                    self.auth.authorize(conn.principal, "ClusterAction", "cluster", CLUSTER)
+                    self._authorize_replica(conn)
                 answer = self.replicas.serve_fetch(rp.unpack_request(request), lambda: not self._stopping)
             except FencedError as e:
                 sock.sendall(rp.error_reply(code_number(grpc.StatusCode.FAILED_PRECONDITION), str(e),
@@ -391,23 +394,37 @@ class DataServer:
                     where.start_offset if where is not None else 0, where.end_offset if where is not None else 0,
                     sec.earliest, sec.latest, n, where.aborted if where is not None else None, sec.log_end, sec.hw,
                     sec.status, sec.epoch, sec.offset))
-                ranges.append((fd, where.position if n else 0, n))
+                ranges.append((fd, where.position if n else 0, n, where.path if n else None))
             flags = (rp.FLAG_JOURNAL_SNAPSHOT if snapshot else 0) | (rp.FLAG_TOPICS_CHANGED if answer.topics_changed
                                                                      else 0)
             journal = bytes(frames) + bytes(rp.pad8(len(frames)) - len(frames))
             body_len = len(journal) + sum(len(h) + r[2] for h, r in zip(heads, ranges))
-            sock.sendall(rp.pack_reply_head(rp.ReplyHead(0, "", answer.epoch, len(heads), body_len, first, last,
-                                                         len(frames), flags)) + journal, _MSG_MORE)
-            for head, (fd, pos, n) in zip(heads, ranges):
-                sock.sendall(head, _MSG_MORE if n else 0)
-                while n:
-                    k = os.sendfile(sock.fileno(), fd, pos, min(n, _SENDFILE_CHUNK))
-                    if k == 0:
-                        raise ProtocolError(f"a segment file ends {n} bytes short of its index")
-                    pos, n = pos + k, n - k
+            # Heads gather until a section has records: one send (one TLS record) for them all.
+            pending = [rp.pack_reply_head(rp.ReplyHead(0, "", answer.epoch, len(heads), body_len, first, last,
+                                                       len(frames), flags)), journal]
+            for head, (fd, pos, n, path) in zip(heads, ranges):
+                pending.append(head)
+                if n:
+                    self._send_range(conn, b"".join(pending), fd, pos, n, path)
+                    pending = []
+            if pending:
+                sock.sendall(b"".join(pending))
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _authorize_replica(self, conn: _Conn) -> None:
+        """ClusterAction on the cluster (Kafka's inter-broker right); a refusal is logged here too, once a
+        minute per principal, since the member that asks may be misconfigured rather than hostile."""
+        try:
+            self.auth.authorize(conn.principal, "ClusterAction", "cluster", CLUSTER)
+        except MetaqError as e:
+            now = time.monotonic()
+            if now - self._refusals_logged.get(conn.principal, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+                self._refusals_logged[conn.principal] = now
+                log.warning("data port: replica fetch refused: %s (a group member's principal needs ClusterAction "
+                            "on the cluster, or to be in super.users)", e)
+            raise
 
     def _put(self, conn: _Conn, request: memoryview) -> None:
         start = time.perf_counter()

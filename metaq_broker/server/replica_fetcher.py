@@ -4,37 +4,122 @@ the master can tell where the logs parted (KIP-101/KIP-279) and answer DIVERGING
 log there, durably, before it asks again. The transaction journal rides along as an ordered record stream.
 
 The next request is sent only after the fsync of what the last reply brought, so the durable offsets it
-reports (which move the master's high watermark) are true."""
+reports (which move the master's high watermark) are true.
+
+Security is the broker's own, as Kafka's inter-broker listener (docs/replication.md, Security): with SSL or
+SASL_SSL the member speaks TLS to the master's data port and gRPC, trusting ``ssl.ca.location``, checking
+the master's host name and presenting its own certificate; under SASL_SSL it logs in over the master's
+gRPC as ``replication.sasl.username`` and sends the session in an AUTH frame. A refusal (no CA or user
+configured, a handshake or login refused, a missing ACL) is logged as an error, once while it lasts, and
+retried every ``REFUSED_RETRY_S``, not in a tight loop."""
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
+import time
 from typing import Callable, Optional
 
+import grpc
 import numpy as np
 
+from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigError, MetaqError
 from metaq_broker.protocol import dataport
 from metaq_broker.protocol import replication as rp
+from metaq_broker.protocol import sasl
+from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
+from metaq_broker.protocol.status import error_of
+from metaq_broker.security import scram, tls
+from metaq_broker.security.settings import ClientSecurity, read_pem
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_MS = 500
 MAX_BYTES = 8 << 20
 RETRY_S = 0.2
+REFUSED_RETRY_S = 5.0  # after a refusal (security, ACLs): a misconfiguration is not fixed in 0.2 s
+REFUSED_RELOG_S = 300.0  # the same refusal is logged again after this long
+FAILURES_TOLD = 50  # connection failures in a row (about 10 s of retries) before one is logged as a warning
 CONNECT_TIMEOUT = 5.0
+CALL_TIMEOUT = 10.0  # gRPC calls to the master: login, topics
+MAX_AUTH_REPLY = 64 << 10
+_CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a connection going away
+
+
+class ReplicationRefused(MetaqError):
+    """The master refused this member (or it cannot reach the master securely) for a reason that lasts:
+    logged as an error and retried slowly."""
+
+
+def _refusal(e: BaseException) -> bool:
+    return isinstance(e, (ConfigError, AuthenticationError, AuthorizationError, ReplicationRefused)) or \
+        (isinstance(e, ssl.SSLError) and not isinstance(e, _CLOSED))
+
+
+class MasterLink:
+    """One master's gRPC channel, secured as ``security`` says, and under SASL_SSL the session this member
+    logged in with (renewed at half its lifetime, or when the master no longer knows it)."""
+
+    def __init__(self, security: ClientSecurity, master: dict):
+        self.security = security
+        self.address = f"{master['host']}:{master['port']}"
+        if security.uses_tls:
+            sec = security
+            creds = grpc.ssl_channel_credentials(
+                read_pem("ssl.ca.location", sec.ca_location),
+                read_pem("ssl.key.location", sec.key_location) if sec.key_location else None,
+                read_pem("ssl.certificate.location", sec.certificate_location) if sec.certificate_location else None)
+            self.channel = grpc.secure_channel(self.address, creds)
+        else:
+            self.channel = grpc.insecure_channel(self.address)
+        self._token: Optional[str] = None
+        self._renew_at = 0.0
+
+    def token(self, renew: bool = False) -> Optional[str]:
+        """The session token (None without SASL)."""
+        sec = self.security
+        if not sec.uses_sasl:
+            return None
+        if renew or self._token is None or time.monotonic() >= self._renew_at:
+            try:
+                self._token, lifetime = sasl.authenticate(
+                    self.channel.unary_unary(AUTH_PATH), sec.sasl_mechanism, sec.sasl_username, sec.sasl_password,
+                    CALL_TIMEOUT, self.address, scram.ScramClient)
+            except AuthenticationError as e:
+                raise AuthenticationError(f"replication login as {sec.sasl_username} (replication.sasl.username) "
+                                          f"failed: {e}") from None
+            self._renew_at = time.monotonic() + lifetime / 2
+        return self._token
+
+    def metadata(self) -> tuple:
+        """What gRPC calls to the master carry: the session under SASL_SSL."""
+        token = self.token()
+        return ((SESSION_METADATA, token),) if token else ()
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 class ReplicaFetcher:
-    """``sync_topics(master)`` makes the local store hold the master's topics (``master``: the master's
-    ZooKeeper node, a dict with host, port, dataPort); ``on_fenced(epoch)`` is told when the master's epoch
-    differs from the one followed (the group member re-reads the state)."""
+    """``sync_topics(master, link)`` makes the local store hold the master's topics, asking over ``link``
+    (``master``: the master's ZooKeeper node, a dict with host, port, dataPort), and returns how many it
+    created or grew; ``on_fenced(epoch)`` is told when the master's epoch differs from the one followed (the
+    group member re-reads the state). ``security`` is how to reach the master, ``problem`` why it cannot
+    be (``BrokerSecurity.replication_client``, ``replication_problem``)."""
 
     def __init__(self, store, transactions, replica_id: int, uuid: str,
-                 sync_topics: Callable[[dict], None], on_fenced: Callable[[int], None]):
+                 sync_topics: Callable[[dict, MasterLink], int], on_fenced: Callable[[int], None],
+                 security: Optional[ClientSecurity] = None, problem: Optional[str] = None):
         self.store, self.transactions = store, transactions
         self.replica_id, self.uuid = replica_id, bytes.fromhex(uuid)
         self._sync_topics, self._on_fenced = sync_topics, on_fenced
+        # How to reach the master (BrokerSecurity.replication_client), and why it cannot be, if so
+        self.security, self._problem = security or ClientSecurity(), problem
+        self._context: Optional[ssl.SSLContext] = None
+        self.last_error: Optional[str] = None  # the refusal that stops copying now, None while it copies
+        self._logged = ("", 0.0)  # the last refusal logged, and when
+        self._failures = 0  # fetches failed in a row for other reasons (a master going away, a network fault)
         self._lock = threading.Condition()
         self._target: Optional[tuple] = None  # (epoch, master node dict)
         self._stop = False
@@ -75,7 +160,7 @@ class ReplicaFetcher:
 
     # -- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
-        sock, connected_to = None, None
+        sock, connected_to, link = None, None, None
         while True:
             with self._lock:
                 while self._target is None and not self._stop:
@@ -88,22 +173,99 @@ class ReplicaFetcher:
                 if connected_to != target:
                     _close(sock)
                     sock, connected_to = None, None
-                    sock = socket.create_connection((master["host"], int(master["dataPort"])), CONNECT_TIMEOUT)
-                    sock.settimeout(MAX_WAIT_MS / 1000 + 30)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    if link is None or link.address != f"{master['host']}:{master['port']}":
+                        link = _replace_link(link, self._link(master))
+                    sock = self._connect(master, link)
                     connected_to = target
-                self._exchange(sock, epoch, master)
+                self._exchange(sock, epoch, master, link)
+                self._failures = 0
+                if self.last_error is not None:
+                    log.info("replica %d copies from %s:%s again", self.replica_id, master.get("host"),
+                             master.get("dataPort"))
+                    self.last_error, self._logged = None, ("", 0.0)
             except Exception as e:  # noqa: BLE001 - the master died or moved: try again, the group re-routes
                 log.debug("replica fetch from %s failed: %s", master, e, exc_info=True)
-                if not isinstance(e, (OSError, dataport.ProtocolError)):
+                refused = _refusal(e)
+                if refused:
+                    self._tell(master, e)
+                elif not isinstance(e, (OSError, dataport.ProtocolError)):
                     log.warning("replica fetch from %s:%s failed: %s: %s", master.get("host"),
                                 master.get("dataPort"), type(e).__name__, e)
+                else:  # usually the master going away; said once if it lasts (a TLS refusal whose alert was lost)
+                    self._failures += 1
+                    if self._failures == FAILURES_TOLD:
+                        log.warning("replica fetch from %s:%s failed %d times in a row, last: %s: %s",
+                                    master.get("host"), master.get("dataPort"), FAILURES_TOLD, type(e).__name__, e)
                 _close(sock)
                 sock, connected_to = None, None
+                if refused:  # a new channel and login next time: the settings or the master may have changed
+                    link = _replace_link(link, None)
                 with self._lock:
                     if not self._stop:
-                        self._lock.wait(RETRY_S)
+                        self._lock.wait(REFUSED_RETRY_S if refused else RETRY_S)
         _close(sock)
+        _replace_link(link, None)
+
+    def _tell(self, master: dict, e: BaseException) -> None:
+        """A refusal, logged as an error when it is new (or every REFUSED_RELOG_S while it lasts)."""
+        where = f"{master.get('host')}:{master.get('dataPort')}"
+        text = tls.explain(e, where) if isinstance(e, ssl.SSLError) else str(e)
+        if isinstance(e, AuthorizationError):
+            text += (" (a group member's principal needs ClusterAction on the cluster and Describe on the topics, "
+                     "or to be in super.users)")
+        self.last_error = f"replica {self.replica_id} cannot copy from its master {where}: {text}"
+        now = time.monotonic()
+        if self._logged[0] != text or now - self._logged[1] >= REFUSED_RELOG_S:
+            self._logged = (text, now)
+            log.error("%s (retrying every %.0f s; docs/replication.md, Security)", self.last_error, REFUSED_RETRY_S)
+
+    def _link(self, master: dict) -> MasterLink:
+        if self._problem:
+            raise ConfigError(self._problem)
+        return MasterLink(self.security, master)
+
+    def _connect(self, master: dict, link: MasterLink) -> socket.socket:
+        """A connection to the master's data port: TLS (the master's host name checked) and the AUTH frame
+        as the broker's protocol wants."""
+        host, port = master["host"], int(master["dataPort"])
+        sock = socket.create_connection((host, port), CONNECT_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.security.uses_tls:
+                if self._context is None:
+                    self._context = tls.client_context(self.security)
+                try:
+                    sock = self._context.wrap_socket(sock, server_hostname=host)
+                except _CLOSED:
+                    raise
+                except ssl.SSLError as e:
+                    raise AuthenticationError(tls.explain(e, f"{host}:{port}")) from None
+            sock.settimeout(MAX_WAIT_MS / 1000 + 30)
+            if self.security.uses_sasl:
+                self._login(sock, link, f"{host}:{port}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _login(self, sock: socket.socket, link: MasterLink, where: str) -> None:
+        """The AUTH frame with the session's token; a token the master no longer knows is renewed once."""
+        for renew in (False, True):
+            sock.sendall(dataport.pack_auth(link.token(renew)))
+            head = bytearray(dataport.REPLY.size)
+            if not dataport.recv_exact(sock, memoryview(head)):
+                raise dataport.ProtocolError(f"data port {where} closed the connection after the AUTH frame")
+            header_len, status, *_, body_len = dataport.REPLY.unpack(head)
+            if header_len != dataport.REPLY.size or not 0 <= body_len <= MAX_AUTH_REPLY:
+                raise dataport.ProtocolError(f"data port {where}: bad AUTH reply ({header_len}, {body_len} bytes)")
+            body = bytearray(body_len)
+            if body_len and not dataport.recv_exact(sock, memoryview(body)):
+                raise dataport.ProtocolError(f"data port {where} closed the connection inside the AUTH reply")
+            if status == dataport.OK:
+                return
+            code = dataport.STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+            if renew or code != grpc.StatusCode.UNAUTHENTICATED:
+                raise error_of(code, body.decode("utf-8", "replace"), where)
 
     def _request(self, epoch: int):
         parts = []
@@ -113,13 +275,16 @@ class ReplicaFetcher:
         seq = self.transactions.applied_seq if self.transactions is not None else 0
         return rp.FetchRequest(epoch, self.replica_id, self.uuid, seq, MAX_WAIT_MS, MAX_BYTES, parts)
 
-    def _exchange(self, sock: socket.socket, epoch: int, master: dict) -> None:
+    def _exchange(self, sock: socket.socket, epoch: int, master: dict, link: MasterLink) -> None:
         req = self._request(epoch)
         sock.sendall(rp.pack_request(req))
         head, journal, sections = rp.read_reply(sock, self._buffer)
         if head.status != 0:
             if head.master_epoch != epoch or head.message.startswith(rp.FENCED):
                 self._on_fenced(head.master_epoch)
+            code = dataport.STATUS_BY_NUMBER.get(head.status)
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise error_of(code, head.message, f"{master.get('host')}:{master.get('dataPort')}")
             raise dataport.ProtocolError(f"master refused the replica fetch: {head.message}")
         if self.transactions is not None and (journal or head.flags & rp.FLAG_JOURNAL_SNAPSHOT):
             self.transactions.apply(journal, head.journal_first_seq, head.journal_last_seq,
@@ -143,8 +308,11 @@ class ReplicaFetcher:
             part.make_durable(part.written_end)
         if self.transactions is not None:
             self.transactions.apply_pending()
-        if head.flags & rp.FLAG_TOPICS_CHANGED:
-            self._sync_topics(master)
+        if head.flags & rp.FLAG_TOPICS_CHANGED and not self._sync_topics(master, link):
+            # The master has partitions this member lacks, yet listed no topic to create: ACLs hide them.
+            raise ReplicationRefused(
+                "the master has topics its ListTopics does not show this member: its principal needs Describe "
+                "on every topic (an ACL on topic '*'), or to be in super.users")
 
     def _truncate(self, part, epoch: int, end: int) -> None:
         """KIP-279: the master's largest epoch <= ours is ``epoch``, ending at ``end``. If we hold that epoch,
@@ -160,6 +328,12 @@ class ReplicaFetcher:
             self.truncated_offsets += before - new_end
         log.warning("%s: truncated from %d to %d where this log parted from the master's (epoch %d ends at %d "
                     "there)", part.name, before, new_end, epoch, end)
+
+
+def _replace_link(old: Optional[MasterLink], new: Optional[MasterLink]) -> Optional[MasterLink]:
+    if old is not None:
+        old.close()
+    return new
 
 
 def _close(sock) -> None:
