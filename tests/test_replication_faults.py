@@ -28,9 +28,6 @@ def group(tmp_path, zookeeper, zk_root):
     g.wait_master()
     g.wait_in_sync(range(3))
     yield g
-    for m in g.members:
-        if m.proc is not None and m.proc.poll() is None:
-            os.kill(m.proc.pid, signal.SIGCONT)
     g.stop()
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -76,6 +78,8 @@ class BrokerGroup:
 
     def stop(self) -> None:
         for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                os.kill(m.proc.pid, signal.SIGCONT)  # a member a test froze (SIGSTOP) could not stop
             try:
                 m.stop()
             except Exception:  # noqa: BLE001 - kill what does not stop
