@@ -2,14 +2,46 @@
 source Spark instantiates, handing out the readers (``reader``) and the writers (``sink``)."""
 from __future__ import annotations
 
-from pyspark.sql.datasource import DataSource
+from typing import Optional
 
-from metaq_spark.options import parse
+from pyspark.sql.datasource import DataSource
+from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, StructField, StructType,
+                               TimestampType)
+
+from metaq_spark.options import OptionError, SourceOptions, parse
 from metaq_spark.reader import MetaqBatchReader, MetaqStreamReader
 from metaq_spark.sink import writer
 
-SCHEMA = ("key binary, value binary, topic string, partition string, offset long, timestamp timestamp, "
-          "msgId long, flag int, attribute string")
+SCHEMA = StructType([StructField("key", BinaryType()), StructField("value", BinaryType()),
+                     StructField("topic", StringType()), StructField("partition", StringType()),
+                     StructField("offset", LongType()), StructField("timestamp", TimestampType()),
+                     StructField("msgId", LongType()), StructField("flag", IntegerType()),
+                     StructField("attribute", StringType())])
+
+
+def columns_of(schema: StructType) -> Optional[tuple]:
+    """The columns a query asked for by giving a schema (``.schema("value binary, offset long")``): some
+    of ``SCHEMA``'s, with their types, in any order; None for the whole schema. Anything else is an
+    OptionError naming the column."""
+    types = {f.name: f.dataType for f in SCHEMA.fields}
+    names = tuple(f.name for f in schema.fields)
+    for f in schema.fields:
+        if f.name not in types:
+            raise OptionError(f"schema: metaq has no column {f.name!r} (it has {', '.join(types)})")
+        if f.dataType != types[f.name]:
+            raise OptionError(f"schema: column {f.name} is {types[f.name].simpleString()} in metaq, not "
+                              f"{f.dataType.simpleString()}")
+    if len(set(names)) != len(names):
+        raise OptionError(f"schema: a column is named twice in {', '.join(names)}")
+    if not names:
+        raise OptionError("schema: name at least one column")
+    return None if names == tuple(types) else names
+
+
+def _options(options, schema, streaming: bool) -> SourceOptions:
+    opts = parse(options, streaming=streaming)
+    opts.columns = columns_of(schema)
+    return opts
 
 
 class MetaqDataSource(DataSource):
@@ -17,14 +49,14 @@ class MetaqDataSource(DataSource):
     def name(cls) -> str:
         return "metaq"
 
-    def schema(self) -> str:
+    def schema(self) -> StructType:
         return SCHEMA
 
     def reader(self, schema) -> "MetaqBatchReader":
-        return MetaqBatchReader(parse(self.options, streaming=False))
+        return MetaqBatchReader(_options(self.options, schema, streaming=False))
 
     def streamReader(self, schema) -> "MetaqStreamReader":
-        return MetaqStreamReader(parse(self.options, streaming=True))
+        return MetaqStreamReader(_options(self.options, schema, streaming=True))
 
     def writer(self, schema, overwrite: bool):
         """``df.write.format("metaq")``: see ``metaq_spark.sink``."""

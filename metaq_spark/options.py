@@ -56,6 +56,7 @@ class SourceOptions:
     fetch_max_bytes: int = 8 << 20
     fetch_timeout_ms: int = 120_000  # a task's wait for a partition's broker that is down (Kafka: pollTimeoutMs)
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    columns: Optional[tuple] = None  # a schema the user gave: only these columns are built (None: all)
     raw: dict = field(default_factory=dict)  # the options as given, passwords left out
 
     def topic_matcher(self):

@@ -225,8 +225,9 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
 class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
                  fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None,
-                 security: Optional[ClientSecurity] = None, other_members: tuple = ()):
+                 security: Optional[ClientSecurity] = None, other_members: tuple = (), columns: Optional[tuple] = None):
         super().__init__((topic, partition, start, end))
+        self.columns = columns  # the query's columns when it gave a schema (None: all of the source's)
         self.other_members = other_members  # ((address, data address), ...) of its group's other members
         self.security = security or ClientSecurity()  # how the task connects (TLS, SASL), as the driver does
         self.topic, self.partition, self.address = topic, partition, address
@@ -256,7 +257,7 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
                 pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
-                                             opts.fetch_timeout_ms, data_addr, opts.security, others))
+                                             opts.fetch_timeout_ms, data_addr, opts.security, others, opts.columns))
     return pieces
 
 

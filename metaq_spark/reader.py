@@ -61,13 +61,24 @@ def _constant_strings(value: str, n: int) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
 
 
-def to_spark(batch: pa.RecordBatch, topic: str, partition: str) -> pa.RecordBatch:
-    n = batch.num_rows
-    return pa.RecordBatch.from_arrays(
-        [batch.column("key"), batch.column("value"), _constant_strings(topic, n), _constant_strings(partition, n),
-         batch.column("offset"), batch.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
-         batch.column("msgId"), batch.column("flag"), batch.column("attribute")],
-        names=["key", "value", "topic", "partition", "offset", "timestamp", "msgId", "flag", "attribute"])
+_BUILD = {
+    "key": lambda b, topic, partition: b.column("key"),
+    "value": lambda b, topic, partition: b.column("value"),
+    "topic": lambda b, topic, partition: _constant_strings(topic, b.num_rows),
+    "partition": lambda b, topic, partition: _constant_strings(partition, b.num_rows),
+    "offset": lambda b, topic, partition: b.column("offset"),
+    "timestamp": lambda b, topic, partition: b.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
+    "msgId": lambda b, topic, partition: b.column("msgId"),
+    "flag": lambda b, topic, partition: b.column("flag"),
+    "attribute": lambda b, topic, partition: b.column("attribute"),
+}
+COLUMNS = tuple(_BUILD)  # the source's schema, in order (datasource.SCHEMA)
+
+
+def to_spark(batch: pa.RecordBatch, topic: str, partition: str, columns=COLUMNS) -> pa.RecordBatch:
+    """The decoded batch as the query's rows: ``columns`` of the source's schema (all of them, or those of
+    a schema the user gave: Spark converts every column it is handed, so fewer columns cost less)."""
+    return pa.RecordBatch.from_arrays([_BUILD[c](batch, topic, partition) for c in columns], names=list(columns))
 
 
 def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
@@ -130,7 +141,7 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
         pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
         if batch.num_rows:  # none: the reply held only markers and aborted messages
-            yield to_spark(batch, part.topic, part.partition)
+            yield to_spark(batch, part.topic, part.partition, getattr(part, "columns", None) or COLUMNS)
 
 
 def _await_stable(part: MetaqPartition, fetcher: PartitionFetcher, offset: int, cause=None) -> bool:

@@ -265,6 +265,33 @@ def test_trigger_once_reads_everything_despite_max_offsets(spark, cluster, tmp_p
     assert offsets_of(spark, "once_rows") == [("once", p, o) for p in ("1-0", "1-1") for o in range(30)]
 
 
+def test_a_schema_given_by_the_query_reads_only_its_columns(spark, cluster, tmp_path):
+    """``.schema(...)`` with some of the source's columns, in any order: the rows hold those, right; a
+    column metaq has not, or of another type, is refused by name."""
+    cluster.start_broker(1, topics={"cols": {"numPartitions": 2}})
+    fill(cluster, "cols", 20, ["1-0", "1-1"])
+
+    def read(schema, streaming=False):
+        r = (spark.readStream if streaming else spark.read).format("metaq").schema(schema)
+        return r.option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root", cluster.zk_root) \
+            .option("subscribe", "cols").load()
+
+    rows = read("offset long, value binary, partition string").collect()
+    assert read("offset long, value binary, partition string").columns == ["offset", "value", "partition"]
+    assert sorted((r.partition, r.offset, bytes(r.value)) for r in rows) == \
+        [(p, i, b"%s:%d" % (p.encode(), i)) for p in ("1-0", "1-1") for i in range(20)]
+    q = (read("value binary", streaming=True).writeStream.format("memory").queryName("cols_values")
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None, q.exception()
+    assert sorted(bytes(r.value) for r in spark.sql("select value from cols_values").collect()) == \
+        sorted(b"%s:%d" % (p.encode(), i) for p in ("1-0", "1-1") for i in range(20))
+    for schema, message in (("value string", "column value is binary in metaq, not string"),
+                            ("value binary, nope int", "metaq has no column 'nope'")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            read(schema).collect()
+
+
 # -- 7. ZooKeeper group offsets -------------------------------------------------------------------------
 
 def _run_tracked(df, checkpoint, name):
