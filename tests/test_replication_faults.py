@@ -242,3 +242,44 @@ def test_a_member_restarted_at_once_takes_over_its_own_stale_nodes(tmp_path, zoo
             assert len(read_all(consumer)) == 30
     finally:
         g.stop()
+
+
+def test_zookeeper_gone_a_group_of_one_serves_on_a_replicated_master_refuses(tmp_path):
+    """A broker that has only ever been its group's member needs no lease: nobody else can be elected, so
+    it serves puts and reads through a ZooKeeper outage as a broker without replicas always did. The
+    master of a group of three refuses once its lease runs out (another member might be elected); both
+    serve again once ZooKeeper is back."""
+    from metaq_broker.devtools.zookeeper import LocalZooKeeper
+    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()  # not the shared one: we stop it
+    single = group = None
+    try:
+        single = BrokerProcess(tmp_path / "single", 1, zk.connect_string, settings={"zk.sessionTimeout": 4000},
+                               topics=TOPICS).start()
+        group = BrokerGroup(tmp_path / "group", 2, zk.connect_string, members=3, topics=TOPICS).start()
+        group.wait_master()
+        group.wait_in_sync(range(3))
+        master = group.members[group.master_id()]
+        with Producer(brokers={1: single.address}, timeout=5.0) as to_single, \
+                Producer(brokers={2: master.address}, timeout=2.0) as to_group, \
+                Consumer(brokers={1: single.address}) as from_single:
+            to_single.send_batch("orders", [b"before"], partition="1-0")
+            to_group.send_batch("orders", [b"before"], partition="2-0")
+            zk.stop()
+            time.sleep(0.75 * 4.0 + 1.0)  # past the replicated master's lease
+            to_single.send_batch("orders", [b"during"], partition="1-0")
+            assert from_single.fetch("orders", "1-0", 0).batch.column("value").to_pylist() == [b"before", b"during"]
+            with pytest.raises((RemoteNotMasterError, BrokerUnavailableError), match="not master"):
+                to_group.send_batch("orders", [b"refused"], partition="2-0")
+            zk.start()
+        z = dict(zk_connect=zk.connect_string, zk_root="/meta")
+        with Producer(timeout=30.0, **z) as producer, Consumer(**z) as consumer:
+            wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 4, timeout=30,
+                       what="both groups registered again")
+            producer.send_batch("orders", [b"after"], partition="1-0")
+            producer.send_batch("orders", [b"after"], partition="2-0")
+            assert sorted(read_all(consumer)) == [b"after", b"after", b"before", b"before", b"during"]
+    finally:
+        for b in (single, group):
+            if b is not None:
+                b.stop()
+        zk.stop()

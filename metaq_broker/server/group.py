@@ -68,7 +68,16 @@ class GroupMember:
 
     # -- the gate every client call passes ------------------------------------------------------------
     def lease_valid(self) -> bool:
-        return self.role == MASTER and time.monotonic() < self._lease_until
+        return self.role == MASTER and (self.sole or time.monotonic() < self._lease_until)
+
+    @property
+    def sole(self) -> bool:
+        """Only this member has ever been in the group (its roster and in-sync set are this member alone):
+        no other member can be elected cleanly, so its mastership needs no lease, and it serves on while
+        ZooKeeper is away, as a broker without replicas always did. (Only a newcomer with
+        uncleanElection=true could take over meanwhile.)"""
+        s = self.state
+        return s is not None and set(s.replicas) <= {self.replica_id} and s.isr_ids == (self.replica_id,)
 
     def check_master(self) -> None:
         """The gate of every new client call: NotMasterError naming the master (if known) unless this member
@@ -174,7 +183,7 @@ class GroupMember:
     def _step(self) -> None:
         now = time.monotonic()
         with self._lock:
-            if self.role == MASTER and now >= self._lease_until:
+            if self.role == MASTER and now >= self._lease_until and not self.sole:
                 self._step_down("its lease ran out (no answer from ZooKeeper within 0.75 of the session timeout)")
             if not self.registration.connected or not self.registration.registered:
                 return
