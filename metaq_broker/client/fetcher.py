@@ -108,7 +108,7 @@ class PartitionFetcher:
                 error = to_error(e, self.conn.address)
                 if (e.code() not in RESEND and not moved) or left <= 0 or (
                         isinstance(error, NotMasterError) and not self.wait_for_master):
-                    late = "" if e.code() not in RESEND else \
+                    late = "" if e.code() not in RESEND or left > 0 else \
                         f" (still failing after {self.timeout_setting}={round(self.timeout_s * 1000)})" \
                         if self.timeout_setting else f" (still failing after {self.timeout_s:g}s)"
                     raise self._named(error, request, late) from None
