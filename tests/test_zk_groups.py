@@ -198,3 +198,19 @@ def test_take_over_stale_deletes_only_nodes_naming_this_run(clients):
     assert new.exists(paths.group_replica(8, 1)) is not None  # another member's node stays
     groups.register_member(new, paths, 8, 0, mine)  # the restarted run registers at once
     assert groups.take_over_stale(new, paths, 8, 0, U0, "boot:1:42") == []
+
+
+def test_starting_members_master_node_and_addresses(clients):
+    make, paths = clients
+    zk = make()
+    assert groups.starting(zk, paths, 1) == set() and groups.master_node(zk, paths, 1) is None
+    zk.create(paths.group_starting(1, 2), b"{}", makepath=True)
+    zk.create(f"{paths.group_startings(1)}/not-a-replica", b"{}")
+    assert groups.starting(zk, paths, 1) == {2}  # replicaIds as numbers, other names left out
+    zk.create(paths.broker(1), json.dumps({"host": "h", "port": 7, "dataPort": 8, "replicaId": 2}).encode(),
+              makepath=True)
+    node = groups.master_node(zk, paths, 1)
+    assert node["replicaId"] == 2 and groups.addresses(node) == ("h:7", "h:8")
+    assert groups.addresses({"host": "h", "port": 7}) == ("h:7", "")
+    with pytest.raises(ValueError):
+        groups.addresses({"host": "h", "port": "x"})

@@ -1,7 +1,6 @@
 """Administration across brokers: topics, partitions, offsets, consumer groups and their lag, stats."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -121,23 +120,18 @@ class Admin(ClientBase):
         zk, paths = self.cluster.zk, self.cluster.paths
         state = zk_groups.read_state(zk, paths, bid)
         live = zk_groups.members(zk, paths, bid)
-        starting = set(_children(zk, paths.group_startings(bid)))
-        try:
-            master = json.loads(zk.get(paths.broker(bid))[0]).get("replicaId", 0)
-        except NoNodeError:
-            master = None
+        starting = zk_groups.starting(zk, paths, bid)
+        node = zk_groups.master_node(zk, paths, bid)
+        master = None if node is None else node.get("replicaId", 0)
         ids = set(live) | starting | (set(state.replicas) if state is not None else set())
         if master is not None:
             ids.add(master)
         rows = []
         for r in sorted(ids):
-            node = live.get(r, {})
-            host = node.get("host", "")
+            address, data_address = zk_groups.addresses(live.get(r, {}))
             role = ("master" if r == master else "starting" if r in starting else
                     ("replica" if master is not None else "electing") if r in live else "down")
-            rows.append({"brokerId": bid, "replicaId": r,
-                         "address": f"{host}:{node['port']}" if node.get("port") else "",
-                         "dataAddress": f"{host}:{node['dataPort']}" if node.get("dataPort") else "",
+            rows.append({"brokerId": bid, "replicaId": r, "address": address, "dataAddress": data_address,
                          "role": role, "epoch": state.epoch if state is not None else 0,
                          "inSync": r in state.isr_ids if state is not None else r == master,
                          "lagMessages": 0 if r == master else None, "error": error})
@@ -147,11 +141,8 @@ class Admin(ClientBase):
         """``host:port`` in ``/brokers/ids/<bid>`` now (not the cached view); None without it or ZooKeeper."""
         if self.cluster.zk is None:
             return None
-        try:
-            node = json.loads(self.cluster.zk.get(self.cluster.paths.broker(bid))[0])
-        except NoNodeError:
-            return None
-        return f"{node.get('host')}:{node.get('port')}"
+        node = zk_groups.master_node(self.cluster.zk, self.cluster.paths, bid)
+        return None if node is None else zk_groups.addresses(node)[0] or None
 
     def _masterless_groups(self) -> list:
         """Broker ids of groups with live (or starting) members but no master now; [] without ZooKeeper."""
@@ -162,7 +153,7 @@ class Admin(ClientBase):
         out = []
         for name in _children(zk, paths.broker_groups()):
             if name.isdigit() and int(name) not in masters and (
-                    _children(zk, paths.group_members(int(name))) or _children(zk, paths.group_startings(int(name)))):
+                    _children(zk, paths.group_members(int(name))) or zk_groups.starting(zk, paths, int(name))):
                 out.append(int(name))
         return out
 

@@ -170,11 +170,13 @@ class ClusterView:
         out = []
         for _, info in sorted(groups.members(self.zk, self.paths, broker_id).items()):
             try:
-                data_port = int(info.get("dataPort", 0))
-                out.append((f"{info['host']}:{int(info['port'])}",
-                            f"{info['host']}:{data_port}" if data_port > 0 else None))
-            except (KeyError, TypeError, ValueError):
+                address, data_address = groups.addresses(info)
+            except (TypeError, ValueError):
+                address = ""
+            if not address or not info.get("host"):
                 log.warning("ignoring an unreadable member of broker group %d: %r", broker_id, info)
+                continue
+            out.append((address, data_address or None))
         return out
 
     def on_moved(self, callback: Callable[[int, str], None]) -> None:

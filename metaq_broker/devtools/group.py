@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
 
 from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.paths import ZkPaths
 
 
@@ -49,10 +49,8 @@ class BrokerGroup:
 
     def master_id(self) -> Optional[int]:
         """The replicaId holding the master node, or None."""
-        try:
-            return int(json.loads(self.zk.get(self.paths.broker(self.broker_id))[0])["replicaId"])
-        except NoNodeError:
-            return None
+        node = zk_groups.master_node(self.zk, self.paths, self.broker_id)
+        return None if node is None else int(node["replicaId"])
 
     def wait_master(self, timeout: float = 30.0, other_than: Optional[int] = None) -> int:
         deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ import threading
 import time
 
 import grpc
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import KazooException
 
 from metaq_broker import __version__
 from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, MetaqError,
@@ -408,17 +408,14 @@ class BrokerService(pb_grpc.BrokerServicer):
         not answer. Addresses are remembered, so a member that went down is still shown where it was."""
         try:
             live = zk_groups.members(group.zk, group.paths, self.broker_id)
-            try:
-                starting = {int(c) for c in group.zk.get_children(group.paths.group_startings(self.broker_id))
-                            if c.isdigit()}
-            except NoNodeError:
-                starting = set()
+            starting = zk_groups.starting(group.zk, group.paths, self.broker_id)
         except KazooException as e:
             log.debug("group %d: members not readable from ZooKeeper now: %s", self.broker_id, e)
             return self._last_nodes
         for r, node in live.items():
-            host = node.get("host", "")
-            self._addresses[r] = (f"{host}:{node.get('port')}" if node.get("port") else "",
-                                  f"{host}:{node['dataPort']}" if node.get("dataPort") else "")
+            try:
+                self._addresses[r] = zk_groups.addresses(node)
+            except ValueError:
+                log.warning("group %d: unreadable addresses in member %d's node: %r", self.broker_id, r, node)
         self._last_nodes = (live, starting)
         return live, starting

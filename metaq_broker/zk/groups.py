@@ -19,7 +19,8 @@ from metaq_broker.errors import ElectionLostError, MetaqError, StaleStateError
 from metaq_broker.zk.paths import ZkPaths
 
 __all__ = ["GroupState", "ElectionLostError", "StaleStateError", "MemberHeldError", "read_state", "elect",
-           "alter_isr", "register_member", "members", "resign", "take_over_stale"]
+           "alter_isr", "register_member", "members", "starting", "master_node", "addresses", "resign",
+           "take_over_stale"]
 
 
 class MemberHeldError(MetaqError):
@@ -190,6 +191,30 @@ def members(zk, paths: ZkPaths, broker_id: int) -> dict:
         except (NoNodeError, ValueError):
             continue  # gone meanwhile, or not a member's
     return out
+
+
+def starting(zk, paths: ZkPaths, broker_id: int) -> set:
+    """replicaIds of the group's members waiting for their previous run's session to expire."""
+    try:
+        return {int(c) for c in zk.get_children(paths.group_startings(broker_id)) if c.isdigit()}
+    except NoNodeError:
+        return set()
+
+
+def master_node(zk, paths: ZkPaths, broker_id: int) -> Optional[dict]:
+    """The JSON of ``/brokers/ids/<b>`` (the master's addresses, its ``replicaId``), None without a master."""
+    try:
+        return json.loads(zk.get(paths.broker(broker_id))[0])
+    except NoNodeError:
+        return None
+
+
+def addresses(node: dict) -> tuple:
+    """("host:port", "host:dataPort") of a member or master node's JSON, "" for a port it does not give;
+    ValueError for a port that is not a number."""
+    host = node.get("host", "")
+    port, data_port = node.get("port"), node.get("dataPort")
+    return (f"{host}:{int(port)}" if port else "", f"{host}:{int(data_port)}" if data_port else "")
 
 
 def resign(zk, paths: ZkPaths, broker_id: int) -> bool:
