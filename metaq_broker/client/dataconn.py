@@ -30,7 +30,7 @@ import numpy as np
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.protocol import rawfetch
 from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, PUT_REPLY, REPLY, STATUS_BY_NUMBER, ProtocolError,
-                                            pack_auth, pack_request, put_request, recv_exact, send_all)
+                                            authenticate, pack_request, put_request, recv_exact, send_all)
 from metaq_broker.protocol.status import error_of
 from metaq_broker.security import tls
 from metaq_broker.security.settings import ClientSecurity
@@ -38,7 +38,6 @@ from metaq_broker.security.settings import ClientSecurity
 # A longer header than this is not a data port reply. The aborted list makes it long: 24 bytes for each
 # aborted transaction overlapping the reply (at most one per batch in it, plus those open across it).
 MAX_HEADER = 64 << 20
-MAX_AUTH_REPLY = 64 << 10
 DIAGNOSE_WAIT = 0.5  # how long a probe waits for a TLS alert after a fresh connection broke (_diagnose)
 # TLS failures that are a connection going away (the broker stopping), not a certificate refused
 _CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
@@ -135,28 +134,13 @@ class DataConnection:
         if self.session is None:
             raise AuthenticationError(f"data port {self.address}: SASL_SSL needs the broker's session token "
                                       f"(DataConnection(session=...))")
-        for renew in (False, True):
-            token = self.session(renew=True) if renew else self.session()
-            if not token:
-                raise AuthenticationError(f"data port {self.address}: no session token for SASL_SSL")
-            send_all(sock, [pack_auth(token)])
-            status, body = self._auth_reply(sock)
-            if status == OK:
-                self.principal = bytes(body).decode("utf-8", "replace")
-                return
-            if renew or STATUS_BY_NUMBER.get(status) != grpc.StatusCode.UNAUTHENTICATED:
-                raise self._refusal(status, body)
 
-    def _auth_reply(self, sock: ssl.SSLSocket) -> tuple:
-        head = bytearray(REPLY.size)
-        self._recv(memoryview(head), sock)
-        header_len, status, *_, body_len = REPLY.unpack(head)
-        if header_len != REPLY.size or not 0 <= body_len <= MAX_AUTH_REPLY:
-            raise ProtocolError(f"data port {self.address}: bad AUTH reply ({header_len}, {body_len} bytes)")
-        body = bytearray(body_len)
-        if body_len:
-            self._recv(memoryview(body), sock)
-        return status, body
+        def token(renew: bool) -> str:
+            found = self.session(renew=True) if renew else self.session()
+            if not found:
+                raise AuthenticationError(f"data port {self.address}: no session token for SASL_SSL")
+            return found
+        self.principal = authenticate(sock, token, lambda view: self._recv(view, sock), self.address)
 
     def _send(self, parts: list, timeout: Optional[float]) -> None:
         try:

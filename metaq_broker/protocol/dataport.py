@@ -20,6 +20,7 @@ import grpc
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.protocol import rawfetch
+from metaq_broker.protocol.status import error_of
 
 FETCH, PUT, AUTH = 1, 2, 4  # request kinds (3 is reserved for replication)
 REPLICA_FETCH = 3  # a group member's replica fetch (protocol/replication.py)
@@ -31,6 +32,7 @@ REQUEST = struct.Struct("<IHHiqiii")
 assert REQUEST.size == 32
 MAX_TOPIC_BYTES = 1024
 MAX_TOKEN_BYTES = 4096  # an AUTH frame's session token
+MAX_AUTH_REPLY = 64 << 10  # an AUTH reply's body: the principal, or the refusal's message
 AUTH_ATTEMPTS = 3  # refused AUTH frames a connection may send before the broker closes it
 # rawfetch.HEADER (header_len, status in place of flags, start, end, earliest, latest) + body_len; on status OK
 # the aborted list follows (header_len = REPLY.size + its length), then body_len bytes of records
@@ -60,6 +62,30 @@ def pack_auth(token: str) -> bytes:
     if len(data) > MAX_TOKEN_BYTES:
         raise ValueError(f"session token of {len(data)} bytes is over {MAX_TOKEN_BYTES}")
     return REQUEST.pack(REQUEST.size + len(data), AUTH, len(data), 0, 0, 0, 0, 0) + data
+
+
+def authenticate(sock: socket.socket, token, recv, address: str) -> str:
+    """The AUTH exchange, a connection's first: the frame with ``token(False)``, and once more with
+    ``token(True)`` (renewed: the broker restarted and forgot its sessions) when refused UNAUTHENTICATED.
+    The principal the broker names; a refusal as the error the gRPC path raises (``status.error_of``).
+    ``recv(view)`` fills a view or raises (the connection closed, a TLS alert)."""
+    for renew in (False, True):
+        send_all(sock, [pack_auth(token(renew))])
+        head = bytearray(REPLY.size)
+        recv(memoryview(head))
+        header_len, status, *_, body_len = REPLY.unpack(head)
+        if header_len != REPLY.size or not 0 <= body_len <= MAX_AUTH_REPLY:
+            raise ProtocolError(f"data port {address}: bad AUTH reply ({header_len}, {body_len} bytes)")
+        body = bytearray(body_len)
+        if body_len:
+            recv(memoryview(body))
+        message = body.decode("utf-8", "replace")
+        if status == OK:
+            return message
+        code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+        if renew or code != grpc.StatusCode.UNAUTHENTICATED:
+            raise error_of(code, message, address)
+    raise AssertionError("unreachable")
 
 
 def put_request(parts: list) -> list:

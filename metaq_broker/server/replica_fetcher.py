@@ -43,7 +43,6 @@ REFUSED_RELOG_S = 300.0  # the same refusal is logged again after this long
 FAILURES_TOLD = 50  # connection failures in a row (about 10 s of retries) before one is logged as a warning
 CONNECT_TIMEOUT = 5.0
 CALL_TIMEOUT = 10.0  # gRPC calls to the master: login, topics
-MAX_AUTH_REPLY = 64 << 10
 _CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a connection going away
 
 
@@ -250,22 +249,10 @@ class ReplicaFetcher:
 
     def _login(self, sock: socket.socket, link: MasterLink, where: str) -> None:
         """The AUTH frame with the session's token; a token the master no longer knows is renewed once."""
-        for renew in (False, True):
-            sock.sendall(dataport.pack_auth(link.token(renew)))
-            head = bytearray(dataport.REPLY.size)
-            if not dataport.recv_exact(sock, memoryview(head)):
-                raise dataport.ProtocolError(f"data port {where} closed the connection after the AUTH frame")
-            header_len, status, *_, body_len = dataport.REPLY.unpack(head)
-            if header_len != dataport.REPLY.size or not 0 <= body_len <= MAX_AUTH_REPLY:
-                raise dataport.ProtocolError(f"data port {where}: bad AUTH reply ({header_len}, {body_len} bytes)")
-            body = bytearray(body_len)
-            if body_len and not dataport.recv_exact(sock, memoryview(body)):
-                raise dataport.ProtocolError(f"data port {where} closed the connection inside the AUTH reply")
-            if status == dataport.OK:
-                return
-            code = dataport.STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-            if renew or code != grpc.StatusCode.UNAUTHENTICATED:
-                raise error_of(code, body.decode("utf-8", "replace"), where)
+        def recv(view: memoryview) -> None:
+            if not dataport.recv_exact(sock, view):
+                raise dataport.ProtocolError(f"data port {where} closed the connection during the AUTH exchange")
+        dataport.authenticate(sock, link.token, recv, where)
 
     def _request(self, epoch: int):
         parts = []
