@@ -153,10 +153,10 @@ class Broker:
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
-                    replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake())
+                    replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake(),
+                    before_register=self._take_over_stale_nodes)
                 self.group = self._new_group_member()
                 service.group = self.group
-                self._take_over_stale_nodes()
                 self.registration.start()
                 self.group.start()
                 role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
@@ -236,7 +236,7 @@ class Broker:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
-    def _take_over_stale_nodes(self) -> None:
+    def _take_over_stale_nodes(self, client) -> None:
         """A restart right after a crash (``kill -9``): the crashed run's ZooKeeper session still holds this
         member's node and, if it was master, ``/brokers/ids/<b>``, and ZooKeeper drops them only after
         ``zk.sessionTimeout``. They carry that run's ``instance``; when it is ours, that run held the lock we
@@ -246,20 +246,12 @@ class Broker:
         if self.instance is None:
             return
         cfg = self.config
-        client = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
         try:
-            start_client(client, cfg.zk_connect, 15.0)
             taken = zk_groups.take_over_stale(client, ZkPaths(cfg.zk_root), cfg.broker_id, cfg.replica_id,
                                               self.identity.uuid, self.instance)
         except Exception as e:  # noqa: BLE001 - only a shortcut: registration waits for the old session instead
             log.warning("could not check for nodes of this member's previous run: %s", e)
             return
-        finally:
-            try:
-                client.stop()
-                client.close()
-            except Exception:  # noqa: BLE001
-                log.debug("closing the ZooKeeper client failed", exc_info=True)
         for path, session in taken:
             log.warning("took over %s from ZooKeeper session 0x%x, this member's previous run (dead: this "
                         "process holds its data directory's lock), instead of waiting for the session to expire",

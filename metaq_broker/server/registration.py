@@ -48,7 +48,7 @@ class BrokerIdInUseError(MetaqError):
 class BrokerRegistration:
     def __init__(self, zk_connect: str, root: str, broker_id: int, address: dict, topics: dict,
                  session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None,
-                 replica_id: Optional[int] = None, on_registered=lambda: None):
+                 replica_id: Optional[int] = None, on_registered=lambda: None, before_register=lambda client: None):
         self.paths = ZkPaths(root)
         self.broker_id = broker_id
         # In a replicated group the node is the member's (``groups/<b>/members/<r>``); ``/brokers/ids/<b>`` is
@@ -56,6 +56,7 @@ class BrokerRegistration:
         self.replica_id = replica_id
         self.publish_topics = replica_id is None
         self._on_registered = on_registered
+        self._before_register = before_register  # given the connected client once, before the first registration
         self._registered_session = None
         self.address = dict(address)
         self.topics: dict = dict(topics)
@@ -111,6 +112,7 @@ class BrokerRegistration:
         if ZooKeeper does not answer within ``timeout``."""
         self.client.add_listener(self._on_state)
         start_client(self.client, self.zk_connect, timeout)
+        self._before_register(self.client)
         stale_deadline = time.monotonic() + 2 * self.session_timeout + 2
         try:
             while True:
