@@ -18,6 +18,7 @@ from metaq_broker import __version__
 from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.server.disk import free_space
+from metaq_broker.server.group import ELECTING, MASTER, REPLICA
 from metaq_broker.zk.group_offsets import GroupOffsetWatcher
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 # Fetch latencies include long-poll waits (up to maxFetchWait), hence the long tail of buckets.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ZK_STATES = ("connected", "suspended", "lost", "connecting", "disabled")
-ROLES = ("master", "replica", "electing")  # server/group.py's
+ROLES = (MASTER, REPLICA, ELECTING)
 PARTITION = ["topic", "partition"]
 GROUP_PARTITION = ["group", "topic", "partition"]
 
