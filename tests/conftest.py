@@ -89,12 +89,8 @@ def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
 @pytest.fixture(scope="module")
 def spark():
     """A loopback-only local[2] SparkSession with the metaq source registered, one per test module."""
-    from spark_helpers import spark_builder
-
-    import metaq_spark
-    session = spark_builder().getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    metaq_spark.register(session)
+    from spark_helpers import metaq_session
+    session = metaq_session()
     yield session
     session.stop()
 

@@ -18,6 +18,16 @@ def spark_builder(master="local[2]", app="metaq-tests"):
             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2"))
 
 
+def metaq_session(master="local[2]", app="metaq-tests"):
+    """``spark_builder``'s session with the metaq source registered and Spark's own logging at ERROR: what
+    every test module's ``spark`` fixture yields."""
+    import metaq_spark
+    session = spark_builder(master, app).getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    metaq_spark.register(session)
+    return session
+
+
 def fill(cluster, topic, per_partition, partitions, batch=1000):
     with cluster.client(Producer) as producer:
         wait_until(lambda: len(producer.cluster.topic_partitions(topic)) == len(partitions), what=f"{topic}")

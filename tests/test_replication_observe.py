@@ -3,9 +3,7 @@ the replication metrics, against a real group of three and a plain broker, throu
 falling behind and catching up, and a master killed."""
 import json
 import os
-import shutil
 import signal
-import tempfile
 import urllib.request
 
 import pytest
@@ -19,6 +17,8 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.tools.cli import main
 from conftest import wait_until
+import test_console
+from test_console import cell, open_page, start_console, stop_console, texts
 
 TOPICS = {"orders": {"numPartitions": 2}}
 
@@ -139,34 +139,25 @@ def test_a_stopped_replica_lags_then_catches_up(env):
     assert scrape(group.members[master])[("metaq_replication_replica_lag_messages", (("replica", str(r)),))] == 0
 
 
-def test_the_console_shows_the_members(env):
-    """The brokers page of ``metaq console`` in a real headless Chromium (as tests/test_console.py)."""
-    tc = pytest.importorskip("test_console")
-    if not (tc.CHROMIUM and tc.CHROMEDRIVER):
-        pytest.skip("needs Debian's chromium and chromium-driver")
+browser = test_console.browser  # its headless Chromium, as a fixture of this module too
+
+
+def test_the_console_shows_the_members(env, browser):
+    """The brokers page of ``metaq console`` in a real headless Chromium (tests/test_console.py's)."""
     group, _, _ = env
     master = group.master_id()
-    opts = tc.webdriver.ChromeOptions()
-    opts.binary_location = tc.CHROMIUM
-    profile = tempfile.mkdtemp(prefix="metaq-chromium-")
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--window-size=1280,900",
-                 f"--user-data-dir={profile}"):
-        opts.add_argument(flag)
-    proc, url = tc.start_console(group.zk_connect, group.paths.root)
-    driver = tc.webdriver.Chrome(service=tc.Service(tc.CHROMEDRIVER), options=opts)
+    proc, url = start_console(group.zk_connect, group.paths.root)
     try:
-        tc.open_page(driver, url, "brokers")
+        open_page(browser, url, "brokers")
         for r in range(3):
             row = f'tr[data-member="1-{r}"]'
-            wait_until(lambda: tc.cell(driver, row, "role") == ("master" if r == master else "replica"),
+            wait_until(lambda: cell(browser, row, "role") == ("master" if r == master else "replica"),
                        what=f"member {r}'s role shown")
-            assert tc.cell(driver, row, "address") == group.members[r].address
-            assert tc.cell(driver, row, "insync") == "yes"
-        assert tc.texts(driver, 'tr[data-member^="2-"]') == []  # a group of one is its broker row
+            assert cell(browser, row, "address") == group.members[r].address
+            assert cell(browser, row, "insync") == "yes"
+        assert texts(browser, 'tr[data-member^="2-"]') == []  # a group of one is its broker row
     finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-        tc.stop_console(proc)
+        stop_console(proc)
 
 
 def test_roles_change_when_the_master_is_killed(env):

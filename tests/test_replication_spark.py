@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from pyspark.sql import functions as F
-from spark_helpers import spark_builder
+from spark_helpers import metaq_session
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
@@ -21,10 +21,7 @@ TOPICS = {"in": {"numPartitions": 2}, "out": {"numPartitions": 2}}
 @pytest.fixture(scope="module")
 def spark():
     """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    import metaq_spark
-    session = spark_builder("local[2,4]", "metaq-replication-tests").getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    metaq_spark.register(session)
+    session = metaq_session("local[2,4]", "metaq-replication-tests")
     yield session
     session.stop()
 

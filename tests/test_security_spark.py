@@ -6,7 +6,7 @@ import time
 import pytest
 from certs import make_pki
 from conftest import wait_until
-from spark_helpers import spark_builder
+from spark_helpers import metaq_session
 
 from metaq_broker.client import Consumer, Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
@@ -54,10 +54,7 @@ def setup(tmp_path_factory, zookeeper):
 
 @pytest.fixture(scope="module")
 def spark():
-    import metaq_spark
-    session = spark_builder("local[2]", "metaq-security-tests").getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    metaq_spark.register(session)
+    session = metaq_session("local[2]", "metaq-security-tests")
     yield session
     session.stop()
 

@@ -18,7 +18,7 @@ from conftest import wait_until
 from kazoo.client import KazooClient
 from pyspark import TaskContext
 from pyspark.sql import functions as F
-from spark_helpers import fill, reader, spark_builder
+from spark_helpers import fill, metaq_session, reader
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
@@ -38,10 +38,7 @@ def expected(per_partition=PER_PARTITION):
 @pytest.fixture(scope="module")
 def spark():
     """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    import metaq_spark
-    session = spark_builder("local[2,4]", "metaq-sink-tests").getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    metaq_spark.register(session)
+    session = metaq_session("local[2,4]", "metaq-sink-tests")
     yield session
     session.stop()
 
