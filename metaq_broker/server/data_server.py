@@ -431,12 +431,12 @@ class DataServer:
         sock = conn.sock
         try:
             r = self._answer(sock, "PutData", self._send_put_error, lambda: self.service.put(request, conn.principal))
-            if r is not None:
-                sock.sendall(PUT_REPLY.pack(PUT_REPLY.size, OK, r.base_offset, r.base_msg_id, r.timestamp_ms,
-                                            r.partition, r.count, int(r.fsynced), 0))
-        finally:
+        finally:  # counted before the answer goes out, as gRPC's puts are: whoever sees the answer sees the count
             if self.service.observe is not None:
                 self.service.observe("PutData", time.perf_counter() - start)
+        if r is not None:
+            sock.sendall(PUT_REPLY.pack(PUT_REPLY.size, OK, r.base_offset, r.base_msg_id, r.timestamp_ms,
+                                        r.partition, r.count, int(r.fsynced), 0))
 
     @staticmethod
     def _send_put_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
