@@ -30,13 +30,14 @@ def cpu_busy_s() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_cpu_s(pid: Optional[int]) -> float:
-    """CPU seconds (user + system) used so far by one process (0 for None)."""
+def proc_cpu_s(pid: Optional[int], system_only: bool = False) -> float:
+    """CPU seconds (user + system, or system alone: the kernel's work for it) used so far by one process
+    (0 for None)."""
     if pid is None:
         return 0.0
     with open(f"/proc/{pid}/stat") as f:
         v = f.read().rsplit(")", 1)[1].split()
-    return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
+    return ((0 if system_only else int(v[11])) + int(v[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def values_array(start: int, n: int) -> pa.Array:
@@ -63,28 +64,32 @@ def make_spark(tmp: Path, driver_memory: str, app: str, **conf):
 
 def best_of(cases: list, runs: int, broker_pid: Optional[int] = None, rows: Optional[int] = None) -> dict:
     """Each case once untimed, then ``runs`` rounds timing every case in turn; the best run of each, with
-    the machine's and the broker's CPU seconds. A case returns its row count unless ``rows`` gives it."""
+    the machine's and the broker's CPU seconds (and the broker's system share). A case returns its row
+    count unless ``rows`` gives it."""
     out = {}
     for name, fn in cases:
         log(f"{name}: warm-up")
         t0 = time.perf_counter()
         done = fn()
         out[name] = {"name": name, "rows": rows if rows is not None else done, "warmup_s": time.perf_counter() - t0,
-                     "times_s": [], "machine_cpu_s_all": [], "broker_cpu_s_all": []}
+                     "times_s": [], "machine_cpu_s_all": [], "broker_cpu_s_all": [],
+                     "broker_system_s_all": []}
     for i in range(runs):
         for name, fn in cases:
             r = out[name]
-            c0, b0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), time.perf_counter()
+            c0, b0, k0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), proc_cpu_s(broker_pid, True), time.perf_counter()
             fn()
             r["times_s"].append(time.perf_counter() - t0)
             r["machine_cpu_s_all"].append(cpu_busy_s() - c0)
             r["broker_cpu_s_all"].append(proc_cpu_s(broker_pid) - b0)
+            r["broker_system_s_all"].append(proc_cpu_s(broker_pid, True) - k0)
             log(f"  {name} run {i + 1}: {r['times_s'][-1]:.2f} s  {r['rows'] / r['times_s'][-1]:,.0f} rows/s  "
                 f"machine cpu {r['machine_cpu_s_all'][-1]:.1f} s, broker cpu {r['broker_cpu_s_all'][-1]:.1f} s")
     for r in out.values():
         k = min(range(len(r["times_s"])), key=r["times_s"].__getitem__)
         r.update(best_s=r["times_s"][k], rows_per_s=r["rows"] / r["times_s"][k],
-                 machine_cpu_s=r["machine_cpu_s_all"][k], broker_cpu_s=r["broker_cpu_s_all"][k])
+                 machine_cpu_s=r["machine_cpu_s_all"][k], broker_cpu_s=r["broker_cpu_s_all"][k],
+                 broker_system_s=r["broker_system_s_all"][k])
     return out
 
 
