@@ -190,6 +190,34 @@ def test_off_with_minus_one(tmp_path):
         b.stop(grace=1)
 
 
+def test_a_static_broker_list_learns_the_data_port_from_the_broker(tmp_path):
+    """Without ZooKeeper a producer asks each broker of its list for its data port (``DescribeGroup``) and
+    puts there; a broker without a data port, or one that cannot be asked, is put to with PutRaw."""
+    b = start_broker(tmp_path, metricsPort=0)
+    off = start_broker(tmp_path, "off", brokerId=2, dataPort=-1, metricsPort=0)
+    try:
+        with Producer(brokers=b.address) as producer, Producer(brokers={2: off.address}) as plain:
+            assert producer.data_address(1) == f"127.0.0.1:{b.data_port}"
+            puts, data_puts = served(b, "Put"), served(b, "PutData")
+            r = producer.send_batch("t", [b"a", b"b"], partition="1-0")
+            assert (r[0].count, r[0].fsynced) == (2, True)
+            assert (served(b, "PutData"), served(b, "Put")) == (data_puts + 1, puts)
+
+            assert plain.data_address(2) is None
+            puts = served(off, "Put")
+            plain.send_batch("t", [b"c"], partition="2-0")
+            assert served(off, "Put") == puts + 1
+        address = b.address
+        b.stop(grace=1)
+        with Producer(brokers={1: address}, timeout=30) as late:
+            t0 = time.monotonic()
+            assert late.data_address(1) is None  # down: asked without waiting for it
+            assert time.monotonic() - t0 < 10  # not the client timeout
+    finally:
+        b.stop(grace=1)
+        off.stop(grace=1)
+
+
 # -- ZooKeeper and the Spark source ------------------------------------------------------------------
 
 def zk_broker(tmp_path, zookeeper, zk_root, name, **settings):
@@ -285,7 +313,7 @@ def test_puts_go_over_the_data_port_and_answer_as_put_raw(tmp_path, zookeeper, z
     b.create_topic("two", 2, {})
     try:
         with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as producer, \
-                Producer(brokers={1: b.address}) as over_grpc, \
+                Producer(brokers={1: b.address}, use_data_port=False) as over_grpc, \
                 Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
             wait_until(lambda: producer.data_address(1) and len(producer.partitions("two")) == 2,
                        what="data port and partitions in the cluster view")

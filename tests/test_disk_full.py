@@ -59,8 +59,8 @@ def refused(send):
 
 @pytest.mark.parametrize("via", ["grpc", "dataport"])
 def test_a_full_disk_is_refused_plainly_counted_shown_in_health_and_writes_resume(tmp_path, small_disk, via, request):
-    """``grpc``: a static broker list, so puts are ``PutRaw`` calls; ``dataport``: found through ZooKeeper,
-    so puts go over the broker's data port."""
+    """``grpc``: a static broker list and a producer told to put with ``PutRaw`` calls; ``dataport``: found
+    through ZooKeeper, so puts go over the broker's data port."""
     disk = small_disk(tmp_path / "disk", 2048)
     metrics_port = free_port()
     if via == "grpc":
@@ -74,7 +74,7 @@ def test_a_full_disk_is_refused_plainly_counted_shown_in_health_and_writes_resum
     data = str(disk.path / "data")
     connect = connect or {"brokers": f"0={broker.address}"}
     try:
-        with Producer(**connect) as producer, Consumer(**connect) as consumer:
+        with Producer(**connect, use_data_port=via == "dataport") as producer, Consumer(**connect) as consumer:
             producer.send_batch("t", [b"before"])
             prepared = []
             for i in range(60):  # prepared now, committed once the disk is full

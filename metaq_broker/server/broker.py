@@ -145,6 +145,8 @@ class Broker:
                 except OSError as e:
                     raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
                 self.data_port = self.data_server.port
+            service.own_addresses = (self.address, "" if self.data_port is None else
+                                     f"{cfg.host_name}:{self.data_port}")
             self.server.start()
             if self.data_server is not None:
                 self.data_server.start()

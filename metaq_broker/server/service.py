@@ -74,6 +74,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._closed_lock = threading.Lock()
         self._round_robin = itertools.count()
         self._addresses: dict = {}  # replicaId -> (address, data address) last seen in its member node
+        self.own_addresses = ("", "")  # this broker's (address, data address), set once it listens
         self._last_nodes: tuple = ({}, set())  # DescribeGroup's last ZooKeeper read of members and starting
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -371,11 +372,13 @@ class BrokerService(pb_grpc.BrokerServicer):
     def DescribeGroup(self, request, context, principal):
         """The group's members as its master sees them: ZooKeeper's state and member nodes, each replica's
         lag from its last fetch request. A replica answers ``not master:`` (clients ask the master); a
-        broker without ZooKeeper is a group of one."""
+        broker without ZooKeeper is a group of one (its addresses tell a static-list client the data port)."""
         self._allow(principal, "Describe", "cluster", CLUSTER)
         if self.group is None or self.replicas is None:
+            address, data_address = self.own_addresses
             return pb.DescribeGroupResponse(broker_id=self.broker_id, members=[pb.GroupMemberInfo(
-                role="master", in_sync=True, lag_offsets=0, last_caught_up_ms_ago=0)])
+                address=address, data_address=data_address, role="master", in_sync=True, lag_offsets=0,
+                last_caught_up_ms_ago=0)])
         self._gate()
         group = self.group
         live, starting = self._member_nodes(group)
