@@ -250,11 +250,18 @@ def test_cluster_view_static_list():
         calls.append(1)
         return {"t": [(2, 1), (1, 0), (2, 0)], "a": [(1, 1), (1, 0)]}
 
-    view = ClusterView(brokers={1: "h1:1", 2: "h2:2"}, static_topics=topics)
+    def data(bid):
+        calls.append(bid)
+        return {1: "h1:7"}.get(bid)
+
+    view = ClusterView(brokers={1: "h1:1", 2: "h2:2"}, static_topics=topics, static_data=data)
     assert view.brokers() == {1: "h1:1", 2: "h2:2"} and view.zk is None
     assert view.topic_partitions("t") == [(1, 0), (2, 0), (2, 1)] and view.topic_partitions("x") == []
     assert view.topics() == ["a", "t"] and view.topic_partitions("a") == [(1, 0), (1, 1)]
     assert len(calls) == 1  # the map is reused for a while, not asked for on every lookup
+    assert [view.data_address(b) for b in (1, 2, 1, 2)] == ["h1:7", None, "h1:7", None]
+    assert calls[1:] == [1, 2]  # each broker asked once, its answer (or none) reused
+    assert ClusterView(brokers={1: "h1:1"}).data_address(1) is None
     with pytest.raises(ValueError, match="exactly one"):
         ClusterView()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Iterable, Mapping, Optional, Union
 
@@ -21,7 +20,6 @@ from metaq_broker.security.settings import ClientSecurity
 log = logging.getLogger(__name__)
 
 RESEND_WAIT = 0.1  # seconds between sends of a call its broker group refused while it has no master
-STATIC_DATA_TTL = 10.0  # seconds a static list's broker answer on its data port is reused before asking again
 
 BrokerList = Union[None, str, Mapping[int, str]]
 Security = Union[None, ClientSecurity, Mapping[str, str]]
@@ -61,10 +59,9 @@ class ClientBase:
             static = self._resolve_ids(static)
         self.cluster = ClusterView(zk_connect=zk_connect, root=zk_root, brokers=static,
                                    static_topics=self._static_topics if static else None,
+                                   static_data=self._static_data_address if static else None,
                                    zk_security=self.security.zk)
         self.cluster.on_moved(lambda _bid, old: self.pool.retire(old))
-        self._static_data: dict = {}  # brokerId -> (when asked, its data address or None): static lists only
-        self._static_data_lock = threading.Lock()
 
     def _resolve_ids(self, static: dict) -> dict:
         resolved = {}
@@ -73,6 +70,21 @@ class ClientBase:
                 bid = self.pool.get(addr).call("ListTopics", pb.ListTopicsRequest(), retries=3).broker_id
             resolved[bid] = addr
         return resolved
+
+    def _static_data_address(self, broker_id: int) -> Optional[str]:
+        """A static list's broker has no registration to read its data port from: ask it (``DescribeGroup``:
+        the master's member row) and use the port at the host the list names, which is known to reach it."""
+        address = self.cluster.brokers().get(broker_id)
+        if address is None:
+            return None
+        try:
+            reply = self.pool.get(address).call("DescribeGroup", pb.DescribeGroupRequest(),
+                                                timeout=min(self.pool.timeout, 5.0), wait_for_ready=False)
+        except MetaqError as e:  # down, not the master, no Describe permission: gRPC until asked again
+            log.debug("broker %d at %s: no data port learned (%s)", broker_id, address, e)
+            return None
+        ports = [m.data_address.rpartition(":")[2] for m in reply.members if m.role == "master"]
+        return f"{address.rpartition(':')[0]}:{ports[0]}" if ports and ports[0] else None
 
     def _static_topics(self) -> dict:
         """{topic: [(brokerId, n)]}, asked from every broker of a static list."""
@@ -154,34 +166,7 @@ class ClientBase:
     def data_address(self, broker_id: int) -> Optional[str]:
         """``"host:dataPort"`` of the broker's data port (puts and bulk fetches, ``client.dataconn``), or None
         when it has none or cannot be asked now (then gRPC carries everything)."""
-        if self.cluster.zk is not None:
-            return self.cluster.data_address(broker_id)
-        return self._static_data_address(broker_id)
-
-    def _static_data_address(self, broker_id: int) -> Optional[str]:
-        """A static list's broker has no registration to read its data port from: ask the broker
-        (``DescribeGroup``: the master's member row) at most every STATIC_DATA_TTL seconds, and use the
-        port at the host the list names, which is known to reach it."""
-        now = time.monotonic()
-        with self._static_data_lock:
-            asked, found = self._static_data.get(broker_id, (float("-inf"), None))
-            if now - asked < STATIC_DATA_TTL:
-                return found
-            self._static_data[broker_id] = (now, found)  # other threads use the old answer meanwhile
-        address, found = self.cluster.brokers().get(broker_id), None
-        if address is not None:
-            try:
-                reply = self.pool.get(address).call("DescribeGroup", pb.DescribeGroupRequest(),
-                                                    timeout=min(self.pool.timeout, 5.0), wait_for_ready=False)
-            except MetaqError as e:  # down, not the master, no Describe permission: gRPC until asked again
-                log.debug("broker %d at %s: no data port learned (%s)", broker_id, address, e)
-            else:
-                ports = [m.data_address.rpartition(":")[2] for m in reply.members if m.role == "master"]
-                if ports and ports[0]:
-                    found = f"{address.rpartition(':')[0]}:{ports[0]}"
-        with self._static_data_lock:
-            self._static_data[broker_id] = (time.monotonic(), found)
-        return found
+        return self.cluster.data_address(broker_id)
 
     def route(self, partition: str):
         """(connection, partition number on that broker) for a ``<brokerId>-<n>`` name."""

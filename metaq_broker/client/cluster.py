@@ -7,8 +7,9 @@ asked about, a ChildrenWatch on ``topics-pub/<topic>`` plus a DataWatch per ``<b
 (its partition count). Topic entries are persistent, so a topic's partitions are those of entries
 whose broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
 
-Without ZooKeeper (a static broker list) the caller supplies how to learn topics (the gRPC client
-asks the brokers) through ``static_topics``, a callable returning {topic: [(brokerId, n)]}.
+Without ZooKeeper (a static broker list) the caller supplies how to learn topics and data ports (the
+gRPC client asks the brokers): ``static_topics``, a callable returning {topic: [(brokerId, n)]}, and
+``static_data``, a callable returning a broker's data address or None.
 """
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ def _track(view: "ClusterView") -> None:
 
 
 STATIC_TTL = 1.0  # seconds a ``static_topics`` map is reused before asking the brokers again
+STATIC_DATA_TTL = 10.0  # seconds a ``static_data`` answer (or its failure) is reused before asking again
 _TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
 
 
 class ClusterView:
     def __init__(self, zk_connect: Optional[str] = None, root: str = "/meta", brokers: Optional[dict] = None,
-                 static_topics: Optional[Callable[[], dict]] = None, timeout: float = 15.0, zk_security=None):
+                 static_topics: Optional[Callable[[], dict]] = None,
+                 static_data: Optional[Callable[[int], Optional[str]]] = None, timeout: float = 15.0,
+                 zk_security=None):
         if (zk_connect is None) == (brokers is None):
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
         self.root = root
@@ -65,6 +69,8 @@ class ClusterView:
         self._static = {int(b): str(a) for b, a in (brokers or {}).items()}
         self._static_topics = static_topics
         self._static_cache: tuple = (float("-inf"), {})
+        self._static_data = static_data
+        self._static_data_cache: dict = {}  # brokerId -> (when asked, its data address or None)
         self._lock = threading.RLock()
         self._listeners: list = []
         self._brokers: dict = {}           # live brokerId -> "host:port"
@@ -106,9 +112,10 @@ class ClusterView:
 
     def data_address(self, broker_id: int) -> Optional[str]:
         """``"host:dataPort"`` of a live broker that registered a data port (``dataport``), else None
-        (no data port, not alive, or a static broker list)."""
+        (no data port, not alive). A static list's broker answers for itself (``static_data``), asked at
+        most every STATIC_DATA_TTL seconds."""
         if self.zk is None:
-            return None
+            return self._static_data_address(broker_id)
         with self._lock:
             return self._data.get(broker_id)
 
@@ -313,6 +320,20 @@ class ClusterView:
             cached = self._static_topics()
             self._static_cache = (time.monotonic(), cached)
         return cached
+
+    def _static_data_address(self, broker_id: int) -> Optional[str]:
+        if self._static_data is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            asked, found = self._static_data_cache.get(broker_id, (float("-inf"), None))
+            if now - asked < STATIC_DATA_TTL:
+                return found
+            self._static_data_cache[broker_id] = (now, found)  # other threads use the old answer meanwhile
+        found = self._static_data(broker_id)
+        with self._lock:
+            self._static_data_cache[broker_id] = (time.monotonic(), found)
+        return found
 
     def _changed(self) -> None:
         for cb in list(self._listeners):
