@@ -180,11 +180,13 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - reported, the rest still measured
                 log(f"{name}: FAILED, left out: {str(e).splitlines()[-1][:300]}")
                 results["cases"][name] = {"error": str(e).splitlines()[-1][:300]}
-        results["cases"].update(best_of(working, args.runs, rows=n))
+        pids = {name: brokers[name.split()[-1]].proc.pid for name, _ in working}  # each case's own broker
+        results["cases"].update(best_of(working, args.runs, pids, rows=n))
         mb = n * VALUE_SIZE / 1e6
         for name, r in results["cases"].items():
             if "best_s" in r:
                 r["mb_per_s"] = mb / r["best_s"]
+                r["broker_ms_per_mb"] = r["broker_cpu_s"] * 1000 / mb
 
         log("results (best of each; ratio = protocol / PLAINTEXT):")
         for kind in ("raw fetch", "source", "sink"):
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
                     continue
                 rows = f"{r['rows_per_s']:>12,.0f} rows/s" if "rows_per_s" in r else " " * 19
                 log(f"  {kind + ' ' + protocol:<22} {r['mb_per_s']:8.1f} MB/s {rows}  "
-                    f"x{r['mb_per_s'] / base['mb_per_s']:.2f}")
+                    f"x{r['mb_per_s'] / base['mb_per_s']:.2f}  broker {r['broker_ms_per_mb']:.2f} ms/MB")
         write_json(args.json, results)
         return 0
     finally:

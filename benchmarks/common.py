@@ -62,10 +62,11 @@ def make_spark(tmp: Path, driver_memory: str, app: str, **conf):
     return builder.getOrCreate()
 
 
-def best_of(cases: list, runs: int, broker_pid: Optional[int] = None, rows: Optional[int] = None) -> dict:
+def best_of(cases: list, runs: int, broker_pid=None, rows: Optional[int] = None) -> dict:
     """Each case once untimed, then ``runs`` rounds timing every case in turn; the best run of each, with
-    the machine's and the broker's CPU seconds (and the broker's system share). A case returns its row
-    count unless ``rows`` gives it."""
+    the machine's and the broker's CPU seconds (and the broker's system share). ``broker_pid`` is one
+    broker's pid or {case name: pid} where cases use different brokers. A case returns its row count
+    unless ``rows`` gives it."""
     out = {}
     for name, fn in cases:
         log(f"{name}: warm-up")
@@ -77,12 +78,13 @@ def best_of(cases: list, runs: int, broker_pid: Optional[int] = None, rows: Opti
     for i in range(runs):
         for name, fn in cases:
             r = out[name]
-            c0, b0, k0, t0 = cpu_busy_s(), proc_cpu_s(broker_pid), proc_cpu_s(broker_pid, True), time.perf_counter()
+            pid = broker_pid.get(name) if isinstance(broker_pid, dict) else broker_pid
+            c0, b0, k0, t0 = cpu_busy_s(), proc_cpu_s(pid), proc_cpu_s(pid, True), time.perf_counter()
             fn()
             r["times_s"].append(time.perf_counter() - t0)
             r["machine_cpu_s_all"].append(cpu_busy_s() - c0)
-            r["broker_cpu_s_all"].append(proc_cpu_s(broker_pid) - b0)
-            r["broker_system_s_all"].append(proc_cpu_s(broker_pid, True) - k0)
+            r["broker_cpu_s_all"].append(proc_cpu_s(pid) - b0)
+            r["broker_system_s_all"].append(proc_cpu_s(pid, True) - k0)
             log(f"  {name} run {i + 1}: {r['times_s'][-1]:.2f} s  {r['rows'] / r['times_s'][-1]:,.0f} rows/s  "
                 f"machine cpu {r['machine_cpu_s_all'][-1]:.1f} s, broker cpu {r['broker_cpu_s_all'][-1]:.1f} s")
     for r in out.values():
