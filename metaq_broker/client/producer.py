@@ -149,7 +149,6 @@ class _ResendingPut:
         self._put.cancel()
 
 
-
 class Producer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
                  partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0,
