@@ -21,7 +21,6 @@ from metaq_broker.security import scram, tls
 from metaq_broker.security.settings import ClientSecurity, read_pem
 
 PROBE_TIMEOUT = 5.0
-PLAINTEXT_READY_WAIT = 1.0  # seconds a plaintext channel has to connect at its first call before its port is probed
 
 # A restarted broker is reconnected to within a second, as in Kafka (reconnect.backoff.max.ms), not after
 # gRPC's default backoff of up to two minutes.
@@ -97,11 +96,6 @@ def speaks_tls(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
         return False
 
 
-def _speaks_tls_error(address: str) -> AuthenticationError:
-    return AuthenticationError(f"broker {address} speaks TLS; set security.protocol to SSL or SASL_SSL (and "
-                               f"ssl.ca.location)")
-
-
 def _session_error(e: BaseException) -> bool:
     """The broker does not (or no longer) accept this connection's session: renew it once."""
     return isinstance(e, RemoteAuthenticationError) and str(e.details).startswith(("unknown session",
@@ -122,7 +116,6 @@ class BrokerConnection:
         self._renew_at = 0.0
         self._session_lock = threading.Lock()
         self.retired = False  # closed because its broker group's master moved elsewhere (ConnectionPool.retire)
-        self._unchecked = not self.security.uses_tls  # a plaintext channel's first waiting call checks it (_check)
         self.channel = self._auth_channel = self._open_channel()
         if self.security.uses_sasl:
             self.channel = grpc.intercept_channel(self._auth_channel, _SessionMetadata(self))
@@ -168,8 +161,6 @@ class BrokerConnection:
         session the broker no longer knows (it restarted with a new key, the session expired) is renewed
         once and the call sent again: it was refused before the broker did anything."""
         timeout = self.timeout if timeout is None else timeout
-        if wait_for_ready and self._unchecked:
-            timeout = self._check(timeout)
         delay = 0.05
         renewed = False
         attempt = 0
@@ -185,28 +176,12 @@ class BrokerConnection:
                     continue
                 if attempt == retries or e.code() not in TRANSIENT or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     if e.code() in TRANSIENT and not self.security.uses_tls and speaks_tls(self.address):
-                        raise _speaks_tls_error(self.address) from None
+                        raise AuthenticationError(f"broker {self.address} speaks TLS; set security.protocol to SSL "
+                                                  f"or SASL_SSL (and ssl.ca.location)") from None
                     raise error from None
             attempt += 1
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
-
-    def _check(self, timeout: float) -> float:
-        """A plaintext channel to a broker that speaks only TLS never becomes ready, so a call waiting for
-        it would say why only at its deadline. The first waiting call gives the channel PLAINTEXT_READY_WAIT
-        to connect; if it does not, one probe of the port tells a TLS broker (refused at once, in words)
-        from one that is down (waited for as ever). Returns what is left of ``timeout``."""
-        start = time.monotonic()
-        ready = grpc.channel_ready_future(self._auth_channel)
-        try:
-            ready.result(timeout=min(timeout, PLAINTEXT_READY_WAIT))
-        except grpc.FutureTimeoutError:
-            if speaks_tls(self.address, max(0.1, min(PROBE_TIMEOUT, timeout - (time.monotonic() - start)))):
-                raise _speaks_tls_error(self.address) from None
-        finally:
-            ready.cancel()
-        self._unchecked = False
-        return max(0.0, timeout - (time.monotonic() - start))
 
     def future(self, method: str, request, timeout: Optional[float] = None, wait_for_ready: bool = True):
         """``wait_for_ready=False``: fail at once (UNAVAILABLE) while the broker cannot be reached, for a
