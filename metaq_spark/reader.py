@@ -97,7 +97,7 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
 def _members_in_turn(pool: ConnectionPool, part: MetaqPartition):
     """The fetcher's ``reroute`` for a replicated group: its members one after the other, from the one
     the partition was planned with (the master then); None for a group of one (it waits for its broker)."""
-    members = ((part.address, part.data_address),) + tuple(getattr(part, "other_members", ()))
+    members = ((part.address, part.data_address),) + tuple(part.other_members)
     if len(members) == 1:
         return None
     turn = itertools.count(1)
@@ -141,7 +141,7 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
         pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
         if batch.num_rows:  # none: the reply held only markers and aborted messages
-            yield to_spark(batch, part.topic, part.partition, getattr(part, "columns", None) or COLUMNS)
+            yield to_spark(batch, part.topic, part.partition, part.columns or COLUMNS)
 
 
 def _await_stable(part: MetaqPartition, fetcher: PartitionFetcher, offset: int, cause=None) -> bool:

@@ -18,7 +18,7 @@ from metaq_broker.protocol import rawfetch, rawput, sasl
 from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import RemoteAuthenticationError, to_error
 from metaq_broker.security import scram, tls
-from metaq_broker.security.settings import ClientSecurity, read_pem
+from metaq_broker.security.settings import ClientSecurity
 
 PROBE_TIMEOUT = 5.0
 
@@ -133,10 +133,7 @@ class BrokerConnection:
         if not sec.uses_tls:
             return grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
         probe_tls(self.address, sec)
-        root = read_pem("ssl.ca.location", sec.ca_location) if sec.ca_location else None
-        key = read_pem("ssl.key.location", sec.key_location) if sec.key_location else None
-        chain = read_pem("ssl.certificate.location", sec.certificate_location) if sec.certificate_location else None
-        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root, key, chain), options=GRPC_OPTIONS)
+        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(*sec.pem_files()), options=GRPC_OPTIONS)
 
     def session_token(self, renew: bool = False) -> Optional[str]:
         """The SASL session with this broker (None without SASL): authenticates when there is none, when

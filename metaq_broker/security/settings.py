@@ -142,6 +142,13 @@ class ClientSecurity(_Protocol):
         out.check(where)
         return out
 
+    def pem_files(self) -> tuple:
+        """(CA, private key, certificate chain) as PEM bytes, None for one not set: what gRPC's channel
+        credentials take."""
+        return tuple(read_pem(key, path) if path else None for key, path in (
+            ("ssl.ca.location", self.ca_location), ("ssl.key.location", self.key_location),
+            ("ssl.certificate.location", self.certificate_location)))
+
     def check(self, where: str = "") -> None:
         if (self.certificate_location is None) != (self.key_location is None):
             raise ConfigError(f"{where}ssl.certificate.location and ssl.key.location go together (mutual TLS)")

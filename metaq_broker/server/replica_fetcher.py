@@ -31,7 +31,7 @@ from metaq_broker.protocol import sasl
 from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import error_of
 from metaq_broker.security import scram, tls
-from metaq_broker.security.settings import ClientSecurity, read_pem
+from metaq_broker.security.settings import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,8 @@ class MasterLink:
     def __init__(self, security: ClientSecurity, master: dict):
         self.security = security
         self.address = f"{master['host']}:{master['port']}"
-        if security.uses_tls:
-            sec = security
-            creds = grpc.ssl_channel_credentials(
-                read_pem("ssl.ca.location", sec.ca_location),
-                read_pem("ssl.key.location", sec.key_location) if sec.key_location else None,
-                read_pem("ssl.certificate.location", sec.certificate_location) if sec.certificate_location else None)
-            self.channel = grpc.secure_channel(self.address, creds)
+        if security.uses_tls:  # ssl.ca.location is set: replication_problem would have stopped us before
+            self.channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(*security.pem_files()))
         else:
             self.channel = grpc.insecure_channel(self.address)
         self._token: Optional[str] = None
