@@ -121,6 +121,27 @@ class NotAcknowledgedError(_Prefixed):
     PREFIX = "not acknowledged:"
 
 
+class ProducerFencedError(_Prefixed):
+    """An idempotent producer's batch carries an older epoch than one its producer id already wrote to the
+    partition with: a newer producer (a re-init) took the id over. Nothing was written (FAILED_PRECONDITION)."""
+
+    PREFIX = "producer fenced:"
+
+
+class OutOfOrderSequenceError(_Prefixed):
+    """An idempotent producer's batch does not follow its last stored sequence there (a gap, or a new epoch
+    not starting at 0). Nothing was written (FAILED_PRECONDITION)."""
+
+    PREFIX = "out of order sequence:"
+
+
+class DuplicateSequenceError(_Prefixed):
+    """An idempotent producer's batch was stored before the batches the partition still remembers: it is a
+    duplicate whose offsets are no longer known. Nothing was written (FAILED_PRECONDITION)."""
+
+    PREFIX = "duplicate sequence:"
+
+
 class ElectionLostError(MetaqError):
     """Another member won the group's election (its state changed, or the master node exists): follow it."""
 

@@ -95,12 +95,13 @@ def test_null_slots_that_own_bytes_are_not_stored():
     assert batch.column("key").to_pylist() == [b"aa", None, b"bb"]
 
 
-def test_batches_are_aligned_and_the_header_is_48_bytes():
+def test_batches_are_aligned_and_the_header_is_72_bytes():
     for n in range(1, 20):
         buf = encode([b"x" * n] * n)
         assert len(buf) % 8 == 0
         h = records.parse_header(buf)
         assert (h.batch_len, h.count, h.magic, h.version) == (len(buf), n, records.MAGIC, records.VERSION)
+        assert h.size == records.HEADER_SIZE == 72 and records.VERSION == 3
 
 
 def test_every_damaged_byte_is_detected():
@@ -136,8 +137,8 @@ def test_truncated_buffers_are_rejected_at_every_length():
 
 def test_lengths_that_overrun_the_batch_are_rejected_even_unverified():
     buf = bytearray(encode([b"abc", b"def"]))
-    # value length column starts after the flag column (2 x int32) at byte 48 + 8
-    buf[56:60] = (1 << 20).to_bytes(4, "little")
+    # value length column starts after the flag column (2 x int32) at byte 72 + 8
+    buf[80:84] = (1 << 20).to_bytes(4, "little")
     with pytest.raises(records.RecordFormatError, match="overrun"):
         records.decode(bytes(buf), verify=False, positions=np.array([0]))
 

@@ -385,7 +385,7 @@ def test_reading_below_earliest_after_retention_names_the_valid_range(tmp_path, 
     with MessageStore(tmp_path, {"t": config}, background_interval=None, clock=clock) as s:
         p = s.partition("t", 0)
         for i in range(12):
-            p.append([b"%03d" % i + b"." * 1000])  # 1064-byte batches: three to a segment
+            p.append([b"%03d" % i + b"." * 1000])  # 1088-byte batches: three to a segment
         clock.advance(2 * 3600)
         p.append([b"late"])  # fits in the active segment, which starts at offset 9
         assert [(seg.base_offset, seg.count) for seg in p.segments()] == [(0, 3), (3, 3), (6, 3), (9, 4)]

@@ -268,7 +268,7 @@ def max_msg_id(log):
     while offset < log.written_end:
         r = log.read(offset, 1 << 20, end=log.written_end)
         positions = r.batch_positions
-        h = r.data[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+        h = records.headers_at(r.data, positions)
         best = max(best, int((h["base_msg_id"] + h["count"] - 1).max()))
         offset = r.end_offset
     return best

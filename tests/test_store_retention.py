@@ -12,12 +12,13 @@ from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 T0 = 1_700_000_000.0  # the conftest clock's start
 MIN = 60
 HOUR = 3600
-SEALED = SEGMENT_HEADER_SIZE + 3 * 1064  # a sealed segment of three 1064-byte batches
-ACTIVE = SEGMENT_HEADER_SIZE + 1064
+BATCH = 1088  # one message per batch (big): 72 + 8 + 1004 bytes, padded to 1088
+SEALED = SEGMENT_HEADER_SIZE + 3 * BATCH  # a sealed segment of three batches
+ACTIVE = SEGMENT_HEADER_SIZE + BATCH
 
 
 def big(i: int) -> bytes:
-    return b"%04d" % i + b"." * 1000  # one message per batch: 48 + 8 + 1004 bytes, padded to 1064
+    return b"%04d" % i + b"." * 1000  # one message per batch: BATCH bytes
 
 
 def ms(seconds: float) -> int:

@@ -227,8 +227,8 @@ def test_a_commit_that_fails_in_one_partition_finishes_by_itself_all_or_nothing(
     store, tx = open_all(tmp_path)
     tx.begin("x")
     tx.put("x", "t", 0, body("a"))
-    # 32-byte segment header + 48-byte batch header + a 4016-byte body: t-1's segment ends on a page boundary.
-    tx.put("x", "t", 1, records.encode_body([b"b" * 4008]))
+    # 32-byte segment header + 72-byte batch header + a 3992-byte body: t-1's segment ends on a page boundary.
+    tx.put("x", "t", 1, records.encode_body([b"b" * 3984]))
     tx.prepare("x")
     disk.fill()
     with pytest.raises(OSError):
@@ -246,12 +246,12 @@ def test_a_commit_that_fails_in_one_partition_finishes_by_itself_all_or_nothing(
     disk.free()
     tx.expire()
     assert tx.state("x") == "committed"
-    assert [len(v) for _, v in rows(store.partition("t", 1))] == [4008]
+    assert [len(v) for _, v in rows(store.partition("t", 1))] == [3984]
     tx.close()
     store.close()
     store, tx = open_all(tmp_path)
     assert [v for _, v in rows(store.partition("t", 0))] == ["a"]
-    assert [len(v) for _, v in rows(store.partition("t", 1))] == [4008]
+    assert [len(v) for _, v in rows(store.partition("t", 1))] == [3984]
     tx.close()
     store.close()
 

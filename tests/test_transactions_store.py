@@ -23,7 +23,7 @@ def markers(store, partition):
         for pos in sorted(set((starts - first).tolist())):
             h = records.parse_header(data, pos)
             if h.attributes & records.CONTROL:
-                out.append((h.txn, bytes(data[pos + 56: pos + 57]) == records.COMMIT_MARKER))
+                out.append((h.txn, bytes(data[pos + h.size + 8: pos + h.size + 9]) == records.COMMIT_MARKER))
         offset += n
     return out
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import grpc
 
-from metaq_broker.errors import (AuthenticationError, AuthorizationError, ConfigError, CorruptLogError, DiskFullError, InvalidMessageError,
-                                 InvalidOffsetError, InvalidPartitionError, InvalidTopicError, MessageTooLargeError,
-                                 MetaqError, NotAcknowledgedError, NotEnoughReplicasError, NotMasterError,
-                                 OffsetOutOfRangeError, PartitionClosedError, StoreClosedError,
-                                 TransactionError, UnknownTopicError)
+from metaq_broker.errors import (AuthenticationError, AuthorizationError, ConfigError, CorruptLogError, DiskFullError,
+                                 DuplicateSequenceError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
+                                 InvalidTopicError, MessageTooLargeError, MetaqError, NotAcknowledgedError,
+                                 NotEnoughReplicasError, NotMasterError, OffsetOutOfRangeError, OutOfOrderSequenceError,
+                                 PartitionClosedError, ProducerFencedError, StoreClosedError, TransactionError,
+                                 UnknownTopicError)
 from metaq_broker.protocol.records import RecordFormatError
 
 
@@ -77,6 +78,24 @@ def _remote_init(self, code: grpc.StatusCode, message: str, address: str) -> Non
     self.code, self.details, self.address = code, message, address
 
 
+class RemoteProducerFencedError(BrokerError, ProducerFencedError):
+    """An idempotent producer's epoch was fenced by a newer one of the same producer id: nothing stored."""
+
+    __init__ = _remote_init
+
+
+class RemoteOutOfOrderSequenceError(BrokerError, OutOfOrderSequenceError):
+    """An idempotent producer's batch does not follow its last stored sequence: nothing stored."""
+
+    __init__ = _remote_init
+
+
+class RemoteDuplicateSequenceError(BrokerError, DuplicateSequenceError):
+    """An idempotent producer's batch was stored before, too long ago for its offsets to be known."""
+
+    __init__ = _remote_init
+
+
 class RemoteNotMasterError(BrokerUnavailableError, NotMasterError):
     """The broker is a replica (or electing) in its group, not the master: nothing was done; resending to
     the master, once known, is safe."""
@@ -112,6 +131,8 @@ TABLE = [
     ((NotAcknowledgedError,), grpc.StatusCode.UNAVAILABLE, RemoteNotAcknowledgedError),
     ((TransactionError,), grpc.StatusCode.ABORTED, RemoteTransactionError),
     ((PartitionClosedError,), grpc.StatusCode.FAILED_PRECONDITION, RemotePartitionClosedError),
+    ((ProducerFencedError, OutOfOrderSequenceError, DuplicateSequenceError), grpc.StatusCode.FAILED_PRECONDITION,
+     RemotePartitionClosedError),
     ((NotEnoughReplicasError,), grpc.StatusCode.FAILED_PRECONDITION, RemoteNotEnoughReplicasError),
     ((AuthenticationError,), grpc.StatusCode.UNAUTHENTICATED, RemoteAuthenticationError),
     ((AuthorizationError,), grpc.StatusCode.PERMISSION_DENIED, RemoteAuthorizationError),
@@ -125,7 +146,10 @@ NOT_ACKNOWLEDGED = NotAcknowledgedError.PREFIX
 _BY_PREFIX = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ((DISK_FULL, RemoteDiskFullError),),
     grpc.StatusCode.UNAVAILABLE: ((NOT_MASTER, RemoteNotMasterError), (NOT_ACKNOWLEDGED, RemoteNotAcknowledgedError)),
-    grpc.StatusCode.FAILED_PRECONDITION: ((NOT_ENOUGH_REPLICAS, RemoteNotEnoughReplicasError),),
+    grpc.StatusCode.FAILED_PRECONDITION: ((NOT_ENOUGH_REPLICAS, RemoteNotEnoughReplicasError),
+                                          (ProducerFencedError.PREFIX, RemoteProducerFencedError),
+                                          (OutOfOrderSequenceError.PREFIX, RemoteOutOfOrderSequenceError),
+                                          (DuplicateSequenceError.PREFIX, RemoteDuplicateSequenceError)),
 }
 _ERROR_OF = {code: remote for _, code, remote in reversed(TABLE)}  # the first of a code wins
 _ERROR_OF[grpc.StatusCode.DEADLINE_EXCEEDED] = BrokerUnavailableError

@@ -63,6 +63,7 @@ TOPIC_KEYS: dict = {
     "deletePolicy": ("delete_policy", _policy),
     "retentionBytes": ("retention_bytes", _int(-1, 2 ** 62)),
     "minInSyncReplicas": ("min_insync_replicas", _int(1, MAX_REPLICAS)),
+    "producer.id.expiration.ms": ("producer_id_expiration_ms", _int(1, 2 ** 62)),
 }
 
 # [system]-only keys: INI name -> (BrokerConfig field, parser); defaults live in BrokerConfig.

@@ -72,6 +72,9 @@ class TopicConfig:
     # Replication: an acks=all put needs this many in-sync members (master included). Plain data carried
     # for the server (runtime topics, DescribeTopic); the store ignores it.
     min_insync_replicas: int = 1
+    # Idempotent producers idle this long (by the store times of their batches) are forgotten: a batch of
+    # theirs sent again after it is stored again. Kafka's producer.id.expiration.ms, and its default.
+    producer_id_expiration_ms: int = 86_400_000
 
     def __post_init__(self):
         if isinstance(self.delete_policy, str):
@@ -95,6 +98,8 @@ class TopicConfig:
             raise ConfigError(f"max_message_size must be between 1 and 1 GiB, got {self.max_message_size}")
         if self.retention_bytes < -1 or self.retention_bytes == 0:
             raise ConfigError(f"retention_bytes must be positive or -1 (no bound), got {self.retention_bytes}")
+        if self.producer_id_expiration_ms < 1:
+            raise ConfigError(f"producer_id_expiration_ms must be at least 1, got {self.producer_id_expiration_ms}")
         if not 1 <= self.min_insync_replicas <= MAX_REPLICAS:
             raise ConfigError(f"min_insync_replicas must be between 1 and {MAX_REPLICAS}, got {self.min_insync_replicas}")
 

@@ -65,10 +65,11 @@ def markers(u8: np.ndarray, positions: np.ndarray) -> list:
     vectorised header read, then a step per marker only."""
     if not len(positions):
         return []
-    h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+    h = records.headers_at(u8, positions)
+    body = positions + records.header_sizes(h)
     found = []
     for i in np.flatnonzero(((h["attributes"] & records.CONTROL) != 0) & (h["txn"] == 0)).tolist():
-        at = int(positions[i]) + records.HEADER_SIZE + 8  # flag and length columns, then the value
+        at = int(body[i]) + 8  # flag and length columns, then the value
         parsed = records.parse_epoch_marker(bytes(u8[at: at + records.EPOCH_MARKER.size]))
         if parsed is not None:
             found.append(Epoch(parsed[0], parsed[1], int(h["base_offset"][i])))

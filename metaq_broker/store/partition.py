@@ -10,6 +10,12 @@ with the transaction's number, and a marker batch settles them. Readers stop at 
 (the first batch of the oldest unsettled transaction) and skip aborted batches and markers
 (``partition_txns``).
 
+Idempotent producers (``producer_state``): an append stamped with a producer id, epoch and sequence is
+checked against the producer's last batches under the write lock, and a batch sent again is answered with
+the offsets it got the first time. Every batch carries its first message's position in the partition's
+MetaQ message stream (``byte_base``, docs/storage-format.md section 3.5), kept running in ``_metaq_end``.
+The log's identity (``identity``) is made with it and copied by replicas.
+
 Replication (docs/design/replication-plan.md) adds: an epoch marker before a master epoch's first append
 (``begin_epoch``, the ``epochs`` file), a verbatim copy of a master's batches (``append_replicated``), cuts
 (``truncate_to``, ``reset_to``), reads up to the written end for replicas (``locate(end=written_end)``),
@@ -34,14 +40,18 @@ from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageToo
 from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
 from metaq_broker.store import epochs as epoch_file
+from metaq_broker.store import identity as identity_file
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.durable import fsync_dir, replace_file
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
+from metaq_broker.store.producer_state import ProducerStates, Stored, last_sequence
 from metaq_broker.store.recovery import (ARCHIVE_DIR, index_entries, last_msg_id, last_timestamp, open_epochs,
                                          recover, scan_segment, walk_batches)
 from metaq_broker.store.retention import archive_segment, removal_reason
 from metaq_broker.store.segment import INDEX_DTYPE, Segment
+
+NO_PRODUCER = (records.NO_PRODUCER,) * 3
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,7 @@ class AppendResult:
     base_msg_id: int
     timestamp: int  # store time, ms since the epoch
     fsynced: bool = True  # an fsync covering the batch completed before the append returned
+    duplicate: bool = False  # an idempotent producer's batch stored before: these are its first offsets
 
     @property
     def offsets(self) -> np.ndarray:
@@ -154,6 +165,7 @@ class PartitionLog:
         self._next_epoch: Optional[tuple] = None  # (epoch, replica id) whose marker the next append writes
         self._epochs_dirty = False  # an epochs save failed: retried before the next roll or close
         self._truncations = 0  # bumped by truncate_to/reset_to: a group-commit leader's target is stale then
+        self._identity = identity_file.load_or_create(self.directory)  # before the first segment: a new log's
         acks_before_fsync = not config.group_commit or (self.directory / ACKS_BEFORE_FSYNC).exists()
         cut = ("repair was asked for: messages after the damage are gone" if repair
                else None if acks_before_fsync
@@ -168,13 +180,18 @@ class PartitionLog:
         self._durable_offset = self._next_offset
         self.txns = PartitionTxns()
         scan_from = self.txns.load(self.directory)
+        self.producers = ProducerStates(self.name, config.producer_id_expiration_ms)
+        producers_from = self.producers.load(self.directory)
         self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
         # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
         # snapshot could not be written yet (a roll always writes one first): transactional batches can
         # then only be in the active segment, which recovery has just read. Every epoch marker below the
         # snapshot's offset is in the epochs file (saved in the marker's write-lock hold, or retried
-        # before the snapshot), so the same scan finds those missing after a crash.
-        found = self._scan_txns(active.base_offset if scan_from is None else max(scan_from, self.earliest_offset))
+        # before the snapshot), so the same scan finds those missing after a crash. The producers'
+        # snapshot is written with the transactions' and follows the same rule.
+        found = self._scan_txns(*(active.base_offset if at is None else max(at, self.earliest_offset)
+                                  for at in (scan_from, producers_from)))
+        self._metaq_end = self._stream_end()
         if epochs_damaged:
             found = [e for u8, pos in self._batches(self.earliest_offset, self._next_offset)
                      for e in epoch_file.markers(u8, pos)]
@@ -208,14 +225,40 @@ class PartitionLog:
         elif not marker.exists():
             replace_file(marker, b"")
 
-    def _scan_txns(self, from_offset: int) -> list:
-        """Take in the transactional batches and markers written from ``from_offset`` on (recovery);
-        returns the epoch markers seen."""
+    def _scan_txns(self, from_offset: int, producers_from: int) -> list:
+        """Take in the transactional batches and markers written from ``from_offset`` on, and idempotent
+        producers' batches from ``producers_from`` on (recovery); returns the epoch markers seen."""
         found = []
-        for u8, positions in self._batches(from_offset, self._next_offset):
-            self.txns.scan(u8, positions)
-            found += epoch_file.markers(u8, positions)
+        for u8, positions in self._batches(min(from_offset, producers_from), self._next_offset):
+            base = records.headers_at(u8, positions)["base_offset"]
+            ours = positions[base >= from_offset]
+            self.txns.scan(u8, ours)
+            found += epoch_file.markers(u8, ours)
+            self.producers.scan(u8, positions[base >= producers_from])
         return found
+
+    def _stream_end(self) -> int:
+        """Where the next batch starts in the MetaQ message stream (docs/storage-format.md, 3.5): the end
+        of the last batch; for a version 2 batch computed over its segment (whose first version 2 batch
+        starts at 3 x the segment's start); 3 x the active segment's start when no batch is before it but
+        one of version 2 in an earlier segment, or none at all (a new log: 0)."""
+        segs = self._segments
+        tail = segs[-1]
+        last = tail if tail.count else segs[-2] if len(segs) > 1 and segs[-2].count else None
+        if last is None:
+            return 3 * tail.start
+        idx = last.index()
+        e = idx[-1]
+        _, _, metaq, byte_base = _stream_columns(last.read(int(e["position"]), int(e["batch_len"])),
+                                                 np.zeros(1, np.int64))
+        if byte_base[0] >= 0:
+            return int(byte_base[0] + metaq[0])
+        if last is not tail:
+            return 3 * tail.start
+        first = int(idx[0]["position"])
+        _, _, metaq, byte_base = _stream_columns(tail.read(first, tail.end - first),
+                                                 _batch_starts(idx, len(idx), first))
+        return int(records.stream_ends(byte_base, metaq, 3 * tail.start)[-1])
 
     def _batches(self, start: int, stop: int):
         """(bytes, batch starts in them) of the written batches holding offsets [start, stop), 64 MiB at a
@@ -227,9 +270,38 @@ class PartitionLog:
             offset += n
 
     def _save_txns(self) -> None:
+        """Write the transaction and the producers' snapshots as of the written end."""
         self.txns.save(self.directory, self._next_offset, self.earliest_offset)
+        self.producers.save(self.directory, self._next_offset, max(int(self._clock() * 1000), self._last_ts))
 
     # -- state ----------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> str:
+        """This log's identity: 32 hex digits made with it (``store/identity.py``)."""
+        return self._identity.id
+
+    @property
+    def identity_adopted(self) -> bool:
+        """The identity was not made with this log (an older data directory's, or taken over from a
+        master): a replica takes its master's then instead of starting over."""
+        return self._identity.adopted
+
+    def adopt_identity(self, value: str) -> None:
+        """Take ``value`` as this log's identity, keeping the data (a replica whose identity was adopted,
+        following its master). Durable before it returns."""
+        identity_file.check_id(value)
+        with self._write_lock:
+            if value != self._identity.id:
+                new = identity_file.Identity(value, int(self._clock() * 1000), True)
+                identity_file.write(self.directory, new)
+                log.info("%s: takes identity %s (was %s)", self.name, value, self._identity.id)
+                self._identity = new
+
+    @property
+    def metaq_end(self) -> int:
+        """Where the next batch starts in the partition's MetaQ message stream (``byte_base``)."""
+        return self._metaq_end
+
     @property
     def earliest_offset(self) -> int:
         return self._segments[0].base_offset
@@ -299,61 +371,86 @@ class PartitionLog:
                                    f"reopen it to recover")
 
     # -- appending ------------------------------------------------------------------------------------
-    def append(self, values, keys=None, attributes=None, flags=None) -> AppendResult:
+    def append(self, values, keys=None, attributes=None, flags=None, headers=None,
+               producer: Optional[tuple] = None) -> AppendResult:
         """Append one batch; returns its offsets and message ids once the topic's flush policy is met
-        (group commit: after an fsync covering it)."""
-        return self.append_body(records.encode_body(values, keys, attributes, flags))
+        (group commit: after an fsync covering it). ``producer``: see ``append_body``."""
+        return self.append_body(records.encode_body(values, keys, attributes, flags, headers), producer)
 
-    def append_body(self, body: records.EncodedBody) -> AppendResult:
-        return self.append_bodies([body])[0]
+    def append_body(self, body: records.EncodedBody, producer: Optional[tuple] = None) -> AppendResult:
+        """``producer``: (id, epoch, base sequence) of an idempotent producer's batch. A batch it already
+        stored here is not appended again: the result is the first one's (``duplicate``), returned once
+        durable as an append's would be; a gap or an old epoch raises (``ProducerStates.check``)."""
+        return self.append_bodies([body], producer=producer)[0]
 
-    def append_bodies(self, bodies: list, txn: int = 0, flags: int = 0, commit: bool = False) -> list:
+    def append_bodies(self, bodies: list, txn: int = 0, flags: int = 0, commit: bool = False,
+                      producer: Optional[tuple] = None) -> list:
         """Append batches back to back; readers see all of them or none (one write-lock hold, one
         publish). With ``flags`` TRANSACTIONAL the batches belong to transaction number ``txn``: readers
         see them once its commit marker follows (``append_marker``), and the append returns once written,
         not fsynced (the transaction's prepare makes it durable: ``make_durable``). Without ``flags``,
         ``txn`` is only stamped in the headers (``journal_v1.finish_commit`` ending an old commit). CONTROL
-        is ``append_marker``'s (``commit`` says which marker)."""
+        is ``append_marker``'s (``commit`` says which marker). ``producer``: one body only (``append_body``)."""
         for body in bodies:
             self.check_size(body)
+        if producer is not None and (len(bodies) != 1 or flags):
+            raise ValueError("an idempotent producer's append is one plain batch")
         transactional = bool(flags & records.TRANSACTIONAL)
-        results = []
+        stored = None
         with self._write_lock:
             self._check_open()
             ts = max(int(self._clock() * 1000), self._last_ts)
-            marker = None if self._next_epoch is None else self._due_epoch_marker()
-            for body in bodies:
-                items = [(body, txn, flags, commit)]
-                if marker is not None:  # in the same write as the epoch's first batch
-                    items.insert(0, (records.encode_body([records.epoch_marker(*marker)]), 0, records.CONTROL,
-                                     False))
-                placed = self._write_locked(items, ts)
-                if marker is not None:
-                    self._next_epoch = None
-                    self._add_epochs([epoch_file.Epoch(marker[0], marker[1], placed[0][0])])
-                    marker = None
-                base, msg_id = placed[-1]
-                end = self._next_offset
-                results.append(AppendResult(base, body.count, msg_id, ts,
-                                            self.config.group_commit and not transactional))
-            self._last_ts = ts
-            if not self.config.group_commit:
-                self._unflushed += sum(b.count for b in bodies)
-                now = self._clock()
-                if not transactional and (self._unflushed >= self.config.unflush_threshold
-                                          or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
-                    self._fsync_active_locked()
-                    results = [replace(r, fsynced=True) for r in results]
-                self._publish(end)  # acknowledged after the page-cache write (or the fsync above)
+            if producer is not None:
+                stored = self.producers.check(producer[0], producer[1], producer[2], bodies[0].count, ts)
+            if stored is None:
+                results, end = self._append_locked(bodies, txn, flags, commit, producer, ts)
+        if stored is not None:  # sent again: answered with the first one's offsets, once it is as durable
+            end = stored.base_offset + stored.count
+            if self.config.group_commit:
+                self._await_durable(end)
+            log.debug("%s: a batch sent again (offsets %d-%d): answered with its first offsets", self.name,
+                      stored.base_offset, end - 1)
+            return [AppendResult(stored.base_offset, stored.count, stored.base_msg_id, stored.timestamp,
+                                 self._durable_offset >= end, duplicate=True)]
         self._written()
         if self.config.group_commit and not transactional:
             self._await_durable(end)
         return results
 
+    def _append_locked(self, bodies: list, txn: int, flags: int, commit: bool, producer: Optional[tuple],
+                       ts: int) -> tuple:
+        """``append_bodies`` under the write lock: (results, the written end)."""
+        transactional = bool(flags & records.TRANSACTIONAL)
+        results = []
+        marker = None if self._next_epoch is None else self._due_epoch_marker()
+        for body in bodies:
+            items = [(body, txn, flags, commit, producer)]
+            if marker is not None:  # in the same write as the epoch's first batch
+                items.insert(0, (records.encode_body([records.epoch_marker(*marker)]), 0, records.CONTROL,
+                                 False, None))
+            placed = self._write_locked(items, ts)
+            if marker is not None:
+                self._next_epoch = None
+                self._add_epochs([epoch_file.Epoch(marker[0], marker[1], placed[0][0])])
+                marker = None
+            base, msg_id = placed[-1]
+            results.append(AppendResult(base, body.count, msg_id, ts, self.config.group_commit and not transactional))
+        end = self._next_offset
+        self._last_ts = ts
+        if not self.config.group_commit:
+            self._unflushed += sum(b.count for b in bodies)
+            now = self._clock()
+            if not transactional and (self._unflushed >= self.config.unflush_threshold
+                                      or (now - self._last_flush) * 1000 >= self.config.unflush_interval_ms):
+                self._fsync_active_locked()
+                results = [replace(r, fsynced=True) for r in results]
+            self._publish(end)  # acknowledged after the page-cache write (or the fsync above)
+        return results, end
+
     def _write_locked(self, items: list, ts: int) -> list:
-        """Write batches ``(body, txn, flags, commit)`` back to back in one write (rolling first if they
-        would overflow a non-empty segment), index them and take in their transactions. Returns each
-        one's (base offset, base message id)."""
+        """Write batches ``(body, txn, flags, commit, producer)`` back to back in one write (rolling first
+        if they would overflow a non-empty segment), index them, take in their transactions and producers.
+        Returns each one's (base offset, base message id)."""
         seg = self._segments[-1]
         nbytes = 0
         for item in items:
@@ -361,10 +458,11 @@ class PartitionLog:
         if seg.count and seg.size + nbytes > self.config.max_segment_size:
             seg = self._roll()
         parts, entries, placed = [], [], []
-        offset, position = self._next_offset, seg.end
-        for body, txn, flags, _ in items:
+        offset, position, metaq_end = self._next_offset, seg.end, self._metaq_end
+        for body, txn, flags, _, producer in items:
             msg_id = self._ids.allocate(body.count)
-            header = records.encode_header(body, offset, msg_id, ts, txn, flags)
+            header = records.encode_header(body, offset, msg_id, ts, txn, flags, producer or NO_PRODUCER, metaq_end)
+            metaq_end += body.metaq_bytes
             e = np.empty(body.count, INDEX_DTYPE)
             e["position"] = position
             e["timestamp"] = ts
@@ -376,13 +474,17 @@ class PartitionLog:
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
         seg.append(parts, nbytes, entries[0] if len(entries) == 1 else np.concatenate(entries))
-        for (base, _), (body, txn, flags, commit) in zip(placed, items):
+        for (base, msg_id), (body, txn, flags, commit, producer) in zip(placed, items):
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing
                     self.txns.on_marker(txn, base, commit)
             elif flags & records.TRANSACTIONAL:
                 self.txns.on_batch(txn, base)
-        self._next_offset = offset
+            elif producer is not None:
+                pid, epoch, seq = producer
+                self.producers.on_batch(pid, epoch, Stored(seq, last_sequence(seq, body.count), base, body.count,
+                                                           msg_id, ts))
+        self._next_offset, self._metaq_end = offset, metaq_end
         return placed
 
     def _written(self) -> None:
@@ -568,10 +670,10 @@ class PartitionLog:
         if batch_positions is not None and not np.array_equal(positions, batch_positions):
             raise CorruptLogError(f"{what}: batches start at {positions[:8].tolist()}..., not at the positions "
                                   f"given", what, 0)
-        h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+        h = records.headers_at(u8, positions)
         ends = positions + h["batch_len"].astype(np.int64)  # where each batch ends in data
         msg_ends = np.cumsum(h["count"], dtype=np.int64)
-        entries = index_entries(u8, positions, 0)
+        entries, metaq, byte_base = index_entries(u8, positions, 0, stream=True)
         with self._write_lock:
             self._check_open()
             if int(h["base_offset"][0]) != self._next_offset:
@@ -590,8 +692,12 @@ class PartitionLog:
                 lo, hi = int(positions[i]), int(ends[j - 1])
                 run = entries[(msg_ends[i - 1] if i else 0): msg_ends[j - 1]].copy()
                 run["position"] += seg.end - lo
+                # version 2 batches continue the stream as recovery computes it (_stream_end)
+                anchor = self._metaq_end if seg.count else 3 * seg.start
                 seg.append([u8[lo:hi]], hi - lo, run)
+                self._metaq_end = int(records.stream_ends(byte_base[i:j], metaq[i:j], anchor)[-1])
                 self.txns.scan(u8, positions[i:j])
+                self.producers.scan(u8, positions[i:j])
                 found += epoch_file.markers(u8, positions[i:j])
                 self._next_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
                 i = j
@@ -623,7 +729,7 @@ class PartitionLog:
             seg, idx = segs[i], segs[i].index()
             k = int(np.searchsorted(idx["position"], idx["position"][offset - seg.base_offset], "left"))
             cut = seg.base_offset + k
-            self._rebuild_txns(cut)
+            self._rebuild_txns(cut, producers=True)
             self._epochs.truncate(cut)
             for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
                 dropped.path.unlink()
@@ -632,21 +738,27 @@ class PartitionLog:
             self._segments = tuple(segs[:i]) + (tail,)
             fsync_dir(self.directory)
             self._cut_ends(cut)
+            self._metaq_end = self._stream_end()
             log.warning("%s: truncated to offset %d (replication)", self.name, cut)
         return cut
 
-    def reset_to(self, offset: int) -> None:
+    def reset_to(self, offset: int, identity: Optional[str] = None) -> None:
         """Drop every segment: the partition becomes empty, its next offset ``offset`` (a replica below the
-        master's earliest offset, or a wiped one). Epochs and transaction state are cleared, a HW cap set
-        moves to ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with a
-        snapshot that rescans it all."""
+        master's earliest offset, or a wiped one). Epochs, transaction and producer state are cleared, a HW
+        cap set moves to ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with
+        a snapshot that rescans it all. ``identity``: the master's log's, taken as this one's once the old
+        log is gone (a crash before keeps the old identity, so the replica starts over again)."""
         self._check_offset(offset)
+        if identity is not None:
+            identity_file.check_id(identity)
         with self._write_lock:
             self._check_open()
             segs, max_txn = self._segments, self.txns.max_txn
             self.txns = PartitionTxns(None if self._hw is None else offset)
             self.txns.max_txn = max_txn
             self.txns.save(self.directory, 0, 0)  # valid for any prefix of the old log: it is scanned whole
+            self.producers = ProducerStates(self.name, self.config.producer_id_expiration_ms)
+            self.producers.save(self.directory, 0, 0)
             self._epochs.clear()
             self._epochs_dirty = False
             for dropped in reversed(segs):
@@ -655,18 +767,29 @@ class PartitionLog:
             fsync_dir(self.directory)
             self._segments = (Segment.create(self.directory, segs[-1].end, offset),)
             self._cut_ends(offset)
+            self._metaq_end = 3 * segs[-1].end
+            if identity is not None and identity != self._identity.id:
+                self._identity = identity_file.Identity(identity, int(self._clock() * 1000), False)
+                identity_file.write(self.directory, self._identity)
             self._hw = None if self._hw is None else offset  # a cap set stays set, at the empty log's end
             self._save_txns()
             log.warning("%s: emptied, next offset %d (replication)", self.name, offset)
 
-    def _rebuild_txns(self, end: int) -> None:
-        """Transaction state for the log below ``end`` (a cut, or the first HW cap), saved as of ``end``."""
+    def _rebuild_txns(self, end: int, producers: bool = False) -> None:
+        """Transaction state for the log below ``end`` (a cut, or the first HW cap), saved as of ``end``;
+        with ``producers`` the producers' state too (a cut: their batches past it are gone)."""
         hw = None if self._hw is None else min(self._hw, end)
         fresh = self.txns.truncated(end, self.earliest_offset, hw)
+        states = ProducerStates(self.name, self.config.producer_id_expiration_ms) if producers else None
         for u8, positions in self._batches(self.earliest_offset, end):
             fresh.scan(u8, positions)
+            if states is not None:
+                states.scan(u8, positions)
         self.txns = fresh
         fresh.save(self.directory, end, self.earliest_offset)
+        if states is not None:
+            self.producers = states
+            states.save(self.directory, end, max(int(self._clock() * 1000), self._last_ts))
 
     def _cut_ends(self, end: int) -> None:
         """After a cut (write lock held): every end is ``end``, all below it fsynced (sealed segments, and
@@ -947,6 +1070,11 @@ class PartitionLog:
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
+
+
+def _stream_columns(u8: np.ndarray, positions: np.ndarray) -> tuple:
+    """(timestamps, lengths, MetaQ bytes, byte_base) of the batches at ``positions``."""
+    return records.index_columns(u8, positions)[2:]
 
 
 def _batch_starts(idx: np.ndarray, n: int, first: int) -> np.ndarray:

@@ -93,14 +93,15 @@ class PartitionTxns:
         then a step only per transactional batch or marker."""
         if not len(positions):
             return
-        h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+        h = records.headers_at(u8, positions)
         flags = h["attributes"] & (records.TRANSACTIONAL | records.CONTROL)
+        body = positions + records.header_sizes(h)
         for i in np.flatnonzero(flags).tolist():
             txn, offset = int(h["txn"][i]), int(h["base_offset"][i])
             if flags[i] & records.CONTROL and txn == 0:
                 continue  # an epoch marker (replication): no transaction's
             if flags[i] & records.CONTROL:
-                value = u8[int(positions[i]) + records.HEADER_SIZE + 8]  # flag and length columns, then the value
+                value = u8[int(body[i]) + 8]  # flag and length columns, then the value
                 self.on_marker(txn, offset, value == records.COMMIT_MARKER[0])
             else:
                 self.on_batch(txn, offset)
@@ -159,5 +160,5 @@ def has_markers(u8: np.ndarray, positions: np.ndarray) -> bool:
     """Is any of the batches at ``positions`` of ``u8`` a transaction's marker (vectorised)?"""
     if not len(positions):
         return False
-    h = u8[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(records.HEADER_DTYPE)
+    h = records.headers_at(u8, positions)
     return bool((((h["attributes"] & records.CONTROL) != 0) & (h["txn"] != 0)).any())

@@ -211,18 +211,20 @@ def walk_batches(buf: np.ndarray, pos: int, expected: Optional[int], path, looka
     return np.array(positions, dtype=np.int64), pos, reason
 
 
-def index_entries(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarray:
+def index_entries(buf: np.ndarray, positions: np.ndarray, start: int, stream: bool = False):
     """Offset-index entries of the batches at ``positions`` of ``buf`` (vectorised), ``buf[0]`` lying at
-    logical position ``start``."""
+    logical position ``start``. ``stream``: also each batch's MetaQ bytes and ``byte_base`` (-1 in version
+    2), from the same pass (``records.index_columns``)."""
     if not len(positions):
-        return np.empty(0, INDEX_DTYPE)
-    sizes, counts, ts, blens = records.index_columns(buf, positions)
+        empty = np.empty(0, INDEX_DTYPE)
+        return (empty, np.empty(0, np.int64), np.empty(0, np.int64)) if stream else empty
+    sizes, counts, ts, blens, metaq, byte_base = records.index_columns(buf, positions)
     entries = np.empty(len(sizes), INDEX_DTYPE)
     entries["position"] = np.repeat(positions + start, counts)
     entries["timestamp"] = np.repeat(ts, counts)
     entries["size"] = sizes
     entries["batch_len"] = np.repeat(blens, counts)
-    return entries
+    return (entries, metaq, byte_base) if stream else entries
 
 
 def open_epochs(directory: Path, name: str, log_end: int) -> tuple:
@@ -243,7 +245,7 @@ def open_epochs(directory: Path, name: str, log_end: int) -> tuple:
 
 def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> bool:
     """Is there a whole, checksum-valid batch with a later offset anywhere after ``bad_pos``?"""
-    starts = np.arange(bad_pos + records.ALIGN, len(buf) - records.HEADER_SIZE + 1, records.ALIGN)
+    starts = np.arange(bad_pos + records.ALIGN, len(buf) - records.BASE_HEADER_SIZE + 1, records.ALIGN)
     magic = records.MAGIC.to_bytes(2, "little")
     candidates = starts[(buf[starts + 8] == magic[0]) & (buf[starts + 9] == magic[1])]
     for p in candidates.tolist():
@@ -266,8 +268,8 @@ def last_timestamp(segments) -> int:
 def last_msg_id(segments) -> Optional[int]:
     for seg in reversed(segments):
         if seg.count:
-            pos = int(seg.index()[-1]["position"])
-            raw = seg.read(pos, records.HEADER_SIZE)
+            last = seg.index()[-1]
+            raw = seg.read(int(last["position"]), min(records.HEADER_SIZE, int(last["batch_len"])))
             h = records.parse_header(raw)
             return h.base_msg_id + h.count - 1
     return None
