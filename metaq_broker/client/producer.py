@@ -5,9 +5,13 @@ many ``send_batch`` calls in flight, one per partition (the Spark sink's at-leas
 
 Puts go over the broker's data port where it has one (``start_put``), else as gRPC ``PutRaw``.
 Delivery: a put to a broker that is down or restarting waits for it (gRPC wait-for-ready) instead of
-failing, and a put whose connection broke after it was sent fails rather than being resent blindly; when
-the broker acknowledges, the message is stored under the topic's flush policy (``PutResult.fsynced`` says
-whether an fsync covered it)."""
+failing. The producer is idempotent by default (Kafka 3's ``enable.idempotence=true``): it holds a producer
+id from ``InitProducerId`` and stamps each batch with it, its epoch and a sequence number per partition, so
+a put cut off by a broken connection or a failover (or answered ``not acknowledged: ... may or may not be
+stored``) is sent again with the same sequence until the producer's timeout, and the broker stores it once
+(a batch sent again is answered with its first offsets). ``Producer(idempotent=False)`` sends no producer
+id and never resends a put that may have been stored. When the broker acknowledges, the message is stored
+under the topic's flush policy (``PutResult.fsynced`` says whether an fsync covered it)."""
 from __future__ import annotations
 
 import logging
@@ -25,12 +29,12 @@ from metaq_broker.client.base import RESEND_WAIT, ClientBase
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
-from metaq_broker.errors import InvalidPartitionError, MetaqError
+from metaq_broker.errors import InvalidPartitionError, MetaqError, OutOfOrderSequenceError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.dataport import ProtocolError
-from metaq_broker.protocol.status import STORED_NOTHING, BrokerUnavailableError, to_error
+from metaq_broker.protocol.status import STORED_NOTHING, BrokerError, BrokerUnavailableError, to_error
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class PutResult:
     base_msg_id: int
     timestamp: int
     fsynced: bool
+    duplicate: bool = False  # sent again after a lost answer: the broker had it, these are its first offsets
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ class _GrpcPut:
                     grpc.StatusCode.UNAVAILABLE, f"the master of {self.name} moved while this put to it of "
                     f"{self.topic!r} waited for an answer: it may or may not be stored", self.conn.address) from None
             raise to_error(e, self.conn.address) from None
-        return PutResult(self.topic, self.name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced)
+        return PutResult(self.topic, self.name, r.base_offset, r.count, r.base_msg_id, r.timestamp_ms, r.fsynced,
+                         r.duplicate)
 
     def cancel(self) -> None:
         self._future.cancel()
@@ -114,20 +120,28 @@ class _DataPortPut:
 
 class _ResendingPut:
     """A put that is sent again while the group answers a refusal that stored nothing (``not master:``
-    during a failover, ``not enough in-sync replicas``), until the producer's timeout. A put that may have
-    been stored (a lost connection, ``not acknowledged:``) is never sent again."""
+    during a failover, ``not enough in-sync replicas``), until the producer's timeout. An idempotent
+    producer's put (``producer``: its id, epoch and sequence) is also sent again when it may have been
+    stored (a lost connection, ``not acknowledged:``, no answer in time): the broker answers a batch it has
+    with its first offsets. Without one, such a put is never sent again."""
 
-    def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str):
+    def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str,
+                 idempotent: bool = False):
         self.producer, self.topic, self.name, self.body, self.xid = producer, topic, name, body, xid
+        self.stamp = producer._stamp(self) if idempotent else None  # (producer id, epoch, base sequence)
         self.deadline = time.monotonic() + producer.pool.timeout
-        self._put = self._start()
+        try:
+            self._put = self._start()
+        except BaseException:
+            self._done(failed=True)
+            raise
         self.size = self._put.size
 
     def _start(self):
         """Send it; while its broker group has no master registered (a failover), wait for one."""
         while True:
             try:
-                return self.producer._start_put_once(self.topic, self.name, self.body, self.xid)
+                return self.producer._start_put_once(self.topic, self.name, self.body, self.xid, self.stamp)
             except InvalidPartitionError:
                 known = self.producer.cluster.known(parse_partition_name(self.name)[0])
                 if not known or time.monotonic() + RESEND_WAIT > self.deadline:
@@ -135,28 +149,56 @@ class _ResendingPut:
             time.sleep(RESEND_WAIT)
 
     def result(self) -> "PutResult":
-        while True:
-            try:
-                return self._put.result()
-            except STORED_NOTHING as e:
-                if self.xid or time.monotonic() + RESEND_WAIT > self.deadline:
-                    raise
-                log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
-            time.sleep(RESEND_WAIT)
-            self._put = self._start()
+        try:
+            while True:
+                try:
+                    result = self._put.result()
+                    self._done(failed=False)
+                    return result
+                except STORED_NOTHING as e:
+                    if self.xid or time.monotonic() + RESEND_WAIT > self.deadline:
+                        raise
+                    log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
+                except (BrokerUnavailableError, OutOfOrderSequenceError) as e:
+                    if self.stamp is None or time.monotonic() + RESEND_WAIT > self.deadline or (
+                            isinstance(e, OutOfOrderSequenceError) and not self.producer._earlier_in_flight(self)):
+                        raise
+                    log.info("idempotent put to %s of %r (sequence %d) got %s; sending it again", self.name,
+                             self.topic, self.stamp[2], e)
+                time.sleep(RESEND_WAIT)
+                self._put = self._start()
+        except BaseException:
+            self._done(failed=True)
+            raise
+
+    def _done(self, failed: bool) -> None:
+        if self.stamp is not None:
+            self.producer._put_done(self, failed)
 
     def cancel(self) -> None:
         self._put.cancel()
+        self._done(failed=True)
 
 
 class Producer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
                  partitioner: str = "hash", batch_size: int = 1000, linger_ms: float = 5.0, timeout: float = 30.0,
-                 use_data_port: bool = True, security=None, acks="all"):
+                 use_data_port: bool = True, security=None, acks="all", idempotent: bool = True):
         if partitioner not in ("hash", "round_robin"):
             raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
         rawput.acks_code(acks)  # ValueError naming the choices
         self.acks = acks  # "all": every in-sync member has it (durable by the flush policy); "1": the master
+        # Idempotence: the producer id and epoch (from the first put's broker), each partition's next
+        # sequence, and the sequences in flight (an out-of-order answer while an earlier one is still in
+        # flight is sent again). A put that finally fails leaves the sequences unknown: the epoch is then
+        # bumped and every partition starts again at sequence 0 (Kafka's KIP-360).
+        self.idempotent = idempotent
+        self.producer_id: Optional[int] = None
+        self.producer_epoch: Optional[int] = None
+        self._seq_lock = threading.Lock()
+        self._next_seq: dict = {}  # (topic, partition name) -> next sequence
+        self._in_flight: dict = {}  # (topic, partition name) -> {put: sequence}
+        self._stale_epoch = False
         super().__init__(zk_connect, zk_root, brokers, timeout, security)
         self.data_pool = DataConnectionPool(timeout, self.security)  # puts to brokers with a data port
         self.use_data_port = use_data_port  # False: every put as gRPC PutRaw (benchmarks compare the two)
@@ -213,10 +255,12 @@ class Producer(ClientBase):
                     f"sent elsewhere)")
             time.sleep(0.05)
 
-    def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
+    def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
+                       headers=None) -> list:
         """[(partition name, encoded body)]: the messages split by partition (``partition`` is one name, an
-        Arrow array of a name per message, or None for key hash / round robin), no loop per message."""
-        body_cols = _columns(values, keys, attributes, flags)
+        Arrow array of a name per message, or None for key hash / round robin), no loop per message.
+        ``headers``: Kafka record headers, per message a list of (str key, bytes value) (``records``)."""
+        body_cols = _columns(values, keys, attributes, flags, headers)
         n = len(body_cols[0])
         names, which = self._assign(topic, n, body_cols[1], partition)
         order = np.argsort(which, kind="stable")
@@ -227,22 +271,85 @@ class Producer(ClientBase):
                 continue
             whole = len(group) == n
             take = None if whole else pa.array(group)
-            arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3]]
+            arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3] + body_cols[4:]]
             group_flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
-            out.append((names[int(which[group[0]])], records.encode_body(*arrays, flags=group_flags)))
+            out.append((names[int(which[group[0]])], records.encode_body(*arrays[:3], flags=group_flags,
+                                                                          headers=arrays[3])))
         return out
 
     # -- synchronous ----------------------------------------------------------------------------------
     def start_put(self, topic: str, name: str, body: records.EncodedBody, xid: str = ""):
         """Send one encoded batch to partition ``name`` and return at once; ``.result()`` waits for the
         broker's acknowledgement (a PutResult; ``acks`` says whose), ``.size`` is the request's size. Over
-        the broker's data port when it has one and it takes the connection; else ``PutRaw`` over gRPC."""
-        return _ResendingPut(self, topic, name, body, xid)
+        the broker's data port when it has one and it takes the connection; else ``PutRaw`` over gRPC.
+        An idempotent producer stamps it with its id, epoch and the partition's next sequence (not a
+        transaction's put: the transaction is all or nothing itself)."""
+        if self.idempotent and not xid:
+            self._ensure_producer_id(parse_partition_name(name)[0])  # may find the broker predates them
+        return _ResendingPut(self, topic, name, body, xid, idempotent=self.idempotent and not xid)
 
-    def _start_put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str):
+    # -- idempotence ----------------------------------------------------------------------------------
+    def _ensure_producer_id(self, broker_id: int) -> None:
+        """Take a producer id (or bump the epoch after a failed put) from ``broker_id``'s group. A broker
+        that does not know ``InitProducerId`` (an older metaq) makes this producer a plain one, with a
+        warning: it would store a batch sent again twice."""
+        with self._seq_lock:
+            if self.producer_id is not None and not self._stale_epoch:
+                return
+            bump = self.producer_id is not None
+            request = pb.InitProducerIdRequest(producer_id=self.producer_id, producer_epoch=self.producer_epoch) \
+                if bump else pb.InitProducerIdRequest()
+            deadline, r = time.monotonic() + self.pool.timeout, None
+            while r is None:
+                try:
+                    r = self.call(broker_id, "InitProducerId", request, retries=3)
+                except BrokerUnavailableError:  # ZooKeeper away for a moment: ids cannot be given out
+                    if time.monotonic() + RESEND_WAIT > deadline:
+                        raise
+                    time.sleep(RESEND_WAIT)
+                except BrokerError as e:
+                    if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    break
+            if r is None:
+                log.warning("broker %d does not give out producer ids (an older metaq): this producer is not "
+                            "idempotent, and puts that may have been stored are not sent again", broker_id)
+                self.idempotent = False
+                return
+            if bump:
+                log.info("producer %d: epoch %d -> %d after a failed put; sequences start again at 0",
+                         r.producer_id, self.producer_epoch, r.producer_epoch)
+            self.producer_id, self.producer_epoch = r.producer_id, r.producer_epoch
+            self._next_seq.clear()
+            self._stale_epoch = False
+
+    def _stamp(self, put: _ResendingPut) -> tuple:
+        """(producer id, epoch, the partition's next sequence) for ``put``, now in flight."""
+        with self._seq_lock:
+            key = (put.topic, put.name)
+            seq = self._next_seq.get(key, 0)
+            self._next_seq[key] = (seq + put.body.count) % (1 << 31)
+            self._in_flight.setdefault(key, {})[put] = seq
+            return self.producer_id, self.producer_epoch, seq
+
+    def _earlier_in_flight(self, put: _ResendingPut) -> bool:
+        """Is a put with an earlier sequence to the same partition still unanswered?"""
+        with self._seq_lock:
+            mine = put.stamp[2]
+            return any(p is not put and p.stamp[1] == put.stamp[1] and 0 < (mine - s) % (1 << 31) < 1 << 30
+                       for p, s in self._in_flight.get((put.topic, put.name), {}).items())
+
+    def _put_done(self, put: _ResendingPut, failed: bool) -> None:
+        with self._seq_lock:
+            waiting = self._in_flight.get((put.topic, put.name), {})
+            if waiting.pop(put, None) is not None and failed and put.stamp[1] == self.producer_epoch:
+                self._stale_epoch = True  # its sequence may or may not be stored: start over in a new epoch
+
+    def _start_put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str,
+                        stamp: Optional[tuple] = None):
         conn, number = self.route(name)
         parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts,
-                                  acks=self.acks)
+                                  acks=self.acks, producer=stamp)
         address = self.data_address(parse_partition_name(name)[0]) if self.use_data_port else None
         if address is not None:
             data = self.data_pool.acquire(address, session=conn.session_token)  # SASL_SSL: the AUTH frame's token
@@ -252,13 +359,14 @@ class Producer(ClientBase):
                 log.debug("data port %s: %s; putting with PutRaw", address, e)
         return _GrpcPut(conn, topic, name, parts)
 
-    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> list:
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
+                   headers=None) -> list:
         """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
         partition used). Messages with a key go by key hash; without, the whole call goes to one
-        partition, round robin across calls."""
+        partition, round robin across calls. ``headers``: Kafka record headers (``encode_batches``)."""
         puts: list = []
         try:
-            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition):
+            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition, headers):
                 puts.append(self.start_put(topic, name, body))
             results = []
             while puts:
@@ -276,8 +384,9 @@ class Producer(ClientBase):
 
     # -- asynchronous ---------------------------------------------------------------------------------
     def send(self, topic: str, value, key=None, attribute: Optional[str] = None, flag: int = 0,
-             partition: Optional[str] = None) -> Future:
-        """Queue one message; the future resolves to a SendResult once its batch is stored."""
+             partition: Optional[str] = None, headers=None) -> Future:
+        """Queue one message; the future resolves to a SendResult once its batch is stored. ``headers``: its
+        Kafka record headers, a list of (str key, bytes value) pairs."""
         if self._closed:
             raise RuntimeError("producer is closed")
         if partition is None:
@@ -294,7 +403,7 @@ class Producer(ClientBase):
         fut: Future = Future()
         with self._cond:
             q = self._pending.setdefault((topic, partition), [])
-            q.append((value, key, attribute, flag, fut))
+            q.append((value, key, attribute, flag, headers, fut))
             if len(q) >= self.batch_size or (len(q) == 1 and len(self._pending) == 1):  # full, or the first
                 self._cond.notify()
         return fut
@@ -315,22 +424,23 @@ class Producer(ClientBase):
 
     def _send_items(self, topic: str, partition: str, items: list) -> None:
         try:
-            values, keys, attrs, flags, futs = zip(*items)
+            values, keys, attrs, flags, headers, futs = zip(*items)
             result = self.send_batch(topic, list(values), None if all(k is None for k in keys) else list(keys),
                                      None if all(a is None for a in attrs) else list(attrs),
-                                     list(flags), partition=partition)[0]
+                                     list(flags), partition=partition,
+                                     headers=None if all(h is None for h in headers) else list(headers))[0]
         except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
             for item in items:
-                item[4].set_exception(e)
+                item[-1].set_exception(e)
             return
         for i, item in enumerate(items):
-            item[4].set_result(SendResult(topic, partition, result.base_offset + i, result.base_msg_id + i,
+            item[-1].set_result(SendResult(topic, partition, result.base_offset + i, result.base_msg_id + i,
                                           result.timestamp))
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Send everything queued and wait until it is acknowledged (or failed)."""
         with self._cond:
-            futs = [item[4] for items in self._pending.values() for item in items]
+            futs = [item[-1] for items in self._pending.values() for item in items]
             self._cond.notify()
         deadline = None if timeout is None else time.monotonic() + timeout
         for f in futs:
@@ -364,8 +474,9 @@ class PipelinedSender:
         self._bytes -= put.size
         self._results.append(put.result())
 
-    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
-        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
+                   headers=None) -> None:
+        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers):
             xid = "" if self.transaction is None else self.transaction.xid_on(parse_partition_name(name)[0])
             if (topic, name) in self._inflight:
                 self._finish((topic, name))
@@ -406,9 +517,10 @@ class Transaction:
             self.xids[broker_id] = xid
         return xid
 
-    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None) -> None:
+    def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
+                   headers=None) -> None:
         """Add messages (routed as ``Producer.send_batch`` does); they stay invisible until commit."""
-        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition):
+        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers):
             self.producer.start_put(topic, name, body, self.xid_on(parse_partition_name(name)[0])).result()
             self.messages += body.count
 
@@ -425,11 +537,12 @@ class Transaction:
         settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
 
 
-def _columns(values, keys, attributes, flags) -> list:
+def _columns(values, keys, attributes, flags, headers=None) -> list:
     """Values, keys and attributes as checked Arrow arrays (records.binary_column, so bad input is an
-    InvalidMessageError), flags as numpy (checked on encoding)."""
+    InvalidMessageError), flags as numpy (checked on encoding), headers as Arrow (records.headers_column)."""
     if isinstance(flags, (pa.Array, pa.ChunkedArray)):
         flags = flags.to_numpy(zero_copy_only=False)
-    return [records.binary_column(values, "value", nullable=False), records.binary_column(keys, "key", nullable=True),
+    value_arr = records.binary_column(values, "value", nullable=False)
+    return [value_arr, records.binary_column(keys, "key", nullable=True),
             records.binary_column(attributes, "attribute", nullable=True),
-            None if flags is None else np.asarray(flags)]
+            None if flags is None else np.asarray(flags), records.headers_column(headers, len(value_arr))]

@@ -19,21 +19,27 @@ class MessageBatch(_message.Message):
     def __init__(self, count: _Optional[int] = ..., attributes: _Optional[int] = ..., body: _Optional[bytes] = ..., body_crc: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("topic", "partition", "batch", "xid", "acks")
+    __slots__ = ("topic", "partition", "batch", "xid", "acks", "producer_id", "producer_epoch", "base_sequence")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     batch: MessageBatch
     xid: str
     acks: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ..., xid: _Optional[str] = ..., acks: _Optional[int] = ...) -> None: ...
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[_Union[MessageBatch, _Mapping]] = ..., xid: _Optional[str] = ..., acks: _Optional[int] = ..., producer_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., base_sequence: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("topic", "partition", "base_offset", "count", "base_msg_id", "timestamp_ms", "fsynced")
+    __slots__ = ("topic", "partition", "base_offset", "count", "base_msg_id", "timestamp_ms", "fsynced", "duplicate")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +47,7 @@ class PutResponse(_message.Message):
     BASE_MSG_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     FSYNCED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     base_offset: int
@@ -48,7 +55,8 @@ class PutResponse(_message.Message):
     base_msg_id: int
     timestamp_ms: int
     fsynced: bool
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., base_offset: _Optional[int] = ..., count: _Optional[int] = ..., base_msg_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., fsynced: _Optional[bool] = ...) -> None: ...
+    duplicate: bool
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., base_offset: _Optional[int] = ..., count: _Optional[int] = ..., base_msg_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., fsynced: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("topic", "partition", "offset", "max_bytes", "max_messages", "max_wait_ms")
@@ -67,7 +75,7 @@ class FetchRequest(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_messages: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("start_offset", "end_offset", "records", "batch_positions", "earliest_offset", "latest_offset", "aborted")
+    __slots__ = ("start_offset", "end_offset", "records", "batch_positions", "earliest_offset", "latest_offset", "aborted", "partition_id")
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     END_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +83,7 @@ class FetchResponse(_message.Message):
     EARLIEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LATEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
     start_offset: int
     end_offset: int
     records: bytes
@@ -82,7 +91,8 @@ class FetchResponse(_message.Message):
     earliest_offset: int
     latest_offset: int
     aborted: bytes
-    def __init__(self, start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., records: _Optional[bytes] = ..., batch_positions: _Optional[_Iterable[int]] = ..., earliest_offset: _Optional[int] = ..., latest_offset: _Optional[int] = ..., aborted: _Optional[bytes] = ...) -> None: ...
+    partition_id: str
+    def __init__(self, start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., records: _Optional[bytes] = ..., batch_positions: _Optional[_Iterable[int]] = ..., earliest_offset: _Optional[int] = ..., latest_offset: _Optional[int] = ..., aborted: _Optional[bytes] = ..., partition_id: _Optional[str] = ...) -> None: ...
 
 class OffsetQuery(_message.Message):
     __slots__ = ("topic", "partition", "timestamp_ms", "from_offset", "max_bytes")
@@ -105,7 +115,7 @@ class GetOffsetsRequest(_message.Message):
     def __init__(self, queries: _Optional[_Iterable[_Union[OffsetQuery, _Mapping]]] = ...) -> None: ...
 
 class PartitionOffsets(_message.Message):
-    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset", "high_watermark")
+    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset", "high_watermark", "partition_id")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +124,7 @@ class PartitionOffsets(_message.Message):
     AFTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
     HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     earliest: int
@@ -122,7 +133,8 @@ class PartitionOffsets(_message.Message):
     after_bytes: int
     log_end_offset: int
     high_watermark: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
+    partition_id: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., partition_id: _Optional[str] = ...) -> None: ...
 
 class GetOffsetsResponse(_message.Message):
     __slots__ = ("offsets",)
@@ -351,3 +363,19 @@ class DescribeGroupResponse(_message.Message):
     unclean: bool
     members: _containers.RepeatedCompositeFieldContainer[GroupMemberInfo]
     def __init__(self, broker_id: _Optional[int] = ..., epoch: _Optional[int] = ..., master: _Optional[int] = ..., unclean: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[GroupMemberInfo, _Mapping]]] = ...) -> None: ...
+
+class InitProducerIdRequest(_message.Message):
+    __slots__ = ("producer_id", "producer_epoch")
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    producer_id: int
+    producer_epoch: int
+    def __init__(self, producer_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...
+
+class InitProducerIdResponse(_message.Message):
+    __slots__ = ("producer_id", "producer_epoch")
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    producer_id: int
+    producer_epoch: int
+    def __init__(self, producer_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...

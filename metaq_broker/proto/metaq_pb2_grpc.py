@@ -109,6 +109,11 @@ class BrokerStub:
                 request_serializer=metaq__pb2.DescribeGroupRequest.SerializeToString,
                 response_deserializer=metaq__pb2.DescribeGroupResponse.FromString,
                 _registered_method=True)
+        self.InitProducerId = channel.unary_unary(
+                '/metaq.v1.Broker/InitProducerId',
+                request_serializer=metaq__pb2.InitProducerIdRequest.SerializeToString,
+                response_deserializer=metaq__pb2.InitProducerIdResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -220,6 +225,15 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitProducerId(self, request, context):
+        """Idempotent producers: a producer id unique in the cluster and its epoch. Without producer_id a new id
+        (epoch 0); with the id and epoch a producer holds, the same id with the next epoch, which fences the
+        older one in every partition it writes to (Kafka's InitProducerId, KIP-360). docs/protocol.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +311,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.DescribeGroup,
                     request_deserializer=metaq__pb2.DescribeGroupRequest.FromString,
                     response_serializer=metaq__pb2.DescribeGroupResponse.SerializeToString,
+            ),
+            'InitProducerId': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitProducerId,
+                    request_deserializer=metaq__pb2.InitProducerIdRequest.FromString,
+                    response_serializer=metaq__pb2.InitProducerIdResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -704,6 +723,33 @@ class Broker:
             '/metaq.v1.Broker/DescribeGroup',
             metaq__pb2.DescribeGroupRequest.SerializeToString,
             metaq__pb2.DescribeGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitProducerId(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaq.v1.Broker/InitProducerId',
+            metaq__pb2.InitProducerIdRequest.SerializeToString,
+            metaq__pb2.InitProducerIdResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ metaq.proto: the broker serves it with a generic handler. docs/protocol.md gives
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from metaq_broker.protocol.records import ALIGN, RecordFormatError
 
@@ -25,8 +25,11 @@ assert HEADER.size == 32
 MAX_NAME_BYTES = 0xFFFF
 
 # flags bit 0: acknowledge once the master alone stored the batch. Clear (as every older client sends it)
-# is acks=all. Other bits are ignored, as all were before acks.
+# is acks=all. Bit 1: an idempotent producer's batch: ``PRODUCER`` follows the topic and the xid (inside
+# header_len, so a broker that predates it stores the batch as a plain one). Other bits are ignored.
 FLAG_ACKS_ONE = 1
+FLAG_PRODUCER = 2
+PRODUCER = struct.Struct("<qhHi")  # producer id, epoch, 0, base sequence
 # Request.acks values, the same as PutRequest.acks
 ACKS_ALL, ACKS_ONE = 0, 1
 
@@ -58,26 +61,32 @@ class Request(NamedTuple):
     xid: str
     batch: Batch
     acks: int = ACKS_ALL  # ACKS_ALL or ACKS_ONE, as PutRequest.acks
+    producer: Optional[tuple] = None  # (id, epoch, base sequence) of an idempotent producer's batch
 
 
 def pack_parts(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int,
-               parts: list, acks="all") -> list:
-    """The request as buffers: the header with the names (padded to 8), then the body's ``parts``
-    (``EncodedBody.parts``) as they are, for a scatter-gather send with no copy. ``acks``: see acks_code."""
+               parts: list, acks="all", producer: Optional[tuple] = None) -> list:
+    """The request as buffers: the header with the names (and ``producer``'s (id, epoch, base sequence)
+    when given) padded to 8, then the body's ``parts`` (``EncodedBody.parts``) as they are, for a
+    scatter-gather send with no copy. ``acks``: see acks_code."""
     flags = FLAG_ACKS_ONE if acks_code(acks) == ACKS_ONE else 0
     topic_b, xid_b = topic.encode(), xid.encode()
     if len(topic_b) > MAX_NAME_BYTES or len(xid_b) > MAX_NAME_BYTES:
         raise ValueError(f"topic or xid longer than {MAX_NAME_BYTES} bytes")
-    header_len = HEADER.size + len(topic_b) + len(xid_b)
+    extra = b""
+    if producer is not None:
+        flags |= FLAG_PRODUCER
+        extra = PRODUCER.pack(producer[0], producer[1], 0, producer[2])
+    header_len = HEADER.size + len(topic_b) + len(xid_b) + len(extra)
     pad = (-header_len) % ALIGN
     head = HEADER.pack(header_len + pad, flags, partition, count, attributes, body_crc, len(topic_b), len(xid_b), 0)
-    return [head + topic_b + xid_b + b"\0" * pad, *parts]
+    return [head + topic_b + xid_b + extra + b"\0" * pad, *parts]
 
 
 def pack(topic: str, partition: int, xid: str, count: int, attributes: int, body_crc: int, parts: list,
-         acks="all") -> bytes:
+         acks="all", producer: Optional[tuple] = None) -> bytes:
     """The request for a body given as ``parts`` (``EncodedBody.parts``): one join, the only copy."""
-    return b"".join(pack_parts(topic, partition, xid, count, attributes, body_crc, parts, acks))
+    return b"".join(pack_parts(topic, partition, xid, count, attributes, body_crc, parts, acks, producer))
 
 
 def unpack(request) -> Request:
@@ -95,4 +104,19 @@ def unpack(request) -> Request:
     except UnicodeDecodeError:
         raise RecordFormatError("PutRaw request: topic or xid is not UTF-8", 0) from None
     acks = ACKS_ONE if flags & FLAG_ACKS_ONE else ACKS_ALL
-    return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc), acks)
+    producer = None
+    if flags & FLAG_PRODUCER:
+        if names_end + PRODUCER.size > header_len:
+            raise RecordFormatError(f"PutRaw request says it carries a producer but its header ends at byte "
+                                    f"{header_len}", 0)
+        pid, epoch, _, seq = PRODUCER.unpack_from(view, names_end)
+        producer = check_producer(pid, epoch, seq)
+    return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc), acks, producer)
+
+
+def check_producer(pid: int, epoch: int, seq: int) -> tuple:
+    """(id, epoch, base sequence) if they can be an idempotent producer's; RecordFormatError otherwise."""
+    if pid < 0 or not 0 <= epoch < 0x7FFF or seq < 0:
+        raise RecordFormatError(f"producer id {pid}, epoch {epoch}, sequence {seq}: the id and the sequence must "
+                                f"not be negative, the epoch 0 to 32766", 0)
+    return pid, epoch, seq

@@ -30,6 +30,7 @@ from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import load_or_create
 from metaq_broker.server.metrics import BrokerMetrics
+from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
 from metaq_broker.server.replica_manager import ReplicaManager
@@ -120,7 +121,9 @@ class Broker:
                                     observe=self.metrics.observe_rpc if self.metrics else None,
                                     transactions=self.transactions, disk=self.disk, auth=self.auth,
                                     sinks_root=ZkPaths(cfg.zk_root).sinks(), group=self.group,
-                                    replicas=self.replicas)
+                                    replicas=self.replicas,
+                                    producer_ids=ProducerIds(cfg.broker_id, data, self._groups_zk if
+                                                             self.uses_zookeeper else None, cfg.zk_root))
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),

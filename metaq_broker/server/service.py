@@ -53,11 +53,22 @@ def rpc(method):
     return handler
 
 
+def _pb_producer(request: pb.PutRequest):
+    """(id, epoch, base sequence) of a ``PutRequest`` from an idempotent producer, else None."""
+    given = [request.HasField(f) for f in ("producer_id", "producer_epoch", "base_sequence")]
+    if not any(given):
+        return None
+    if not all(given):
+        raise records.RecordFormatError("producer_id, producer_epoch and base_sequence go together", 0)
+    return rawput.check_producer(request.producer_id, request.producer_epoch, request.base_sequence)
+
+
 class BrokerService(pb_grpc.BrokerServicer):
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
                  create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None, auth=None,
-                 sinks_root: str = "/meta/sinks", group=None, replicas=None):
+                 sinks_root: str = "/meta/sinks", group=None, replicas=None, producer_ids=None):
         self.store = store
+        self.producer_ids = producer_ids  # server.producer_ids.ProducerIds: InitProducerId
         self.group = group  # server.group.GroupMember: only the master serves clients (None: no ZooKeeper)
         self.replicas = replicas  # server.replica_manager.ReplicaManager: acknowledgements wait for it
         self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
@@ -122,6 +133,9 @@ class BrokerService(pb_grpc.BrokerServicer):
         ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them)."""
         if not isinstance(request, pb.PutRequest):
             request = rawput.unpack(request)
+            producer = request.producer
+        else:
+            producer = _pb_producer(request)
         topic, partition = request.topic, request.partition
         self._allow(principal, "Write", "topic", topic)
         if request.xid:
@@ -140,12 +154,15 @@ class BrokerService(pb_grpc.BrokerServicer):
             log_ = self._open_partition(topic, partition)
             b = request.batch
             body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            if producer is not None and request.xid:
+                raise records.RecordFormatError("a transaction's put carries no producer id: the transaction "
+                                                "itself is all or nothing", 0)
             if acks_all and self.replicas is not None:
                 self.replicas.check_enough(topic)
             if request.xid:  # in the log, flagged with its transaction: invisible until the commit marker
                 result = self._transactions().put(request.xid, topic, partition, body)
-            else:
-                result = log_.append_body(body)
+            else:  # an idempotent producer's batch stored before is answered with its offsets (duplicate)
+                result = log_.append_body(body, producer)
             if self.replicas is not None and not request.xid:
                 if acks_all:
                     self.replicas.await_hw(topic, partition, result.base_offset + result.count)
@@ -159,7 +176,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         counters.record_put(result.count, len(request.batch.body))
         return pb.PutResponse(topic=topic, partition=partition, base_offset=result.base_offset, count=result.count,
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
-                              fsynced=result.fsynced)
+                              fsynced=result.fsynced, duplicate=result.duplicate)
 
     def read(self, topic: str, partition: int, offset: int, max_bytes: int, max_messages: int, max_wait_ms: int,
              is_active, locate: bool = False, *, principal: str):
@@ -201,7 +218,8 @@ class BrokerService(pb_grpc.BrokerServicer):
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
                                 earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset,
-                                aborted=result.aborted.astype(records.ABORTED_DTYPE, copy=False).tobytes())
+                                aborted=result.aborted.astype(records.ABORTED_DTYPE, copy=False).tobytes(),
+                                partition_id=log_.identity)
 
     @rpc
     def FetchRaw(self, request, context, principal):
@@ -227,7 +245,8 @@ class BrokerService(pb_grpc.BrokerServicer):
             hw = p.high_watermark
             item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
                                        latest=p.latest_offset, log_end_offset=p.log_end_offset, for_timestamp=-1,
-                                       after_bytes=-1, high_watermark=p.log_end_offset if hw is None else hw)
+                                       after_bytes=-1, high_watermark=p.log_end_offset if hw is None else hw,
+                                       partition_id=p.identity)
             if q.HasField("timestamp_ms"):
                 item.for_timestamp = p.offset_for_timestamp(q.timestamp_ms)
             if q.HasField("max_bytes") or q.HasField("from_offset"):
@@ -236,6 +255,22 @@ class BrokerService(pb_grpc.BrokerServicer):
                 item.after_bytes = p.offset_after_bytes(q.from_offset, q.max_bytes)
             out.append(item)
         return pb.GetOffsetsResponse(offsets=out)
+
+    @rpc
+    def InitProducerId(self, request, context, principal):
+        """A producer id (new, or the one given with its epoch bumped): Kafka 3's rule for who may ask, Write
+        on any topic (KIP-679), since an id lets its holder write nothing it could not write without."""
+        if self.auth is not None and not any(self.auth.allows(principal, "Write", "topic", t)
+                                             for t in self.store.topics()):
+            self.auth.authorize(principal, "Write", "topic", "(any topic of this broker: needed for a producer id)")
+        self._gate()
+        if self.producer_ids is None:
+            raise ConfigError("this broker gives out no producer ids")
+        if request.HasField("producer_epoch") and not request.HasField("producer_id"):
+            raise InvalidOffsetError("producer_epoch without producer_id")
+        pid, epoch = self.producer_ids.init(request.producer_id if request.HasField("producer_id") else None,
+                                            request.producer_epoch if request.HasField("producer_epoch") else None)
+        return pb.InitProducerIdResponse(producer_id=pid, producer_epoch=epoch)
 
     # -- admin ----------------------------------------------------------------------------------------
     @rpc

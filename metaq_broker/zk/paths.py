@@ -15,6 +15,7 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
     <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
     <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
+    <root>/latest_producer_id_block                       JSON: the last block of producer ids a broker took
     <root>/config/users/<quoted user>                     JSON {"SCRAM-SHA-256": salted credential}
     <root>/acls/<resourceType>/<patternType>/<quoted name>  the ACLs of one resource pattern (security.acl)
 
@@ -150,6 +151,9 @@ class ZkPaths:
         return f"{self.group_owners(group, topic)}/{partition_name}"
 
     # -- exactly-once sink decisions ------------------------------------------------------------------
+    def producer_id_block(self) -> str:
+        return f"{self.root}/latest_producer_id_block"
+
     def sinks(self) -> str:
         return f"{self.root}/sinks"
 

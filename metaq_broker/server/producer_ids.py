@@ -1,0 +1,88 @@
+"""Producer ids for idempotent producers (``InitProducerId``), unique in the cluster.
+
+With ZooKeeper, ids come in blocks of ``BLOCK`` taken from ``<root>/latest_producer_id_block`` with
+versioned writes (``zk/producer_ids.py``), below 2^44. A broker without ZooKeeper (a static broker list)
+has no one to agree with, so its ids are its own: ``(brokerId + 1) << 44`` plus a counter whose blocks are
+recorded in ``<dataPath>/producer-ids`` (written whole and fsynced before a block is used), so a restart
+never gives an id out twice. Ids of a block not used up before a restart are skipped, as in Kafka.
+
+An epoch is bumped by asking with the id and the epoch held (KIP-360): the same id, epoch + 1, which
+fences the old epoch in every partition the new one writes to. The broker keeps no per-id record: the
+partitions do the fencing. After epoch 32766 a new id is given instead."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from kazoo.exceptions import KazooException
+
+from metaq_broker.errors import MetaqError, StoreClosedError
+from metaq_broker.protocol.records import crc
+from metaq_broker.store.durable import replace_file
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.producer_ids import ZK_ID_LIMIT, take_block
+
+BLOCK = 1000
+FILE = "producer-ids"
+MAX_EPOCH = 0x7FFE  # epochs are i16 and -1 means none: 0..32766
+ZK_WAIT = 5.0  # seconds a request waits for ZooKeeper to be reachable before it is refused
+
+
+class ProducerIds:
+    """``zk()``: a connected ZooKeeper client or None while it is away; ``zk`` None: no ZooKeeper at all."""
+
+    def __init__(self, broker_id: int, data_path, zk: Optional[Callable] = None, root: str = "/meta"):
+        self.broker_id = broker_id
+        self._zk, self._paths = zk, ZkPaths(root)
+        self._file = Path(data_path) / FILE
+        self._lock = threading.Lock()
+        self._next, self._last = 0, -1  # the block in use: ids _next.._last
+
+    def init(self, producer_id: Optional[int] = None, epoch: Optional[int] = None) -> tuple:
+        """(producer id, epoch): a new id with epoch 0, or ``producer_id`` with ``epoch`` + 1."""
+        if producer_id is not None:
+            if producer_id < 0 or epoch is None or not 0 <= epoch <= MAX_EPOCH:
+                raise MetaqError(f"producer id {producer_id} with epoch {epoch}: give the id and the epoch held "
+                                 f"(0 to {MAX_EPOCH}) to bump it")
+            if epoch < MAX_EPOCH:
+                return producer_id, epoch + 1
+        with self._lock:
+            if self._next > self._last:
+                self._next, self._last = self._take()
+            pid = self._next
+            self._next += 1
+        return pid, 0
+
+    def _take(self) -> tuple:
+        if self._zk is None:
+            return self._take_local()
+        deadline = time.monotonic() + ZK_WAIT
+        while (client := self._zk()) is None:  # a reconnect: moments, usually
+            if time.monotonic() > deadline:
+                raise StoreClosedError("cannot give out a producer id now: ZooKeeper is not reachable (retry)")
+            time.sleep(0.1)
+        try:
+            return take_block(client, self._paths, self.broker_id, BLOCK)
+        except KazooException as e:
+            raise StoreClosedError(f"cannot give out a producer id now: ZooKeeper: {e!r} (retry)") from None
+
+    def _take_local(self) -> tuple:
+        base = (self.broker_id + 1) * ZK_ID_LIMIT
+        start = base
+        if self._file.exists():
+            raw = self._file.read_bytes()
+            try:
+                checksum, body = int(raw[:8], 16), raw[9:]
+                if crc(body) != checksum:
+                    raise ValueError("checksum mismatch")
+                start = int(json.loads(body)["next"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise MetaqError(f"{self._file}: unreadable ({e}); producer ids cannot be given out safely") from None
+        if not base <= start < base + ZK_ID_LIMIT - BLOCK:
+            raise MetaqError(f"{self._file}: next id {start} is outside broker {self.broker_id}'s ids")
+        body = json.dumps({"next": start + BLOCK}).encode()
+        replace_file(self._file, b"%08x\n" % crc(body) + body)  # durable before any id of the block is used
+        return start, start + BLOCK - 1
