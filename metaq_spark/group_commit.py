@@ -37,6 +37,8 @@ from metaq_broker.zk.session import new_client, start_client
 log = logging.getLogger(__name__)
 
 MARKER = "@metaq"
+IDENTITIES = "@identity"  # {topic: {partition: identity of the log the offsets are of}} (planning.py)
+RESTARTS = "@from"  # {topic: {partition: offset}}: the batch reads a new log of the partition from there
 ATTEMPTS = 5
 
 
@@ -49,10 +51,16 @@ def mark(offsets: dict, zk_connect: str, zk_root: str, group: Optional[str], sec
 
 
 def unmark(offsets: Optional[dict]) -> Optional[dict]:
-    """The topic offsets alone."""
-    if offsets is None or MARKER not in offsets:
+    """The topic offsets alone (no topic name starts with '@')."""
+    if offsets is None or not any(t.startswith("@") for t in offsets):
         return offsets
-    return {t: ps for t, ps in offsets.items() if t != MARKER}
+    return {t: ps for t, ps in offsets.items() if not t.startswith("@")}
+
+
+def identities_in(offsets: Optional[dict]) -> dict:
+    """{topic: {partition: identity}} carried by offsets (none in a checkpoint from before identities)."""
+    found = (offsets or {}).get(IDENTITIES)
+    return found if isinstance(found, dict) else {}
 
 
 class _Recorder:
@@ -81,15 +89,17 @@ class _Recorder:
             store.zk.close()
 
     def record(self, zk_connect: str, root: str, group: str, offsets: dict,
-               security: Optional[ZkSecurity] = None) -> bool:
-        """Write ``{topic: {partition: offset}}`` for ``group``, never lowering a recorded offset (the
-        source's ``commit`` and the listener race); retried, and a failure is logged, never raised:
-        ZooKeeper being away must not fail or stall a stream."""
+               security: Optional[ZkSecurity] = None, identities: Optional[dict] = None) -> bool:
+        """Write ``{topic: {partition: offset}}`` for ``group``, never lowering a recorded offset of the same
+        log (the source's ``commit`` and the listener race), with the logs' ``identities`` ({topic:
+        {partition: identity}}); retried, and a failure is logged, never raised: ZooKeeper being away must
+        not fail or stall a stream."""
         for attempt in range(ATTEMPTS):
             try:
                 store = self._store(zk_connect, root, security)
                 for topic, parts in offsets.items():
-                    store.commit(group, topic, {p: int(o) for p, o in parts.items()}, forward_only=True)
+                    store.commit(group, topic, {p: int(o) for p, o in parts.items()}, forward_only=True,
+                                 identities=(identities or {}).get(topic, {}))
                 return True
             except Exception as e:  # noqa: BLE001 - reported, never fatal
                 self._forget(zk_connect, root)
@@ -120,7 +130,8 @@ def record_marked(offsets_json: Optional[str]) -> bool:
     meta = offsets.get(MARKER) if isinstance(offsets, dict) else None
     if not isinstance(meta, dict) or meta.get("secured"):
         return False
-    return RECORDER.record(meta["zk"], meta["root"], meta["group"], unmark(offsets))
+    return RECORDER.record(meta["zk"], meta["root"], meta["group"], unmark(offsets),
+                           identities=identities_in(offsets))
 
 
 class GroupCommitListener(StreamingQueryListener):

@@ -131,6 +131,12 @@ class Planner:
         members = self.consumer.cluster.group_members(parse_partition_name(partition)[0])
         return tuple(m for m in members if m[0] != address)
 
+    def identities(self, offsets: dict) -> dict:
+        """{topic: {partition: identity}} of the partitions in ``offsets``, as the last ``ranges`` saw them
+        ("" for a broker that predates identities)."""
+        seen = self.consumer.identities
+        return {t: {p: seen.get((t, p), "") for p in ps} for t, ps in offsets.items()}
+
     def offsets_at(self, topic: str, partitions, timestamp_ms: int) -> dict:
         """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
         return {p: r[2] for p, r in self.consumer.offsets(topic, partitions, timestamp_ms=timestamp_ms).items()}
@@ -184,6 +190,31 @@ def resolve_start(opts: SourceOptions, planner: Planner, ranges: dict) -> dict:
     return _sorted(out)
 
 
+def check_identities(opts: SourceOptions, recorded: dict, now: dict, ranges: dict) -> dict:
+    """Partitions whose log is another one than the offsets were taken of (``recorded`` vs ``now``, both
+    {topic: {partition: identity}}): a wiped data directory or a topic deleted and made again, even when
+    the new log has grown past the old offsets. failOnDataLoss=true: DataLossError naming topic,
+    partition and both identities. false: a warning, and {topic: {partition: the new log's earliest}},
+    where those partitions are read from. An identity missing on either side (a checkpoint or a broker
+    from before identities) matches any."""
+    restarts: dict = {}
+    for topic, parts in recorded.items():
+        for p, old in parts.items():
+            new = now.get(topic, {}).get(p, "")
+            if not old or not new or old == new or p not in ranges.get(topic, {}):
+                continue
+            message = (f"{topic} {p} is another log now: identity {old} in the query's offsets, {new} on its broker "
+                       f"(its data directory was wiped, or the topic was deleted and created again); the query's "
+                       f"offsets of the old log mean nothing in the new one")
+            if opts.fail_on_data_loss:
+                raise DataLossError(message + "; set failOnDataLoss=false to read the new log from its earliest offset")
+            earliest = ranges[topic][p][0]
+            log.warning("%s; reading the new log from its earliest offset %d, some data may have been missed",
+                        message, earliest)
+            restarts.setdefault(topic, {})[p] = earliest
+    return restarts
+
+
 def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
     """Offsets the query needs that the partition no longer has fail the query, or with
     failOnDataLoss=false move, with a warning, to where the partition's messages are: below its earliest
@@ -225,8 +256,10 @@ def check_data_loss(opts: SourceOptions, start: dict, ranges: dict) -> dict:
 class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
                  fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None,
-                 security: Optional[ClientSecurity] = None, other_members: tuple = (), columns: Optional[tuple] = None):
+                 security: Optional[ClientSecurity] = None, other_members: tuple = (), columns: Optional[tuple] = None,
+                 identity: str = ""):
         super().__init__((topic, partition, start, end))
+        self.identity = identity  # of the log the range was planned in ("": not known, not checked)
         self.columns = columns  # the query's columns when it gave a schema (None: all of the source's)
         self.other_members = other_members  # ((address, data address), ...) of its group's other members
         self.security = security or ClientSecurity()  # how the task connects (TLS, SASL), as the driver does
@@ -238,11 +271,15 @@ class MetaqPartition(InputPartition):
         self.fetch_timeout_ms = fetch_timeout_ms
 
 
-def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict) -> list:
+def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict, identities: Optional[dict] = None,
+                    restarts: Optional[dict] = None) -> list:
     """One Spark partition per MetaQ partition range, split further to reach minPartitions. Only the
     offsets given count (a replay reads the same rows): a partition missing from ``start`` has no range
     yet (``latestOffset`` records its start first), and one whose end is below its start (its broker lost
-    messages, failOnDataLoss=false) reads nothing."""
+    messages, failOnDataLoss=false) reads nothing. ``restarts`` ({topic: {partition: offset}}, from the
+    end offsets) replaces the start of a partition whose log was replaced (``check_identities``);
+    ``identities`` are the logs' the ranges are of, checked by the tasks."""
+    start = {t: {**ps, **(restarts or {}).get(t, {})} for t, ps in start.items()}
     ranges = [(t, p, start[t][p], e) for t, parts in end.items() for p, e in parts.items()
               if p in start.get(t, {}) and e > start[t][p]]
     total = sum(e - s for _, _, s, e in ranges)
@@ -257,7 +294,8 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
                 pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
-                                             opts.fetch_timeout_ms, data_addr, opts.security, others, opts.columns))
+                                             opts.fetch_timeout_ms, data_addr, opts.security, others, opts.columns,
+                                             (identities or {}).get(t, {}).get(p, "")))
     return pieces
 
 

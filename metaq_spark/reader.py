@@ -28,10 +28,10 @@ from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
 from metaq_broker.protocol.services import COMMIT_OFFSETS
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
-from metaq_spark.group_commit import MARKER, RECORDER, mark, unmark
+from metaq_spark.group_commit import IDENTITIES, MARKER, RECORDER, RESTARTS, identities_in, mark, unmark
 from metaq_spark.options import LATEST, SourceOptions
 from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, UnsettledTransactionError, _proportional,
-                                  _sorted, check_data_loss, plan_partitions, resolve_start)
+                                  _sorted, check_data_loss, check_identities, plan_partitions, resolve_start)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,27 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
     with PartitionFetcher(pool.get(part.address), part.topic, part.partition, number,
                           part.fetch_timeout_ms / 1000, part.fetch_max_bytes, _data_pool(), part.data_address,
                           "fetchTimeoutMs", _members_in_turn(pool, part)) as fetcher:
+        if not _same_log(part, fetcher):
+            return
         yield from _read_partition(part, fetcher)
+        _same_log(part, fetcher)  # a wipe while the range was read: the rows may be the new log's
+
+
+def _same_log(part: MetaqPartition, fetcher: PartitionFetcher) -> bool:
+    """Is the partition still the log the range was planned in (its identity)? Not: DataLossError naming
+    both identities, or with failOnDataLoss=false a warning and False (the range is not read)."""
+    if not part.identity:
+        return True
+    fetcher.offsets()
+    if not fetcher.identity or fetcher.identity == part.identity:
+        return True
+    message = (f"{part.topic} {part.partition} is another log now (identity {fetcher.identity}; the batch was "
+               f"planned in {part.identity}: its broker's data directory was wiped, or the topic was made again); "
+               f"offsets {part.start} to {part.end - 1} of the old log cannot be read")
+    if part.fail_on_data_loss:
+        raise DataLossError(message + "; set failOnDataLoss=false to go on with the new log")
+    log.warning("%s; skipping them, the next batch reads the new log", message)
+    return False
 
 
 def _members_in_turn(pool: ConnectionPool, part: MetaqPartition):
@@ -176,6 +196,10 @@ def _lost_tail(part: MetaqPartition, offset: int, latest: int, cause=None) -> No
     log.warning("%s; skipping them, some data may have been missed", message)
 
 
+def _sorted_ids(ids: dict) -> dict:
+    return {t: {p: ids[t][p] for p in sorted(ids[t], key=parse_partition_name)} for t in sorted(ids) if ids[t]}
+
+
 class _PlannerMixin:
     """Keeps the driver's ZooKeeper/gRPC clients out of what Spark pickles for the executors."""
 
@@ -200,6 +224,7 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
     def partitions(self):
         ranges = self.planner.initial_ranges()
         start = check_data_loss(self.opts, resolve_start(self.opts, self.planner, ranges), ranges)
+        identities = self.planner.identities(start)
         if self.opts.ending_timestamp is not None:
             end = {t: self.planner.offsets_at(t, list(ps), self.opts.ending_timestamp) for t, ps in start.items()}
         elif isinstance(self.opts.ending, dict):
@@ -207,7 +232,7 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
                    for t, ps in self.opts.ending.items()}
         else:
             end = {t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()}
-        return plan_partitions(self.opts, self.planner, start, _sorted(end)) or [InputPartition(None)]
+        return plan_partitions(self.opts, self.planner, start, _sorted(end), identities) or [InputPartition(None)]
 
     def read(self, partition):
         if partition.value is None:
@@ -233,10 +258,17 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
             log.info("the query's offsets are recorded for consumer group %s", self._group)
         return self._group
 
-    def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
-        return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
-                    self._group_of(start) if self.opts.commit_offsets else None,
-                    secured=self.opts.security.protocol != "PLAINTEXT" or self.opts.security.zk.digest is not None)
+    def _mark(self, offsets: dict, start: Optional[dict] = None, restarts: Optional[dict] = None) -> dict:
+        """The offsets Spark checkpoints: the group marker, the identities of the logs they are of, and
+        the partitions this batch reads a new log of from its earliest (``RESTARTS``)."""
+        ids = self.planner.identities(offsets)
+        ids = {t: {p: i for p, i in ps.items() if i} for t, ps in ids.items()}
+        extra = {**({IDENTITIES: _sorted_ids(ids)} if any(ids.values()) else {}),
+                 **({RESTARTS: _sorted(restarts)} if restarts else {})}
+        marked = mark(offsets, self.opts.zk_connect, self.opts.zk_root,
+                      self._group_of(start) if self.opts.commit_offsets else None,
+                      secured=self.opts.security.protocol != "PLAINTEXT" or self.opts.security.zk.digest is not None)
+        return {**{k: v for k, v in marked.items() if k == MARKER}, **extra, **unmark(marked)}
 
     def initialOffset(self) -> dict:
         ranges = self.planner.initial_ranges()
@@ -260,10 +292,13 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         marked, start = start, unmark(start)
         ranges = self.planner.ranges()
         self._latest = _sorted({t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()})
+        # A partition that is another log now (a wiped data directory) is read from the new log's earliest.
+        restarts = check_identities(self.opts, identities_in(marked), self.planner.identities(start), ranges)
         # A partition whose broker is down for a moment is not lost: it just has nothing new now.
         paused = {(t, p): o for t, ps in start.items() for p, o in ps.items()
                   if p not in ranges.get(t, {}) and not self.planner.broker_alive(p)}
-        checked = check_data_loss(self.opts, _sorted({t: {p: o for p, o in ps.items() if (t, p) not in paused}
+        checked = check_data_loss(self.opts, _sorted({t: {p: restarts.get(t, {}).get(p, o) for p, o in ps.items()
+                                                          if (t, p) not in paused}
                                                       for t, ps in start.items()}), ranges)
         for (t, p), o in paused.items():
             checked.setdefault(t, {})[p] = o
@@ -280,7 +315,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         target = _sorted(target)
         if target != start:
             self._last_trigger = time.monotonic()
-        return self._mark(target, marked)
+        return self._mark(target, marked, restarts)
 
     def _limit(self, start: dict, target: dict, limit: ReadLimit) -> dict:
         waiting = {(t, p): target[t][p] - s for t, ps in start.items() for p, s in ps.items()}
@@ -317,7 +352,8 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         return self._latest
 
     def partitions(self, start: dict, end: dict):
-        return plan_partitions(self.opts, self.planner, unmark(start), unmark(end))
+        restarts = end.get(RESTARTS) if isinstance(end, dict) else None
+        return plan_partitions(self.opts, self.planner, unmark(start), unmark(end), identities_in(end), restarts)
 
     def read(self, partition):
         return read_partition(partition)
@@ -329,17 +365,17 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         checks the group's ACLs (``Consumer.commit``)."""
         if not self.opts.commit_offsets:
             return
-        group, offsets = self._group_of(end), unmark(end)
+        group, offsets, ids = self._group_of(end), unmark(end), identities_in(end)
         if self.planner.consumer.group_offsets_via_broker:
             try:
                 for topic, parts in offsets.items():
                     self.planner.consumer.broker_group_call(COMMIT_OFFSETS, {
                         "group": group, "topic": topic, "offsets": {p: int(o) for p, o in parts.items()},
-                        "forward_only": True})
+                        "forward_only": True, "identities": ids.get(topic, {})})
             except Exception as e:  # noqa: BLE001 - reported, never fatal (as RECORDER.record)
                 log.warning("could not record offsets of group %s through the brokers: %s", group, e)
             return
-        RECORDER.record(self.opts.zk_connect, self.opts.zk_root, group, offsets, self.opts.security.zk)
+        RECORDER.record(self.opts.zk_connect, self.opts.zk_root, group, offsets, self.opts.security.zk, ids)
 
     def stop(self) -> None:
         if self._planner is not None:

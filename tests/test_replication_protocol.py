@@ -44,8 +44,8 @@ def test_request_round_trip_and_layout():
     req = request()
     buf = rp.pack_request(req)
     assert len(buf) % 8 == 0 and len(buf) == struct.unpack_from("<I", buf)[0]
-    length, kind, zero = dataport.PREFIX.unpack_from(buf)  # the data port's common prefix reads it
-    assert (kind, zero) == (dataport.REPLICA_FETCH, 0) == (3, 0)
+    length, kind, flags = dataport.PREFIX.unpack_from(buf)  # the data port's common prefix reads it
+    assert (kind, flags) == (dataport.REPLICA_FETCH, rp.REQUEST_IDENTITIES) == (3, 1)
     assert buf[16:32] == UUID
     assert rp.unpack_request(buf) == req
     assert rp.unpack_request(memoryview(bytearray(buf))) == req  # from the receiver's buffer

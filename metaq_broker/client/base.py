@@ -54,6 +54,7 @@ class ClientBase:
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
         self.security = client_security(security)
         self.pool = ConnectionPool(timeout, self.security)
+        self.identities: dict = {}  # (topic, partition name) -> the partition log's identity, as last seen
         static = parse_broker_list(brokers)
         if static is not None:
             static = self._resolve_ids(static)
@@ -213,8 +214,10 @@ class ClientBase:
             r = self.call(bid, "GetOffsets", pb.GetOffsetsRequest(queries=[
                 pb.OffsetQuery(topic=topic, partition=n, **at) for n in numbers]), retries=3)
             for o in r.offsets:
-                out[partition_name(bid, o.partition)] = (o.earliest, o.latest, o.log_end_offset) + (
+                name = partition_name(bid, o.partition)
+                out[name] = (o.earliest, o.latest, o.log_end_offset) + (
                     () if timestamp_ms is None else (o.for_timestamp,))
+                self.identities[(topic, name)] = o.partition_id  # "" from a broker that predates them
         return out
 
     def offsets(self, topic: str, partitions: Optional[Iterable[str]] = None, timestamp_ms: Optional[int] = None) -> dict:

@@ -102,20 +102,30 @@ class Consumer(ClientBase):
             self._groups = GroupStore(self.cluster.zk, self.cluster.root)
         return self._groups
 
-    def commit(self, topic: str, offsets: dict, forward_only: bool = False) -> dict:
+    def commit(self, topic: str, offsets: dict, forward_only: bool = False, identities: Optional[dict] = None) -> dict:
         """Record ``{partition: next offset}`` as the group's position in ZooKeeper (``forward_only``: never
         lower a recorded offset, see ``GroupStore.commit``), through a broker when this client is secured
-        (``group_offsets_via_broker``); returns what was written."""
+        (``group_offsets_via_broker``); returns what was written. ``identities``: ``{partition: identity}``
+        of the logs the offsets are for (default: as this client last saw them, ``offset_bounds``)."""
         offsets = {p: int(o) for p, o in offsets.items()}
+        identities = self._identities_of(topic, offsets) if identities is None else identities
         if self.group_offsets_via_broker:
             return self.broker_group_call(COMMIT_OFFSETS, {"group": self._group_name(), "topic": topic,
-                                                            "offsets": offsets, "forward_only": forward_only})
-        return self._group_store().commit(self.group, topic, offsets, forward_only=forward_only)
+                                                            "offsets": offsets, "forward_only": forward_only,
+                                                            "identities": identities})
+        return self._group_store().commit(self.group, topic, offsets, forward_only=forward_only, identities=identities)
 
-    def committed(self, topic: str) -> dict:
+    def committed(self, topic: str, identities: Optional[dict] = None) -> dict:
+        """The group's committed offsets of ``topic``, leaving out those recorded for another log of their
+        partition than ``identities`` (default: the logs as this client last saw them)."""
+        identities = self._identities_of(topic) if identities is None else identities
         if self.group_offsets_via_broker:
-            return self.broker_group_call(FETCH_OFFSETS, {"group": self._group_name(), "topic": topic})
-        return self._group_store().fetch(self.group, topic)
+            return self.broker_group_call(FETCH_OFFSETS, {"group": self._group_name(), "topic": topic,
+                                                           "identities": identities})
+        return self._group_store().fetch(self.group, topic, identities=identities)
+
+    def _identities_of(self, topic: str, partitions=None) -> dict:
+        return {p: i for (t, p), i in self.identities.items() if t == topic and i and (partitions is None or p in partitions)}
 
     def _group_name(self) -> str:
         if not self.group:
@@ -135,8 +145,8 @@ class Consumer(ClientBase):
             groups.release(self.group, topic, p, self.consumer_id)
         owned = [p for p in share if groups.claim(self.group, topic, p, self.consumer_id)]
         self._owned[topic] = owned
+        ranges = self.offsets(topic, owned) if owned else {}  # first: committed() checks the logs' identities
         committed = self.committed(topic) if start == "committed" else {}
-        ranges = self.offsets(topic, owned) if owned else {}
         for p in owned:
             if (topic, p) in self.positions:
                 continue

@@ -119,15 +119,18 @@ class PartitionFetcher:
     def fetch(self, offset: int, max_messages: int = 0, max_wait_ms: int = 0) -> rawfetch.FetchReply:
         return self.receive(self.send(offset, max_messages, max_wait_ms))
 
+    identity = ""  # the partition log's identity at the last ``offsets()`` ("" from a broker predating them)
+
     def offsets(self) -> tuple:
         """(earliest, latest, log end) of the partition now: latest is the last stable offset, where
-        readers stop; the log end is past it while a transaction is open."""
+        readers stop; the log end is past it while a transaction is open. Sets ``identity``."""
         request = pb.GetOffsetsRequest(queries=[pb.OffsetQuery(topic=self.topic, partition=self.number)])
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 r = self.conn.call("GetOffsets", request, retries=0 if self._reroute else 5,
                                    wait_for_ready=self._reroute is None).offsets[0]
+                self.identity = r.partition_id
                 return r.earliest, r.latest, r.log_end_offset
             except BrokerError as e:  # not master (any more), down: its group's master may be elsewhere
                 moved = isinstance(e, BrokerUnavailableError) or self.conn.retired

@@ -23,9 +23,10 @@ from metaq_broker.protocol import rawfetch
 from metaq_broker.protocol.dataport import MAX_TOPIC_BYTES, OK, REPLICA_FETCH, REPLY, ProtocolError, recv_exact
 from metaq_broker.protocol.records import NO_ABORTED
 
-# request_len, kind (3), 0, epoch followed, replicaId, uuid, journal_applied_seq (-1: send a snapshot),
+# request_len, kind (3), flags, epoch followed, replicaId, uuid, journal_applied_seq (-1: send a snapshot),
 # max_wait_ms, max_bytes, count, 0
 REQUEST_HEAD = struct.Struct("<IHHII16sqiiII")
+REQUEST_IDENTITIES = 1  # request flag: send each partition log's identity (a master that predates it sends none)
 assert REQUEST_HEAD.size == 56
 # topic_len, 0, partition, fetch_offset (written end), durable_offset (fsynced end), last_epoch, 0; then the topic
 ENTRY = struct.Struct("<HHiqqII")
@@ -39,6 +40,8 @@ REPLY_HEAD = struct.Struct("<IIIIqqqII")
 assert REPLY_HEAD.size == 48
 FLAG_JOURNAL_SNAPSHOT = 1  # the journal frames are a snapshot, replacing the replica's journal
 FLAG_TOPICS_CHANGED = 2  # the master's topics changed: the replica re-reads them
+FLAG_IDENTITIES = 4  # each section's head ends with its partition log's identity (IDENTITY, 16 bytes)
+IDENTITY = struct.Struct("<16s")
 MAX_MESSAGE_BYTES = 64 << 10  # a refusal's message
 MAX_REPLY_BODY = 1 << 30  # read_reply's default bound on body_len
 
@@ -77,6 +80,7 @@ class FetchRequest:
     max_wait_ms: int
     max_bytes: int
     partitions: list = field(default_factory=list)  # of PartitionFetch
+    flags: int = REQUEST_IDENTITIES
 
 
 def _uuid_bytes(value) -> bytes:
@@ -100,7 +104,7 @@ def pack_request(req: FetchRequest) -> bytes:
         parts.append(ENTRY.pack(len(name), 0, p.partition, p.fetch_offset, p.durable_offset, p.last_epoch, 0))
         parts.append(name + bytes(pad8(len(name)) - len(name)))
     length = REQUEST_HEAD.size + sum(len(x) for x in parts)
-    parts[0] = REQUEST_HEAD.pack(length, REPLICA_FETCH, 0, req.epoch, req.replica_id, _uuid_bytes(req.uuid),
+    parts[0] = REQUEST_HEAD.pack(length, REPLICA_FETCH, req.flags, req.epoch, req.replica_id, _uuid_bytes(req.uuid),
                                  req.journal_applied_seq, req.max_wait_ms, req.max_bytes, len(req.partitions), 0)
     return b"".join(parts)
 
@@ -110,7 +114,7 @@ def unpack_request(buf) -> FetchRequest:
     view = memoryview(buf).cast("B")
     if len(view) < REQUEST_HEAD.size:
         raise ProtocolError(f"replica fetch of {len(view)} bytes is shorter than its {REQUEST_HEAD.size}-byte head")
-    (length, kind, _, epoch, replica_id, uuid, applied, max_wait_ms, max_bytes, count,
+    (length, kind, flags, epoch, replica_id, uuid, applied, max_wait_ms, max_bytes, count,
      _) = REQUEST_HEAD.unpack_from(view)
     if kind != REPLICA_FETCH:
         raise ProtocolError(f"request kind {kind} is not a replica fetch ({REPLICA_FETCH})")
@@ -144,7 +148,7 @@ def unpack_request(buf) -> FetchRequest:
         partitions.append(PartitionFetch(topic, partition, fetch_offset, durable_offset, last_epoch))
     if pos != length:
         raise ProtocolError(f"replica fetch has {length - pos} bytes after its {count} partition entries")
-    return FetchRequest(epoch, replica_id, bytes(uuid), applied, max_wait_ms, max_bytes, partitions)
+    return FetchRequest(epoch, replica_id, bytes(uuid), applied, max_wait_ms, max_bytes, partitions, flags)
 
 
 @dataclass
@@ -200,12 +204,16 @@ def unpack_reply_head(buf) -> ReplyHead:
 
 
 def pack_section_head(start: int, end: int, earliest: int, latest: int, body_len: int, aborted: np.ndarray,
-                      log_end: int, hw: int, status: int, epoch: int, offset: int) -> bytes:
-    """A section's head: the data-port FETCH reply head (status 0), the aborted list and the trailer;
-    ``body_len`` bytes of records follow it. ``offset`` is truncate_to (DIVERGING) or earliest (RESET)."""
+                      log_end: int, hw: int, status: int, epoch: int, offset: int,
+                      identity: Optional[str] = None) -> bytes:
+    """A section's head: the data-port FETCH reply head (status 0), the aborted list and the trailer, then
+    (``identity``, 32 hex digits, for a reply with FLAG_IDENTITIES; "" when the master lacks the partition)
+    the partition log's identity; ``body_len`` bytes of records follow it. ``offset`` is truncate_to
+    (DIVERGING) or earliest (RESET)."""
     listed = rawfetch.pack_aborted(NO_ABORTED if aborted is None else aborted)
-    return b"".join((REPLY.pack(REPLY.size + len(listed) + TRAILER.size, OK, start, end, earliest, latest, body_len),
-                     listed, TRAILER.pack(log_end, hw, status, epoch, offset)))
+    ident = b"" if identity is None else IDENTITY.pack(bytes.fromhex(identity) if identity else b"")
+    return b"".join((REPLY.pack(REPLY.size + len(listed) + TRAILER.size + len(ident), OK, start, end, earliest, latest,
+                                body_len), listed, TRAILER.pack(log_end, hw, status, epoch, offset), ident))
 
 
 def reply_body_len(journal_len: int, section_sizes: Iterable[int]) -> int:
@@ -226,10 +234,12 @@ class Section:
     offset: int  # DIVERGING: truncate_to; RESET: the master's earliest
     records: memoryview
     aborted: np.ndarray = field(default_factory=lambda: NO_ABORTED)  # replicas ignore it
+    identity: str = ""  # the master's partition log's identity (FLAG_IDENTITIES); "": not sent or unknown
 
 
-def unpack_section(buf, pos: int = 0) -> tuple:
-    """(Section, the position after it) for the section at ``buf[pos:]``; its records are a view of ``buf``."""
+def unpack_section(buf, pos: int = 0, identities: bool = False) -> tuple:
+    """(Section, the position after it) for the section at ``buf[pos:]``; its records are a view of ``buf``.
+    ``identities``: the reply has FLAG_IDENTITIES (each head ends with the partition's identity)."""
     view = memoryview(buf).cast("B")
     if pos + REPLY.size > len(view):
         raise ProtocolError(f"replica fetch reply ends inside a section head at byte {pos}")
@@ -241,7 +251,11 @@ def unpack_section(buf, pos: int = 0) -> tuple:
     if stop > len(view):
         raise ProtocolError(f"replica fetch section at byte {pos} of {header_len} + {body_len} bytes runs past "
                             f"the reply's {len(view)}")
-    trailer = pos + header_len - TRAILER.size
+    ident = IDENTITY.size if identities else 0
+    if header_len < MIN_SECTION_HEAD + ident:
+        raise ProtocolError(f"bad replica fetch section at byte {pos}: header_len {header_len} has no identity")
+    trailer = pos + header_len - TRAILER.size - ident
+    identity = view[trailer + TRAILER.size: pos + header_len].hex() if identities else ""
     try:
         aborted = rawfetch.unpack_aborted(view, pos + REPLY.size, trailer)
     except ValueError as e:
@@ -250,7 +264,7 @@ def unpack_section(buf, pos: int = 0) -> tuple:
     if section_status not in SECTION_STATUSES:
         raise ProtocolError(f"replica fetch section at byte {pos}: unknown section status {section_status}")
     return Section(start, end, earliest, latest, log_end, hw, section_status, epoch, offset,
-                   view[pos + header_len:stop], aborted), stop
+                   view[pos + header_len:stop], aborted, "" if identity == "00" * 16 else identity), stop
 
 
 def unpack_body(head: ReplyHead, body) -> tuple:
@@ -262,7 +276,7 @@ def unpack_body(head: ReplyHead, body) -> tuple:
     pos = pad8(head.journal_len)
     sections = []
     for _ in range(head.sections):  # per partition
-        section, pos = unpack_section(view, pos)
+        section, pos = unpack_section(view, pos, bool(head.flags & FLAG_IDENTITIES))
         sections.append(section)
     if pos != len(view):
         raise ProtocolError(f"replica fetch reply has {len(view) - pos} bytes after its {head.sections} sections")

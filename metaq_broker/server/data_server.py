@@ -374,7 +374,8 @@ class DataServer:
             try:
                 if self.auth is not None:
                     self._authorize_replica(conn)
-                answer = self.replicas.serve_fetch(rp.unpack_request(request), lambda: not self._stopping)
+                req = rp.unpack_request(request)
+                answer = self.replicas.serve_fetch(req, lambda: not self._stopping)
             except FencedError as e:
                 sock.sendall(rp.error_reply(code_number(grpc.StatusCode.FAILED_PRECONDITION), str(e),
                                             self.replicas.epoch))
@@ -384,7 +385,8 @@ class DataServer:
                 return
             first, last, frames, snapshot = answer.journal
             heads, ranges = [], []
-            for sec in answer.sections:
+            identities = bool(req.flags & rp.REQUEST_IDENTITIES)
+            for pf, sec in zip(req.partitions, answer.sections):
                 where = sec.where
                 n = where.length if where is not None else 0
                 fd = where.dup_fd() if n else -1
@@ -393,10 +395,10 @@ class DataServer:
                 heads.append(rp.pack_section_head(
                     where.start_offset if where is not None else 0, where.end_offset if where is not None else 0,
                     sec.earliest, sec.latest, n, where.aborted if where is not None else None, sec.log_end, sec.hw,
-                    sec.status, sec.epoch, sec.offset))
+                    sec.status, sec.epoch, sec.offset, self._identity(pf) if identities else None))
                 ranges.append((fd, where.position if n else 0, n, where.path if n else None))
             flags = (rp.FLAG_JOURNAL_SNAPSHOT if snapshot else 0) | (rp.FLAG_TOPICS_CHANGED if answer.topics_changed
-                                                                     else 0)
+                                                                     else 0) | (rp.FLAG_IDENTITIES if identities else 0)
             journal = bytes(frames) + bytes(rp.pad8(len(frames)) - len(frames))
             body_len = len(journal) + sum(len(h) + r[2] for h, r in zip(heads, ranges))
             # Heads gather until a section has records: one send (one TLS record) for them all.
@@ -412,6 +414,13 @@ class DataServer:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _identity(self, pf) -> str:
+        """The identity of the partition a replica asked for ("" when this broker lacks it)."""
+        try:
+            return self.service.store.partition(pf.topic, pf.partition).identity
+        except MetaqError:
+            return ""
 
     def _authorize_replica(self, conn: _Conn) -> None:
         """ClusterAction on the cluster (Kafka's inter-broker right); a refusal is logged here too, once a

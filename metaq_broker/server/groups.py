@@ -63,10 +63,19 @@ class GroupOffsetsService:
         offsets = m.get("offsets")
         if not isinstance(offsets, dict):
             raise ValueError("offsets must be a JSON object {partition: offset}")
-        return self._store().commit(group, topic, offsets, forward_only=bool(m.get("forward_only")))
+        return self._store().commit(group, topic, offsets, forward_only=bool(m.get("forward_only")),
+                                    identities=_identities(m))
 
     def fetch(self, principal: str, m: dict) -> dict:
         group, topic = m["group"], m["topic"]
         self.auth.authorize(principal, "Describe", "group", group)
         self.auth.authorize(principal, "Describe", "topic", topic)
-        return self._store().fetch(group, topic)
+        return self._store().fetch(group, topic, identities=_identities(m))
+
+
+def _identities(m: dict) -> dict:
+    """The request's ``{partition: partition log identity}`` (optional; older clients send none)."""
+    ids = m.get("identities") or {}
+    if not isinstance(ids, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ids.items()):
+        raise ValueError("identities must be a JSON object {partition: identity}")
+    return ids

@@ -275,6 +275,15 @@ class ReplicaFetcher:
         for pf, sec in zip(req.partitions, sections):
             key = (pf.topic, pf.partition)
             part = self.store.partition(pf.topic, pf.partition)
+            if sec.identity and sec.identity != part.identity:  # the master's log is another log than ours
+                if part.identity_adopted:  # ours was given to an older data directory: the logs may agree
+                    part.adopt_identity(sec.identity)
+                else:
+                    log.warning("%s: the master's log is another one (identity %s, ours %s): starting the "
+                                "partition over at the master's earliest offset %d", part.name, sec.identity,
+                                part.identity, sec.earliest)
+                    part.reset_to(sec.earliest, identity=sec.identity)
+                    continue
             if sec.status == rp.DIVERGING:
                 self._truncate(part, sec.epoch, sec.offset)
             elif sec.status == rp.RESET:

@@ -3,6 +3,11 @@
 * ``offsets/<topic>/<brokerId>-<n>``: the committed offset as ASCII decimal, as MetaQ's ZooKeeper
   offset storage writes it, so the tools can read it without a schema. One topic's offsets are
   written in one ZooKeeper transaction, so a commit is all-or-nothing.
+* ``offsets/<topic>/<brokerId>-<n>/identity``: the identity of the partition log the offset was committed
+  for (32 hex digits, ``store/identity.py``), written in the same transaction. An offset recorded for
+  another log (a wiped data directory, a topic made again) is not applied to this one (``fetch`` with the
+  partitions' identities leaves it out); an offset without one (committed before identities existed, or
+  by a tool that does not know the log's) applies to any log.
 * ``ids/<consumerId>`` (ephemeral): a live member; data = its topics, comma-separated.
 * ``owners/<topic>/<partition>`` (ephemeral): the member consuming that partition. Ephemeral so a
   member that dies frees its partitions when its session ends.
@@ -12,6 +17,7 @@ inputs; the owner nodes make the hand-over safe while members disagree during a 
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Iterable, Optional
 
@@ -23,6 +29,9 @@ from metaq_broker.names import parse_partition_name
 from metaq_broker.zk.paths import ZkPaths, check_component
 
 COMMIT_ATTEMPTS = 10
+IDENTITY = "identity"  # child of an offset node: the partition log's identity it was committed for
+
+log = logging.getLogger(__name__)
 
 
 def _as_offset(data: bytes) -> int:
@@ -65,12 +74,17 @@ class GroupStore:
         self.paths = ZkPaths(root)
 
     # -- offsets --------------------------------------------------------------------------------------
-    def commit(self, group: str, topic: str, offsets: dict, forward_only: bool = False) -> dict:
+    def commit(self, group: str, topic: str, offsets: dict, forward_only: bool = False,
+               identities: Optional[dict] = None) -> dict:
         """Record ``{partition name: next offset to read}`` for the group, atomically for the topic. Each
         node is written with a check of the version read, so a concurrent writer makes the transaction
         retry instead of being overwritten blindly. ``forward_only``: a partition whose recorded offset is
         already at or above the new one keeps it, so writers that race (a Spark source's ``commit`` and
-        its listener) can never move the group backwards. Returns what was written."""
+        its listener) can never move the group backwards; an offset of another log (``identities``
+        differs from the recorded one) is not "above": it is replaced. ``identities``: ``{partition name:
+        identity}`` of the logs the offsets are for; a partition without one has its recorded identity
+        removed (the offset then applies to any log). Returns what was written."""
+        identities = identities or {}
         values = {}
         for p, o in offsets.items():
             if isinstance(o, bool) or not isinstance(o, int) or o < 0:
@@ -82,15 +96,25 @@ class GroupStore:
         for attempt in range(COMMIT_ATTEMPTS):  # another committer may change a node between read and commit
             tx, written = self.zk.transaction(), {}
             for path, (p, o) in values.items():
+                ident = identities.get(p) or ""
                 try:
                     data, stat = self.zk.get(path)
                 except NoNodeError:
                     tx.create(path, str(o).encode("ascii"))
+                    if ident:
+                        tx.create(f"{path}/{IDENTITY}", ident.encode("ascii"))
                     written[p] = o
                     continue
-                if forward_only and _as_offset(data) >= o:
+                recorded, id_stat = self._identity(path)
+                if forward_only and _as_offset(data) >= o and (not ident or not recorded or recorded == ident):
                     continue
                 tx.set_data(path, str(o).encode("ascii"), version=stat.version)
+                if ident and id_stat is None:
+                    tx.create(f"{path}/{IDENTITY}", ident.encode("ascii"))
+                elif ident and recorded != ident:
+                    tx.set_data(f"{path}/{IDENTITY}", ident.encode("ascii"), version=id_stat.version)
+                elif not ident and id_stat is not None:
+                    tx.delete(f"{path}/{IDENTITY}", version=id_stat.version)
                 written[p] = o
             if not written:
                 return {}
@@ -102,18 +126,38 @@ class GroupStore:
                 raise failures[0]
         return {}
 
-    def fetch(self, group: str, topic: str) -> dict:
-        """``{partition name: committed offset}``; {} if the group never committed for the topic."""
+    def _identity(self, path: str) -> tuple:
+        """(identity recorded with the offset at ``path`` or "", its node's stat or None)."""
+        try:
+            data, stat = self.zk.get(f"{path}/{IDENTITY}")
+            return data.decode("ascii", "replace"), stat
+        except NoNodeError:
+            return "", None
+
+    def fetch(self, group: str, topic: str, identities: Optional[dict] = None) -> dict:
+        """``{partition name: committed offset}``; {} if the group never committed for the topic. With
+        ``identities`` (``{partition name: identity}`` of the logs now), an offset recorded for another log
+        of a partition is left out, with a warning: it means nothing in this one."""
         try:
             children = self.zk.get_children(self.paths.group_offsets(group, topic))
         except NoNodeError:
             return {}
         out = {}
         for p in children:
+            path = self.paths.group_offset(group, topic, p)
             try:
-                out[p] = int(self.zk.get(self.paths.group_offset(group, topic, p))[0])
+                offset = int(self.zk.get(path)[0])
             except (NoNodeError, ValueError):
                 continue  # vanished, or not ours (a foreign child or a non-number)
+            now = (identities or {}).get(p)
+            if now:
+                recorded = self._identity(path)[0]
+                if recorded and recorded != now:
+                    log.warning("group %s: the offset %d of %s %s was committed for another log of the partition "
+                                "(identity %s; now %s: a wiped data directory or a topic made again); not "
+                                "applied", group, offset, topic, p, recorded, now)
+                    continue
+            out[p] = offset
         return dict(sorted(out.items(), key=lambda kv: parse_partition_name(kv[0])))
 
     def groups(self) -> list:
