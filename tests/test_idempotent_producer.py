@@ -1,0 +1,211 @@
+"""The idempotent producer against real broker processes: a put whose answer is lost (the connection cut
+after the broker stored it, or the broker killed and restarted) is sent again and stored exactly once;
+duplicates, gaps and fenced epochs are refused with errors naming producer, partition and sequences; a
+replicated group's master killed with kill -9 under an idempotent producer loses and doubles nothing.
+``Producer(idempotent=False)`` keeps the old rule (never resent), shown beside."""
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.zookeeper import free_port
+from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol import records
+from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteOutOfOrderSequenceError,
+                                          RemoteProducerFencedError)
+from conftest import wait_until
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a broker's gRPC port. Armed, it lets the next put through to the broker,
+    waits until ``stored()`` says the broker has it, and then cuts the connection instead of forwarding
+    the answer: the client never learns the put's outcome."""
+
+    def __init__(self, target_port: int, stored):
+        self.port, self.target, self.stored = free_port(), target_port, stored
+        self.armed = threading.Event()
+        self.cuts = 0
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self._stop:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the broker is down: as a refused connection to it would be
+                client.close()
+                continue
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, answers):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if answers and self.armed.is_set() and self.stored():
+                    self.armed.clear()
+                    self.cuts += 1
+                    break  # the answer (or whatever the broker sends once it stored the put) is dropped
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self._stop = True
+        self._server.close()
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path / "b", 1, topics={"t": {"numPartitions": 1}}).start()
+    yield b
+    b.kill()
+
+
+def log_end(address: str) -> int:
+    with Consumer(brokers={1: address}) as c:
+        return c.offset_bounds("t", ["1-0"])["1-0"][2]
+
+
+def read_values(address: str) -> list:
+    with Consumer(brokers={1: address}) as c:
+        end = c.offsets("t", ["1-0"])["1-0"][1]
+        return c.read_range("t", "1-0", 0, end).column("value").to_pylist() if end else []
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_a_put_whose_answer_is_lost_is_stored_once(broker, idempotent):
+    proxy = CuttingProxy(broker.port, lambda: log_end(broker.address) >= 2)
+    try:
+        with Producer(brokers={1: f"127.0.0.1:{proxy.port}"}, use_data_port=False, timeout=15.0,
+                      idempotent=idempotent) as producer:
+            producer.send_batch("t", [b"first"], partition="1-0")
+            proxy.armed.set()
+            if idempotent:
+                result = producer.send_batch("t", [b"second"], partition="1-0")[0]
+                assert result.duplicate and result.base_offset == 1  # the broker had it: its first offsets
+                producer.send_batch("t", [b"third"], partition="1-0")
+            else:
+                with pytest.raises(BrokerUnavailableError):  # may or may not be stored: not resent
+                    producer.send_batch("t", [b"second"], partition="1-0")
+        assert proxy.cuts == 1
+        assert read_values(broker.address) == ([b"first", b"second", b"third"] if idempotent else [b"first", b"second"])
+    finally:
+        proxy.close()
+
+
+def test_a_put_cut_off_by_a_broker_restart_is_stored_once(broker):
+    """The broker stores the put, is killed (kill -9) before it answers and comes back: the producer's
+    resend finds the batch in the state the broker rebuilt from its log."""
+    def stored_then_kill():
+        if log_end(broker.address) >= 1:
+            broker.kill()
+            return True
+        return False
+    proxy = CuttingProxy(broker.port, stored_then_kill)
+    restarted = threading.Thread(target=lambda: (wait_until(lambda: proxy.cuts, what="cut"), broker.start()))
+    try:
+        with Producer(brokers={1: f"127.0.0.1:{proxy.port}"}, use_data_port=False, timeout=30.0) as producer:
+            producer.send_batch("t", [b"warm up"], partition="1-0")  # the producer id, before the cut
+            proxy.stored = lambda: stored_then_kill() if log_end(broker.address) >= 2 else False
+            proxy.armed.set()
+            restarted.start()
+            result = producer.send_batch("t", [b"cut off"], partition="1-0")[0]
+            assert result.base_offset == 1 and result.duplicate
+        restarted.join()
+        assert read_values(broker.address) == [b"warm up", b"cut off"]
+    finally:
+        proxy.close()
+
+
+def test_gaps_and_old_epochs_are_refused_by_name(broker):
+    with Producer(brokers={1: broker.address}, timeout=5.0) as producer:
+        producer.send_batch("t", [b"a"], partition="1-0")
+        pid, epoch = producer.producer_id, producer.producer_epoch
+        body = records.encode_body([b"gap"])
+        with pytest.raises(RemoteOutOfOrderSequenceError,
+                           match=rf"producer {pid} \(epoch {epoch}\) in partition t-0: got sequences 5-5, expected 1"):
+            producer._start_put_once("t", "1-0", body, "", (pid, epoch, 5)).result()
+        bumped = producer.call(1, "InitProducerId", pb.InitProducerIdRequest(producer_id=pid, producer_epoch=epoch))
+        assert (bumped.producer_id, bumped.producer_epoch) == (pid, epoch + 1)
+        producer._start_put_once("t", "1-0", records.encode_body([b"new epoch"]), "", (pid, epoch + 1, 0)).result()
+        with pytest.raises(RemoteProducerFencedError, match=rf"producer {pid} \(epoch {epoch}\).*fenced"):
+            producer._start_put_once("t", "1-0", records.encode_body([b"old"]), "", (pid, epoch, 1)).result()
+        other = producer.call(1, "InitProducerId", pb.InitProducerIdRequest())
+        assert other.producer_id != pid and other.producer_epoch == 0
+    assert read_values(broker.address) == [b"a", b"new epoch"]
+
+
+def test_producer_ids_are_unique_across_brokers_and_restarts(cluster):
+    cluster.start_broker(1, topics={"t": {}})
+    cluster.start_broker(2, topics={"t": {}})
+    with cluster.client(Producer) as producer:
+        wait_until(lambda: len(producer.cluster.brokers()) == 2, what="both brokers")
+        ids = [producer.call(b, "InitProducerId", pb.InitProducerIdRequest()).producer_id for b in (1, 2) * 3]
+        cluster.brokers[1].kill()
+        cluster.start_broker(1, topics={"t": {}})
+        wait_until(lambda: 1 in producer.cluster.brokers(), what="broker 1 back")
+        ids.append(producer.call(1, "InitProducerId", pb.InitProducerIdRequest(), retries=5).producer_id)
+    assert len(set(ids)) == len(ids)
+
+
+def test_a_group_master_killed_under_an_idempotent_producer_loses_and_doubles_nothing(tmp_path, zookeeper, zk_root):
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
+                        topics={"t": {"numPartitions": 2}}).start()
+    try:
+        first = group.wait_master()
+        group.wait_in_sync(range(3))
+        z = dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
+        acked, errors, stop = [], [], threading.Event()
+
+        def produce():
+            with Producer(timeout=30.0, **z) as producer:
+                wait_until(lambda: len(producer.cluster.topic_partitions("t")) == 2, what="topic")
+                i = 0
+                while not stop.is_set() and i < 5000:
+                    batch = [b"m-%06d" % (i + j) for j in range(20)]
+                    try:
+                        producer.send_batch("t", batch, keys=batch)
+                        acked.extend(batch)
+                    except Exception as e:  # noqa: BLE001 - counted: an idempotent producer should see none
+                        errors.append(e)
+                    i += 20
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        wait_until(lambda: len(acked) >= 400, timeout=60, what="acknowledged puts before the kill")
+        os.kill(group.members[first].proc.pid, signal.SIGKILL)
+        group.wait_master(timeout=30, other_than=first)
+        wait_until(lambda: len(acked) >= 1600, timeout=60, what="acknowledged puts after the failover")
+        stop.set()
+        thread.join(120)
+        assert not errors, errors[:3]
+        with Consumer(**z) as consumer:
+            seen = []
+            for p in ("1-0", "1-1"):
+                end = consumer.offsets("t", [p])[p][1]
+                seen += consumer.read_range("t", p, 0, end).column("value").to_pylist()
+        assert len(seen) == len(set(seen)), "duplicates"
+        assert set(acked) <= set(seen), "acknowledged messages lost"
+    finally:
+        group.stop()
