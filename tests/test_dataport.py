@@ -394,11 +394,12 @@ def test_a_malformed_put_is_refused_and_the_broker_serves_on(tmp_path):
 
 
 def test_a_put_whose_broker_dies_before_answering_fails_without_a_resend(cluster):
-    """The request reached the broker but no answer came: the put fails naming that it may be stored
-    (never resent blindly); the next put reconnects to the restarted broker."""
+    """The request reached the broker but no answer came: a producer that is not idempotent fails naming
+    that it may be stored (never resent blindly); the next put reconnects to the restarted broker. (An
+    idempotent one sends it again: tests/test_idempotent_producer.py.)"""
     from metaq_broker.protocol.status import BrokerUnavailableError
     b = cluster.start_broker(1, {"dataPort": 0}, topics={"t": {"numPartitions": 1}})
-    with cluster.client(Producer, timeout=10) as producer:
+    with cluster.client(Producer, timeout=10, idempotent=False) as producer:
         wait_until(lambda: producer.data_address(1) and producer.partitions("t"), what="broker in the cluster view")
         producer.send_batch("t", [b"first"], partition="1-0")
         body = records.encode_body([b"lost?"])

@@ -138,6 +138,28 @@ def test_a_put_cut_off_by_a_broker_restart_is_stored_once(broker):
         proxy.close()
 
 
+def test_a_data_port_put_to_a_broker_killed_before_answering_is_sent_again(cluster):
+    """The data port's put went into the socket of a frozen broker, which is then killed and restarted:
+    the idempotent producer sends it again to the restarted broker (its state rebuilt from the log)."""
+    b = cluster.start_broker(1, {"dataPort": 0}, topics={"t": {"numPartitions": 1}})
+    with cluster.client(Producer, timeout=30) as producer:
+        wait_until(lambda: producer.data_address(1) and producer.partitions("t"), what="broker in the cluster view")
+        producer.send_batch("t", [b"first"], partition="1-0")
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            put = producer.start_put("t", "1-0", records.encode_body([b"cut off"]))
+        finally:
+            b.proc.kill()
+            b.proc.wait(10)
+        restart = threading.Thread(target=lambda: cluster.start_broker(1, {"dataPort": 0},
+                                                                       topics={"t": {"numPartitions": 1}}))
+        restart.start()
+        assert put.result().base_offset == 1
+        restart.join()
+        assert producer.send_batch("t", [b"next"], partition="1-0")[0].base_offset == 2
+    assert read_values(cluster.brokers[1].address) == [b"first", b"cut off", b"next"]
+
+
 def test_gaps_and_old_epochs_are_refused_by_name(broker):
     with Producer(brokers={1: broker.address}, timeout=5.0) as producer:
         producer.send_batch("t", [b"a"], partition="1-0")
