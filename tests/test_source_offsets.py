@@ -38,13 +38,21 @@ def group_of(query) -> str:
     return (json.loads(end) if isinstance(end, str) else end)[MARKER]["group"]
 
 
-# -- item 5: a partition whose latest offset fell below the checkpoint -----------------------------------
+# -- item 5: a partition whose log was replaced (a wiped data directory) ---------------------------------
 
-def test_offsets_that_went_backwards_fail_or_continue_from_the_partition_end(spark, cluster, tmp_path):
+@pytest.mark.parametrize("regrow", [5, 50])
+def test_a_wiped_partition_is_another_log_fail_or_read_it_from_its_earliest(spark, cluster, tmp_path, regrow):
+    """The broker's data directory is wiped between two runs of a query; the new log has ``regrow``
+    messages: fewer than the query's offset, or (the case offsets alone cannot tell) more. Either way the
+    partition's identity changed: failOnDataLoss=true fails naming topic, partition and both identities;
+    false warns and reads the new log from its earliest offset."""
     topics = {"wiped": {"numPartitions": 1}}
     broker = cluster.start_broker(1, topics=topics)
     fill(cluster, "wiped", 30, ["1-0"])
     checkpoint, out = tmp_path / "ck", tmp_path / "out"
+    with cluster.client(Consumer) as c:
+        c.offset_bounds("wiped", ["1-0"])
+        old = c.identities[("wiped", "1-0")]
 
     def stream(**options):
         return reader(spark, cluster, streaming=True, subscribe="wiped", **options)
@@ -52,23 +60,28 @@ def test_offsets_that_went_backwards_fail_or_continue_from_the_partition_end(spa
     assert run_available_now(stream(), checkpoint, path=out) == [30]
     assert broker.stop() == 0
     shutil.rmtree(broker.workdir / "data")  # the broker's data directory is lost
-    cluster.start_broker(1, topics=topics)  # same id and port, empty log
-    send(cluster, "wiped", "1-0", [b"new-%d" % i for i in range(5)])  # offsets 0..4 of the new log
+    cluster.start_broker(1, topics=topics)  # same id and port, a new log
+    send(cluster, "wiped", "1-0", [b"new-%d" % i for i in range(regrow)])
+    with cluster.client(Consumer) as c:
+        c.offset_bounds("wiped", ["1-0"])
+        new = c.identities[("wiped", "1-0")]
+    assert new != old
 
     q = (stream().writeStream.option("checkpointLocation", str(checkpoint)).trigger(availableNow=True)
          .format("parquet").option("path", str(out)).start())
     with pytest.raises(Exception) as failed:
         q.awaitTermination(120)
     message = str(failed.value)
-    assert "wiped 1-0 went backwards: the query is at offset 30 but the partition's latest offset is 5" in message, \
+    assert f"wiped 1-0 is another log now: identity {old} in the query's offsets, {new} on its broker" in message, \
         message
 
-    # failOnDataLoss=false: a warning, and the query goes on from the partition's end (as Kafka's source).
-    assert run_available_now(stream(failOnDataLoss="false"), checkpoint, path=out) == []
-    send(cluster, "wiped", "1-0", [b"later-%d" % i for i in range(4)])  # offsets 5..8
+    # failOnDataLoss=false: a warning, and the query reads the new log from its earliest offset.
+    assert run_available_now(stream(failOnDataLoss="false"), checkpoint, path=out) == [regrow]
+    send(cluster, "wiped", "1-0", [b"later-%d" % i for i in range(4)])
     assert run_available_now(stream(failOnDataLoss="false"), checkpoint, path=out) == [4]
     assert rows_of(spark, out) == sorted([("1-0", o, b"1-0:%d" % o) for o in range(30)]
-                                         + [("1-0", 5 + i, b"later-%d" % i) for i in range(4)])
+                                         + [("1-0", i, b"new-%d" % i) for i in range(regrow)]
+                                         + [("1-0", regrow + i, b"later-%d" % i) for i in range(4)])
 
 
 def test_a_range_beyond_the_partition_end_fails_or_is_skipped(spark, cluster):
