@@ -6,7 +6,6 @@ import random
 import shutil
 import threading
 
-import numpy as np
 import pytest
 
 from metaq_broker.errors import CorruptLogError, OffsetOutOfRangeError
