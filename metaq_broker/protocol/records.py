@@ -295,6 +295,15 @@ def metaq_sizes(value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> np.nda
     return sizes
 
 
+def _metaq_total(n: int, value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> int:
+    """``metaq_sizes(...).sum()`` without building the per-message array (the produce path's cost)."""
+    total = METAQ_MESSAGE_HEAD * n + int(value_len.sum(dtype=np.int64))
+    if attr_len is not None:
+        present = attr_len >= 0
+        total += int(attr_len.sum(dtype=np.int64, where=present)) + METAQ_ATTRIBUTE_HEAD * int(np.count_nonzero(present))
+    return total
+
+
 def encode_body(
     values,
     keys=None,
@@ -382,7 +391,7 @@ def encode_body(
     for p in parts:
         body_crc = crc(p, body_crc)
     return EncodedBody(n, attr_bits, parts, size, body_crc, sizes.astype(np.uint32), max_message_size,
-                       int(metaq_sizes(value_len, attr_len).sum()))
+                       _metaq_total(n, value_len, attr_len))
 
 
 def _ncols(attributes) -> Union[int, np.ndarray]:
@@ -430,7 +439,7 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
         _check_utf8(body, data_end - int(data[-1].sum()), data[-1], "an attribute")
     attr_len = lengths[-1] if attributes & HAS_ATTRIBUTES else None
     return EncodedBody(count, attributes, [body], len(body), body_crc, sizes.astype(np.uint32),
-                       int((sizes - 4 * ncols).max()), int(metaq_sizes(lengths[0], attr_len).sum()))
+                       int((sizes - 4 * ncols).max()), _metaq_total(count, lengths[0], attr_len))
 
 
 def _check_utf8(body, start: int, lengths: np.ndarray, what: str) -> None:
