@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional
 
 import cramjam
 import numpy as np
