@@ -1,0 +1,234 @@
+"""Compiled loops over Kafka records (numba, ``cache=True``: compiled once per machine, then loaded from
+numba's cache in well under a second; ``records.warm_up`` does that at broker start).
+
+Why compiled: a record's fields are varints, and where record i+1 starts depends on record i's length
+varint, so finding the records is a sequential walk that numpy cannot express; these loops do it at native
+speed (benchmarks/bench_kafka_codec.py). Every read is bounds-checked: a kernel returns an error number and
+the record it stopped at instead of reading past its region; ``records.py`` turns that into a message.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT = 0, 1, 2, 3, 4, 5
+ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a negative or impossible length",
+          LEFTOVER: "bytes left over after the batch's last record (its record count is wrong)",
+          TOO_MANY_HEADERS: "a record's header count is impossible for its length",
+          BAD_VARINT: "a varint longer than its type allows"}
+
+
+@njit(cache=True, nogil=True)
+def _varint(u8, p, end, max_bytes):
+    """Zigzag varint at p: (value, next position); next position -1 on a truncated or overlong varint."""
+    result = np.uint64(0)
+    shift = np.uint64(0)
+    for i in range(max_bytes):
+        if p >= end:
+            return np.int64(0), -1
+        b = np.uint64(u8[p])
+        p += 1
+        result |= (b & np.uint64(0x7F)) << shift
+        if b < np.uint64(0x80):
+            value = np.int64(result >> np.uint64(1)) ^ -np.int64(result & np.uint64(1))
+            return value, p
+        shift += np.uint64(7)
+    return np.int64(0), -2
+
+
+@njit(cache=True, nogil=True)
+def walk(u8, starts, ends, counts):
+    """Find every record of the batches whose record regions are u8[starts[b]:ends[b]] (counts[b] records
+    each). Returns (status, batch, record, arrays): per record its timestamp and offset deltas, key and value
+    start and length (-1: null), header count, where its headers start and where it ends."""
+    n = 0
+    for b in range(len(counts)):
+        n += counts[b]
+    ts = np.empty(n, np.int64)
+    od = np.empty(n, np.int64)
+    ks = np.empty(n, np.int64)
+    kl = np.empty(n, np.int32)
+    vs = np.empty(n, np.int64)
+    vl = np.empty(n, np.int32)
+    hc = np.empty(n, np.int32)
+    hs = np.empty(n, np.int64)
+    re = np.empty(n, np.int64)
+    i = 0
+    for b in range(len(counts)):
+        p = starts[b]
+        end = ends[b]
+        for k in range(counts[b]):
+            length, p = _varint(u8, p, end, 5)
+            if p < 0:
+                return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            rec_end = p + length
+            if length < 6 or rec_end > end:  # attributes, then five varints of at least a byte each
+                return (BAD_LENGTH if length < 6 else TRUNCATED), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            p += 1  # record attributes: unused
+            t, p = _varint(u8, p, rec_end, 10)
+            if p < 0:
+                return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            o, p = _varint(u8, p, rec_end, 5)
+            if p < 0:
+                return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            ln, p = _varint(u8, p, rec_end, 5)
+            if p < 0 or ln < -1 or p + max(ln, 0) > rec_end:
+                return (BAD_VARINT if p == -2 else BAD_LENGTH), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            ks[i] = p
+            kl[i] = ln
+            p += max(ln, 0)
+            ln, p = _varint(u8, p, rec_end, 5)
+            if p < 0 or ln < -1 or p + max(ln, 0) > rec_end:
+                return (BAD_VARINT if p == -2 else BAD_LENGTH), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            vs[i] = p
+            vl[i] = ln
+            p += max(ln, 0)
+            h, p = _varint(u8, p, rec_end, 5)
+            if p < 0:
+                return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            if h < 0 or 2 * h > rec_end - p:  # each header is at least two one-byte varints
+                return TOO_MANY_HEADERS, b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            ts[i] = t
+            od[i] = o
+            hc[i] = h
+            hs[i] = p
+            re[i] = rec_end
+            p = rec_end
+            i += 1
+        if p != end:
+            return LEFTOVER, b, counts[b], ts, od, ks, kl, vs, vl, hc, hs, re
+    return OK, 0, 0, ts, od, ks, kl, vs, vl, hc, hs, re
+
+
+@njit(cache=True, nogil=True)
+def walk_headers(u8, hc, hs, re):
+    """Every header of the records ``walk`` found: key start and length, value start and length (-1:
+    null). Returns (status, record, arrays)."""
+    total = 0
+    for i in range(len(hc)):
+        total += hc[i]
+    hks = np.empty(total, np.int64)
+    hkl = np.empty(total, np.int32)
+    hvs = np.empty(total, np.int64)
+    hvl = np.empty(total, np.int32)
+    j = 0
+    for i in range(len(hc)):
+        p = hs[i]
+        end = re[i]
+        for _ in range(hc[i]):
+            ln, p = _varint(u8, p, end, 5)
+            if p < 0 or ln < 0 or p + ln > end:
+                return BAD_LENGTH, i, hks, hkl, hvs, hvl
+            hks[j] = p
+            hkl[j] = ln
+            p += ln
+            ln, p = _varint(u8, p, end, 5)
+            if p < 0 or ln < -1 or p + max(ln, 0) > end:
+                return BAD_LENGTH, i, hks, hkl, hvs, hvl
+            hvs[j] = p
+            hvl[j] = ln
+            p += max(ln, 0)
+            j += 1
+        if p != end:
+            return LEFTOVER, i, hks, hkl, hvs, hvl
+    return OK, 0, hks, hkl, hvs, hvl
+
+
+@njit(cache=True, nogil=True)
+def gather(u8, starts, lengths):
+    """Arrow binary layout of the ranges u8[starts[i]:starts[i]+lengths[i]] (length -1: null, no bytes):
+    int32 offsets and the bytes back to back."""
+    n = len(starts)
+    offsets = np.empty(n + 1, np.int32)
+    total = 0
+    offsets[0] = 0
+    for i in range(n):
+        if lengths[i] > 0:
+            total += lengths[i]
+        offsets[i + 1] = total
+    data = np.empty(total, np.uint8)
+    q = 0
+    for i in range(n):
+        ln = lengths[i]
+        if ln > 0:
+            s = starts[i]
+            data[q:q + ln] = u8[s:s + ln]
+            q += ln
+    return offsets, data
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding
+
+
+@njit(cache=True, nogil=True)
+def _zz_size(v):
+    u = np.uint64((v << 1) ^ (v >> 63))
+    n = 1
+    while u >= np.uint64(0x80):
+        u >>= np.uint64(7)
+        n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _put_zz(out, q, v):
+    u = np.uint64((v << 1) ^ (v >> 63))
+    while u >= np.uint64(0x80):
+        out[q] = np.uint8((u & np.uint64(0x7F)) | np.uint64(0x80))
+        u >>= np.uint64(7)
+        q += 1
+    out[q] = np.uint8(u)
+    return q + 1
+
+
+@njit(cache=True, nogil=True)
+def _put(out, q, data, off, ln):
+    if ln > 0:
+        out[q:q + ln] = data[off:off + ln]
+    return q + max(ln, 0)
+
+
+@njit(cache=True, nogil=True)
+def record_sizes(ts_delta, off_delta, k_off, k_len, v_off, v_len, h_first, hk_len, hv_len):
+    """Each record's body size and its encoded size (length varint included). ``h_first[i]:h_first[i+1]``
+    are record i's headers (lengths -1: null)."""
+    n = len(ts_delta)
+    bodies = np.empty(n, np.int64)
+    sizes = np.empty(n, np.int64)
+    for i in range(n):
+        body = 1 + _zz_size(ts_delta[i]) + _zz_size(off_delta[i])
+        body += _zz_size(k_len[i]) + max(k_len[i], 0) + _zz_size(v_len[i]) + max(v_len[i], 0)
+        h0 = h_first[i]
+        h1 = h_first[i + 1]
+        body += _zz_size(h1 - h0)
+        for j in range(h0, h1):
+            body += _zz_size(hk_len[j]) + hk_len[j] + _zz_size(hv_len[j]) + max(hv_len[j], 0)
+        bodies[i] = body
+        sizes[i] = _zz_size(body) + body
+    return bodies, sizes
+
+
+@njit(cache=True, nogil=True)
+def write_records(out, q, ts_delta, off_delta, k_data, k_off, k_len, v_data, v_off, v_len,
+                  h_first, hk_data, hk_off, hk_len, hv_data, hv_off, hv_len, bodies):
+    """Write the records into ``out`` from byte ``q``; returns the end position."""
+    for i in range(len(ts_delta)):
+        q = _put_zz(out, q, bodies[i])
+        out[q] = 0
+        q += 1
+        q = _put_zz(out, q, ts_delta[i])
+        q = _put_zz(out, q, off_delta[i])
+        q = _put_zz(out, q, k_len[i])
+        q = _put(out, q, k_data, k_off[i], k_len[i])
+        q = _put_zz(out, q, v_len[i])
+        q = _put(out, q, v_data, v_off[i], v_len[i])
+        h0 = h_first[i]
+        h1 = h_first[i + 1]
+        q = _put_zz(out, q, h1 - h0)
+        for j in range(h0, h1):
+            q = _put_zz(out, q, hk_len[j])
+            q = _put(out, q, hk_data, hk_off[j], hk_len[j])
+            q = _put_zz(out, q, hv_len[j])
+            q = _put(out, q, hv_data, hv_off[j], hv_len[j])
+    return q
