@@ -15,8 +15,8 @@ A ``value`` reply never spans a hidden message or a gap, so the client's sum of 
 message's position.
 
 The functions work on a *window*: consecutive batches of the partition (``Window``), given by the caller
-from its index. It must hold the batch of the position asked for, and start at or before the log start's
-batch when the position lies below the log start. A search for the next visible message that runs off the
+from its index. It must hold the batch of the position asked for, or, when no batch holds it (below the
+log start, or between two batches), the first batch after it. A search for the next visible message that runs off the
 window's end answers ``Moved`` to the window's end: a batch start, from which the client's next ``get``
 continues (so long hidden ranges cost a 301 per window, never an unbounded scan).
 """
@@ -135,7 +135,7 @@ def answer_get(w: Window, position: int, max_bytes: int, log_start: int, last_st
         return NotFound()
     _check_holds(w, position)
     vis = w.visible(log_start, last_stable)
-    i = _first_candidate(w, position, log_start)
+    i = _first_candidate(w, position)
     if i < len(vis) and vis[i] and w.starts[i] == position:
         return _serve(w, vis, i, max_bytes)
     return Moved(_next_visible(w, vis, i, visible_end))
@@ -148,7 +148,7 @@ def nearest_position(w: Window, position: int, log_start: int, last_stable: int,
         return visible_end
     _check_holds(w, position)
     vis = w.visible(log_start, last_stable)
-    i = _first_candidate(w, position, log_start)
+    i = _first_candidate(w, position)
     if i < len(vis) and vis[i] and w.starts[i] == position:
         return position
     return _next_visible(w, vis, i, visible_end)
@@ -160,14 +160,9 @@ def _check_holds(w: Window, position: int) -> None:
                          f"visible end: the window must hold its batch")
 
 
-def _first_candidate(w: Window, position: int, log_start: int) -> int:
-    """Index of the message holding ``position`` (or the next one after a gap); 0 below the window,
-    which must then start at or before the log start."""
-    if position < w.start_position:
-        if w.first_offset > log_start:
-            raise ValueError(f"position {position} lies before the window, which starts at offset "
-                             f"{w.first_offset}, after the log start {log_start}")
-        return 0
+def _first_candidate(w: Window, position: int) -> int:
+    """Index of the message holding ``position``, or of the next message when none does (a position
+    below the window is the caller's promise that nothing readable lies between it and the window)."""
     return int(np.searchsorted(w.ends, position, side="right"))
 
 
