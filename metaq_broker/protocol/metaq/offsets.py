@@ -115,8 +115,10 @@ class Window:
         i = int(np.searchsorted(self.starts, position))
         return int(self.offsets[i]) if i < len(self.starts) and self.starts[i] == position else None
 
-    def visible(self, log_start: int, last_stable: int) -> np.ndarray:
-        return ~self.hidden[self._batch] & (self.offsets >= log_start) & (self.offsets < last_stable)
+    def visible(self, log_start: int, last_stable: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+        """Which of messages [lo, hi) a reader sees (only the slice is computed: answers stay O(reply))."""
+        o = self.offsets[lo:hi]
+        return ~self.hidden[self._batch[lo:hi]] & (o >= log_start) & (o < last_stable)
 
 
 def answer_get(w: Window, position: int, max_bytes: int, log_start: int, last_stable: int,
@@ -133,12 +135,10 @@ def answer_get(w: Window, position: int, max_bytes: int, log_start: int, last_st
         if position > visible_end and (tell_max or position == INT64_MAX):
             return Moved(visible_end)
         return NotFound()
-    _check_holds(w, position)
-    vis = w.visible(log_start, last_stable)
     i = _first_candidate(w, position)
-    if i < len(vis) and vis[i] and w.starts[i] == position:
-        return _serve(w, vis, i, max_bytes)
-    return Moved(_next_visible(w, vis, i, visible_end))
+    if w.starts[i] == position and w.visible(log_start, last_stable, i, i + 1)[0]:
+        return _serve(w, i, max_bytes, log_start, last_stable)
+    return Moved(_next_visible(w, i, log_start, last_stable, visible_end))
 
 
 def nearest_position(w: Window, position: int, log_start: int, last_stable: int, visible_end: int) -> int:
@@ -146,38 +146,37 @@ def nearest_position(w: Window, position: int, log_start: int, last_stable: int,
     ``get`` would be moved to, clamped to ``visible_end``."""
     if position >= visible_end:
         return visible_end
-    _check_holds(w, position)
-    vis = w.visible(log_start, last_stable)
     i = _first_candidate(w, position)
-    if i < len(vis) and vis[i] and w.starts[i] == position:
+    if w.starts[i] == position and w.visible(log_start, last_stable, i, i + 1)[0]:
         return position
-    return _next_visible(w, vis, i, visible_end)
-
-
-def _check_holds(w: Window, position: int) -> None:
-    if position >= w.end_position:
-        raise ValueError(f"position {position} lies after the window's end {w.end_position} but before the "
-                         f"visible end: the window must hold its batch")
+    return _next_visible(w, i, log_start, last_stable, visible_end)
 
 
 def _first_candidate(w: Window, position: int) -> int:
     """Index of the message holding ``position``, or of the next message when none does (a position
     below the window is the caller's promise that nothing readable lies between it and the window)."""
+    if position >= w.end_position:
+        raise ValueError(f"position {position} lies after the window's end {w.end_position} but before the "
+                         f"visible end: the window must hold its batch")
     return int(np.searchsorted(w.ends, position, side="right"))
 
 
-def _next_visible(w: Window, vis: np.ndarray, i: int, visible_end: int) -> int:
-    """The position of the first visible message at index ``i`` or later; the window's end (or the
-    visible end, if sooner) when there is none in the window."""
-    later = np.flatnonzero(vis[i:])
-    if len(later):
-        return int(w.starts[i + later[0]])
+def _next_visible(w: Window, i: int, log_start: int, last_stable: int, visible_end: int) -> int:
+    """The position of the first visible message at index ``i`` or later, looked for in growing
+    slices; the window's end (or the visible end, if sooner) when there is none in the window."""
+    step = 64
+    while i < len(w.sizes):
+        later = np.flatnonzero(w.visible(log_start, last_stable, i, i + step))
+        if len(later):
+            return int(w.starts[i + later[0]])
+        i, step = i + step, step * 4
     return min(w.end_position, visible_end)
 
 
-def _serve(w: Window, vis: np.ndarray, i: int, max_bytes: int) -> Serve:
+def _serve(w: Window, i: int, max_bytes: int, log_start: int, last_stable: int) -> Serve:
     """Messages from index ``i`` while visible, contiguous in bytes and within ``max_bytes``."""
-    run = vis[i + 1:] & (w.starts[i + 1:] == w.ends[i:-1])
+    hi = max(int(np.searchsorted(w.ends, w.starts[i] + max_bytes, side="right")), i + 1)  # all that could fit
+    run = w.visible(log_start, last_stable, i + 1, hi) & (w.starts[i + 1: hi] == w.ends[i: hi - 1])
     stop = np.flatnonzero(~run)
     k = i + 1 + (int(stop[0]) if len(stop) else len(run))  # messages [i, k) are one contiguous visible run
     fits = int(np.searchsorted(w.ends[i:k] - w.starts[i], max_bytes, side="right"))
