@@ -117,11 +117,11 @@ def parse_topic_entry(data: bytes) -> tuple:
     """(numParts, brokerId, slaveId or None) of a ``topics-pub``/``topics-sub`` entry."""
     try:
         doc = json.loads(data)
-        n = doc["numParts"]
+        n = whole_number("numParts", doc["numParts"])
         broker = parse_broker_entry(doc["broker"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"topic entry {data[:80]!r} is not MetaQ's {{\"numParts\":n,\"broker\":\"<id>-m\"}}: {e}") from None
-    return whole_number("numParts", n), broker[0], broker[1]
+    return n, broker[0], broker[1]
 
 
 def format_group_offset(msg_id: int, offset: int) -> bytes:
