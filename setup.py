@@ -39,7 +39,8 @@ setup(
                  "selenium>=4.20",  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
                  "cryptography>=41",  # a throwaway CA for the security tests and benchmark (tests/certs.py)
                  # real Kafka clients against the Kafka protocol (tests/test_kafka_*.py; apt: kcat)
-                 "confluent-kafka>=2.4", "kafka-python>=2.0.2", "aiokafka>=0.11"],
+                 "confluent-kafka>=2.4", "kafka-python>=2.0.2", "aiokafka>=0.11",
+                 "hypothesis>=6.100"],  # property tests against brute-force models (tests/test_metaq_offsets.py)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },
