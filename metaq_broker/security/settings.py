@@ -3,6 +3,8 @@ key or a bad value fails naming the key, a certificate file that is missing or n
 file. Passwords never appear in a repr, a log line or an error."""
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
@@ -51,6 +53,21 @@ def read_pem(key: str, path: str) -> bytes:
     if b"-----BEGIN " not in data:
         raise ConfigError(f"{key}: {path} is not a PEM file (no -----BEGIN line)")
     return data
+
+
+def private_key_warning(key: str, path: Optional[str]) -> Optional[str]:
+    """A warning when the private key file ``path`` (setting ``key``) may be read by group or others, as
+    ssh refuses such keys; None when it may not (or is not set)."""
+    if not path:
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None  # a missing file is reported where it is read
+    if not mode & 0o077:
+        return None
+    return (f"{key} {path} may be read by group or others (mode {mode:04o}): anyone who can read it can "
+            f"pass for this process; chmod 600 {path}")
 
 
 def _unknown(where: str, keys, known) -> None:

@@ -20,7 +20,7 @@ from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol.status import to_error
-from metaq_broker.security.settings import read_pem
+from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
@@ -37,7 +37,7 @@ from metaq_broker.server.service import BrokerService
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.server.txn_resolver import TransactionResolver
 from metaq_broker.store import MessageStore, validate_topic_name
-from metaq_broker.store.durable import make_dirs, replace_file
+from metaq_broker.store.durable import make_dirs, open_to_others, replace_file, restrict_tree
 from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
@@ -97,6 +97,7 @@ class Broker:
         cfg = self.config
         data = Path(cfg.data_path)
         make_dirs(data)
+        self._warn_about_exposure(data)
         if self.uses_zookeeper:
             self._lock_data(data)
         topics = {**self._runtime_topics(), **cfg.topics}
@@ -214,7 +215,7 @@ class Broker:
         (``_take_over_stale_nodes``): whoever holds this lock knows that run is dead."""
         directory = data / MEMBER_DIRECTORY
         make_dirs(directory)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -340,6 +341,31 @@ class Broker:
 
     def _resolver_zk(self):
         return self._zk_if_connected() if self.is_master else None
+
+    def _warn_about_exposure(self, data: Path) -> None:
+        """Before anything is served: what below ``dataPath`` others could read is narrowed to 0700/0600
+        (store/durable.py); a ``dataPath`` open to others, a private key others may read, and users or ACLs
+        in a ZooKeeper without ``zk.auth`` are warned about, once, naming the fix."""
+        cfg = self.config
+        narrowed = restrict_tree(data)
+        if narrowed:
+            log.warning("narrowed %d files and directories below %s to 0600/0700: group or others could read "
+                        "them (written by an older version or under a wider umask)", narrowed, data)
+        mode = open_to_others(data)
+        if mode:
+            log.warning("dataPath %s is open to group or others (mode %s); what the broker keeps below it is "
+                        "0700/0600, but its listing names every topic: chmod 700 %s", data, mode, data)
+        for key, path in (("ssl.key.location", cfg.security.key_location),
+                          ("zk.ssl.key.location", cfg.zk_security.key_location)):
+            problem = private_key_warning(key, path)
+            if problem:
+                log.warning("%s", problem)
+        sec = cfg.security
+        if (sec.uses_sasl or sec.authorizer == "acl") and self.uses_zookeeper and not cfg.zk_security.digest:
+            log.warning("%s keeps users and ACLs in ZooKeeper, but zk.auth is not set: anyone who reaches "
+                        "ZooKeeper at %s can add a user or grant itself any ACL. Set zk.auth (docs/security.md, "
+                        "section 6)", "security.protocol SASL_SSL" if sec.uses_sasl else "authorizer=acl",
+                        cfg.zk_connect)
 
     def _start_auth(self) -> BrokerAuth:
         """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a

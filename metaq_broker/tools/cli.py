@@ -23,7 +23,7 @@ from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
 from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.security import acl as acl_mod
-from metaq_broker.security.scram import DEFAULT_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
+from metaq_broker.security.scram import DEFAULT_ITERATIONS, MAX_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
 from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.partition import PartitionLog
@@ -485,8 +485,9 @@ def _password(password, password_file, name) -> str:
               "--password-file or the prompt)")
 @click.option("--password-file", type=click.Path(dir_okay=False), default=None,
               help="read the password from the first line of this file")
-@click.option("--iterations", type=click.IntRange(MIN_ITERATIONS), default=DEFAULT_ITERATIONS, show_default=True,
-              help="PBKDF2 iterations of the SCRAM credential")
+@click.option("--iterations", type=click.IntRange(MIN_ITERATIONS, MAX_ITERATIONS), default=DEFAULT_ITERATIONS,
+              show_default=True, help="PBKDF2 iterations of the SCRAM credential (clients refuse more than "
+                                      f"{MAX_ITERATIONS}, as Kafka's)")
 @click.pass_obj
 def users_add(obj, name, password, password_file, iterations):
     """Create user NAME, or give it a new password."""
