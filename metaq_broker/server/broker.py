@@ -138,7 +138,7 @@ class Broker:
             except RuntimeError as e:
                 raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
             if self.metrics is not None:
-                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
+                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port, self.auth)
             if cfg.data_port >= 0:
                 try:
                     self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth,
