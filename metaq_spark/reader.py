@@ -236,7 +236,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
     def _mark(self, offsets: dict, start: Optional[dict] = None) -> dict:
         return mark(offsets, self.opts.zk_connect, self.opts.zk_root,
                     self._group_of(start) if self.opts.commit_offsets else None,
-                    secured=self.opts.security.protocol != "PLAINTEXT" or self.opts.security.zk.digest is not None)
+                    secured=self.planner.consumer.group_offsets_via_broker or self.opts.security.zk.digest is not None)
 
     def initialOffset(self) -> dict:
         ranges = self.planner.initial_ranges()

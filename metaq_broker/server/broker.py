@@ -34,6 +34,7 @@ from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
 from metaq_broker.server.replica_manager import ReplicaManager
 from metaq_broker.server.service import BrokerService
+from metaq_broker.server.sinks import SinkDecisionsService
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.server.txn_resolver import TransactionResolver
 from metaq_broker.store import MessageStore, validate_topic_name
@@ -43,7 +44,7 @@ from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.paths import ZkPaths
-from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
 from metaq_broker.zk.users import UserCache
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,10 @@ class Broker:
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
             self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
-            if self.uses_zookeeper:
-                self.server.add_generic_rpc_handlers((GroupOffsetsService(self.auth, self._groups_zk,
-                                                                          cfg.zk_root).handler(),))
+            if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
+                self.server.add_generic_rpc_handlers((
+                    GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                    SinkDecisionsService(self.auth, self._groups_zk, cfg.zk_root).handler()))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
                 self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
@@ -157,7 +159,7 @@ class Broker:
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
                     replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake(),
-                    before_register=self._take_over_stale_nodes)
+                    before_register=self._before_register)
                 self.group = self._new_group_member()
                 service.group = self.group
                 self.registration.start()
@@ -239,6 +241,14 @@ class Broker:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
+    def _before_register(self, client) -> None:
+        """Consumer groups and decision records get the ACL that lets the clients' identity in (zk.client.auth,
+        zk/session.py), nodes an earlier start made included; then stale nodes of a crashed run go."""
+        changed = share_client_nodes(client, self.config.zk_root, self.config.zk_security)
+        if changed:
+            log.info("gave %d consumer-group and decision-record nodes the ACL of zk.auth and zk.client.auth", changed)
+        self._take_over_stale_nodes(client)
+
     def _take_over_stale_nodes(self, client) -> None:
         """A restart right after a crash (``kill -9``): the crashed run's ZooKeeper session still holds this
         member's node and, if it was master, ``/brokers/ids/<b>``, and ZooKeeper drops them only after
@@ -267,6 +277,8 @@ class Broker:
         last_epoch, log_end = self._standing()
         return {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
                 "securityProtocol": cfg.security.protocol, "replicaId": cfg.replica_id, "uuid": self.identity.uuid,
+                # clients without a ZooKeeper identity then commit offsets and decisions through brokers
+                **({"zkAcl": True} if cfg.zk_security.digest else {}),
                 "lastEpoch": last_epoch, "logEnd": log_end,
                 **({"instance": self.instance} if self.instance is not None else {}),
                 **({"dataPort": self.data_port} if self.data_port is not None else {})}
@@ -378,6 +390,7 @@ class Broker:
                               "set zk.connect")
         if needs_zk:
             self._security_zk = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
+            self._security_zk.share_below(*client_subtrees(cfg.zk_root))  # it writes groups and decisions
             start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
             self._users = UserCache(self._security_zk, cfg.zk_root)
         auth = BrokerAuth(sec, cfg.data_path, self._users.credential if self._users is not None else None)
