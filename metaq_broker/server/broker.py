@@ -26,6 +26,7 @@ from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_in
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group import MASTER, GroupMember
+from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import load_or_create
@@ -133,6 +134,7 @@ class Broker:
             if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
                 self.server.add_generic_rpc_handlers((
                     GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                    GroupListingService(self.auth, self._groups_zk, cfg.zk_root).handler(),
                     SinkDecisionsService(self.auth, self._groups_zk, cfg.zk_root).handler()))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
