@@ -72,7 +72,7 @@ def lost_login(snap: dict) -> bool:
     """The brokers stopped taking this person's login (password changed, user removed) since the last
     snapshot: their session ends."""
     errors = list(snap.get("errors", ())) + [b.get("error") or "" for b in snap.get("brokers", ())]
-    return any("AuthenticationError" in e for e in errors)
+    return any("AuthenticationError" in e and "busy" not in e for e in errors)  # "busy": a flood, retried
 
 
 class UserViews:
@@ -452,6 +452,9 @@ def run(zk_connect: Optional[str], zk_root: str, brokers: Optional[str], host: s
         console.start()
         how = "each person logs in as a user of the cluster" if login else "no login"
         out(f"metaq console: {console.url} ({console.target}; {how}; Ctrl-C stops it)")
+        if host in ("0.0.0.0", "::") and not allowed_hosts:
+            out("metaq console: it answers requests for localhost, 127.0.0.1 and ::1 only; name the others it "
+                "is reached by with --allowed-hosts")
         sys.stdout.flush()
         while not stop.wait(0.5):
             pass
