@@ -6,19 +6,14 @@ keeps them readable by the brokers' identity only. A handler of its own beside s
 the same service."""
 from __future__ import annotations
 
-import json
-import logging
 from typing import Callable
 
 import grpc
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import NoNodeError
 
-from metaq_broker.errors import MetaqError
 from metaq_broker.protocol.services import DESCRIBE_GROUPS, GROUPS_SERVICE
-from metaq_broker.protocol.status import code_of
+from metaq_broker.server.json_rpc import connected, json_method
 from metaq_broker.zk.group_offsets import GroupStore
-
-log = logging.getLogger(__name__)
 
 MAX_GROUPS = 10_000  # groups one answer describes (the first, by name)
 
@@ -31,26 +26,15 @@ class GroupListingService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(GROUPS_SERVICE, {
-            DESCRIBE_GROUPS: grpc.unary_unary_rpc_method_handler(self._serve)})
+            DESCRIBE_GROUPS: json_method(self.auth, self._describe, "describe groups")})
 
-    def _serve(self, request: bytes, context) -> bytes:
-        try:
-            principal = self.auth.grpc_principal(context)
-            m = json.loads(request or b"{}")
-            if not isinstance(m, dict) or not isinstance(m.get("group", ""), str):
-                raise ValueError('expected JSON {} or {"group": ...}')
-            return json.dumps({"groups": self.describe(principal, m.get("group") or None)}).encode()
-        except MetaqError as e:
-            context.abort(code_of(e), str(e))
-        except (ValueError, TypeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"describe groups: {e}")
-        except KazooException as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"ZooKeeper did not answer: {type(e).__name__}")
+    def _describe(self, principal: str, m: dict) -> dict:
+        if not isinstance(m.get("group", ""), str):
+            raise ValueError('expected JSON {} or {"group": ...}')
+        return {"groups": self.describe(principal, m.get("group") or None)}
 
     def describe(self, principal: str, only=None) -> list:
-        zk = self._zk()
-        if zk is None:
-            raise KazooException("no ZooKeeper session")
+        zk = connected(self._zk)
         store = GroupStore(zk, self.root)
         names = [only] if only else store.groups()
         out = []

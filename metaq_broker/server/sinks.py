@@ -13,22 +13,16 @@ cannot name another node. Methods (zk/decisions.py has the rules):
   driver died after the decision, among the sinks the caller may ``Write``."""
 from __future__ import annotations
 
-import json
-import logging
 import posixpath
 from typing import Callable
 
 import grpc
-from kazoo.exceptions import KazooException
 
-from metaq_broker.errors import MetaqError
 from metaq_broker.protocol.services import (DECIDE, FORGET_DECISIONS, READ_DECISION, SINKS_SERVICE,
                                             SWEEP_BATCH_WRITES)
-from metaq_broker.protocol.status import code_of
+from metaq_broker.server.json_rpc import connected, json_method
 from metaq_broker.zk import decisions
 from metaq_broker.zk.paths import ZkPaths
-
-log = logging.getLogger(__name__)
 
 MAX_XIDS = 100_000  # transactions one decision may list (a record must fit ZooKeeper's 1 MB anyway)
 
@@ -41,35 +35,16 @@ class SinkDecisionsService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SINKS_SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(self._call(method)) for name, method in (
+            name: json_method(self.auth, method, "sink decisions") for name, method in (
                 (DECIDE, self.decide), (READ_DECISION, self.read), (FORGET_DECISIONS, self.forget),
                 (SWEEP_BATCH_WRITES, self.sweep))})
-
-    def _call(self, method):
-        def serve(request: bytes, context) -> bytes:
-            try:
-                principal = self.auth.grpc_principal(context)
-                m = json.loads(request)
-                if not isinstance(m, dict):
-                    raise ValueError("expected a JSON object")
-                return json.dumps(method(principal, m)).encode()
-            except MetaqError as e:
-                context.abort(code_of(e), str(e))
-            except (ValueError, TypeError, KeyError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sink decisions: {type(e).__name__}: {e}")
-            except KazooException as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"ZooKeeper did not answer: {type(e).__name__}")
-        return serve
 
     def _zk_for(self, principal: str, operation: str, sink) -> object:
         if not isinstance(sink, str):
             raise TypeError("sink must be a string")
         self.paths.sink_batches(sink)  # ValueError for a name that is no path component
         self.auth.authorize(principal, operation, "sink", sink)
-        zk = self._zk()
-        if zk is None:
-            raise KazooException("no ZooKeeper session")
-        return zk
+        return connected(self._zk)
 
     def _record(self, m: dict) -> str:
         batch = m["batch"]
@@ -111,9 +86,7 @@ class SinkDecisionsService:
         horizon = m["older_than_s"]
         if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or horizon < 3600:
             raise ValueError("older_than_s must be a number of seconds, at least 3600")
-        zk = self._zk()
-        if zk is None:
-            raise KazooException("no ZooKeeper session")
+        zk = connected(self._zk)
         gone = []
         for sink in decisions.stale_batch_writes(zk, self.paths.sinks(), horizon):
             name = posixpath.basename(sink)
