@@ -13,6 +13,7 @@ them with their top's ACL (``MetaqZooKeeper.share_below``), as ZooKeeper would i
 Without ``zk.auth`` znodes stay open, as before."""
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import time
@@ -28,6 +29,8 @@ from metaq_broker.errors import MetaqError
 from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.security.tls import explain
 from metaq_broker.zk.paths import ZkPaths
+
+log = logging.getLogger(__name__)
 
 SHARED_ACL_TTL_S = 60.0  # how long a session reuses the ACL it read from a shared subtree's top
 
@@ -138,6 +141,10 @@ def _set_acls_below(client: KazooClient, path: str, acl: list) -> int:
         children = client.get_children(path)
     except NoNodeError:
         return 0  # gone meanwhile (an ephemeral member, a deleted group)
+    except NoAuthError:  # made by another identity with an ACL that leaves the brokers out
+        log.warning("cannot give %s the ACL of zk.auth and zk.client.auth: its ACL leaves this broker out "
+                    "(setAcl it, or delete it, with an identity it lets in)", path)
+        return 0
     return 1 + sum(_set_acls_below(client, f"{path}/{c}", acl) for c in children)
 
 
