@@ -208,3 +208,18 @@ def test_a_restart_with_zk_client_auth_opens_the_existing_groups_to_the_clients_
         assert member.committed("t") == {"2-0": 5}
         member.commit("t", {"2-0": 7})
         assert member.committed("t") == {"2-0": 7}
+
+
+def test_bad_identity_settings_are_refused_naming_the_key():
+    from metaq_broker.errors import ConfigError
+    from metaq_broker.security.settings import ClientSecurity
+    with pytest.raises(ConfigError, match="zk.client.auth needs zk.auth"):
+        ZkSecurity.from_properties({"zk.client.auth": CLIENTS})
+    with pytest.raises(ConfigError, match="zk.client.auth must name another user than zk.auth"):
+        ZkSecurity.from_properties({"zk.auth": CLUSTER, "zk.client.auth": "digest:metaq:other-pw"})
+    with pytest.raises(ConfigError, match="zk.client.auth: expected digest:USER:PASSWORD"):
+        ZkSecurity.from_properties({"zk.auth": CLUSTER, "zk.client.auth": "digest:apps"})
+    with pytest.raises(ConfigError, match="zk.client.auth is a broker setting"):
+        ClientSecurity.from_properties({"zk.client.auth": CLIENTS})
+    both = ZkSecurity.from_properties({"zk.auth": CLUSTER, "zk.client.auth": CLIENTS})
+    assert "apps-pw" not in repr(both) and "cluster-pw" not in repr(both)
