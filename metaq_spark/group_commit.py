@@ -32,7 +32,7 @@ from pyspark.sql.streaming import StreamingQueryListener
 
 from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.zk.group_offsets import GroupStore
-from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.session import client_subtrees, new_client, start_client
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class _Recorder:
                 # Bounded reconnects: a client whose ZooKeeper went away is dropped and made anew at the
                 # next write, rather than retrying (and logging) forever in the driver.
                 client = new_client(zk_connect, 10.0, security, reconnect_tries=3)
+                client.share_below(*client_subtrees(root))
                 start_client(client, zk_connect, 10.0)
                 store = self._stores[(zk_connect, root)] = GroupStore(client, root)
             return store

@@ -16,6 +16,12 @@ from metaq_broker.security.settings import ClientSecurity
 SECURITY_OPTIONS = {"metaq.security.protocol", "metaq.ssl.ca.location", "metaq.ssl.certificate.location",
                     "metaq.ssl.key.location", "metaq.sasl.mechanism", "metaq.sasl.username", "metaq.sasl.password",
                     "metaq.zk.auth"}
+# Options whose values are secrets (a SASL password, the ZooKeeper digest, any key or keystore password or
+# token a later option adds). Spark prints a data source's options in plans (explain, the UI, the logical
+# plan a failed query's error carries) unless a redaction regex matches the key or the value, and its own
+# regex matches "password" but not "metaq.zk.auth": ``register`` adds this one to the session's
+# spark.sql.redaction.options.regex, so such a value is shown as *********(redacted) whatever it looks like.
+SECRET_OPTIONS = re.compile(r"(?i)^metaq\.(zk\.auth|.*(password|passphrase|secret|token|credential).*)$")
 SOURCE_OPTIONS = SECURITY_OPTIONS | {
     "metaq.zk.connect", "metaq.zk.root", "subscribe", "subscribePattern", "assign", "startingOffsets",
     "startingTimestamp", "startingOffsetsByTimestamp", "startingOffsetsByTimestampStrategy", "endingOffsets",
@@ -30,6 +36,18 @@ EARLIEST, LATEST = -2, -1
 
 class OptionError(ValueError):
     """A metaq source option is unknown or has a bad value."""
+
+
+def is_secret(name: str) -> bool:
+    return SECRET_OPTIONS.match(name) is not None
+
+
+def redaction_regex(current: Optional[str]) -> str:
+    """Spark's ``spark.sql.redaction.options.regex`` (``current``; Spark's default ``(?i)url`` when unset)
+    with ``SECRET_OPTIONS`` added once."""
+    ours = SECRET_OPTIONS.pattern
+    current = current or "(?i)url"
+    return current if ours in current else f"{current}|{ours}"
 
 
 @dataclass
@@ -57,7 +75,7 @@ class SourceOptions:
     fetch_timeout_ms: int = 120_000  # a task's wait for a partition's broker that is down (Kafka: pollTimeoutMs)
     security: ClientSecurity = field(default_factory=ClientSecurity)
     columns: Optional[tuple] = None  # a schema the user gave: only these columns are built (None: all)
-    raw: dict = field(default_factory=dict)  # the options as given, passwords left out
+    raw: dict = field(default_factory=dict)  # the options as given, secrets (is_secret) left out
 
     def topic_matcher(self):
         if self.subscribe is not None:
@@ -153,7 +171,7 @@ def parse(options, streaming: bool) -> SourceOptions:
     if not opts.get("metaq.zk.connect"):
         raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
     o = SourceOptions(zk_connect=opts["metaq.zk.connect"], security=security_option(opts),
-                      raw={k: v for k, v in opts.items() if k not in ("metaq.sasl.password", "metaq.zk.auth")})
+                      raw={k: v for k, v in opts.items() if not is_secret(k)})
     if "metaq.zk.root" in opts:
         o.zk_root = opts["metaq.zk.root"]
         if not o.zk_root.startswith("/"):

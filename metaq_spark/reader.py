@@ -267,7 +267,7 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
                  **({RESTARTS: _sorted(restarts)} if restarts else {})}
         marked = mark(offsets, self.opts.zk_connect, self.opts.zk_root,
                       self._group_of(start) if self.opts.commit_offsets else None,
-                      secured=self.opts.security.protocol != "PLAINTEXT" or self.opts.security.zk.digest is not None)
+                      secured=self.planner.consumer.group_offsets_via_broker or self.opts.security.zk.digest is not None)
         return {**{k: v for k, v in marked.items() if k == MARKER}, **extra, **unmark(marked)}
 
     def initialOffset(self) -> dict:

@@ -4,7 +4,8 @@ Each task writes its rows in one broker transaction per broker it touches, named
 ``<sinkId>/<batchId>/<run>/<partitionId>-<taskAttemptId>@<brokerId>`` and begun with the coordinator
 ``{"path": <decision record>, "run": <run>}``, and prepares them. The driver's ``commit`` then records the
 decision for the batch in ZooKeeper (``<zk.root>/sinks/<sinkId>/batches/<batchId>``, listing the
-transactions to commit; ``metaq_broker.zk.decisions``) and commits them. A batch replayed after a driver
+transactions to commit; ``metaq_broker.zk.decisions``), through a broker when the query is secured
+(``client.decisions``: no ZooKeeper identity needed), and commits them. A batch replayed after a driver
 crash finds the earlier run's decision, finishes its commits and rolls back its own transactions, so
 nothing is written twice; a broker holding an in-doubt transaction settles it from the same record. The
 record names the query that committed it: a decision by another query (the same sinkId reused) is not a
@@ -26,7 +27,6 @@ import logging
 import posixpath
 import re
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -37,11 +37,13 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
 
+from metaq_broker.client.decisions import SinkDecisions
 from metaq_broker.client.producer import PipelinedSender, Producer
 from metaq_broker.client.settle import COMMIT, rollback_quietly, settle
 from metaq_broker.errors import InvalidMessageError
 from metaq_broker.security.settings import ClientSecurity
 from metaq_broker.zk import decisions as txn_decisions
+from metaq_broker.zk.decisions import BATCH_WRITE_PREFIX
 from metaq_broker.zk.paths import ZkPaths, check_component
 from metaq_spark.options import SECURITY_OPTIONS, OptionError, integer_option, security_option
 
@@ -53,7 +55,6 @@ _SPELLING = {name.lower(): name for name in SINK_OPTIONS}
 _GIVEN_BY_SPARK = {"checkpointlocation", "path"}
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 BATCH_RECORD_HORIZON_S = 7 * 86_400  # leftover decision records of crashed batch writes older than this go
-BATCH_WRITE_PREFIX = "write."  # sink node of a batch write: write.<sinkId>, or write.<random run>
 SETTLE_WAIT_S = 120.0  # how long the driver waits for a broker that is down to take a commit
 MAX_PUT_BYTES = 16 << 20  # Arrow batches larger than this go to the brokers in slices
 PUT_BYTES = 4 << 20  # smaller Arrow batches queued together go in one Put up to this size
@@ -168,6 +169,7 @@ class SinkCommitMessage(WriterCommitMessage):
     owner: dict  # {"query": <Spark query id>, "checkpoint": <location>} of a stream; {} for a batch write
     xids: list  # [[brokerId, xid], ...] prepared by the task
     rows: int
+    sink: str = ""  # the sink id of the record (its node under <root>/sinks)
 
 
 # -- shared clients (one per Python process) -----------------------------------------------------------
@@ -184,6 +186,11 @@ def _producer(opts: SinkOptions):
         if p is None:
             p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, security=opts.security)
         return p
+
+
+def _decisions(opts: SinkOptions) -> SinkDecisions:
+    """The decision records, kept through the shared Producer's brokers or its ZooKeeper session."""
+    return SinkDecisions(_producer(opts))
 
 
 # -- executors -----------------------------------------------------------------------------------------
@@ -355,7 +362,7 @@ class _Writer:
             for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
                 rollback_quietly(producer, bid, xid)
             raise
-        return SinkCommitMessage(self.run, path, owner, xids, pipe.rows)
+        return SinkCommitMessage(self.run, path, owner, xids, pipe.rows, sink_id)
 
     # -- driver side -----------------------------------------------------------------------------------
     def _commit(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
@@ -364,12 +371,12 @@ class _Writer:
         if not self.opts.exactly_once or not done:
             return  # no task reported (nothing ran): brokers settle any leftovers from the record
         run, path = _one(done)
-        owner = done[0].owner
+        sink, owner = done[0].sink, done[0].owner
         own = sorted({(int(b), x) for m in done for b, x in m.xids})
         producer = _producer(self.opts)
-        zk = producer.cluster.zk
+        records = _decisions(self.opts)
         try:
-            decision = txn_decisions.decide_commit(zk, path, run, [list(x) for x in own], owner)
+            decision = records.decide_commit(sink, batch_id, run, [list(x) for x in own], owner)
         except txn_decisions.TransactionsAbortedError as e:
             now = f"{self.opts.timeout_ms} ms" if self.opts.timeout_ms else \
                 "unset, so the brokers' transactionTimeout"
@@ -389,7 +396,7 @@ class _Writer:
                      batch_id, decision.run, len(own))
             for bid, xid in own:
                 rollback_quietly(producer, bid, xid)
-        self._clean(zk, path, batch_id)
+        self._clean(records, sink, batch_id)
 
     def _abort(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
         """Roll back this run's transactions, unless a commit decision for them is in force (Spark calls
@@ -397,18 +404,19 @@ class _Writer:
         done = [m for m in messages if m is not None]
         if not self.opts.exactly_once or not done:
             return  # failed tasks rolled back their own; brokers time out any others
-        run, path = _one(done)
+        run, _ = _one(done)
         producer = _producer(self.opts)
-        decision = txn_decisions.decide_abort(producer.cluster.zk, path, run)
+        records = _decisions(self.opts)
+        decision = records.decide_abort(done[0].sink, batch_id, run)
         left = 0
         for m in done:
             for bid, xid in m.xids:
                 if not decision.commits(int(bid), xid):
                     left += not rollback_quietly(producer, int(bid), xid)
         if not self.streaming and left == 0 and decision.outcome == "abort":
-            _delete(producer.cluster.zk, posixpath.dirname(posixpath.dirname(path)))
+            _housekeeping(records.forget_sink, done[0].sink)
 
-    def _clean(self, zk, path: str, batch_id: int) -> None:
+    def _clean(self, records: SinkDecisions, sink: str, batch_id: int) -> None:
         raise NotImplementedError
 
 
@@ -424,11 +432,12 @@ def _one(messages: list) -> tuple:
     return runs.pop()
 
 
-def _delete(zk, path: str) -> None:
+def _housekeeping(step, *args) -> None:
+    """Run ``step`` (deleting old decision records); a failure is logged, never fails a write."""
     try:
-        zk.delete(path, recursive=True)
+        step(*args)
     except Exception as e:  # noqa: BLE001 - housekeeping never fails a write
-        log.warning("could not delete %s: %s", path, e)
+        log.warning("could not clean up decision records (%s%s): %s", step.__name__, args, e)
 
 
 class MetaqStreamWriter(_Writer, DataSourceStreamArrowWriter):
@@ -440,16 +449,10 @@ class MetaqStreamWriter(_Writer, DataSourceStreamArrowWriter):
     def abort(self, messages, batchId: int) -> None:
         self._abort(messages, batchId)
 
-    def _clean(self, zk, path: str, batch_id: int) -> None:
+    def _clean(self, records: SinkDecisions, sink: str, batch_id: int) -> None:
         """Only the last batch can be replayed (Spark wrote batch N-1 to its commit log before running
         N): keep the records of N and N-1, delete older ones (also those a broker recreated to abort)."""
-        parent = posixpath.dirname(path)
-        try:
-            for child in zk.get_children(parent):
-                if child.isdigit() and int(child) < batch_id - 1:
-                    zk.delete(f"{parent}/{child}")
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not clean up decision records under %s: %s", parent, e)
+        _housekeeping(records.forget_below, sink, batch_id - 1)
 
 
 class MetaqBatchWriter(_Writer, DataSourceArrowWriter):
@@ -459,30 +462,11 @@ class MetaqBatchWriter(_Writer, DataSourceArrowWriter):
     def abort(self, messages) -> None:
         self._abort(messages, 0)
 
-    def _clean(self, zk, path: str, batch_id: int) -> None:
+    def _clean(self, records: SinkDecisions, sink: str, batch_id: int) -> None:
         """Delete this write's own sink node, and leftovers of batch writes whose driver died after the
         decision (older than BATCH_RECORD_HORIZON_S: by then their brokers have long settled)."""
-        own = posixpath.dirname(posixpath.dirname(path))
-        _delete(zk, own)
-        sinks = posixpath.dirname(own)
-        try:
-            for child in zk.get_children(sinks):
-                if child.startswith(BATCH_WRITE_PREFIX) and self._old_batch_write(zk, f"{sinks}/{child}"):
-                    _delete(zk, f"{sinks}/{child}")
-        except Exception as e:  # noqa: BLE001 - housekeeping never fails a write
-            log.warning("could not sweep old batch-write records under %s: %s", sinks, e)
-
-    @staticmethod
-    def _old_batch_write(zk, sink: str) -> bool:
-        """A batch write's record (batch 0 only, no streaming owner) created over the horizon ago."""
-        batches = zk.get_children(f"{sink}/batches") if zk.exists(f"{sink}/batches") else []
-        if batches not in ([], [f"{0:020d}"]):
-            return False
-        stat = zk.exists(sink)
-        if stat is None or time.time() - stat.ctime / 1000 <= BATCH_RECORD_HORIZON_S:
-            return False
-        decision = txn_decisions.read(zk, f"{sink}/batches/{0:020d}")[0] if batches else None
-        return decision is None or not decision.owner
+        _housekeeping(records.forget_sink, sink)
+        _housekeeping(records.sweep_batch_writes, BATCH_RECORD_HORIZON_S)
 
 
 def writer(options, schema: StructType, streaming: bool):

@@ -1,6 +1,7 @@
 """The web console (``metaq console``) in a real headless Chromium against a real ZooKeeper and brokers:
 what each page shows is checked against what the client reports, values are escaped, and a screenshot of
 each page is saved under docs/console/ for the README and docs/console.md."""
+import contextlib
 import json
 import os
 import shutil
@@ -78,14 +79,15 @@ def env(tmp_path_factory, zookeeper):
         c.stop()
 
 
-@pytest.fixture(scope="module")
-def browser():
+@contextlib.contextmanager
+def chromium(*flags):
+    """Headless Chromium driven by chromedriver, with a profile of its own and extra command-line ``flags``."""
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     profile = tempfile.mkdtemp(prefix="metaq-chromium-")
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,900", f"--user-data-dir={profile}"):
+                 "--window-size=1280,900", f"--user-data-dir={profile}", *flags):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
@@ -93,6 +95,12 @@ def browser():
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as driver:
+        yield driver
 
 
 def open_page(driver, url, page, query=""):

@@ -1,8 +1,10 @@
 """Prometheus metrics of a real broker: scraped over HTTP while producing and fetching through the
 client, compared with what the store holds; ZooKeeper session state; config; the port freed on stop."""
+import base64
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -24,10 +26,15 @@ from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
 
 class Scrape:
-    """One scrape of /metrics, parsed with Prometheus' own parser; ``m(name, **labels)`` is a sample."""
+    """One scrape of /metrics, parsed with Prometheus' own parser; ``m(name, **labels)`` is a sample. A
+    secured broker's (docs/security.md, "The metrics port"): HTTPS trusting ``ca``, basic ``login``."""
 
-    def __init__(self, port):
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    def __init__(self, port, ca=None, login=None):
+        request = urllib.request.Request(f"{'https' if ca else 'http'}://127.0.0.1:{port}/metrics")
+        if login is not None:
+            request.add_header("Authorization", "Basic " + base64.b64encode(":".join(login).encode()).decode())
+        context = ssl.create_default_context(cafile=ca) if ca else None
+        text = urllib.request.urlopen(request, timeout=10, context=context).read().decode()
         self.types, self.samples = {}, {}
         for family in text_string_to_metric_families(text):
             self.types[family.name] = family.type

@@ -1,6 +1,7 @@
 """TLS, SASL and ACLs with real broker processes and a real ZooKeeper (docs/security.md): who gets in, what
 they may do, and that every refusal says why. Certificates come from a throwaway CA (tests/certs.py).
 The data port's side is in test_security_dataport.py, ZooKeeper's own ACLs in test_security_zk.py."""
+import base64
 import socket
 import ssl
 import threading
@@ -302,8 +303,10 @@ def test_denials_are_counted_and_no_password_is_logged(secured, pki):
                 c.fetch("other", "1-0", 0)
     with pytest.raises(AuthenticationError):
         login(broker, sasl(pki, "bob", password="guess"))
-    port = int(broker.log_path.read_text().split("Prometheus metrics at http://127.0.0.1:")[1].split("/")[0])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    port = int(broker.log_path.read_text().split("Prometheus metrics at https://127.0.0.1:")[1].split("/")[0])
+    request = urllib.request.Request(f"https://127.0.0.1:{port}/metrics", headers={  # SASL_SSL: HTTPS, a login
+        "Authorization": "Basic " + base64.b64encode(f"admin:{PASSWORDS['admin']}".encode()).decode()})
+    text = urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(cafile=pki.ca)).read().decode()
     denied = [line for line in text.splitlines()
               if line.startswith('metaq_authorization_denials_total{operation="Read",resource_type="topic"}')]
     assert denied and float(denied[0].split()[-1]) >= 3

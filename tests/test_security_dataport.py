@@ -2,6 +2,7 @@
 principal of a client certificate or a session checked by the ACLs, certificates refused in words, the
 AUTH frame first, and a flood of bad handshakes that does not disturb good clients. Real brokers: child
 processes, or in-process where a broker's certificate is bad on purpose (its health check could not pass)."""
+import functools
 import json
 import os
 import socket
@@ -68,9 +69,12 @@ def client_sasl(pki, user="alice", password="alice-pw") -> ClientSecurity:
 
 
 def start(cluster, settings, **kw):
-    """A broker process with metrics on; (process, data port address, metrics port)."""
-    metrics = free_port()
-    b = cluster.start_broker(1, {"metricsPort": metrics, **settings}, topics={"t": {"numPartitions": 1}}, **kw)
+    """A broker process with metrics on; (process, data port address, a scrape of its metrics: HTTPS, as
+    alice under SASL_SSL)."""
+    port = free_port()
+    b = cluster.start_broker(1, {"metricsPort": port, **settings}, topics={"t": {"numPartitions": 1}}, **kw)
+    metrics = functools.partial(Scrape, port, settings["ssl.ca.location"], ("alice", "alice-pw")
+                                if settings["security.protocol"] == "SASL_SSL" else None)
     zk = KazooClient(hosts=cluster.zk_connect)
     zk.start(15)
     try:
@@ -81,9 +85,9 @@ def start(cluster, settings, **kw):
     return b, f"127.0.0.1:{reg['dataPort']}", metrics
 
 
-def served(metrics_port, method):
+def served(metrics, method):
     """Calls of ``method`` the broker's metrics have timed (FetchData, PutData: the data port's)."""
-    return Scrape(metrics_port).samples.get(("metaq_rpc_latency_seconds_count", (("method", method),)), 0)
+    return metrics().samples.get(("metaq_rpc_latency_seconds_count", (("method", method),)), 0)
 
 
 def put_parts(values, topic="t", partition=0):

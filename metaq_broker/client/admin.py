@@ -11,6 +11,7 @@ from kazoo.exceptions import NoNodeError
 from metaq_broker.client.base import ClientBase
 from metaq_broker.errors import InvalidPartitionError, MetaqError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.protocol.services import DESCRIBE_GROUPS, groups_path
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk import topic_entries
@@ -41,6 +42,14 @@ class GroupLag:
     def lag(self) -> int:
         """Offsets, not messages: transaction markers and aborted messages count too."""
         return self.latest - (self.committed or 0)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A consumer group as ``describe_groups`` finds it."""
+    group: str
+    members: list  # consumer ids of its live members (balanced consumption)
+    topics: dict  # topic -> ({partition: committed offset}, {partition: owning member})
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,14 @@ class Admin(ClientBase):
         """{topic: [partition names]} over live brokers."""
         return {t: self.partitions(t) for t in sorted(self.cluster.topics())}
 
+    def listed_topics(self) -> list:
+        """The topics live brokers list to this client: with ACLs, only those its principal may Describe
+        (``ListTopics``, as Kafka's metadata), where ZooKeeper's registrations show every topic."""
+        out = set()
+        for bid in sorted(self.cluster.brokers()):
+            out.update(t.topic for t in self.call(bid, "ListTopics", pb.ListTopicsRequest(), retries=3).topics)
+        return sorted(out)
+
     def describe(self, topic: str) -> list:
         out = []
         for bid in sorted({b for b, _ in self.cluster.topic_partitions(topic)}):
@@ -215,13 +232,26 @@ class Admin(ClientBase):
         """Committed offset, latest offset and lag for each partition of each topic the group has
         committed for (or just ``topic``)."""
         store = self._groups()
-        rows = []
-        for t in [topic] if topic else store.group_topics(group):
-            committed = store.fetch(group, t)
-            latest = self.offsets(t)
-            for p in sorted(set(committed) | set(latest)):
-                rows.append(GroupLag(group, t, p, committed.get(p), latest.get(p, (0, 0))[1]))
-        return rows
+        return [row for t in ([topic] if topic else store.group_topics(group))
+                for row in self.lag_of(group, t, store.fetch(group, t))]
+
+    def lag_of(self, group: str, topic: str, committed: dict) -> list:
+        """``GroupLag`` rows of ``topic`` for a group that committed ``committed`` ({partition: offset})."""
+        latest = self.offsets(topic)
+        return [GroupLag(group, topic, p, committed.get(p), latest.get(p, (0, 0))[1])
+                for p in sorted(set(committed) | set(latest))]
+
+    def describe_groups(self) -> list:
+        """Every consumer group as ``GroupView``: through a broker when this client keeps offsets there
+        (``group_offsets_via_broker``: only the groups and topics its principal may Describe), else
+        from ZooKeeper."""
+        if self.group_offsets_via_broker:
+            found = self.broker_json_call(groups_path(DESCRIBE_GROUPS), {})["groups"]
+            return [GroupView(g["group"], g["members"], {t: (v["offsets"], v["owners"]) for t, v in g["topics"].items()})
+                    for g in found]
+        store = self._groups()
+        return [GroupView(g, store.members(g), {t: (store.fetch(g, t), store.owners(g, t)) for t in store.group_topics(g)})
+                for g in store.groups()]
 
     # -- group operations (``metaq groups reset-offsets`` and ``delete``) -----------------------------
     def group_members(self, group: str) -> list:

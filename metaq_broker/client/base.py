@@ -177,23 +177,31 @@ class ClientBase:
             raise InvalidPartitionError(str(e)) from None
         return self.connection(bid), n
 
-    # -- group offsets through a broker (secured clusters) --------------------------------------------
+    # -- group offsets and decision records through a broker ------------------------------------------
     @property
     def group_offsets_via_broker(self) -> bool:
-        """A secured client (SSL, SASL_SSL) commits and reads group offsets through a broker, which checks
-        the group ACLs and writes ZooKeeper itself (server/groups.py); a PLAINTEXT one uses ZooKeeper."""
-        return self.security.protocol != "PLAINTEXT"
+        """Whether this client keeps group offsets and the exactly-once sink's decision records through a
+        broker, which checks the group's or sink's ACL and writes ZooKeeper with its own identity
+        (server/groups.py, server/sinks.py): a secured client (SSL, SASL_SSL) always, so that its ACLs
+        hold; a PLAINTEXT one when it holds no ZooKeeper identity and the brokers protect ZooKeeper
+        (zk.auth). Otherwise it writes ZooKeeper itself (an open ZooKeeper, or the clients' identity)."""
+        if self.security.protocol != "PLAINTEXT":
+            return True
+        return self.security.zk.digest is None and self.cluster.zk is not None and self.cluster.zk_protected()
 
     def broker_group_call(self, method: str, request: dict) -> dict:
         """``metaq.v1.Groups/<method>`` (``protocol.services``) on the first live broker that answers."""
+        return self.broker_json_call(groups_path(method), request)["offsets"]
+
+    def broker_json_call(self, path: str, request: dict) -> dict:
+        """A JSON method (``protocol.services``: ``/service/method``) on the first live broker that answers."""
         brokers = sorted(self.cluster.brokers())
         if not brokers:
-            raise InvalidPartitionError("no live broker to commit or read group offsets through")
+            raise InvalidPartitionError(f"no live broker to call {path} on")
         error = None
         for bid in brokers:
             try:
-                reply = self.call(bid, groups_path(method), json.dumps(request).encode())
-                return json.loads(reply)["offsets"]
+                return json.loads(self.call(bid, path, json.dumps(request).encode()))
             except BrokerUnavailableError as e:
                 error = e
         raise error

@@ -29,7 +29,7 @@ from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.zk import groups
 from metaq_broker.zk.paths import ZkPaths
-from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.session import client_subtrees, new_client, start_client
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class ClusterView:
         self._brokers: dict = {}           # live brokerId -> "host:port"
         self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
         self._protocols: dict = {}         # live brokerId -> its securityProtocol (PLAINTEXT if unsaid)
+        self._zk_acl: dict = {}            # live brokerId -> whether it keeps ZooKeeper protected (zk.auth)
         self._broker_watched: set = set()  # every brokerId registered at some time while this view ran
         self._last: dict = {}              # brokerId -> its last "host:port" (kept while it is down)
         self._moved_listeners: list = []
@@ -86,6 +87,7 @@ class ClusterView:
         self._entry_watched: set = set()   # (topic, brokerId) with a DataWatch
         if zk_connect is not None:
             self.zk = new_client(zk_connect, security=zk_security)
+            self.zk.share_below(*client_subtrees(root))  # group offsets and members, an admin's resets
             start_client(self.zk, zk_connect, timeout)
             _track(self)
             try:
@@ -123,6 +125,12 @@ class ClusterView:
         """The ``security.protocol`` a live broker registered (None: a static list, or not alive)."""
         with self._lock:
             return self._protocols.get(broker_id)
+
+    def zk_protected(self) -> bool:
+        """Whether a live broker registered that it protects ZooKeeper (``zk.auth``): a client without a
+        ZooKeeper identity of its own then keeps group offsets and decision records through brokers."""
+        with self._lock:
+            return any(self._zk_acl.values())
 
     def topics(self) -> list:
         """Names of the topics any broker has registered (static: as ``static_topics`` reports)."""
@@ -223,11 +231,13 @@ class ClusterView:
 
     def _on_broker_data(self, bid: int, data, stat, event=None) -> None:
         address = data_address = protocol = None
+        zk_acl = False
         if data is not None:
             try:
                 info = json.loads(data)
                 address = f"{info['host']}:{int(info['port'])}"
                 protocol = str(info.get("securityProtocol", "PLAINTEXT"))
+                zk_acl = info.get("zkAcl") is True
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
             else:
@@ -241,9 +251,11 @@ class ClusterView:
             if address is None:
                 self._brokers.pop(bid, None)
                 self._protocols.pop(bid, None)
+                self._zk_acl.pop(bid, None)
             else:
                 self._brokers[bid] = self._last[bid] = address
                 self._protocols[bid] = protocol
+                self._zk_acl[bid] = zk_acl
             if data_address is None:
                 self._data.pop(bid, None)
             else:

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
+from metaq_broker.errors import AuthenticationError
 from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
 from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS
@@ -136,7 +137,14 @@ class Consumer(ClientBase):
     def subscribe(self, topic: str, start: str = "committed") -> list:
         """Join the group for ``topic`` and take this member's share of its partitions (MetaQ's range
         assignment over ids/owners). Positions start from the committed offsets (earliest where none),
-        or ``earliest``/``latest``. Returns the owned partitions; call again to rebalance."""
+        or ``earliest``/``latest``. Returns the owned partitions; call again to rebalance. Members and
+        owners are ephemeral nodes of this client's own ZooKeeper session: with a protected ZooKeeper it
+        needs the clients' identity (zk.auth set to the brokers' zk.client.auth, docs/security.md)."""
+        if self.security.zk.digest is None and self.cluster.zk_protected():
+            raise AuthenticationError(
+                f"group {self.group}: balanced consumption (subscribe) keeps its members in ZooKeeper, which the "
+                f"brokers protect (zk.auth): give this client the clients' ZooKeeper identity, zk.auth set to the "
+                f"brokers' zk.client.auth; or assign partitions and commit offsets (through the brokers) instead")
         groups = self._group_store()
         self._owned.setdefault(topic, [])
         groups.join(self.group, self.consumer_id, sorted(self._owned))  # every topic this member follows

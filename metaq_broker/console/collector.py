@@ -12,8 +12,8 @@ from typing import Optional
 
 from metaq_broker.client.admin import Admin, BrokerStatus
 from metaq_broker.client.consumer import Consumer
+from metaq_broker.errors import AuthorizationError
 from metaq_broker.names import parse_partition_name
-from metaq_broker.zk.group_offsets import GroupStore
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +112,15 @@ class Clients:
 
 
 class Collector:
-    """Takes snapshots (``collect``) and keeps the last one, the rates and the history."""
+    """Takes snapshots (``collect``) and keeps the last one, the rates and the history. ``as_user``: the
+    clients are a logged-in person's, so the snapshot holds what their ACLs let them see: the topics the
+    brokers list to them (``ListTopics``), not every topic ZooKeeper's registrations name; a broker that
+    refuses them its cluster statistics is asked per topic."""
 
     def __init__(self, clients: Clients, interval: float = 2.0, history_seconds: float = 600.0,
-                 clock=time.time):
+                 clock=time.time, as_user: bool = False):
         self.clients = clients
+        self.as_user = as_user
         self.interval = interval
         self.clock = clock
         self.history: collections.deque = collections.deque(maxlen=max(2, int(history_seconds / interval) + 1))
@@ -198,8 +202,15 @@ class Collector:
             if not zk_ok:
                 snap["errors"].append(f"ZooKeeper {self.clients.zk_connect} is not connected ({zk.state}): brokers "
                                       f"and topics are as last seen, consumer groups cannot be read")
-        stats = self._brokers(admin, snap, zk_ok)
-        self._topics(admin, snap, stats, now)
+        stats, denied = self._brokers(admin, snap, zk_ok)
+        visible = None
+        if self.as_user:
+            try:
+                visible = set(admin.listed_topics())
+            except Exception as e:  # noqa: BLE001 - shown; nothing is listed rather than everything
+                snap["errors"].append(f"listing the topics you may see: {_error(e)}")
+                visible = set()
+        self._topics(admin, snap, stats, denied, now, visible)
         if zk is None:
             snap["errors"].append("consumer groups live in ZooKeeper: start the console with --zk to see them")
         elif zk_ok:
@@ -209,13 +220,14 @@ class Collector:
         self._publish(snap)
         return snap
 
-    def _brokers(self, admin: Admin, snap: dict, zk_ok: bool) -> dict:
-        """Fills ``snap["brokers"]`` and prepared transactions; returns {brokerId: StatsResponse} of the
-        brokers that answered. ``Admin.brokers_status`` (live, and restarted ones still waiting for their
+    def _brokers(self, admin: Admin, snap: dict, zk_ok: bool) -> tuple:
+        """Fills ``snap["brokers"]`` and prepared transactions; returns ({brokerId: StatsResponse} of the
+        brokers that answered, {brokerIds that answered but refused the cluster's statistics to this
+        principal}). ``Admin.brokers_status`` (live, and restarted ones still waiting for their
         old ZooKeeper session) while ZooKeeper is connected, else ``Admin.masters`` (live ones, from the
         client's cached view: reading ZooKeeper now would wait until it is back). Each broker's group
         members (``Admin.brokers``: role, epoch, in sync, lag) go in ``snap["members"]``."""
-        stats = {}
+        stats, denied = {}, set()
         now = self.clock()
         try:
             if zk_ok:
@@ -224,7 +236,7 @@ class Collector:
                 listed = [BrokerStatus(bid, addr, "live") for bid, addr in sorted(admin.masters().items())]
         except Exception as e:  # noqa: BLE001
             snap["errors"].append(f"listing brokers: {_error(e)}")
-            return stats
+            return stats, denied
         try:
             snap["members"] = admin.brokers() if zk_ok else []
         except Exception as e:  # noqa: BLE001
@@ -242,6 +254,10 @@ class Collector:
                 s = admin.stats(bid)
                 stats[bid] = s
                 row["version"], row["uptime"] = s.version, s.uptime_seconds
+            except AuthorizationError as e:  # it answered: the ACLs keep its cluster figures from this user
+                row["error"] = _error(e)
+                denied.add(bid)
+                continue
             except Exception as e:  # noqa: BLE001 - a broker down or waiting: show it, go on
                 row["error"] = _error(e)
                 row["status"] = "not answering"
@@ -253,15 +269,20 @@ class Collector:
                         "prepared_seconds_ago": t.prepared_seconds_ago})
             except Exception as e:  # noqa: BLE001
                 snap["transactions"]["errors"].append(f"broker {bid}: {_error(e)}")
-        return stats
+        return stats, denied
 
-    def _topics(self, admin: Admin, snap: dict, stats: dict, now: float) -> None:
+    def _topics(self, admin: Admin, snap: dict, stats: dict, denied: set, now: float,
+                visible: Optional[set] = None) -> None:
+        """Fills ``snap["topics"]``: every registered topic, or those in ``visible`` (a user's)."""
         counters = {(p.topic, p.partition): p for s in stats.values() for p in s.partitions}
         live = set(admin.cluster.brokers())
         # registered but not answering Stats (or starting): not asked again in this snapshot
-        silent = {b["id"]: b["status"] for b in snap["brokers"] if b["id"] in live and b["id"] not in stats}
-        silent.update((bid, "not answering") for bid in live - set(stats) - set(silent))
+        answered = set(stats) | denied
+        silent = {b["id"]: b["status"] for b in snap["brokers"] if b["id"] in live and b["id"] not in answered}
+        silent.update((bid, "not answering") for bid in live - answered - set(silent))
         for topic in sorted(admin.cluster.topics()):
+            if visible is not None and topic not in visible:
+                continue
             t = {"topic": topic, "error": None, "partitions": []}
             snap["topics"].append(t)
             try:
@@ -285,6 +306,8 @@ class Collector:
                     continue
                 try:
                     bounds.update(admin.offset_bounds(topic, parts))
+                    if bid in denied:  # the cluster's counters were refused: this topic's, on their own
+                        counters.update(((p.topic, p.partition), p) for p in admin.stats(bid, topic).partitions)
                 except Exception as e:  # noqa: BLE001
                     errors.append(f"offsets on broker {bid}: {_error(e)}")
             t["error"] = "; ".join(errors) or None
@@ -297,7 +320,7 @@ class Collector:
                        "log_end": b[2] if b else None, "bytes": d.bytes if d else None,
                        "segments": d.segments if d else None}
                 c = counters.get((topic, name))
-                if c is None and bid in stats:  # the broker answered: no counters yet means none counted
+                if c is None and bid in answered:  # the broker answered: no counters yet means none counted
                     c = _NO_COUNTS
                 row.update(self._rates(topic, name, c, now))
                 t["partitions"].append(row)
@@ -328,27 +351,22 @@ class Collector:
         return out
 
     def _groups(self, admin: Admin, snap: dict) -> None:
-        store = GroupStore(admin.cluster.zk, admin.cluster.root)
+        """Every group with its members and lag (``Admin.describe_groups``: through a broker, so only what
+        the principal may Describe, when the clients are secured)."""
         try:
-            names = admin.groups()
+            views = admin.describe_groups()
         except Exception as e:  # noqa: BLE001
             snap["errors"].append(f"listing consumer groups: {_error(e)}")
             return
-        for g in names:
-            group = {"group": g, "members": [], "topics": [], "lag": 0, "error": None}
+        for view in views:
+            g = view.group
+            group = {"group": g, "members": view.members, "topics": [], "lag": 0, "error": None}
             snap["groups"].append(group)
-            try:
-                group["members"] = store.members(g)
-                topics = store.group_topics(g)
-            except Exception as e:  # noqa: BLE001
-                group["error"] = _error(e)
-                continue
-            for topic in topics:
+            for topic, (committed, owners) in sorted(view.topics.items()):
                 entry = {"topic": topic, "lag": 0, "partitions": [], "error": None}
                 group["topics"].append(entry)
                 try:
-                    owners = store.owners(g, topic)
-                    rows = admin.group_lag(g, topic)
+                    rows = admin.lag_of(g, topic, committed)
                 except Exception as e:  # noqa: BLE001 - e.g. the topic is gone, or its broker is down
                     entry["error"] = _error(e)
                     continue

@@ -5,8 +5,15 @@ AUTH_SERVICE, AUTHENTICATE = "metaq.v1.Auth", "Authenticate"  # SASL logins (ser
 AUTH_PATH = f"/{AUTH_SERVICE}/{AUTHENTICATE}"
 GROUPS_SERVICE = "metaq.v1.Groups"  # group offsets of secured clients (server/groups.py)
 COMMIT_OFFSETS, FETCH_OFFSETS = "CommitOffsets", "FetchOffsets"
+DESCRIBE_GROUPS = "DescribeGroups"  # the groups a principal may see (server/group_listing.py)
+SINKS_SERVICE = "metaq.v1.Sinks"  # the exactly-once sinks' decision records (server/sinks.py)
+DECIDE, READ_DECISION, FORGET_DECISIONS, SWEEP_BATCH_WRITES = "Decide", "Read", "Forget", "SweepBatchWrites"
 SESSION_METADATA = "metaq-session"  # the session token a call carries after a SASL login
 
 
 def groups_path(method: str) -> str:
     return f"/{GROUPS_SERVICE}/{method}"
+
+
+def sinks_path(method: str) -> str:
+    return f"/{SINKS_SERVICE}/{method}"

@@ -16,6 +16,9 @@ from metaq_broker.errors import AuthenticationError
 MECHANISM = "SCRAM-SHA-256"
 DEFAULT_ITERATIONS = 4096  # Kafka's default and RFC 7677's example
 MIN_ITERATIONS = 4096
+# Kafka's bound too: a client runs PBKDF2 with the count the broker names before it can check the broker's
+# signature, so a rogue broker (or a man in the middle before TLS is checked) naming 2**31 would spin it.
+MAX_ITERATIONS = 16384
 
 
 def _b64(data: bytes) -> str:
@@ -50,8 +53,9 @@ class Credential:
 
     @classmethod
     def make(cls, password: str, iterations: int = DEFAULT_ITERATIONS, salt: Optional[bytes] = None) -> "Credential":
-        if iterations < MIN_ITERATIONS:
-            raise ValueError(f"SCRAM iterations must be at least {MIN_ITERATIONS}, got {iterations}")
+        if not MIN_ITERATIONS <= iterations <= MAX_ITERATIONS:
+            raise ValueError(f"SCRAM iterations must be from {MIN_ITERATIONS} to {MAX_ITERATIONS} (clients refuse "
+                             f"more), got {iterations}")
         if not password:
             raise ValueError("the password must not be empty")
         salt = salt or secrets.token_bytes(16)
@@ -155,10 +159,17 @@ class ScramClient:
         return "n,," + self._bare
 
     def final(self, server_first: str) -> str:
+        """The client-final message. Refuses, before any PBKDF2 work, a server nonce that does not extend
+        this client's own (RFC 5802: the server appends its part; an echo would let a replayed exchange
+        pass) and an iteration count outside MIN_ITERATIONS..MAX_ITERATIONS."""
         attrs = _attributes(server_first)
-        nonce, salt, iterations = attrs.get("r", ""), _unb64(attrs.get("s", "")), int(attrs.get("i", "0") or 0)
-        if not nonce.startswith(self._nonce) or iterations < MIN_ITERATIONS:
-            raise AuthenticationError("the broker's SCRAM reply is not valid (nonce or iteration count)")
+        nonce, count = attrs.get("r", ""), attrs.get("i", "")
+        if not (nonce.startswith(self._nonce) and len(nonce) > len(self._nonce)):
+            raise AuthenticationError("the broker's SCRAM reply is not valid: its nonce does not extend ours")
+        if not (count.isascii() and count.isdigit() and MIN_ITERATIONS <= int(count) <= MAX_ITERATIONS):
+            raise AuthenticationError(f"the broker's SCRAM reply is not valid: iteration count {count[:20]!r} is "
+                                      f"not from {MIN_ITERATIONS} to {MAX_ITERATIONS}")
+        salt, iterations = _unb64(attrs.get("s", "")), int(count)
         without_proof = f"c=biws,r={nonce}"
         auth_message = f"{self._bare},{server_first},{without_proof}".encode("utf-8")
         salted = salted_password(self._password, salt, iterations)

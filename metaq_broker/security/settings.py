@@ -3,6 +3,8 @@ key or a bad value fails naming the key, a certificate file that is missing or n
 file. Passwords never appear in a repr, a log line or an error."""
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
@@ -19,6 +21,8 @@ CLIENT_KEYS = ("security.protocol", "ssl.ca.location", "ssl.certificate.location
                "sasl.mechanism", "sasl.username", "sasl.password")
 # Keys any process that talks to ZooKeeper takes (clients and brokers alike).
 ZK_KEYS = ("zk.auth", "zk.ssl.ca.location", "zk.ssl.certificate.location", "zk.ssl.key.location")
+# ZooKeeper keys of a broker only: the identity clients may hold (docs/security.md, section 6).
+BROKER_ZK_KEYS = ("zk.client.auth",)
 # Keys of a broker's [system] section.
 BROKER_KEYS = ("security.protocol", "ssl.ca.location", "ssl.certificate.location", "ssl.key.location",
                "ssl.client.auth", "sasl.enabled.mechanisms", "authorizer", "super.users",
@@ -53,10 +57,37 @@ def read_pem(key: str, path: str) -> bytes:
     return data
 
 
+def private_key_warning(key: str, path: Optional[str]) -> Optional[str]:
+    """A warning when the private key file ``path`` (setting ``key``) may be read by group or others, as
+    ssh refuses such keys; None when it may not (or is not set)."""
+    if not path:
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None  # a missing file is reported where it is read
+    if not mode & 0o077:
+        return None
+    return (f"{key} {path} may be read by group or others (mode {mode:04o}): anyone who can read it can "
+            f"pass for this process; chmod 600 {path}")
+
+
 def _unknown(where: str, keys, known) -> None:
     extra = sorted(set(keys) - set(known))
     if extra:
         raise ConfigError(f"{where}unknown security key {extra[0]!r}; known keys are {', '.join(known)}")
+
+
+def _digest(key: str, raw, where: str) -> tuple:
+    """(user, password) of ``digest:USER:PASSWORD`` (or ``USER:PASSWORD``); (None, None) when not set."""
+    raw = str(raw or "").strip()
+    if not raw:
+        return None, None
+    rest = raw[len("digest:"):] if raw.startswith("digest:") else raw
+    user, sep, password = rest.partition(":")
+    if not (user and sep and password):
+        raise ConfigError(f"{where}{key}: expected digest:USER:PASSWORD (the password is not shown)")
+    return user, password
 
 
 @dataclass(frozen=True)
@@ -64,26 +95,32 @@ class ZkSecurity:
     """How a process authenticates to ZooKeeper. ``auth`` is ``digest:USER:PASSWORD`` (or ``USER:PASSWORD``):
     with it, every znode metaq creates is readable and writable by that identity only, except broker
     registrations and topic entries, which stay world-readable (a client without credentials still finds
-    brokers). The TLS files turn on kazoo's TLS to ZooKeeper's secure client port."""
+    brokers). A broker's ``zk.client.auth`` names the identity clients may hold: it may also write the
+    consumer groups' and the sinks' decision records (zk/session.py). The TLS files turn on kazoo's TLS
+    to ZooKeeper's secure client port."""
     auth_user: Optional[str] = None
     auth_password: Optional[str] = field(default=None, repr=False)
     ca_location: Optional[str] = None
     certificate_location: Optional[str] = None
     key_location: Optional[str] = None
+    client_user: Optional[str] = None
+    client_password: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def from_properties(cls, props: Mapping[str, str], where: str = "") -> "ZkSecurity":
-        props = {k: v for k, v in props.items() if k in ZK_KEYS}
-        user = password = None
-        raw = str(props.get("zk.auth") or "").strip()
-        if raw:
-            scheme, _, rest = raw.partition(":") if raw.startswith("digest:") else ("digest", ":", raw)
-            user, sep, password = rest.partition(":")
-            if not (user and sep and password):
-                raise ConfigError(f"{where}zk.auth: expected digest:USER:PASSWORD (the password is not shown)")
+        props = {k: v for k, v in props.items() if k in ZK_KEYS + BROKER_ZK_KEYS}
+        user, password = _digest("zk.auth", props.get("zk.auth"), where)
+        client_user, client_password = _digest("zk.client.auth", props.get("zk.client.auth"), where)
+        if client_user and not user:
+            raise ConfigError(f"{where}zk.client.auth needs zk.auth: the clients' identity is granted beside the "
+                              f"cluster's, which brokers and the admin hold")
+        if client_user and client_user == user:
+            raise ConfigError(f"{where}zk.client.auth must name another user than zk.auth ({user!r}): ZooKeeper "
+                              f"knows an identity by its user and password, and clients must not hold the cluster's")
         return cls(user, password, _path(f"{where}zk.ssl.ca.location", props.get("zk.ssl.ca.location")),
                    _path(f"{where}zk.ssl.certificate.location", props.get("zk.ssl.certificate.location")),
-                   _path(f"{where}zk.ssl.key.location", props.get("zk.ssl.key.location")))
+                   _path(f"{where}zk.ssl.key.location", props.get("zk.ssl.key.location")),
+                   client_user, client_password)
 
     @property
     def digest(self) -> Optional[str]:
@@ -128,6 +165,9 @@ class ClientSecurity(_Protocol):
         errors (a file name)."""
         props = {str(k).strip(): v for k, v in (props or {}).items()}
         where = f"{where}: " if where and not where.endswith(": ") else where
+        if "zk.client.auth" in props:
+            raise ConfigError(f"{where}zk.client.auth is a broker setting; a client given the clients' ZooKeeper "
+                              f"identity sets zk.auth to it")
         _unknown(where, props, CLIENT_KEYS + ZK_KEYS)
         protocol = _choice(f"{where}security.protocol", props.get("security.protocol", "PLAINTEXT"), PROTOCOLS)
         out = cls(protocol=protocol,

@@ -20,12 +20,13 @@ from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol.status import to_error
-from metaq_broker.security.settings import read_pem
+from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group import MASTER, GroupMember
+from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import load_or_create
@@ -35,16 +36,17 @@ from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
 from metaq_broker.server.replica_manager import ReplicaManager
 from metaq_broker.server.service import BrokerService
+from metaq_broker.server.sinks import SinkDecisionsService
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.server.txn_resolver import TransactionResolver
 from metaq_broker.store import MessageStore, validate_topic_name
-from metaq_broker.store.durable import make_dirs, replace_file
+from metaq_broker.store.durable import make_dirs, open_to_others, replace_file, restrict_tree
 from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.paths import ZkPaths
-from metaq_broker.zk.session import new_client, start_client
+from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
 from metaq_broker.zk.users import UserCache
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class Broker:
         cfg = self.config
         data = Path(cfg.data_path)
         make_dirs(data)
+        self._warn_about_exposure(data)
         if self.uses_zookeeper:
             self._lock_data(data)
         topics = {**self._runtime_topics(), **cfg.topics}
@@ -131,16 +134,18 @@ class Broker:
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
             self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
-            if self.uses_zookeeper:
-                self.server.add_generic_rpc_handlers((GroupOffsetsService(self.auth, self._groups_zk,
-                                                                          cfg.zk_root).handler(),))
+            if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
+                self.server.add_generic_rpc_handlers((
+                    GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                    GroupListingService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                    SinkDecisionsService(self.auth, self._groups_zk, cfg.zk_root).handler()))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
             try:
                 self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
             except RuntimeError as e:
                 raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
             if self.metrics is not None:
-                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port)
+                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port, self.auth)
             if cfg.data_port >= 0:
                 try:
                     self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth,
@@ -159,7 +164,7 @@ class Broker:
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
                     replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake(),
-                    before_register=self._take_over_stale_nodes)
+                    before_register=self._before_register)
                 self.group = self._new_group_member()
                 service.group = self.group
                 self.registration.start()
@@ -217,7 +222,7 @@ class Broker:
         (``_take_over_stale_nodes``): whoever holds this lock knows that run is dead."""
         directory = data / MEMBER_DIRECTORY
         make_dirs(directory)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -240,6 +245,14 @@ class Broker:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
+
+    def _before_register(self, client) -> None:
+        """Consumer groups and decision records get the ACL that lets the clients' identity in (zk.client.auth,
+        zk/session.py), nodes an earlier start made included; then stale nodes of a crashed run go."""
+        changed = share_client_nodes(client, self.config.zk_root, self.config.zk_security)
+        if changed:
+            log.info("gave %d consumer-group and decision-record nodes the ACL of zk.auth and zk.client.auth", changed)
+        self._take_over_stale_nodes(client)
 
     def _take_over_stale_nodes(self, client) -> None:
         """A restart right after a crash (``kill -9``): the crashed run's ZooKeeper session still holds this
@@ -269,6 +282,8 @@ class Broker:
         last_epoch, log_end = self._standing()
         return {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
                 "securityProtocol": cfg.security.protocol, "replicaId": cfg.replica_id, "uuid": self.identity.uuid,
+                # clients without a ZooKeeper identity then commit offsets and decisions through brokers
+                **({"zkAcl": True} if cfg.zk_security.digest else {}),
                 "lastEpoch": last_epoch, "logEnd": log_end,
                 **({"instance": self.instance} if self.instance is not None else {}),
                 **({"dataPort": self.data_port} if self.data_port is not None else {})}
@@ -344,6 +359,31 @@ class Broker:
     def _resolver_zk(self):
         return self._zk_if_connected() if self.is_master else None
 
+    def _warn_about_exposure(self, data: Path) -> None:
+        """Before anything is served: what below ``dataPath`` others could read is narrowed to 0700/0600
+        (store/durable.py); a ``dataPath`` open to others, a private key others may read, and users or ACLs
+        in a ZooKeeper without ``zk.auth`` are warned about, once, naming the fix."""
+        cfg = self.config
+        narrowed = restrict_tree(data)
+        if narrowed:
+            log.warning("narrowed %d files and directories below %s to 0600/0700: group or others could read "
+                        "them (written by an older version or under a wider umask)", narrowed, data)
+        mode = open_to_others(data)
+        if mode:
+            log.warning("dataPath %s is open to group or others (mode %s); what the broker keeps below it is "
+                        "0700/0600, but its listing names every topic: chmod 700 %s", data, mode, data)
+        for key, path in (("ssl.key.location", cfg.security.key_location),
+                          ("zk.ssl.key.location", cfg.zk_security.key_location)):
+            problem = private_key_warning(key, path)
+            if problem:
+                log.warning("%s", problem)
+        sec = cfg.security
+        if (sec.uses_sasl or sec.authorizer == "acl") and self.uses_zookeeper and not cfg.zk_security.digest:
+            log.warning("%s keeps users and ACLs in ZooKeeper, but zk.auth is not set: anyone who reaches "
+                        "ZooKeeper at %s can add a user or grant itself any ACL. Set zk.auth (docs/security.md, "
+                        "section 6)", "security.protocol SASL_SSL" if sec.uses_sasl else "authorizer=acl",
+                        cfg.zk_connect)
+
     def _start_auth(self) -> BrokerAuth:
         """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a
         session of their own, loaded before the first call is served."""
@@ -355,6 +395,7 @@ class Broker:
                               "set zk.connect")
         if needs_zk:
             self._security_zk = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
+            self._security_zk.share_below(*client_subtrees(cfg.zk_root))  # it writes groups and decisions
             start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
             self._users = UserCache(self._security_zk, cfg.zk_root)
         auth = BrokerAuth(sec, cfg.data_path, self._users.credential if self._users is not None else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from metaq_broker.errors import ConfigError, InvalidTopicError
-from metaq_broker.security.settings import BROKER_KEYS, ZK_KEYS, BrokerSecurity, ZkSecurity
+from metaq_broker.security.settings import BROKER_KEYS, BROKER_ZK_KEYS, ZK_KEYS, BrokerSecurity, ZkSecurity
 from metaq_broker.store.config import MAX_REPLICAS, DeletePolicy, TopicConfig, validate_topic_name
 
 
@@ -186,7 +186,7 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
     cfg = BrokerConfig(source=str(path) if path else None)
     topic_defaults, security = {}, {}
     for key, raw in system.items():
-        if key in BROKER_KEYS or key in ZK_KEYS:
+        if key in BROKER_KEYS or key in ZK_KEYS or key in BROKER_ZK_KEYS:
             security[key] = raw
         elif key in SYSTEM_KEYS:
             attr, parse = SYSTEM_KEYS[key]
@@ -194,7 +194,7 @@ def load(path: Optional[str] = None, overrides: Optional[Mapping[str, str]] = No
         elif key in TOPIC_KEYS:
             topic_defaults[key] = raw
         else:
-            known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS) + sorted(BROKER_KEYS + ZK_KEYS)
+            known = sorted(SYSTEM_KEYS) + sorted(TOPIC_KEYS) + sorted(BROKER_KEYS + ZK_KEYS + BROKER_ZK_KEYS)
             raise ConfigError(f"[system]: unknown key {key!r}; known keys are {', '.join(known)}")
     _check_system(cfg)
     cfg.security = BrokerSecurity.from_properties({k: v for k, v in security.items() if k in BROKER_KEYS})

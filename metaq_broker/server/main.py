@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
 from metaq_broker.errors import ConfigError, MetaqError
-from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import SYSTEM_KEYS, TOPIC_KEYS, load
+from metaq_broker.store.durable import PRIVATE_UMASK
 
 
 def parse_args(argv):
@@ -29,6 +30,13 @@ def parse_args(argv):
 def main(argv=None) -> None:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # New files 0600 and directories 0700 whatever the operator's umask (it may narrow them further).
+    os.umask(os.umask(PRIVATE_UMASK) | PRIVATE_UMASK)
+    # gRPC's C core logs each failed TLS handshake at INFO (a port scan or a flood of garbage would fill the
+    # log); it reads GRPC_VERBOSITY once, when grpc is imported, hence the lazy import of the broker below.
+    # An operator's own setting wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "INFO" if args.log_level == "DEBUG" else "ERROR")
+    from metaq_broker.server.broker import Broker  # noqa: PLC0415 - after GRPC_VERBOSITY, see above
     broker, started = None, False
 
     def on_signal(signum, frame):

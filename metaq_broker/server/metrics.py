@@ -3,20 +3,35 @@
 Each broker has its own registry, so several brokers in one process (tests, benchmarks) never mix their
 numbers. Apart from the RPC latency histogram, which the service feeds, nothing is counted on the hot
 paths: a collector reads what the broker already keeps (``BrokerStats``, the partitions, the ZooKeeper
-client) when Prometheus scrapes."""
+client) when Prometheus scrapes.
+
+With security on (docs/security.md, "The metrics port") the port is no back door: under ``SSL`` and
+``SASL_SSL`` it serves HTTPS with the broker's certificate, and a scraper logs in with HTTP basic
+authentication against the SCRAM users (``SASL_SSL`` with PLAIN enabled: the broker's own PLAIN check) or
+presents a client certificate (``ssl.client.auth=required``); under ``PLAINTEXT`` with ``authorizer=acl``
+it listens on loopback only. Either way a scrape shows only the topics and groups its principal may
+``Describe``, as ``ListTopics`` does."""
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
+import ssl
 import threading
 import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
 
 from kazoo.exceptions import KazooException
-from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 
 from metaq_broker import __version__
-from metaq_broker.errors import ConfigError, MetaqError
+from metaq_broker.errors import AuthenticationError, ConfigError, MetaqError
 from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.security import tls
 from metaq_broker.server.disk import free_space
 from metaq_broker.server.group import ELECTING, MASTER, REPLICA
 from metaq_broker.zk.group_offsets import GroupOffsetWatcher
@@ -64,14 +79,22 @@ class BrokerMetrics:
             child = self._latency.setdefault(method, self.rpc_latency.labels(method))
         child.observe(seconds)
 
-    def start(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on host:port (0: any free port); returns the port."""
+    def start(self, host: str, port: int, auth=None) -> int:
+        """Serve ``/metrics`` on host:port (0: any free port); returns the port. ``auth`` (the broker's
+        ``BrokerAuth``) decides TLS, the login, the address and what each scraper sees (module docstring)."""
+        security = auth.security if auth is not None and auth.enabled else None
+        if security is not None and not security.uses_tls:
+            host = LOOPBACK  # PLAINTEXT with ACLs: no way to log in over plaintext, so only this machine
         try:
-            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+            self.server = MetricsServer((host, port), self.registry, auth if security is not None else None)
         except OSError as e:
             raise ConfigError(f"metricsPort: cannot listen on {host}:{port}: {e}") from None
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                                       name="metaq-metrics-http", daemon=True)
+        self.thread.start()
         self.port = self.server.server_port
-        log.info("Prometheus metrics at http://%s:%d/metrics", host, self.port)
+        log.info("Prometheus metrics at %s://%s:%d/metrics%s", "https" if self.server.tls else "http", host,
+                 self.port, f" ({self.server.login_note})" if security is not None else "")
         return self.port
 
     def stop(self) -> None:
@@ -81,6 +104,124 @@ class BrokerMetrics:
             server.shutdown()
             server.server_close()
             self.thread.join()
+
+
+LOOPBACK = "127.0.0.1"
+HTTP_TIMEOUT_S = 10.0  # a scrape's TLS handshake and request must arrive within this (slow senders)
+REALM = 'Basic realm="metaq metrics", charset="UTF-8"'
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """The ``/metrics`` endpoint: ``auth`` None serves everything to everyone (security off); else TLS
+    when the broker speaks it, a login where one is possible, and a view filtered by the scraper's
+    ``Describe`` rights. The TLS handshake runs in the request's own thread, never in the accept loop."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, registry, auth=None):
+        self.registry, self.auth = registry, auth
+        sec = auth.security if auth is not None else None
+        self.tls = sec is not None and sec.uses_tls
+        self.basic = sec is not None and sec.uses_sasl and "PLAIN" in sec.mechanisms
+        self.certificates = sec is not None and sec.client_auth == "required"
+        super().__init__(address, MetricsHandler)
+        if self.tls:
+            self.socket = auth.data_port_context().wrap_socket(self.socket, server_side=True,
+                                                               do_handshake_on_connect=False)
+
+    @property
+    def login_note(self) -> str:
+        ways = [w for w, on in (("HTTP basic authentication as a SASL user", self.basic),
+                                ("a client certificate", self.certificates)) if on]
+        return ("log in with " + " or ".join(ways)) if ways else \
+            "no login possible: scrapers are User:ANONYMOUS" + ("" if self.tls else ", loopback only")
+
+    def principal(self, handler: "MetricsHandler") -> Optional[str]:
+        """Who scrapes: the basic-auth user, else the client certificate's principal, else ANONYMOUS where
+        no login is possible; None when a login is required and was not given or failed."""
+        if self.auth is None:
+            return tls.ANONYMOUS
+        header = handler.headers.get("Authorization", "")
+        if self.basic and header[:6].lower() == "basic ":
+            try:
+                user, sep, password = base64.b64decode(header[6:].strip(), validate=True).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+            if not sep:
+                return None
+            try:  # the broker's PLAIN login: its credential check, its concurrency limit, its failure count
+                return self.auth.authenticate({"mechanism": "PLAIN", "message": f"\0{user}\0{password}"})["principal"]
+            except AuthenticationError as e:
+                log.debug("metrics login of %r refused: %s", user, e)
+                return None
+        if self.certificates:
+            return tls.principal_of_peer(handler.request.getpeercert())
+        return None if self.basic else tls.ANONYMOUS
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics request from %s failed", client_address, exc_info=True)  # a failed handshake, a reset
+
+
+class MetricsHandler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    server_version = "metaq-metrics"
+
+    def setup(self) -> None:
+        self.request.settimeout(HTTP_TIMEOUT_S)
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()
+        super().setup()
+
+    def log_message(self, fmt, *args) -> None:
+        log.debug("metrics %s " + fmt, self.address_string(), *args)
+
+    def _reply(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra=()) -> None:
+        self.send_response(status)
+        for key, value in (("Content-Type", ctype), ("Content-Length", str(len(body))), *extra):
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+            return self._reply(HTTPStatus.NOT_FOUND, b"not found: scrape /metrics\n")
+        principal = self.server.principal(self)
+        if principal is None:
+            return self._reply(HTTPStatus.UNAUTHORIZED, b"log in: HTTP basic authentication as a SASL user\n",
+                               extra=(("WWW-Authenticate", REALM),))
+        registry = self.server.registry if self.server.auth is None else Visible(self.server.registry,
+                                                                                 self.server.auth, principal)
+        encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+        self._reply(HTTPStatus.OK, encoder(registry), ctype)
+
+
+class Visible:
+    """The samples of ``registry`` that ``principal`` may see: one labelled with a topic or a group only
+    if the principal may ``Describe`` it (a group's lag needs both). One check per name and scrape."""
+
+    def __init__(self, registry, auth, principal: str):
+        self.registry, self.auth, self.principal = registry, auth, principal
+        self._seen: dict = {}
+
+    def _may(self, resource_type: str, name: Optional[str]) -> bool:
+        if name is None:
+            return True
+        key = (resource_type, name)
+        if key not in self._seen:
+            self._seen[key] = self.auth.allows(self.principal, "Describe", resource_type, name)
+        return self._seen[key]
+
+    def collect(self):
+        for family in self.registry.collect():
+            samples = [s for s in family.samples
+                       if self._may("topic", s.labels.get("topic")) and self._may("group", s.labels.get("group"))]
+            if len(samples) == len(family.samples):
+                yield family
+                continue
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = samples
+            yield kept
 
 
 class BrokerCollector:

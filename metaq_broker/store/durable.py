@@ -1,12 +1,19 @@
 """Making file-system changes survive a power cut: a new or renamed directory entry is durable only once
-its parent directory is fsynced, not when the file itself is (POSIX; ext4 and xfs behave so)."""
+its parent directory is fsynced, not when the file itself is (POSIX; ext4 and xfs behave so). And keeping
+them private: directories the broker makes are 0700 and the files it writes 0600 (``PRIVATE_UMASK`` in the
+broker process; explicit modes here), whatever the operator's umask, since segments hold messages that
+only ACLs may hand out and ``session.key`` signs every SASL session."""
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+DIR_MODE, FILE_MODE = 0o700, 0o600
+PRIVATE_UMASK = 0o077  # the broker process's umask on top of the operator's: new files 0600, directories 0700
 
 
 def fsync_dir(directory: Path) -> None:
@@ -28,7 +35,7 @@ def make_dirs(directory: Path) -> Path:
         at = at.parent
     for d in reversed(missing):
         try:
-            d.mkdir()
+            d.mkdir(DIR_MODE)  # mkdir's mode is narrowed by the umask, never widened
         except FileExistsError:  # made meanwhile by another thread or process: still fsync its parent
             pass
         fsync_dir(d.parent)
@@ -41,7 +48,7 @@ def replace_file(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -49,6 +56,33 @@ def replace_file(path: Path, data: bytes) -> None:
         raise naming(e, tmp) from None
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def restrict_tree(directory: Path) -> int:
+    """Narrow what lies below ``directory`` to 0700 (directories) and 0600 (files) where group or others
+    had any access (data directories written by an older version, or under a wide umask); returns how many
+    entries changed. ``directory`` itself is left as it is: it may be a directory others share, so the
+    broker only warns about it (``open_to_others``). Entries owned by another user are left alone too."""
+    changed = 0
+    uid = os.geteuid()
+    for top, dirs, files in os.walk(directory):
+        for name, mode in [(d, DIR_MODE) for d in dirs] + [(f, FILE_MODE) for f in files]:
+            path = os.path.join(top, name)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode) or st.st_uid != uid or not st.st_mode & 0o077:
+                    continue
+                os.chmod(path, stat.S_IMODE(st.st_mode) & mode)
+                changed += 1
+            except FileNotFoundError:
+                continue  # removed meanwhile (the broker is not serving yet; an operator's tool may be)
+    return changed
+
+
+def open_to_others(path: Path) -> str | None:
+    """``"0755"`` when group or others may access ``path``, else None."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    return f"{mode:04o}" if mode & 0o077 else None
 
 
 def write_all(fd: int, parts: list, position: int | None = None) -> None:

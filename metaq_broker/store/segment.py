@@ -106,11 +106,11 @@ class Segment:
         ``capacity``: index entries to make room for at once (a roll passes the last segment's count), so
         the index is not grown and copied over and over while the segment fills."""
         path = directory / (segment_name(start) + LOG_SUFFIX)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_all(fd, [encode_segment_header(base_offset, start)])
             os.fsync(fd)
-            idx_fd = os.open(directory / (segment_name(start) + INDEX_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            idx_fd = os.open(directory / (segment_name(start) + INDEX_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.close(idx_fd)
             fsync_dir(directory)
         except BaseException:

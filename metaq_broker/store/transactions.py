@@ -461,7 +461,7 @@ class TransactionManager:
         replace_file(self.path, blob)
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR, 0o600)
         self._size = len(blob)
         self._live, self._finished, self._decided = {}, OrderedDict(), {}
         self._committed_numbers = OrderedDict()
@@ -598,7 +598,7 @@ class TransactionManager:
             pos += RECORD.size + length
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         if end < len(data):
             os.ftruncate(self._fd, end)
             os.fsync(self._fd)
@@ -714,7 +714,7 @@ class TransactionManager:
         replace_file(self.path, blob)
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR, 0o600)
         self._size = len(blob)
 
     def _migrate(self, legacy: Path) -> None:

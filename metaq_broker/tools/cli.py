@@ -5,6 +5,7 @@ security settings of every command that connects: zk.* keys for ZooKeeper, the r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import sys
@@ -23,7 +24,7 @@ from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
 from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.security import acl as acl_mod
-from metaq_broker.security.scram import DEFAULT_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
+from metaq_broker.security.scram import DEFAULT_ITERATIONS, MAX_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
 from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.partition import PartitionLog
@@ -485,8 +486,9 @@ def _password(password, password_file, name) -> str:
               "--password-file or the prompt)")
 @click.option("--password-file", type=click.Path(dir_okay=False), default=None,
               help="read the password from the first line of this file")
-@click.option("--iterations", type=click.IntRange(MIN_ITERATIONS), default=DEFAULT_ITERATIONS, show_default=True,
-              help="PBKDF2 iterations of the SCRAM credential")
+@click.option("--iterations", type=click.IntRange(MIN_ITERATIONS, MAX_ITERATIONS), default=DEFAULT_ITERATIONS,
+              show_default=True, help="PBKDF2 iterations of the SCRAM credential (clients refuse more than "
+                                      f"{MAX_ITERATIONS}, as Kafka's)")
 @click.pass_obj
 def users_add(obj, name, password, password_file, iterations):
     """Create user NAME, or give it a new password."""
@@ -683,15 +685,46 @@ def quickstart(workdir, messages, keep_running, spark, console_port, no_console)
               help="seconds between snapshots of the cluster")
 @click.option("--history", "history_minutes", type=click.FloatRange(1, 1440), default=10.0, show_default=True,
               help="minutes of rates and lag kept for the charts")
+@click.option("--allowed-hosts", default="", metavar="NAME,...",
+              help="host names the console answers for besides loopback and --host (requests naming another "
+                   "Host get nothing: DNS rebinding)")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="the private key of --ssl-certfile (PEM)")
 @click.pass_obj
-def console(obj, port, host, interval, history_minutes):
+def console(obj, port, host, interval, history_minutes, allowed_hosts, ssl_certfile, ssl_keyfile):
     """Serve the read-only web console (brokers, topics, groups and lag, transactions, messages); prints
-    its URL and runs until Ctrl-C."""
+    its URL and runs until Ctrl-C. With security.protocol=SASL_SSL in --command-config every person logs
+    in as a user of the cluster and sees what that user's ACLs allow."""
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise click.BadParameter("give both or neither", param_hint="--ssl-certfile/--ssl-keyfile")
+    security, login = _console_security(obj)
+    hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()]
+    for h in hosts:
+        if any(c in h for c in "/:@ ") and not h.startswith("["):
+            raise click.BadParameter(f"{h!r} is not a host name (no scheme, port or path)", param_hint="--allowed-hosts")
     try:
         _run(run_console, None if obj["brokers"] else obj["zk"], obj["zk_root"], obj["brokers"], host, port,
-             interval, history_minutes * 60, click.echo, _client_security(obj))
+             interval, history_minutes * 60, click.echo, security, login, hosts, ssl_certfile, ssl_keyfile)
     except OSError as e:
         raise Fail(f"cannot serve the console on {host}:{port}: {e}") from None
+
+
+def _console_security(obj) -> tuple:
+    """(ClientSecurity, login): with SASL_SSL each person logs in, so the file's sasl.username and
+    sasl.password are not used (a console acting as one user for everyone would show everyone that user's
+    view) and the settings are kept without a user, to which each login adds its own."""
+    props = dict(obj.get("props") or {})
+    login = str(props.get("security.protocol", "PLAINTEXT")).strip().upper() == "SASL_SSL"
+    if not login:
+        return _client_security(obj), False
+    given = [props.pop(key, None) for key in ("sasl.username", "sasl.password")]
+    if any(given):
+        click.echo("metaq console: sasl.username and sasl.password of --command-config are not used: each person "
+                   "logs in as themselves", err=True)
+    checked = _client_security({**obj, "props": {**props, "sasl.username": "-", "sasl.password": "-"}})
+    return dataclasses.replace(checked, sasl_username=None, sasl_password=None), True
 
 
 # -- offline inspection -------------------------------------------------------------------------------

@@ -14,16 +14,24 @@ mistaken for a replay. It changes only by versioned writes, along these edges:
 The writer of run R commits its transactions only after ``decide_commit`` returned a commit decision
 that lists them; finding abort(R) means a broker gave up on them (``transactionTimeout``). A broker
 holding a prepared transaction of run R commits it when a commit decision lists it, rolls it back when
-the commit decision does not, and after the timeout records abort(R) itself before rolling back."""
+the commit decision does not, and after the timeout records abort(R) itself before rolling back.
+
+Writers reach the records directly (a session with ZooKeeper rights on them) or through a broker's
+``metaq.v1.Sinks`` service (server/sinks.py), which checks the sink's ACL; both use the functions here,
+the housekeeping of old records (``forget_below``, ``stale_batch_writes``) included."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import posixpath
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 
 from metaq_broker.errors import MetaqError, TransactionError
+
+BATCH_WRITE_PREFIX = "write."  # the sink node of a batch write: write.<sinkId>, or write.<random run>
 
 
 class TransactionsAbortedError(MetaqError):
@@ -41,9 +49,16 @@ class Decision:
     def commits(self, broker_id: int, xid: str) -> bool:
         return self.outcome == "commit" and [broker_id, xid] in self.xids
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
     def encode(self) -> bytes:
-        return json.dumps({"outcome": self.outcome, "run": self.run, "xids": self.xids,
-                           "aborted": self.aborted, "owner": self.owner}).encode()
+        return json.dumps(self.to_json()).encode()
+
+    @classmethod
+    def from_json(cls, m: dict) -> "Decision":
+        return cls(m["outcome"], m.get("run", ""), [list(x) for x in m.get("xids", [])],
+                   list(m.get("aborted", [])), dict(m.get("owner") or {}))
 
 
 def read(zk, path: str):
@@ -52,12 +67,10 @@ def read(zk, path: str):
         data, stat = zk.get(path)
     except NoNodeError:
         return None, -1
-    m = json.loads(data)
-    return Decision(m["outcome"], m.get("run", ""), [list(x) for x in m.get("xids", [])],
-                    list(m.get("aborted", [])), dict(m.get("owner") or {})), stat.version
+    return Decision.from_json(json.loads(data)), stat.version
 
 
-def _decide(zk, path: str, run: str, xids: Optional[list], owner: Optional[dict] = None) -> Decision:
+def decide(zk, path: str, run: str, xids: Optional[list], owner: Optional[dict] = None) -> Decision:
     """Move the record to commit(run, xids) (``xids`` given) or add ``run`` to the aborted runs, unless
     the record is already final for this purpose; returns the decision in force."""
     while True:
@@ -79,11 +92,9 @@ def _decide(zk, path: str, run: str, xids: Optional[list], owner: Optional[dict]
             continue
 
 
-def decide_commit(zk, path: str, run: str, xids: list, owner: Optional[dict] = None) -> Decision:
-    """Record that run ``run`` (of ``owner``) commits ``xids``; returns the decision in force, which may be
-    an earlier run's commit (the batch was decided before: commit those, roll back this run's). Raises
-    TransactionsAbortedError if a broker already aborted this run."""
-    d = _decide(zk, path, run, xids, owner)
+def committed(d: Decision, path: str, run: str) -> Decision:
+    """``d``, the decision in force after run ``run`` asked to commit: TransactionsAbortedError if it is an
+    abort (a broker gave up on the run first)."""
     if d.outcome == "abort":
         raise TransactionsAbortedError(
             f"decision {path}: the brokers rolled back run {run}'s transactions before the commit decision "
@@ -91,9 +102,61 @@ def decide_commit(zk, path: str, run: str, xids: list, owner: Optional[dict] = N
     return d
 
 
+def decide_commit(zk, path: str, run: str, xids: list, owner: Optional[dict] = None) -> Decision:
+    """Record that run ``run`` (of ``owner``) commits ``xids``; returns the decision in force, which may be
+    an earlier run's commit (the batch was decided before: commit those, roll back this run's). Raises
+    TransactionsAbortedError if a broker already aborted this run."""
+    return committed(decide(zk, path, run, xids, owner), path, run)
+
+
 def decide_abort(zk, path: str, run: str) -> Decision:
     """A broker giving up on run ``run``: returns the decision in force (a commit if the writer won)."""
-    return _decide(zk, path, run, None)
+    return decide(zk, path, run, None)
+
+
+# -- housekeeping ---------------------------------------------------------------------------------------
+def forget_below(zk, batches: str, batch_id: int) -> int:
+    """Delete the records of batches below ``batch_id`` under ``batches`` (``<sink>/batches``; a streaming
+    sink keeps its last two, the only ones a replay may ask for); returns how many."""
+    gone = 0
+    for child in zk.get_children(batches) if zk.exists(batches) else []:
+        if child.isdigit() and int(child) < batch_id:
+            try:
+                zk.delete(f"{batches}/{child}")
+                gone += 1
+            except NoNodeError:
+                pass
+    return gone
+
+
+def forget_sink(zk, sink: str) -> None:
+    """Delete a sink's node and its records (a batch write's, once settled)."""
+    try:
+        zk.delete(sink, recursive=True)
+    except (NoNodeError, NotEmptyError):
+        pass  # gone, or a broker is recreating a record meanwhile: the next sweep takes it
+
+
+def stale_batch_writes(zk, sinks: str, horizon_s: float) -> list:
+    """The sink nodes under ``sinks`` of batch writes whose driver died after the decision, older than
+    ``horizon_s`` (by then their brokers have long settled): batch 0 only, no streaming owner."""
+    out = []
+    for child in zk.get_children(sinks) if zk.exists(sinks) else []:
+        sink = posixpath.join(sinks, child)
+        if child.startswith(BATCH_WRITE_PREFIX) and _old_batch_write(zk, sink, horizon_s):
+            out.append(sink)
+    return out
+
+
+def _old_batch_write(zk, sink: str, horizon_s: float) -> bool:
+    batches = zk.get_children(f"{sink}/batches") if zk.exists(f"{sink}/batches") else []
+    if batches not in ([], [f"{0:020d}"]):
+        return False
+    stat = zk.exists(sink)
+    if stat is None or time.time() - stat.ctime / 1000 <= horizon_s:
+        return False
+    decision = read(zk, f"{sink}/batches/{0:020d}")[0] if batches else None
+    return decision is None or not decision.owner
 
 
 def parse_coordinator(text: str) -> Optional[dict]:

@@ -290,7 +290,7 @@ pages.messages = (snap) => {
   if (!browsed) {
     browsed = { pending: true };
     fetch("/api/messages?" + new URLSearchParams({ topic, partition, from: q.get("from") || "", count: q.get("count") || "50" }))
-      .then((r) => r.json()).then((d) => { browsed = d; refresh(); })
+      .then(loggedIn).then((d) => { browsed = d; refresh(); })
       .catch((e) => { browsed = { error: String(e) }; refresh(); });
   }
   if (browsed.pending) { out.push(el("p", {}, "fetching…")); return out; }
@@ -327,11 +327,25 @@ function refresh() {
   } finally { rendering = false; }
 }
 
+// With a login (SASL_SSL clusters) an expired or ended session answers 401: back to the login page.
+function loggedIn(r) {
+  if (r.status === 401) { location.href = "/login"; throw new Error("logged out"); }
+  return r.json();
+}
+
+async function whoami() {
+  const me = await fetch("/api/whoami").then(loggedIn);
+  if (!me.user) return;
+  document.getElementById("user").textContent = me.user;
+  document.getElementById("logout-csrf").value = me.csrf;
+  document.getElementById("logout").hidden = false;
+}
+
 async function poll() {
   try {
     const wantHistory = PAGE === "topics" || PAGE === "groups";
-    const [s, h] = await Promise.all([fetch("/api/snapshot").then((r) => r.json()),
-      wantHistory ? fetch("/api/history").then((r) => r.json()) : Promise.resolve(null)]);
+    const [s, h] = await Promise.all([fetch("/api/snapshot").then(loggedIn),
+      wantHistory ? fetch("/api/history").then(loggedIn) : Promise.resolve(null)]);
     snap = s; history = h;
     if (s.interval) pollMs = Math.max(500, Math.min(5000, s.interval * 1000));
     showStatus(snap, null);
@@ -343,4 +357,5 @@ async function poll() {
 }
 
 document.getElementById(`nav-${PAGE}`).classList.add("active");
+whoami().catch(() => {});
 poll();
