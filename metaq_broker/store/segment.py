@@ -1,37 +1,44 @@
-"""One segment of a partition log: ``<start>.meta`` (header + batches) and its dense index ``<start>.idx``.
+"""One segment of a partition log: ``<start>.meta`` (header + batches) and its sparse offset index
+``<start>.index`` (``offset_index``).
 
 ``start`` is the segment's position in the partition's logical byte stream (the 20-digit file name), so
 segments are contiguous when each one's start plus its size is the next one's start, as in MetaQ. The
 header also records the segment's first offset, so the log alone says which offsets it holds; the index
-is derived data, checked against the log and rebuilt from it when it is missing or wrong."""
+is derived data, checked against the log and rebuilt from it when it is missing or wrong.
+
+Every lookup (the batch holding an offset, a fetch's run of whole batches, the first batch at or after a
+time, the message bytes before an offset) takes the index entry at or before what it looks for and walks
+the batch headers from there: at most one window of ``interval`` bytes, read with one ``pread``."""
 from __future__ import annotations
 
 import os
 import struct
 import weakref
 from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from metaq_broker.errors import CorruptLogError
+from metaq_broker.protocol import records
 from metaq_broker.protocol.records import crc
+from metaq_broker.store import offset_index
 from metaq_broker.store.durable import append_or_cut_back, fsync_dir, write_all
+from metaq_broker.store.offset_index import BATCH_DTYPE, ENTRY_DTYPE, Summary
 
 
 LOG_SUFFIX = ".meta"
-INDEX_SUFFIX = ".idx"
+INDEX_SUFFIX = offset_index.SUFFIX
 NAME_DIGITS = 20
+# Read with a window, so that a batch starting at its very end brings its header along; and the most a
+# batch header and its length columns can take per message (4 bytes a column, up to 8 columns).
+_HEADER_ROOM = 128
+_COLUMN_ROOM = 32
 
 SEGMENT_MAGIC = b"MQSEGMT2"  # MQSEGMT1 segments held version 1 batches, with CRC-32 checksums
 SEGMENT_HEADER = struct.Struct("<8sqqI")  # magic, base offset, start position, crc of the preceding bytes
 SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size + 4  # padded to 32
 assert SEGMENT_HEADER_SIZE == 32
-
-# One entry per message: where its batch starts (logical position), the batch's store time, the
-# message's own encoded size, and the batch length (so whole-batch byte ranges need no extra lookup).
-INDEX_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
-_ENTRY = np.dtype("V24")  # an entry as 24 opaque bytes: copies of entries are memcpy, not field by field
-
 
 def segment_name(start: int) -> str:
     return f"{start:0{NAME_DIGITS}d}"
@@ -58,18 +65,49 @@ def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
     return base
 
 
-class Segment:
-    """A segment file and its index. Only the last segment of a partition is appended to."""
 
-    def __init__(self, directory: Path, start: int, base_offset: int, fd: int, size: int,
-                 index: np.ndarray, count: int, mutable: bool):
+
+class Batch(NamedTuple):
+    """One batch, from its header: offsets [offset, offset + count), bytes [position, position + length)."""
+
+    offset: int
+    count: int
+    position: int  # logical
+    length: int
+    timestamp: int
+
+    @property
+    def next_offset(self) -> int:
+        return self.offset + self.count
+
+    @property
+    def end(self) -> int:
+        return self.position + self.length
+
+
+class Segment:
+    """A segment file and its sparse index. Only the last segment of a partition is appended to.
+
+    Readers take no lock: they bound every lookup by the end offset of their snapshot (``end``), below
+    which every batch is wholly written and every index entry in place (an append writes the file, then
+    its entries, then publishes ``_n``; readers read ``_n`` before ``_entries``)."""
+
+    def __init__(self, directory: Path, start: int, base_offset: int, fd: int, size: int, summary: Summary,
+                 entries: np.ndarray, mutable: bool, n: Optional[int] = None):
         self.directory = directory
         self.start = start
         self.base_offset = base_offset
         self.fd = fd
         self.size = size  # bytes in the file, header included
-        self._index = index  # entries [0, count) are valid; may have spare capacity while mutable
-        self.count = count
+        self.count = summary.next_offset - base_offset
+        self.bytes = summary.bytes  # message bytes (keys, values, attributes and column entries)
+        self.last_timestamp: Optional[int] = summary.last_timestamp if self.count else None
+        self.last_position: Optional[int] = summary.last_position if self.count else None
+        self.interval = summary.interval
+        self._entries = entries  # [0, _n) are valid; spare capacity while mutable
+        self._n = len(entries) if n is None else n
+        self._bucket = (int(offset_index.bucket(entries[self._n - 1]["position"], start, self.interval)) if self._n
+                        else -1)
         self.mutable = mutable
         self.closed = False
         # The descriptor is closed when the last holder lets go: a reader that took a snapshot can
@@ -94,46 +132,67 @@ class Segment:
     def next_offset(self) -> int:
         return self.base_offset + self.count
 
-    def index(self, upto_count: int | None = None) -> np.ndarray:
-        """A view of the valid index entries (the first ``upto_count`` of them)."""
-        n = self.count if upto_count is None else min(upto_count, self.count)
-        return self._index[:n]
+    def summary(self) -> Summary:
+        return Summary(self.base_offset, self.start, self.size, self.next_offset, self.bytes,
+                       self.last_timestamp or 0, -1 if self.last_position is None else self.last_position,
+                       self.interval)
+
+    def entries(self, end: Optional[int] = None) -> np.ndarray:
+        """The index entries (of batches below offset ``end``, if given)."""
+        n = self._n
+        e = self._entries[:n]
+        return e if end is None or end >= self.next_offset else e[:int(np.searchsorted(e["offset"], end, "left"))]
 
     # -- creation -----------------------------------------------------------------------------------
     @classmethod
-    def create(cls, directory: Path, start: int, base_offset: int, capacity: int = 1024) -> "Segment":
+    def create(cls, directory: Path, start: int, base_offset: int, interval: int = offset_index.DEFAULT_INTERVAL,
+               capacity: int = 64) -> "Segment":
         """Create an empty segment; its header and the directory entry are fsynced before it is used.
-        ``capacity``: index entries to make room for at once (a roll passes the last segment's count), so
-        the index is not grown and copied over and over while the segment fills."""
+        ``capacity``: index entries to make room for at once (a roll passes the last segment's count)."""
         path = directory / (segment_name(start) + LOG_SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write_all(fd, [encode_segment_header(base_offset, start)])
             os.fsync(fd)
-            idx_fd = os.open(directory / (segment_name(start) + INDEX_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.close(idx_fd)
             fsync_dir(directory)
         except BaseException:
             os.close(fd)
             raise
-        return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE, np.empty(max(capacity, 1024), INDEX_DTYPE),
-                   0, True)
+        return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE,
+                   offset_index.summary_of(np.empty(0, BATCH_DTYPE), base_offset, start, SEGMENT_HEADER_SIZE, interval),
+                   np.empty(max(capacity, 64), ENTRY_DTYPE), True, 0)
+
+    @classmethod
+    def from_batches(cls, directory: Path, start: int, base_offset: int, fd: int, size: int, batches: np.ndarray,
+                     interval: int, mutable: bool = True) -> "Segment":
+        """A segment holding exactly ``batches`` (BATCH_DTYPE, from a scan of its log), its index built."""
+        entries, _ = offset_index.entries_for(batches, start, interval, -1, 0)
+        spare = np.empty(max(64, 2 * len(entries)), ENTRY_DTYPE)
+        spare[:len(entries)] = entries
+        return cls(directory, start, base_offset, fd, size,
+                   offset_index.summary_of(batches, base_offset, start, size, interval), spare, mutable, len(entries))
 
     # -- appending ----------------------------------------------------------------------------------
-    def append(self, parts: list, nbytes: int, entries: np.ndarray) -> None:
-        """Write a whole batch at the end of the file and add its index entries.
+    def append(self, parts: list, nbytes: int, batches: np.ndarray) -> None:
+        """Write whole batches at the end of the file and index them (``batches``: BATCH_DTYPE).
 
         On a failed write the file is cut back to where it was, so no partial batch stays behind."""
         assert self.mutable
         append_or_cut_back(self.fd, self.path, parts, self.size)
-        n = len(entries)
-        if self.count + n > len(self._index):
-            grown = np.empty(max(2 * len(self._index), self.count + n), INDEX_DTYPE)
-            grown[: self.count].view(_ENTRY)[:] = self._index[: self.count].view(_ENTRY)
-            self._index = grown  # readers holding the old array still see their (unchanged) entries
-        self._index[self.count: self.count + n].view(_ENTRY)[:] = entries.view(_ENTRY)
+        new, self._bucket = offset_index.entries_for(batches, self.start, self.interval, self._bucket, self.bytes)
+        if len(new):
+            n = self._n
+            if n + len(new) > len(self._entries):
+                grown = np.empty(max(2 * n, n + len(new), 64), ENTRY_DTYPE)
+                grown[:n] = self._entries[:n]
+                self._entries = grown  # readers holding the old array still see their (unchanged) entries
+            self._entries[n: n + len(new)] = new
+            self._n = n + len(new)  # published after the entries: readers never see one half written
+        last = batches[-1]
+        self.bytes += int(batches["bytes"].sum())
+        self.last_timestamp, self.last_position = int(last["timestamp"]), int(last["position"])
         self.size += nbytes
-        self.count += n  # published last: readers never see entries beyond what is written
+        self.count += int(batches["count"].sum())
 
     def fsync(self) -> None:
         os.fsync(self.fd)
@@ -143,15 +202,28 @@ class Segment:
         if not self.mutable:
             return
         os.fsync(self.fd)
-        write_index(self.index_path, self.index())
-        self._index = load_index_map(self.index_path, self.count)
+        entries = self.entries()
+        offset_index.write(self.index_path, self.summary(), entries)
+        self._entries = offset_index.load(self.index_path, self.base_offset, self.start, self.size,
+                                          self.next_offset, self.start + SEGMENT_HEADER_SIZE)[1]
         self.mutable = False
 
-    def truncated(self, count: int, size: int) -> "Segment":
-        """This segment cut to its first ``count`` messages (``size`` bytes, whole batches), fsynced, and
-        appendable again (a replica's truncation). A new object with its own descriptor: readers holding
-        this one keep what they took, and its close never writes an index for the cut file. A stale
-        ``.idx`` of a sealed segment may stay behind: recovery ignores the tail's, sealing rewrites it."""
+    def truncated(self, cut: int) -> "Segment":
+        """This segment cut before offset ``cut`` (a batch start), fsynced, and appendable again (a
+        replica's truncation). A new object with its own descriptor: readers holding this one keep what
+        they took, and its close never writes an index for the cut file. A stale ``.index`` of a sealed
+        segment may stay behind: recovery ignores the tail's, sealing rewrites it."""
+        if cut > self.base_offset:
+            last = self.batch_at(cut - 1, cut)
+            size = last.end - self.start
+            summary = Summary(self.base_offset, self.start, size, cut, self.bytes_before(cut, cut), last.timestamp,
+                              last.position, self.interval)
+        else:
+            size = SEGMENT_HEADER_SIZE
+            summary = Summary(self.base_offset, self.start, size, cut, 0, 0, -1, self.interval)
+        kept = self.entries(cut)
+        entries = np.empty(max(64, 2 * len(kept)), ENTRY_DTYPE)
+        entries[:len(kept)] = kept
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
@@ -159,14 +231,115 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        index = np.empty(max(1024, 2 * count), INDEX_DTYPE)
-        index[:count].view(_ENTRY)[:] = self._index[:count].view(_ENTRY)
-        return Segment(self.directory, self.start, self.base_offset, fd, size, index, count, mutable=True)
+        return Segment(self.directory, self.start, self.base_offset, fd, size, summary, entries, True, len(kept))
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, position: int, length: int) -> np.ndarray:
         """Read ``length`` bytes at logical ``position`` into a fresh (aligned) numpy buffer."""
         return read_exactly(self.fd, self.path, position - self.start, length)
+
+    def _span(self, entries: np.ndarray, i: int, end: int) -> Iterator[Batch]:
+        """The batches from entry ``i``'s up to the next entry's (or the segment's end), below offset
+        ``end``: headers read from one ``pread`` of the window, or one each past it (a large batch)."""
+        pos, off = int(entries[i]["position"]), int(entries[i]["offset"])
+        stop = int(entries[i + 1]["position"]) if i + 1 < len(entries) else self.start + self.size
+        buf = self.read(pos, min(stop - pos, self.interval + _HEADER_ROOM))
+        first = pos
+        while pos < stop and off < end:
+            at = pos - first
+            try:
+                if len(buf) - at < _HEADER_ROOM and first + len(buf) < stop:
+                    h = records.parse_header(self.read(pos, min(_HEADER_ROOM, stop - pos)))
+                else:
+                    h = records.parse_header(buf, at)
+                if h.base_offset != off:
+                    raise records.RecordFormatError(f"batch has offset {h.base_offset}, expected {off}", at)
+            except records.RecordFormatError as e:
+                raise CorruptLogError(f"{self.path}: at byte {pos - self.start}: {e}", self.path,
+                                      pos - self.start) from None
+            yield Batch(off, h.count, pos, h.batch_len, h.timestamp)
+            pos += h.batch_len
+            off += h.count
+
+    def _holding(self, entries: np.ndarray, offset: int, end: int):
+        """(entry index, the span's batches up to and including the one holding ``offset``, the rest of
+        the span's batches as an iterator)."""
+        i = int(np.searchsorted(entries["offset"], offset, "right")) - 1
+        walk = self._span(entries, i, end)
+        rows = []
+        for b in walk:
+            rows.append(b)
+            if b.next_offset > offset:
+                return i, rows, walk
+        raise CorruptLogError(f"{self.path}: offset {offset} is not in the log (it ends at {rows[-1].next_offset if rows else '?'})",
+                              self.path)
+
+    def batch_at(self, offset: int, end: int) -> Batch:
+        """The batch holding ``offset`` (base_offset <= offset < end)."""
+        return self._holding(self.entries(end), offset, end)[1][-1]
+
+    def plan(self, offset: int, end: int, max_bytes: int, stop: int):
+        """A fetch from ``offset``: (logical position, length, end offset) of the longest run of whole
+        batches below offset ``stop`` (<= ``end``) whose end is within ``max_bytes`` of the first's start; the
+        first batch is taken even when it alone is larger. The end offset is at most ``stop``."""
+        entries = self.entries(end)
+        i, rows, rest = self._holding(entries, offset, end)
+        first = rows[-1]
+        limit = first.position + max(max_bytes, first.length)
+        j = min(int(np.searchsorted(entries["position"], limit, "right")),
+                int(np.searchsorted(entries["offset"], stop, "left"))) - 1
+        last_end, last_offset = first.end, first.next_offset
+        if j > i:  # every batch before entry j ends within the budget
+            last_end, last_offset = int(entries[j]["position"]), int(entries[j]["offset"])
+            rest = self._span(entries, j, stop)
+        for b in rest:
+            if b.offset >= stop or b.end > limit:
+                break
+            last_end, last_offset = b.end, b.next_offset
+        return first.position, last_end - first.position, min(last_offset, stop)
+
+    def first_at_or_after(self, timestamp_ms: int, end: int) -> Optional[int]:
+        """The offset of the first batch below ``end`` stored at or after ``timestamp_ms`` (None: none)."""
+        entries = self.entries(end)
+        k = int(np.searchsorted(entries["timestamp"], timestamp_ms, "left"))
+        if k == 0:
+            return int(entries[0]["offset"]) if len(entries) else None
+        for b in self._span(entries, k - 1, end):
+            if b.timestamp >= timestamp_ms:
+                return b.offset
+        return int(entries[k]["offset"]) if k < len(entries) else None
+
+    def _sizes(self, entries: np.ndarray, i: int, rows: list) -> np.ndarray:
+        """Each message's bytes from entry ``i``'s batch through the last of ``rows`` (that span's batches):
+        one read of the whole batches and of the last one's header and length columns."""
+        first, last = int(entries[i]["position"]), rows[-1]
+        buf = self.read(first, last.position - first + min(last.length, _HEADER_ROOM + _COLUMN_ROOM * last.count))
+        try:
+            sizes = records.index_columns(buf, np.array([b.position - first for b in rows], np.int64))[0]
+        except records.RecordFormatError as e:
+            raise CorruptLogError(f"{self.path}: near byte {first - self.start}: {e}", self.path,
+                                  first - self.start) from None
+        return sizes
+
+    def bytes_before(self, offset: int, end: int) -> int:
+        """Message bytes of this segment's offsets below ``offset`` (base_offset <= offset <= end)."""
+        if offset <= self.base_offset:
+            return 0
+        if not self.mutable and offset >= self.next_offset:
+            return self.bytes
+        entries = self.entries(end)
+        i, rows, _ = self._holding(entries, offset - 1, end)
+        sizes = self._sizes(entries, i, rows)
+        return int(entries[i]["bytes"]) + int(sizes[: offset - int(entries[i]["offset"])].sum(dtype=np.int64))
+
+    def offset_at_bytes(self, target: int, stop: int) -> int:
+        """The furthest offset ``o <= stop`` whose ``bytes_before(o)`` is at most ``target`` (>= 0)."""
+        entries = self.entries(stop)
+        i = int(np.searchsorted(entries["bytes"], target, "right")) - 1
+        rows = list(self._span(entries, i, stop))
+        cum = np.cumsum(self._sizes(entries, i, rows), dtype=np.int64)
+        k = int(np.searchsorted(cum, target - int(entries[i]["bytes"]), "right"))
+        return min(int(entries[i]["offset"]) + k, stop)
 
     def close(self) -> None:
         if self.closed:
@@ -191,19 +364,20 @@ def read_exactly(fd: int, path: Path, file_pos: int, length: int) -> np.ndarray:
     return buf
 
 
-def write_index(path: Path, entries: np.ndarray) -> None:
-    """Write an index file whole (to a temporary name, fsync, rename), so it is never half-written."""
-    tmp = path.with_suffix(INDEX_SUFFIX + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(memoryview(np.ascontiguousarray(entries)).cast("B"))  # from the array: no copy of it first
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+_BATCH_LEN = struct.Struct("<I")
 
 
-def load_index_map(path: Path, count: int) -> np.ndarray:
-    if count == 0:
-        return np.empty(0, INDEX_DTYPE)
-    return np.memmap(path, dtype=INDEX_DTYPE, mode="r", shape=(count,))
-
+def batch_starts(buf: np.ndarray, path=None) -> np.ndarray:
+    """Where each batch of ``buf`` (whole batches, back to back) starts: its length fields followed,
+    one step per batch (checksums are the decoder's)."""
+    out, pos, size = [], 0, len(buf)
+    unpack = _BATCH_LEN.unpack_from
+    while pos < size:
+        out.append(pos)
+        (length,) = unpack(buf, pos)
+        if length < records.ALIGN or length % records.ALIGN:
+            raise CorruptLogError(f"{path}: impossible batch length {length} at byte {pos} of a read", path, pos)
+        pos += length
+    if pos != size:
+        raise CorruptLogError(f"{path}: the last batch of a read runs {pos - size} bytes past its end", path, size)
+    return np.array(out, dtype=np.int64)
