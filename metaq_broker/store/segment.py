@@ -30,8 +30,8 @@ from metaq_broker.store.offset_index import BATCH_DTYPE, ENTRY_DTYPE, Summary
 LOG_SUFFIX = ".meta"
 INDEX_SUFFIX = offset_index.SUFFIX
 NAME_DIGITS = 20
-# Read with a window, so that a batch starting at its very end brings its header along; and the most a
-# batch header and its length columns can take per message (4 bytes a column, up to 8 columns).
+# Read with a window, so that a batch starting at its very end brings its header along (headers are at most
+# this long); and the most a batch's length columns can take per message (4 bytes a column, up to 8).
 _HEADER_ROOM = 128
 _COLUMN_ROOM = 32
 
@@ -240,23 +240,19 @@ class Segment:
 
     def _span(self, entries: np.ndarray, i: int, end: int) -> Iterator[Batch]:
         """The batches from entry ``i``'s up to the next entry's (or the segment's end), below offset
-        ``end``: headers read from one ``pread`` of the window, or one each past it (a large batch)."""
+        ``end``. They all start in entry ``i``'s window, so one ``pread`` brings every header."""
         pos, off = int(entries[i]["position"]), int(entries[i]["offset"])
         stop = int(entries[i + 1]["position"]) if i + 1 < len(entries) else self.start + self.size
-        buf = self.read(pos, min(stop - pos, self.interval + _HEADER_ROOM))
         first = pos
+        buf = self.read(pos, min(stop - pos, self.interval + _HEADER_ROOM))
         while pos < stop and off < end:
-            at = pos - first
             try:
-                if len(buf) - at < _HEADER_ROOM and first + len(buf) < stop:
-                    h = records.parse_header(self.read(pos, min(_HEADER_ROOM, stop - pos)))
-                else:
-                    h = records.parse_header(buf, at)
+                h = records.parse_header(buf, pos - first)
                 if h.base_offset != off:
-                    raise records.RecordFormatError(f"batch has offset {h.base_offset}, expected {off}", at)
+                    raise records.RecordFormatError(f"batch has offset {h.base_offset}, expected {off}", pos - first)
             except records.RecordFormatError as e:
-                raise CorruptLogError(f"{self.path}: at byte {pos - self.start}: {e}", self.path,
-                                      pos - self.start) from None
+                raise CorruptLogError(f"{self.path}: batch at byte {pos - self.start} (from the index entry at "
+                                      f"offset {entries[i]['offset']}): {e}", self.path, pos - self.start) from None
             yield Batch(off, h.count, pos, h.batch_len, h.timestamp)
             pos += h.batch_len
             off += h.count
