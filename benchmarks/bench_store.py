@@ -20,6 +20,16 @@ What it measures (each case on a fresh partition in a temporary directory under 
 * ``read+decode <value size> b<batch size>``: the whole partition read back with ``read()`` (1 MiB per
   fetch) + ``decode(verify=True)`` to Arrow in a loop over offsets, for the data of the unflush1000
   t1 cases (written in batches of 1000, and of 1); whole passes, repeated for up to 4 s.
+* Lookups (a table of their own: calls/s and microseconds per call) in the 100 B data of those cases, at
+  random offsets or times: ``locate`` of 1 MiB (where a data-port fetch's bytes are), ``offset_for_timestamp``,
+  ``range_bytes`` and ``offset_after_bytes`` of 1 MiB (Spark's byte budgets), ``timestamp_at``.
+* Stored bytes (a table of their own): per message of each append case, the log's and the offset index's
+  bytes on disk after the partitions are closed (sealed, indexes written): log + index over the values,
+  and the index over the log. The issue's goal for 100 B messages: at most 3% over the message.
+
+The lookup and stored-bytes cases use only calls that every metaq version has, so the same script run
+against another tree (``PYTHONPATH`` of that tree, the script copied outside this one) gives its figures
+for the same cases.
 
 ``--quick`` shrinks every volume 10x and the time limit to 1 s. Figures only: no timing is asserted.
 
@@ -189,8 +199,13 @@ def run(root, quick):
             log = logs["unflush1000", size, batch, 1]
             msgs, _, secs = timed(lambda _: read_all(log), 100, limit)
             record(f"read+decode {size}B b{batch}", msgs, size, secs)
+    lookups = []
+    for batch in (1000, 1):
+        lookups += lookup_rates(logs["unflush1000", 100, batch, 1], f"100B b{batch}", limit, rng)
+    counts = {key: log.latest_offset for key, log in logs.items()}
     for log in logs.values():
         log.close()
+    stored = [stored_bytes(logs[key].directory, counts[key], key) for key in logs]
 
     after = baselines(root, volume, small_n, limit, scale)
     print("baselines at end:   " + describe(after), flush=True)
@@ -199,7 +214,38 @@ def run(root, quick):
         r["x_disk"] = r["mb_s"] / base["disk_mb_s"]
         r["x_fsync"] = None if r["appends_s"] is None else r["appends_s"] / base["fsync_per_s"]
         r["x_memcpy"] = r["mb_s"] / (base["memcpy_gb_s"] * 1e3)
-    return {"start": before, "end": after, "mean": base}, rows
+    return {"start": before, "end": after, "mean": base}, rows, lookups, stored
+
+
+def lookup_rates(log, data: str, limit: float, rng) -> list:
+    """Calls per second of each index lookup at random offsets (or times) of ``log``'s data."""
+    lo, hi = log.earliest_offset, log.latest_offset
+    offsets = rng.integers(lo, hi, 4096).tolist()
+    t0, t1 = log.timestamp_at(lo), log.timestamp_at(hi - 1)
+    stamps = rng.integers(t0, t1 + 1, 4096).tolist()
+    pairs = np.sort(rng.integers(lo, hi + 1, (4096, 2)), axis=1).tolist()
+    calls = {"locate 1MiB": lambda i: log.locate(offsets[i % 4096], MiB).length > 0,
+             "offset_for_timestamp": lambda i: log.offset_for_timestamp(stamps[i % 4096]) >= 0,
+             "range_bytes": lambda i: log.range_bytes(*pairs[i % 4096]) >= 0,
+             "offset_after_bytes 1MiB": lambda i: log.offset_after_bytes(offsets[i % 4096], MiB) >= 0,
+             "timestamp_at": lambda i: log.timestamp_at(offsets[i % 4096]) > 0}
+    rows = []
+    for name, op in calls.items():
+        _, n, secs = timed(op, 1_000_000, limit / 2)
+        rows.append({"case": f"{name} {data}", "calls_s": n / secs, "us_per_call": secs / n * 1e6})
+        print(f"  {rows[-1]['case']:<34} {rows[-1]['calls_s']:>12,.0f} calls/s {rows[-1]['us_per_call']:9.1f} us",
+              flush=True)
+    return rows
+
+
+def stored_bytes(directory: Path, messages: int, key) -> dict:
+    """Bytes on disk per message of a closed partition: log (segments) and offset index (any format)."""
+    mode, size, batch, threads = key
+    log_b = sum(f.stat().st_size for f in directory.glob("*.meta"))
+    index_b = sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".idx", ".index"))
+    return {"case": f"{mode} {size}B b{batch} t{threads}", "messages": messages, "value_bytes": size,
+            "log_b_per_msg": log_b / messages, "index_b_per_msg": index_b / messages,
+            "over_value": (log_b + index_b) / messages / size - 1, "index_over_log": index_b / log_b}
 
 
 def describe(b):
@@ -231,7 +277,7 @@ def main(argv=None):
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
     try:
-        base, rows = run(root, args.quick)
+        base, rows, lookups, stored = run(root, args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:
@@ -240,8 +286,17 @@ def main(argv=None):
             except OSError:
                 pass
     print("\n" + table(base, rows))
+    print("\nlookups (random offsets or times in the 100 B data of the unflush1000 t1 cases):")
+    for r in lookups:
+        print(f"  {r['case']:<34} {r['calls_s']:>12,.0f} calls/s {r['us_per_call']:9.1f} us/call")
+    print("\nstored bytes per message (after close; the index in any format: .index, or a dense .idx):")
+    print(f"  {'case':<28} {'log B':>8} {'index B':>8} {'log+index over value':>21} {'index over log':>15}")
+    for r in stored:
+        print(f"  {r['case']:<28} {r['log_b_per_msg']:>8.1f} {r['index_b_per_msg']:>8.2f} {r['over_value']:>21.1%} "
+              f"{r['index_over_log']:>15.2%}")
     if args.json:
-        args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows}, indent=2))
+        args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows, "lookups": lookups,
+                                         "stored": stored}, indent=2))
 
 
 if __name__ == "__main__":

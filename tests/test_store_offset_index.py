@@ -280,9 +280,14 @@ def test_a_damaged_batch_header_under_an_entry_is_named(tmp_path):
     with open(tmp_path / "00000000000000000000.meta", "r+b") as f:
         f.seek(positions[7] + 9)
         f.write(b"\xff")  # batch 7's magic: its header checksum fails
-    with pytest.raises(CorruptLogError, match=rf"batch at byte {positions[7]} \(from the index entry at offset 0\)"):
+    with pytest.raises(CorruptLogError, match=rf"damaged batch at byte {positions[7]}, offset 7 \(walking from the "
+                                              rf"index entry at offset 0\): batch header checksum mismatch$"):
         p.position(10)
     assert [p.position(o) for o in range(7)] == positions[:7]  # what lies before the damage is still found
+    r = p.locate(2, 1 << 20)
+    assert (r.start_offset, r.end_offset, r.length) == (2, 7, positions[7] - positions[2])  # a run stops before it
+    with pytest.raises(CorruptLogError, match=f"damaged batch at byte {positions[7]}"):
+        p.locate(7)
     p.close()
 
 

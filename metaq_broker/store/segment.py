@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import weakref
+from dataclasses import fields
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
@@ -34,6 +35,7 @@ NAME_DIGITS = 20
 # this long); and the most a batch's length columns can take per message (4 bytes a column, up to 8).
 _HEADER_ROOM = 128
 _COLUMN_ROOM = 32
+_BATCH_LEN = struct.Struct("<I")
 
 SEGMENT_MAGIC = b"MQSEGMT2"  # MQSEGMT1 segments held version 1 batches, with CRC-32 checksums
 SEGMENT_HEADER = struct.Struct("<8sqqI")  # magic, base offset, start position, crc of the preceding bytes
@@ -65,6 +67,12 @@ def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
     return base
 
 
+
+
+# Where a walk finds each header field in ``records.HEADER``'s tuple (the batch format's own layout).
+_LEN, _MAGIC, _VERSION, _COUNT, _BASE, _TIMESTAMP = (
+    [f.name for f in fields(records.BatchHeader)].index(name)
+    for name in ("batch_len", "magic", "version", "count", "base_offset", "timestamp"))
 
 
 class Batch(NamedTuple):
@@ -240,22 +248,33 @@ class Segment:
 
     def _span(self, entries: np.ndarray, i: int, end: int) -> Iterator[Batch]:
         """The batches from entry ``i``'s up to the next entry's (or the segment's end), below offset
-        ``end``. They all start in entry ``i``'s window, so one ``pread`` brings every header."""
+        ``end``, as the walk reaches them: they all start in entry ``i``'s window, so one ``pread`` brings
+        every header. A damaged header raises when the walk reaches it (the batches before it are found)."""
         pos, off = int(entries[i]["position"]), int(entries[i]["offset"])
         stop = int(entries[i + 1]["position"]) if i + 1 < len(entries) else self.start + self.size
         first = pos
         buf = self.read(pos, min(stop - pos, self.interval + _HEADER_ROOM))
+        unpack, size = records.HEADER.unpack_from, len(buf) - records.HEADER_SIZE
         while pos < stop and off < end:
-            try:
-                h = records.parse_header(buf, pos - first)
-                if h.base_offset != off:
-                    raise records.RecordFormatError(f"batch has offset {h.base_offset}, expected {off}", pos - first)
-            except records.RecordFormatError as e:
-                raise CorruptLogError(f"{self.path}: batch at byte {pos - self.start} (from the index entry at "
-                                      f"offset {entries[i]['offset']}): {e}", self.path, pos - self.start) from None
-            yield Batch(off, h.count, pos, h.batch_len, h.timestamp)
-            pos += h.batch_len
-            off += h.count
+            at = pos - first
+            h = unpack(buf, at) if at <= size else None
+            if h is None or h[_MAGIC] != records.MAGIC or h[_VERSION] != records.VERSION or h[_BASE] != off \
+                    or h[_LEN] < records.HEADER_SIZE or h[_LEN] % records.ALIGN:
+                raise self._damage(buf, at, pos, off, int(entries[i]["offset"]))
+            yield Batch(off, h[_COUNT], pos, h[_LEN], h[_TIMESTAMP])
+            pos += h[_LEN]
+            off += h[_COUNT]
+
+    def _damage(self, buf: np.ndarray, at: int, pos: int, offset: int, entry_offset: int) -> CorruptLogError:
+        """The error for the batch header at ``buf[at]`` (logical ``pos``) that a walk cannot use."""
+        try:
+            h = records.parse_header(buf, at)
+            reason = f"batch has offset {h.base_offset}, expected {offset}"
+        except records.RecordFormatError as e:
+            reason = str(e).replace(f" at byte {e.position}", "")
+        pos -= self.start
+        return CorruptLogError(f"{self.path}: damaged batch at byte {pos}, offset {offset} (walking from the index "
+                               f"entry at offset {entry_offset}): {reason}", self.path, pos)
 
     def _holding(self, entries: np.ndarray, offset: int, end: int):
         """(entry index, the span's batches up to and including the one holding ``offset``, the rest of
@@ -267,8 +286,7 @@ class Segment:
             rows.append(b)
             if b.next_offset > offset:
                 return i, rows, walk
-        raise CorruptLogError(f"{self.path}: offset {offset} is not in the log (it ends at {rows[-1].next_offset if rows else '?'})",
-                              self.path)
+        raise CorruptLogError(f"{self.path}: offset {offset} is past the batches its index entry leads to", self.path)
 
     def batch_at(self, offset: int, end: int) -> Batch:
         """The batch holding ``offset`` (base_offset <= offset < end)."""
@@ -288,10 +306,13 @@ class Segment:
         if j > i:  # every batch before entry j ends within the budget
             last_end, last_offset = int(entries[j]["position"]), int(entries[j]["offset"])
             rest = self._span(entries, j, stop)
-        for b in rest:
-            if b.offset >= stop or b.end > limit:
-                break
-            last_end, last_offset = b.end, b.next_offset
+        try:
+            for b in rest:
+                if b.offset >= stop or b.end > limit:
+                    break
+                last_end, last_offset = b.end, b.next_offset
+        except CorruptLogError:
+            pass  # the run ends before a damaged header: a fetch from there raises
         return first.position, last_end - first.position, min(last_offset, stop)
 
     def first_at_or_after(self, timestamp_ms: int, end: int) -> Optional[int]:
@@ -359,8 +380,6 @@ def read_exactly(fd: int, path: Path, file_pos: int, length: int) -> np.ndarray:
         got += n
     return buf
 
-
-_BATCH_LEN = struct.Struct("<I")
 
 
 def batch_starts(buf: np.ndarray, path=None) -> np.ndarray:
