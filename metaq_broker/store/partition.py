@@ -40,7 +40,6 @@ from metaq_broker.store.durable import fsync_dir, replace_file
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
 from metaq_broker.store import offset_index
-from metaq_broker.store.offset_index import BATCH_DTYPE
 from metaq_broker.store.recovery import (ARCHIVE_DIR, batch_table, last_msg_id, last_timestamp, open_epochs,
                                          recover, scan_segment, walk_batches)
 from metaq_broker.store.retention import archive_segment, removal_reason
@@ -381,7 +380,7 @@ class PartitionLog:
             batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64))))
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
-        seg.append(parts, nbytes, np.array(batches, BATCH_DTYPE))
+        seg.append(parts, nbytes, batches)
         for (base, _), (body, txn, flags, commit) in zip(placed, items):
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing

@@ -181,26 +181,42 @@ class Segment:
                    offset_index.summary_of(batches, base_offset, start, size, interval), spare, mutable, len(entries))
 
     # -- appending ----------------------------------------------------------------------------------
-    def append(self, parts: list, nbytes: int, batches: np.ndarray) -> None:
-        """Write whole batches at the end of the file and index them (``batches``: BATCH_DTYPE).
+    def append(self, parts: list, nbytes: int, batches) -> None:
+        """Write whole batches at the end of the file and index them. ``batches``: a BATCH_DTYPE array (a
+        replica's copy: indexed vectorised), or a list of (offset, position, timestamp, length, count, bytes)
+        tuples (an append's one or two batches: plain arithmetic, cheaper than numpy for so few).
 
         On a failed write the file is cut back to where it was, so no partial batch stays behind."""
         assert self.mutable
         append_or_cut_back(self.fd, self.path, parts, self.size)
-        new, self._bucket = offset_index.entries_for(batches, self.start, self.interval, self._bucket, self.bytes)
-        if len(new):
-            n = self._n
-            if n + len(new) > len(self._entries):
-                grown = np.empty(max(2 * n, n + len(new), 64), ENTRY_DTYPE)
-                grown[:n] = self._entries[:n]
-                self._entries = grown  # readers holding the old array still see their (unchanged) entries
-            self._entries[n: n + len(new)] = new
-            self._n = n + len(new)  # published after the entries: readers never see one half written
-        last = batches[-1]
-        self.bytes += int(batches["bytes"].sum())
-        self.last_timestamp, self.last_position = int(last["timestamp"]), int(last["position"])
+        if isinstance(batches, np.ndarray):
+            new, self._bucket = offset_index.entries_for(batches, self.start, self.interval, self._bucket, self.bytes)
+            self._add_entries(new)
+            last = batches[-1]
+            self.bytes += int(batches["bytes"].sum())
+            self.last_timestamp, self.last_position = int(last["timestamp"]), int(last["position"])
+            self.count += int(batches["count"].sum())
+        else:
+            for offset, position, timestamp, _, count, nbytes_messages in batches:
+                window = (position - self.start) // self.interval  # offset_index.bucket, inline
+                if window > self._bucket:
+                    self._add_entries([(offset, position, timestamp, self.bytes)])
+                    self._bucket = window
+                self.bytes += nbytes_messages
+                self.count += count
+                self.last_timestamp, self.last_position = timestamp, position
         self.size += nbytes
-        self.count += int(batches["count"].sum())
+
+    def _add_entries(self, new) -> None:
+        if not len(new):
+            return
+        n = self._n
+        if n + len(new) > len(self._entries):
+            grown = np.empty(max(2 * n, n + len(new), 64), ENTRY_DTYPE)
+            grown[:n] = self._entries[:n]
+            self._entries = grown  # readers holding the old array still see their (unchanged) entries
+        self._entries[n: n + len(new)] = new
+        self._n = n + len(new)  # published after the entries: readers never see one half written
 
     def fsync(self) -> None:
         os.fsync(self.fd)
