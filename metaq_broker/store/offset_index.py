@@ -31,14 +31,14 @@ DEFAULT_INTERVAL = 4096
 ENTRY_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("bytes", "<i8")])
 # What a segment is told about each batch it takes (appends, a replica's copy, a scan of the log).
 BATCH_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("length", "<i8"),
-                        ("count", "<i8"), ("bytes", "<i8")])
+                        ("count", "<i8"), ("bytes", "<i8"), ("msg_id", "<i8")])
 # The dense index of earlier versions, read once to convert a data directory they wrote.
 DENSE_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
 
 MAGIC = b"MQINDEX1"
-HEADER = struct.Struct("<8sqqqqqqqIII")  # then a u32 CRC-32C of these 76 bytes
+HEADER = struct.Struct("<8sqqqqqqqqqIII")  # then a u32 CRC-32C of these 92 bytes
 HEADER_SIZE = HEADER.size + 4
-assert HEADER_SIZE == 80 and ENTRY_DTYPE.itemsize == 32
+assert HEADER_SIZE == 96 and ENTRY_DTYPE.itemsize == 32
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class Summary:
     bytes: int  # message bytes (index ``size`` of docs/storage-format.md section 5) of the whole segment
     last_timestamp: int  # of its last batch (0: no batch)
     last_position: int  # logical position of its last batch (-1: no batch)
+    first_msg_id: int  # of its first message (0: none)
+    last_msg_id: int  # of its last message (-1: none)
     interval: int
 
 
@@ -80,10 +82,11 @@ def entries_for(batches: np.ndarray, start: int, interval: int, last_bucket: int
 def summary_of(batches: np.ndarray, base_offset: int, start: int, size: int, interval: int) -> Summary:
     """The summary of a segment holding exactly ``batches``."""
     if not len(batches):
-        return Summary(base_offset, start, size, base_offset, 0, 0, -1, interval)
+        return Summary(base_offset, start, size, base_offset, 0, 0, -1, 0, -1, interval)
     last = batches[-1]
     return Summary(base_offset, start, size, int(last["offset"] + last["count"]), int(batches["bytes"].sum()),
-                   int(last["timestamp"]), int(last["position"]), interval)
+                   int(last["timestamp"]), int(last["position"]), int(batches[0]["msg_id"]),
+                   int(last["msg_id"] + last["count"] - 1), interval)
 
 
 def encode(summary: Summary, entries: np.ndarray) -> list:
@@ -91,7 +94,8 @@ def encode(summary: Summary, entries: np.ndarray) -> list:
     entries = np.ascontiguousarray(entries, ENTRY_DTYPE)
     s = summary
     head = HEADER.pack(MAGIC, s.base_offset, s.start, s.size, s.next_offset, s.bytes, s.last_timestamp,
-                       s.last_position, s.interval, len(entries), crc(memoryview(entries).cast("B")))
+                       s.last_position, s.first_msg_id, s.last_msg_id, s.interval, len(entries),
+                       crc(memoryview(entries).cast("B")))
     return [head + struct.pack("<I", crc(head)), memoryview(entries).cast("B")]
 
 
@@ -122,7 +126,7 @@ def load(path: Path, base_offset: int, start: int, size: int, next_offset: Optio
     fields = HEADER.unpack_from(raw)
     if fields[0] != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
         raise IndexProblem("has a bad header (magic or checksum)")
-    summary, n, entries_crc = Summary(*fields[1:9]), fields[9], fields[10]
+    summary, n, entries_crc = Summary(*fields[1:11]), fields[11], fields[12]
     if (summary.base_offset, summary.start, summary.size) != (base_offset, start, size):
         raise IndexProblem(f"describes offset {summary.base_offset}, start {summary.start}, {summary.size} bytes; "
                            f"the segment is offset {base_offset}, start {start}, {size} bytes")
@@ -157,6 +161,8 @@ def shape_problem(s: Summary, entries: np.ndarray, first_position: int) -> Optio
         return "is out of order"
     if off[-1] >= s.next_offset or pos[-1] > s.last_position or nb[-1] >= s.bytes or ts[-1] > s.last_timestamp:
         return "has entries past the end of its segment"
+    if s.last_msg_id - s.first_msg_id + 1 < count:
+        return "has fewer message ids than messages"
     b = bucket(pos, s.start, s.interval)
     if (np.diff(b) <= 0).any():
         return "has two entries in one window"
@@ -175,6 +181,7 @@ def from_dense(dense: np.ndarray, base_offset: int) -> np.ndarray:
     out["position"], out["timestamp"] = pos[first], dense["timestamp"][first]
     out["length"], out["count"] = dense["batch_len"][first], counts
     out["bytes"] = np.add.reduceat(dense["size"].astype(np.int64), first)
+    out["msg_id"] = -1  # not in a dense index: the caller reads the first and last batches' from the log
     return out
 
 

@@ -377,7 +377,7 @@ class PartitionLog:
             n = records.HEADER_SIZE + body.size
             parts.append(header)
             parts += body.parts
-            batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64))))
+            batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64)), msg_id))
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
         seg.append(parts, nbytes, batches)
@@ -859,6 +859,17 @@ class PartitionLog:
             taken, offset = taken + have, hi
         return offset
 
+    def offset_for_msg_id(self, msg_id: int) -> Optional[int]:
+        """The offset of the message whose id is ``msg_id``, if it is below the last stable offset; None
+        otherwise (exactly one answer or none: ids are unique in a partition)."""
+        if isinstance(msg_id, bool) or not isinstance(msg_id, (int, np.integer)):
+            raise InvalidOffsetError(f"a message id must be an integer, got {msg_id!r}")
+        end = self.latest_offset
+        for seg in self._segments:
+            if seg.count and seg.first_msg_id <= msg_id <= seg.last_msg_id:
+                return seg.offset_for_msg_id(int(msg_id), end)
+        return None
+
     def position(self, offset: int) -> int:
         """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
         self._check_offset(offset)
@@ -869,9 +880,9 @@ class PartitionLog:
         return self._segment_for(segs, offset).batch_at(offset, visible).position
 
     def verify(self) -> list:
-        """Check every batch of every segment (checksums and offset continuity) and that each segment's
-        index is the one its batches make; return the problems."""
-        problems = []
+        """Check every batch of every segment (checksums and offset continuity), that message ids grow with
+        offsets, and that each segment's index is the one its batches make; return the problems."""
+        problems, last_id = [], None
         for seg in self._segments:
             try:
                 batches, _, _ = scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset,
@@ -879,6 +890,13 @@ class PartitionLog:
             except CorruptLogError as e:
                 problems.append(str(e))
                 continue
+            ids = batches["msg_id"]
+            back = np.flatnonzero(ids <= np.r_[last_id if last_id is not None else ids[:1] - 1,
+                                                (ids + batches["count"] - 1)[:-1]]) if len(ids) else []
+            if len(back):
+                problems.append(f"{seg.path}: message ids go back at offset {int(batches['offset'][back[0]])}; "
+                                f"lookups by message id assume they grow with offsets")
+            last_id = int(ids[-1] + batches["count"][-1] - 1) if len(ids) else last_id
             entries, _ = offset_index.entries_for(batches, seg.start, seg.interval, -1, 0)
             summary = offset_index.summary_of(batches, seg.base_offset, seg.start, seg.size, seg.interval)
             if summary != seg.summary() or not np.array_equal(entries, seg.entries()):

@@ -130,6 +130,9 @@ def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: 
         batches = None if idx_path.exists() else _converted(path.with_suffix(DENSE_SUFFIX), start, base, size, next_base)
         if batches is not None:
             log.info("%s: converting the dense index of %s to a sparse one", name, path.name)
+            for row in (0, -1):  # the summary's first and last message ids, from those batches' headers
+                pos = int(batches["position"][row]) - start
+                batches["msg_id"][row] = records.parse_header(read_exactly(fd, path, pos, records.HEADER_SIZE)).base_msg_id
         else:
             log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
             batches, _, _ = scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
@@ -233,6 +236,8 @@ def batch_table(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarra
     out["offset"] = records.parse_header(buf, int(positions[0])).base_offset + first_message
     out["position"], out["timestamp"], out["length"], out["count"] = positions + start, ts, lengths, counts
     out["bytes"] = np.add.reduceat(sizes, first_message)
+    out["msg_id"] = buf[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(
+        records.HEADER_DTYPE)["base_msg_id"]
     return out
 
 

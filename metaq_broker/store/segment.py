@@ -70,9 +70,9 @@ def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
 
 
 # Where a walk finds each header field in ``records.HEADER``'s tuple (the batch format's own layout).
-_LEN, _MAGIC, _VERSION, _COUNT, _BASE, _TIMESTAMP = (
+_LEN, _MAGIC, _VERSION, _COUNT, _BASE, _TIMESTAMP, _MSG_ID = (
     [f.name for f in fields(records.BatchHeader)].index(name)
-    for name in ("batch_len", "magic", "version", "count", "base_offset", "timestamp"))
+    for name in ("batch_len", "magic", "version", "count", "base_offset", "timestamp", "base_msg_id"))
 
 
 class Batch(NamedTuple):
@@ -83,6 +83,7 @@ class Batch(NamedTuple):
     position: int  # logical
     length: int
     timestamp: int
+    msg_id: int  # of its first message
 
     @property
     def next_offset(self) -> int:
@@ -111,6 +112,7 @@ class Segment:
         self.bytes = summary.bytes  # message bytes (keys, values, attributes and column entries)
         self.last_timestamp: Optional[int] = summary.last_timestamp if self.count else None
         self.last_position: Optional[int] = summary.last_position if self.count else None
+        self.first_msg_id, self.last_msg_id = summary.first_msg_id, summary.last_msg_id
         self.interval = summary.interval
         self._entries = entries  # [0, _n) are valid; spare capacity while mutable
         self._n = len(entries) if n is None else n
@@ -143,7 +145,7 @@ class Segment:
     def summary(self) -> Summary:
         return Summary(self.base_offset, self.start, self.size, self.next_offset, self.bytes,
                        self.last_timestamp or 0, -1 if self.last_position is None else self.last_position,
-                       self.interval)
+                       self.first_msg_id, self.last_msg_id, self.interval)
 
     def entries(self, end: Optional[int] = None) -> np.ndarray:
         """The index entries (of batches below offset ``end``, if given)."""
@@ -183,8 +185,8 @@ class Segment:
     # -- appending ----------------------------------------------------------------------------------
     def append(self, parts: list, nbytes: int, batches) -> None:
         """Write whole batches at the end of the file and index them. ``batches``: a BATCH_DTYPE array (a
-        replica's copy: indexed vectorised), or a list of (offset, position, timestamp, length, count, bytes)
-        tuples (an append's one or two batches: plain arithmetic, cheaper than numpy for so few).
+        replica's copy: indexed vectorised), or a list of (offset, position, timestamp, length, count, bytes,
+        msg_id) tuples (an append's one or two batches: plain arithmetic, cheaper than numpy for so few).
 
         On a failed write the file is cut back to where it was, so no partial batch stays behind."""
         assert self.mutable
@@ -192,19 +194,24 @@ class Segment:
         if isinstance(batches, np.ndarray):
             new, self._bucket = offset_index.entries_for(batches, self.start, self.interval, self._bucket, self.bytes)
             self._add_entries(new)
+            if not self.count:
+                self.first_msg_id = int(batches[0]["msg_id"])
             last = batches[-1]
             self.bytes += int(batches["bytes"].sum())
             self.last_timestamp, self.last_position = int(last["timestamp"]), int(last["position"])
+            self.last_msg_id = int(last["msg_id"] + last["count"] - 1)
             self.count += int(batches["count"].sum())
         else:
-            for offset, position, timestamp, _, count, nbytes_messages in batches:
+            for offset, position, timestamp, _, count, nbytes_messages, msg_id in batches:
                 window = (position - self.start) // self.interval  # offset_index.bucket, inline
                 if window > self._bucket:
                     self._add_entries([(offset, position, timestamp, self.bytes)])
                     self._bucket = window
+                if not self.count:
+                    self.first_msg_id = msg_id
                 self.bytes += nbytes_messages
                 self.count += count
-                self.last_timestamp, self.last_position = timestamp, position
+                self.last_timestamp, self.last_position, self.last_msg_id = timestamp, position, msg_id + count - 1
         self.size += nbytes
 
     def _add_entries(self, new) -> None:
@@ -241,10 +248,10 @@ class Segment:
             last = self.batch_at(cut - 1, cut)
             size = last.end - self.start
             summary = Summary(self.base_offset, self.start, size, cut, self.bytes_before(cut, cut), last.timestamp,
-                              last.position, self.interval)
+                              last.position, self.first_msg_id, last.msg_id + last.count - 1, self.interval)
         else:
             size = SEGMENT_HEADER_SIZE
-            summary = Summary(self.base_offset, self.start, size, cut, 0, 0, -1, self.interval)
+            summary = Summary(self.base_offset, self.start, size, cut, 0, 0, -1, 0, -1, self.interval)
         kept = self.entries(cut)
         entries = np.empty(max(64, 2 * len(kept)), ENTRY_DTYPE)
         entries[:len(kept)] = kept
@@ -277,7 +284,7 @@ class Segment:
             if h is None or h[_MAGIC] != records.MAGIC or h[_VERSION] != records.VERSION or h[_BASE] != off \
                     or h[_LEN] < records.HEADER_SIZE or h[_LEN] % records.ALIGN:
                 raise self._damage(buf, at, pos, off, int(entries[i]["offset"]))
-            yield Batch(off, h[_COUNT], pos, h[_LEN], h[_TIMESTAMP])
+            yield Batch(off, h[_COUNT], pos, h[_LEN], h[_TIMESTAMP], h[_MSG_ID])
             pos += h[_LEN]
             off += h[_COUNT]
 
@@ -341,6 +348,23 @@ class Segment:
             if b.timestamp >= timestamp_ms:
                 return b.offset
         return int(entries[k]["offset"]) if k < len(entries) else None
+
+    def offset_for_msg_id(self, msg_id: int, end: int) -> Optional[int]:
+        """The offset below ``end`` of the message with id ``msg_id``, or None. Ids increase with offsets and
+        are dense in a batch, so no entry per message or batch is needed: a binary search over the batch
+        headers at the index entries (one ``pread`` each), then a walk of one window."""
+        if not self.count or not self.first_msg_id <= msg_id <= self.last_msg_id:
+            return None
+        entries = self.entries(end)
+        lo, hi = 0, len(entries)  # the batch of entry lo starts at or below msg_id; entry hi's above it
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            raw = self.read(int(entries[mid]["position"]), records.HEADER_SIZE)
+            lo, hi = (mid, hi) if records.HEADER.unpack_from(raw)[_MSG_ID] <= msg_id else (lo, mid)
+        for b in self._span(entries, lo, end) if len(entries) else ():
+            if b.msg_id + b.count > msg_id:
+                return b.offset + msg_id - b.msg_id if b.msg_id <= msg_id else None
+        return None
 
     def _sizes(self, entries: np.ndarray, i: int, rows: list) -> np.ndarray:
         """Each message's bytes from entry ``i``'s batch through the last of ``rows`` (that span's batches):
