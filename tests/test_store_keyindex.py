@@ -25,19 +25,22 @@ from metaq_broker.errors import InvalidQueryError
 from metaq_broker.protocol import records
 from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store import keyindex
-from metaq_broker.store.keyindex import IndexProblem, KeyIndex, hash_key, hash_keys, lookup, offset_range
+from metaq_broker.store.keyindex import IndexProblem, KeyIndex, hash_key, lookup, offset_range
 
 keys_st = st.lists(st.one_of(st.none(), st.binary(max_size=90)), min_size=1, max_size=40)
 
 
 @settings(max_examples=300, deadline=None)
 @given(keys=keys_st, cut=st.integers(0, 5))
-def test_the_vectorised_hash_is_the_one_key_hash(keys, cut):
+def test_the_compiled_hash_is_the_one_key_hash(keys, cut):
     arr = pa.array(keys, pa.binary()).slice(min(cut, len(keys) - 1))  # a slice: the array's offset is not 0
-    hashes, rows = hash_keys(arr)
-    assert rows.tolist() == [i for i, k in enumerate(arr.to_pylist()) if k is not None]
-    assert [int(h) for h in hashes] == [hash_key(k) for k in arr.to_pylist() if k is not None]
-    assert hash_keys(arr.cast(pa.large_binary()))[0].tolist() == hashes.tolist()
+    listed = arr.to_pylist()
+    for form in (arr, arr.cast(pa.large_binary()), listed):
+        index = KeyIndex(100, 0)
+        index.add(100, form)
+        hashes, _, offsets = index.columns()
+        assert offsets.tolist() == [i for i, k in enumerate(listed) if k is not None]
+        assert hashes.tolist() == [hash_key(k) >> 32 for k in listed if k is not None]
 
 
 def test_the_hash_tells_apart_keys_that_differ_only_in_padding_or_length():
@@ -106,23 +109,32 @@ def test_lookups_equal_a_scan_with_collisions_truncation_and_segments(batches, m
         check([loaded, second], model, rng, end)
 
 
-def test_keys_that_share_the_whole_hash_are_told_apart_by_the_log(monkeypatch):
-    length_only = lambda key: len(key) * 0x9E3779B97F4A7C15 % (1 << 64)  # noqa: E731 - every same-length key collides
-    monkeypatch.setattr(keyindex, "hash_key", length_only)
-    monkeypatch.setattr(keyindex, "hash_keys", lambda keys: (
-        np.array([length_only(k) for k in keys.to_pylist() if k is not None], np.uint64),
-        np.array([i for i, k in enumerate(keys.to_pylist()) if k is not None], np.int64)))
-    index, model, end = build([[b"aa", b"ab", b"ba", b"aa"], [b"ab"] * 3, [b"zz", b"aa"]])
+def colliding_keys():
+    """Two keys whose indexed hashes (32 bits) are equal: among 300 000 keys there are about ten such pairs."""
+    keys = [b"c%d" % i for i in range(300_000)]
+    index = KeyIndex(0, 0)
+    index.add(0, keys)
+    hashes = index.columns()[0]
+    order = np.argsort(hashes, kind="stable")
+    same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])[0]
+    a, b = keys[order[same]], keys[order[same + 1]]
+    assert a != b and hash_key(a) >> 32 == hash_key(b) >> 32
+    return a, b
+
+
+def test_keys_that_share_the_whole_hash_are_told_apart_by_the_log():
+    a, b = colliding_keys()
+    index, model, end = build([[a, b, b"x", a], [b] * 3, [b"zz", a]])
     reads = []
 
     def read_keys(offsets):
         reads.append(list(offsets))
         return model.read_keys(offsets)
 
-    assert lookup([index], b"aa", 0, end, read_keys) == [8, 3, 0]
-    assert reads and all(len(r) <= 64 for r in reads)  # the candidates were checked against the log
-    assert lookup([index], b"aa", 0, end, read_keys, 2) == [8, 3]
-    assert lookup([index], b"ab", 0, end, read_keys, 2) == [6, 5]
+    assert lookup([index], a, 0, end, read_keys) == [8, 3, 0]
+    assert reads and all(set(r) <= {0, 1, 3, 4, 5, 6, 8} for r in reads)  # b's offsets were read and dropped
+    assert lookup([index], a, 0, end, read_keys, 2) == [8, 3]
+    assert lookup([index], b, 0, end, read_keys, 2) == [6, 5]
     assert lookup([index], b"cc", 0, end, read_keys) == []
 
 

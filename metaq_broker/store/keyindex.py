@@ -9,8 +9,10 @@ previous entry in the same slot, newest first; a query walks one chain. Adapted:
   index turns a time range into an offset range first (``offset_range``), and a chain, walked newest first,
   stops at the first entry below it. An entry is 12 bytes (RocketMQ's 20): 32 bits of the key's 64-bit
   hash, the previous entry's number, and the offset relative to the segment's base;
-* slots and chains are built per batch with numpy (``add``: one stable sort of the batch's slots, no step
-  per message), and the table grows fourfold (a vectorised rebuild) when the chains average more than four;
+* a batch's keys are hashed and chained by one compiled loop (numba): numpy took 90-180 ns a key (a
+  dozen passes over the words, one sort of the slots), as much as the append itself, where the goal is
+  an append rate with the index at least 0.9 of the rate without (benchmarks/bench_store.py); the table
+  grows fourfold (a rebuild) when the chains average more than four entries;
 * false hash matches are removed by comparing the real key, read from the log at the answer's offset
   (``lookup``'s ``read_keys``).
 
@@ -40,104 +42,84 @@ MAGIC = b"MQKEYIX1"
 HEADER = struct.Struct("<8sqqqIIII")  # then a u32 CRC-32C of these 48 bytes, and zeros to 64
 HEADER_SIZE = 64
 
-MIN_SLOT_BITS, MAX_SLOT_BITS = 10, 26
-LOAD = 4  # entries per slot, on average, before the table grows fourfold (RocketMQ: 20 M entries, 5 M slots)
+MIN_SLOT_BITS, MAX_SLOT_BITS = 10, 24  # 2^10 slots at first, four times as many when chains average > LOAD
+LOAD = 4  # RocketMQ: 20 M entries, 5 M slots
 DEFAULT_MAX_ANSWERS = 64
 _WALK_STEPS = 4096  # chain steps before a lookup scans the segment's entries in the range instead
-
-# The key hash (``hash_key``): each 8-byte word salted by its place and multiplied, the words summed with the
-# length, the sum mixed by splitmix64's finaliser.
-_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
-_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
 _MASK = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NO_LOCK = contextlib.nullcontext()
+_EMPTY = np.zeros(1, np.uint8)  # the data of a column of empty keys
 
 
 class IndexProblem(Exception):
     """A key index file that cannot be used as it is (the caller rebuilds it from the log)."""
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, in place on a uint64 array."""
-    z ^= z >> _S30
-    z *= _M1
-    z ^= z >> _S27
-    z *= _M2
-    z ^= z >> _S31
-    return z
-
-
-def _mix_int(z: int) -> int:
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+def hash_key(key: bytes) -> int:
+    """The key's 64-bit hash: over its little-endian 8-byte words ``x_j`` (the last zero-padded), with
+    ``y_j = ((x_j + (j + 1)·φ)·M1) mod 2^64``, the sum ``len·φ + Σ (y_j ^ (y_j >> 32))`` modulo 2^64, mixed by
+    splitmix64's finaliser (φ, M1 and its constants as in splitmix64). An index keeps its high 32 bits;
+    ``_index_keys`` computes the same for a batch."""
+    key = bytes(key)
+    total = len(key) * _GOLDEN
+    for j in range(0, len(key), 8):
+        y = ((int.from_bytes(key[j: j + 8], "little") + (j // 8 + 1) * _GOLDEN) * _M1) & _MASK
+        total += y ^ (y >> 32)
+    z = total & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
     return z ^ (z >> 31)
 
 
-def _word_int(word: int, place: int) -> int:
-    z = ((word + place * 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9) & _MASK
-    return z ^ (z >> 32)
+def _index_keys(data, offsets, rows, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - compiled
+    """Entries n + 1, n + 2, ... for the keys ``rows[i]`` of an Arrow binary column (``data``, ``offsets``)
+    at offsets ``rels[i]``: the high 32 bits of each key's ``hash_key``, chained behind its slot's head.
+    Returns the new entry count. Run compiled (``_kernels``): a loop per key, in machine code."""
+    golden, m1, m2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)  # local: numba folds them once
+    eight, one = np.uint64(8), np.uint64(1)
+    for i in range(rows.shape[0]):
+        a, b = np.int64(offsets[rows[i]]), np.int64(offsets[rows[i] + 1])
+        total, place, j = np.uint64(b - a) * golden, one, a
+        while j < b:
+            x, shift_in = np.uint64(0), np.uint64(0)
+            for k in range(j, min(j + 8, b)):
+                x |= np.uint64(data[k]) << shift_in
+                shift_in += eight
+            y = (x + place * golden) * m1
+            total += y ^ (y >> np.uint64(32))
+            place += one
+            j += 8
+        total = (total ^ (total >> np.uint64(30))) * m1
+        total = (total ^ (total >> np.uint64(27))) * m2
+        h = np.uint32((total ^ (total >> np.uint64(31))) >> np.uint64(32))
+        s = h >> shift
+        hashes[n], prevs[n], offs[n] = h, slots[s], rels[i]
+        n += 1
+        slots[s] = n
+    return n
 
 
-def hash_key(key: bytes) -> int:
-    """The key's 64-bit hash: ``mix(len·φ + Σ_j w(word_j, j + 1))`` modulo 2^64, over the key's
-    little-endian 8-byte words (the last one zero-padded), where ``w(x, p) = y ^ (y >> 32)`` with
-    ``y = (x + p·φ)·M1`` and ``mix`` is splitmix64's finaliser. The same function as ``hash_keys``."""
-    key = bytes(key)
-    total = len(key) * 0x9E3779B97F4A7C15
-    for j in range(0, len(key), 8):
-        total += _word_int(int.from_bytes(key[j: j + 8], "little"), j // 8 + 1)
-    return _mix_int(total & _MASK)
+def _chain(h32, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - run compiled (``_kernels``)
+    """``_index_keys`` for entries whose hashes are known (a rebuild: growth, truncation)."""
+    for i in range(h32.shape[0]):
+        s = h32[i] >> shift
+        hashes[n], prevs[n], offs[n] = h32[i], slots[s], rels[i]
+        n += 1
+        slots[s] = n
+    return n
 
 
-def _words(words: np.ndarray, places: np.ndarray) -> np.ndarray:
-    """``w(word, place)`` of ``hash_key`` over arrays (a new array)."""
-    z = words + places * _GOLDEN
-    z *= _M1
-    z ^= z >> _S32
-    return z
+_KERNELS = None
 
 
-def hash_keys(keys: pa.Array):
-    """(64-bit ``hash_key`` of each non-null key of an Arrow binary array, their row numbers). Vectorised:
-    keys up to 64 bytes as a matrix of words (a step per word column), longer ones as one ragged run of
-    words; no step per key."""
-    if keys.type != pa.binary():
-        keys = keys.cast(pa.binary())
-    n = len(keys)
-    offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4).astype(np.int64)
-    data = keys.buffers()[2]
-    data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(1, np.uint8)
-    rows = np.arange(n, dtype=np.int64) if not keys.null_count else np.flatnonzero(np.asarray(keys.is_valid()))
-    starts, lengths = offsets[:-1][rows], (offsets[1:] - offsets[:-1])[rows]
-    m = len(rows)
-    if not m:
-        return np.empty(0, np.uint64), rows
-    longest = int(lengths.max())
-    nwords = (lengths + 7) >> 3
-    total = lengths.astype(np.uint64) * _GOLDEN
-    if longest <= 64:
-        width = (longest + 7) // 8
-        if m == n and int(lengths.min()) == longest:  # one length, back to back: a reshape
-            padded = np.zeros((m, width * 8), np.uint8)
-            padded[:, :longest] = data[starts[0]: starts[0] + longest * m].reshape(m, longest)
-        else:
-            at = starts[:, None] + np.arange(width * 8)
-            padded = data[np.minimum(at, len(data) - 1)]
-            padded[np.arange(width * 8) >= lengths[:, None]] = 0
-        mixed = _words(padded.view("<u8"), np.arange(1, width + 1, dtype=np.uint64))
-        full = int(nwords.min())
-        for column in range(width):  # a step per word of the longest key, not per key
-            total += mixed[:, column] if column < full else np.where(nwords > column, mixed[:, column], 0)
-        return _mix(total), rows
-    first_word = np.cumsum(nwords) - nwords
-    padded = np.zeros(int(nwords.sum()) * 8, np.uint8)
-    byte_in_key = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    padded[np.repeat(first_word * 8, lengths) + byte_in_key] = data[np.repeat(starts, lengths) + byte_in_key]
-    places = (np.arange(len(padded) // 8, dtype=np.int64) - np.repeat(first_word, nwords) + 1).astype(np.uint64)
-    mixed = _words(padded.view("<u8"), places)
-    has = nwords > 0
-    total[has] += np.add.reduceat(mixed, first_word[has], dtype=np.uint64)
-    return _mix(total), rows
+def _kernels():
+    """(_index_keys, _chain), compiled on first use and cached on disk by numba."""
+    global _KERNELS
+    if _KERNELS is None:
+        import numba  # lazy: a second to import and compile; lookups (hash_key, chain walks) need neither
+        _KERNELS = tuple(numba.njit(cache=True, nogil=True)(f) for f in (_index_keys, _chain))
+    return _KERNELS
 
 
 def offset_range(since_ms: Optional[int], until_ms: Optional[int], offset_for_timestamp: Callable[[int], int],
@@ -190,25 +172,36 @@ class KeyIndex:
         return self._hash[:n], self._prev[:n], self._off[:n]
 
     # -- building ---------------------------------------------------------------------------------------
-    def add(self, offsets, keys: pa.Array, next_offset: Optional[int] = None) -> None:
-        """Index the non-null ``keys`` of messages at ``offsets``: the first of consecutive offsets (an
-        append's batch), or an increasing array of them (decoded messages, markers left out); at or after
-        everything indexed so far. Afterwards the index covers offsets below ``next_offset`` (default: one
-        past the last message)."""
-        hashes, rows = hash_keys(keys)  # outside the lock
+    def add(self, offsets, keys, next_offset: Optional[int] = None) -> None:
+        """Index the non-null ``keys`` (an Arrow binary array, or a sequence of bytes and None) of messages at
+        ``offsets``: the first of consecutive offsets (an append's batch), or an increasing array of them
+        (decoded messages, markers left out); at or after everything indexed so far. Afterwards the index
+        covers offsets below ``next_offset`` (default: one past the last message)."""
+        if not isinstance(keys, pa.Array):
+            keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else pa.array(keys, pa.binary())
+        if keys.type != pa.binary():
+            keys = keys.cast(pa.binary())
+        n = len(keys)
+        rows = np.flatnonzero(np.asarray(keys.is_valid())) if keys.null_count else np.arange(n)
         if isinstance(offsets, (int, np.integer)):
-            rel, last = rows + (int(offsets) - self.base_offset), int(offsets) + len(keys) - 1
+            rels, last = rows + (int(offsets) - self.base_offset), int(offsets) + n - 1
         else:
             offsets = np.asarray(offsets, np.int64)
-            if len(offsets) != len(keys):
-                raise ValueError(f"{len(offsets)} offsets for {len(keys)} keys")
-            rel, last = offsets[rows] - self.base_offset, int(offsets[-1]) if len(offsets) else None
+            if len(offsets) != n:
+                raise ValueError(f"{len(offsets)} offsets for {n} keys")
+            rels, last = offsets[rows] - self.base_offset, int(offsets[-1]) if n else None
         with self._writing():
             if len(rows):
-                if self.base_offset + int(rel[0]) < self.next_offset or rel[-1] >= 1 << 32:
-                    raise ValueError(f"offsets {self.base_offset + int(rel[0])}..{self.base_offset + int(rel[-1])} "
-                                     f"cannot follow this index's (base offset {self.base_offset}, {self._n} entries)")
-                self._insert((hashes >> _S32).astype(np.uint32), rel.astype(np.uint32))
+                first, final = int(rels[0]), int(rels[-1])
+                if self.base_offset + first < self.next_offset or final >= 1 << 32:
+                    raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
+                                     f"this index's (base offset {self.base_offset}, {self._n} entries)")
+                self._make_room(len(rows))
+                data = keys.buffers()[2]
+                self._n = _kernels()[0](np.frombuffer(data, np.uint8) if data is not None and len(data) else _EMPTY,
+                                        np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4), rows,
+                                        rels, self._slots, np.uint32(32 - self._bits), self._hash, self._prev,
+                                        self._off, self._n)
             cover = next_offset if next_offset is not None else None if last is None else last + 1
             if cover is not None:
                 self.next_offset = max(self.next_offset, cover)
@@ -218,48 +211,24 @@ class KeyIndex:
             raise ValueError("a key index read from its file does not change (writable_copy makes one that does)")
         return self._lock
 
-    def _insert(self, h32: np.ndarray, rel: np.ndarray, grow: bool = True) -> None:
-        """Chain entries (hash columns ``h32``, offsets ``rel``) in: each behind the previous entry of its
-        slot, in the batch or before it. One stable sort of the batch's slots (radix, 16 bits at a time)
-        groups a slot's entries in order; no step per entry."""
-        n, m = self._n, len(h32)
+    def _make_room(self, m: int) -> None:
+        """Room for ``m`` more entries, the table grown first if they make the chains too long."""
+        n = self._n
         if n + m >= 1 << 32:
             raise ValueError("a segment's key index holds fewer than 2^32 entries")
-        if grow and _bits_for(n + m, self._max_bits) != self._bits:
+        if _bits_for(n + m, self._max_bits) != self._bits:
             self._rebuild(n, _bits_for(n + m, self._max_bits))
         if n + m > len(self._hash):
-            grown = max(2 * len(self._hash), n + m)
-            self._hash, self._prev, self._off = (np.concatenate([a[:n], np.zeros(grown - n, np.uint32)])
+            self._hash, self._prev, self._off = (_grown(a, n, max(4 * len(a), n + m))
                                                  for a in (self._hash, self._prev, self._off))
-        slots, slot = self._slots, h32 >> np.uint32(32 - self._bits)
-        if m == 1:
-            self._prev[n] = slots[slot[0]]
-            slots[slot[0]] = n + 1
-        else:
-            order = _stable_order(slot, self._bits)
-            s = slot[order]
-            number = order.astype(np.uint32) + np.uint32(n + 1)  # the entries' numbers, in slot order
-            differs = s[1:] != s[:-1]
-            first = np.empty(m, bool)
-            first[0], first[1:] = True, differs
-            prev = np.empty(m, np.uint32)
-            prev[1:] = number[:-1]
-            prev[first] = slots[s[first]]  # the first of a slot's run follows the slot's old head
-            self._prev[n: n + m][order] = prev
-            last = np.empty(m, bool)
-            last[-1], last[:-1] = True, differs
-            slots[s[last]] = number[last]
-        self._hash[n: n + m], self._off[n: n + m] = h32, rel
-        self._n = n + m
 
     def _rebuild(self, n: int, bits: int) -> None:
-        """Slots and chains for the first ``n`` entries, with 2^bits slots (growth, truncation)."""
-        fresh = KeyIndex(self.base_offset, self.start, self._max_bits, max(1024, 2 * n))
-        fresh._bits, fresh._slots = bits, np.zeros(1 << bits, np.uint32)
-        if n:
-            fresh._insert(self._hash[:n].copy(), self._off[:n].copy(), grow=False)
-        self._bits, self._slots, self._n = fresh._bits, fresh._slots, fresh._n
-        self._hash, self._prev, self._off = fresh._hash, fresh._prev, fresh._off
+        """Slots and chains for the first ``n`` entries, with 2^bits slots (growth, truncation): the same
+        bytes as if the table had had that size from the start."""
+        slots = np.zeros(1 << bits, np.uint32)
+        _kernels()[1](self._hash[:n], self._off[:n], slots, np.uint32(32 - bits), self._hash, self._prev,
+                      self._off, 0)
+        self._bits, self._slots, self._n = bits, slots, n
 
     def truncate(self, offset: int) -> None:
         """Forget every message at or after ``offset`` (a replica's cut of its tail)."""
@@ -372,13 +341,11 @@ def _crcs(parts) -> int:
     return value
 
 
-def _stable_order(slot: np.ndarray, bits: int) -> np.ndarray:
-    """np.argsort(slot, kind="stable") for slots of ``bits`` bits, as one or two 16-bit radix sorts (numpy
-    radix-sorts 16-bit keys, and compare-sorts wider ones about ten times slower)."""
-    if bits <= 16:
-        return np.argsort(slot.astype(np.uint16), kind="stable")
-    low = np.argsort((slot & np.uint32(0xFFFF)).astype(np.uint16), kind="stable")
-    return low[np.argsort((slot[low] >> np.uint32(16)).astype(np.uint16), kind="stable")]
+def _grown(column: np.ndarray, n: int, capacity: int) -> np.ndarray:
+    """``column``'s first ``n`` values in a new array of ``capacity`` (fourfold growth: few copies)."""
+    out = np.empty(capacity, np.uint32)
+    out[:n] = column[:n]
+    return out
 
 
 def _bits_for(n: int, max_bits: int = MAX_SLOT_BITS) -> int:
