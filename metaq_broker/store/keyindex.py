@@ -50,6 +50,7 @@ _MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NO_LOCK = contextlib.nullcontext()
 _EMPTY = np.zeros(1, np.uint8)  # the data of a column of empty keys
+_BINARY = pa.binary()
 
 
 class IndexProblem(Exception):
@@ -178,9 +179,9 @@ class KeyIndex:
         (decoded messages, markers left out); at or after everything indexed so far. Afterwards the index
         covers offsets below ``next_offset`` (default: one past the last message)."""
         if not isinstance(keys, pa.Array):
-            keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else pa.array(keys, pa.binary())
-        if keys.type != pa.binary():
-            keys = keys.cast(pa.binary())
+            keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else pa.array(keys, _BINARY)
+        if keys.type != _BINARY:
+            keys = keys.cast(_BINARY)
         n = len(keys)
         rows = np.flatnonzero(np.asarray(keys.is_valid())) if keys.null_count else np.arange(n)
         if isinstance(offsets, (int, np.integer)):
@@ -197,11 +198,11 @@ class KeyIndex:
                     raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
                                      f"this index's (base offset {self.base_offset}, {self._n} entries)")
                 self._make_room(len(rows))
-                data = keys.buffers()[2]
+                _, key_offsets, data = keys.buffers()
                 self._n = _kernels()[0](np.frombuffer(data, np.uint8) if data is not None and len(data) else _EMPTY,
-                                        np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4), rows,
-                                        rels, self._slots, np.uint32(32 - self._bits), self._hash, self._prev,
-                                        self._off, self._n)
+                                        np.frombuffer(key_offsets, np.int32, n + 1, keys.offset * 4), rows, rels,
+                                        self._slots, np.uint32(32 - self._bits), self._hash, self._prev, self._off,
+                                        self._n)
             cover = next_offset if next_offset is not None else None if last is None else last + 1
             if cover is not None:
                 self.next_offset = max(self.next_offset, cover)
