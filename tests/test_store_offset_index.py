@@ -342,3 +342,22 @@ def _segment_facts(seg: Path):
     """(base offset, start, size) of a segment file."""
     raw = seg.read_bytes()
     return int.from_bytes(raw[8:16], "little"), int(seg.stem), len(raw)
+
+
+def test_verify_reports_message_ids_that_go_back(tmp_path):
+    """Lookups by id assume ids grow with offsets (one allocator, or a replica's copy of its master's); a log
+    that breaks it (a copy from a master whose ids are lower than ones already there) is reported."""
+    from metaq_broker.ids import MessageIdAllocator
+    late = PartitionLog(tmp_path / "late", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 2e9))
+    early = PartitionLog(tmp_path / "early", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 1.7e9))
+    late.append([b"a", b"b"])
+    early.reset_to(2)
+    early.append([b"c"])
+    replica = PartitionLog(tmp_path / "replica", "t", 0, TopicConfig())
+    for source in (late, early):
+        replica.append_replicated(source.read(replica.written_end, 1 << 20, end=source.written_end).data)
+    replica.flush()
+    problems = replica.verify()
+    assert len(problems) == 1 and "message ids go back at offset 2" in problems[0], problems
+    for p in (late, early, replica):
+        p.close()

@@ -161,8 +161,6 @@ def shape_problem(s: Summary, entries: np.ndarray, first_position: int) -> Optio
         return "is out of order"
     if off[-1] >= s.next_offset or pos[-1] > s.last_position or nb[-1] >= s.bytes or ts[-1] > s.last_timestamp:
         return "has entries past the end of its segment"
-    if s.last_msg_id - s.first_msg_id + 1 < count:
-        return "has fewer message ids than messages"
     b = bucket(pos, s.start, s.interval)
     if (np.diff(b) <= 0).any():
         return "has two entries in one window"

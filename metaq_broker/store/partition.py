@@ -35,11 +35,11 @@ from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageToo
 from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
 from metaq_broker.store import epochs as epoch_file
+from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.durable import fsync_dir, replace_file
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
-from metaq_broker.store import offset_index
 from metaq_broker.store.recovery import (ARCHIVE_DIR, batch_table, last_msg_id, last_timestamp, open_epochs,
                                          recover, scan_segment, walk_batches)
 from metaq_broker.store.retention import archive_segment, removal_reason
@@ -882,7 +882,7 @@ class PartitionLog:
     def verify(self) -> list:
         """Check every batch of every segment (checksums and offset continuity), that message ids grow with
         offsets, and that each segment's index is the one its batches make; return the problems."""
-        problems, last_id = [], None
+        problems, last_id = [], -1
         for seg in self._segments:
             try:
                 batches, _, _ = scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset,
@@ -890,13 +890,13 @@ class PartitionLog:
             except CorruptLogError as e:
                 problems.append(str(e))
                 continue
-            ids = batches["msg_id"]
-            back = np.flatnonzero(ids <= np.r_[last_id if last_id is not None else ids[:1] - 1,
-                                                (ids + batches["count"] - 1)[:-1]]) if len(ids) else []
-            if len(back):
-                problems.append(f"{seg.path}: message ids go back at offset {int(batches['offset'][back[0]])}; "
-                                f"lookups by message id assume they grow with offsets")
-            last_id = int(ids[-1] + batches["count"][-1] - 1) if len(ids) else last_id
+            if len(batches):  # each batch's first id above the previous batch's last (ids are positive)
+                lasts = batches["msg_id"] + batches["count"] - 1
+                back = np.flatnonzero(batches["msg_id"] <= np.r_[last_id, lasts[:-1]])
+                if len(back):
+                    problems.append(f"{seg.path}: message ids go back at offset {int(batches['offset'][back[0]])}; "
+                                    f"lookups by message id assume they grow with offsets")
+                last_id = int(lasts[-1])
             entries, _ = offset_index.entries_for(batches, seg.start, seg.interval, -1, 0)
             summary = offset_index.summary_of(batches, seg.base_offset, seg.start, seg.size, seg.interval)
             if summary != seg.summary() or not np.array_equal(entries, seg.entries()):
@@ -976,4 +976,3 @@ class PartitionLog:
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
-
