@@ -199,9 +199,10 @@ def test_a_data_directory_of_the_dense_index_version_is_converted_on_open(tmp_pa
     check_against(p, model.table(tmp_path / "old"), np.random.default_rng(1))
     assert p.verify() == []
     assert {s: s.read_bytes() for s in segs} == logs  # the log is untouched
-    for seg in segs[:-1]:  # the converted index is the one this version writes for the same log, message ids aside
+    for seg in segs[:-1]:  # the converted index is the one this version writes for the same log, ids aside
         got, ref = (offset_index.load(d / seg.with_suffix(".index").name, *_segment_facts(d / seg.name), None,
-                                      int(seg.stem) + SEGMENT_HEADER_SIZE) for d in (tmp_path / "old", tmp_path / "ref"))
+                                      int(seg.stem) + SEGMENT_HEADER_SIZE)
+                    for d in (tmp_path / "old", tmp_path / "ref"))
         assert np.array_equal(got[1], ref[1])
         assert replace(got[0], first_msg_id=0, last_msg_id=0) == replace(ref[0], first_msg_id=0, last_msg_id=0)
     p.close()

@@ -136,7 +136,8 @@ def load(path: Path, base_offset: int, start: int, size: int, next_offset: Optio
         raise IndexProblem(f"is {file_size} bytes, its header counts {n} entries")
     if summary.interval < 1:
         raise IndexProblem(f"has interval {summary.interval}")
-    entries = np.memmap(path, ENTRY_DTYPE, mode="r", offset=HEADER_SIZE, shape=(n,)) if n else np.empty(0, ENTRY_DTYPE)
+    entries = (np.memmap(path, ENTRY_DTYPE, mode="r", offset=HEADER_SIZE, shape=(n,)) if n
+               else np.empty(0, ENTRY_DTYPE))
     if crc(memoryview(np.ascontiguousarray(entries)).cast("B")) != entries_crc:
         raise IndexProblem("entries fail their checksum")
     problem = shape_problem(summary, entries, first_position)

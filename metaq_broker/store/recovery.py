@@ -18,7 +18,7 @@ from metaq_broker.store.durable import fsync_dir, make_dirs
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.offset_index import BATCH_DTYPE, DENSE_SUFFIX, IndexProblem
 from metaq_broker.store.segment import (INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
-                                        decode_segment_header, read_exactly, segment_name)
+                                        batch_header, decode_segment_header, read_exactly, segment_name)
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +127,13 @@ def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: 
             return Segment(directory, start, base, fd, size, summary, entries, mutable=False)
         except IndexProblem as e:
             problem = str(e)
-        batches = None if idx_path.exists() else _converted(path.with_suffix(DENSE_SUFFIX), start, base, size, next_base)
+        dense = path.with_suffix(DENSE_SUFFIX)
+        batches = None if idx_path.exists() else _converted(dense, start, base, size, next_base)
         if batches is not None:
             log.info("%s: converting the dense index of %s to a sparse one", name, path.name)
             for row in (0, -1):  # the summary's first and last message ids, from those batches' headers
-                pos = int(batches["position"][row]) - start
-                batches["msg_id"][row] = records.parse_header(read_exactly(fd, path, pos, records.HEADER_SIZE)).base_msg_id
+                raw = read_exactly(fd, path, int(batches["position"][row]) - start, records.HEADER.size)
+                batches["msg_id"][row] = batch_header(raw).msg_id
         else:
             log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
             batches, _, _ = scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
@@ -231,13 +232,13 @@ def batch_table(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarra
     out = np.empty(len(positions), BATCH_DTYPE)
     if not len(positions):
         return out
-    sizes, counts, ts, lengths = records.index_columns(buf, positions)
+    sizes, counts, ts, lengths = records.index_columns(buf, positions)[:4]
     first_message = np.cumsum(counts) - counts
     out["offset"] = records.parse_header(buf, int(positions[0])).base_offset + first_message
     out["position"], out["timestamp"], out["length"], out["count"] = positions + start, ts, lengths, counts
     out["bytes"] = np.add.reduceat(sizes, first_message)
-    out["msg_id"] = buf[positions[:, None] + np.arange(records.HEADER_SIZE)].reshape(-1).view(
-        records.HEADER_DTYPE)["base_msg_id"]
+    out["msg_id"] = buf[positions[:, None] + np.arange(records.HEADER.size)].reshape(-1).view(
+        records.HEADER_DTYPE)["base_msg_id"]  # the fields every batch version has first
     return out
 
 
@@ -282,6 +283,6 @@ def last_timestamp(segments) -> int:
 def last_msg_id(segments) -> Optional[int]:
     for seg in reversed(segments):
         if seg.count:
-            h = records.parse_header(seg.read(seg.last_position, records.HEADER_SIZE))
-            return h.base_msg_id + h.count - 1
+            h = batch_header(seg.read(seg.last_position, records.HEADER.size))
+            return h.msg_id + h.count - 1
     return None

@@ -32,9 +32,8 @@ LOG_SUFFIX = ".meta"
 INDEX_SUFFIX = offset_index.SUFFIX
 NAME_DIGITS = 20
 # Read with a window, so that a batch starting at its very end brings its header along (headers are at most
-# this long); and the most a batch's length columns can take per message (4 bytes a column, up to 8).
+# this long). A walk reads the fields every batch version has in its first bytes (``records.HEADER``).
 _HEADER_ROOM = 128
-_COLUMN_ROOM = 32
 _BATCH_LEN = struct.Struct("<I")
 
 SEGMENT_MAGIC = b"MQSEGMT2"  # MQSEGMT1 segments held version 1 batches, with CRC-32 checksums
@@ -70,9 +69,9 @@ def decode_segment_header(raw: bytes, path: Path, start: int) -> int:
 
 
 # Where a walk finds each header field in ``records.HEADER``'s tuple (the batch format's own layout).
-_LEN, _MAGIC, _VERSION, _COUNT, _BASE, _TIMESTAMP, _MSG_ID = (
+_LEN, _MAGIC, _COUNT, _BASE, _TIMESTAMP, _MSG_ID = (
     [f.name for f in fields(records.BatchHeader)].index(name)
-    for name in ("batch_len", "magic", "version", "count", "base_offset", "timestamp", "base_msg_id"))
+    for name in ("batch_len", "magic", "count", "base_offset", "timestamp", "base_msg_id"))
 
 
 class Batch(NamedTuple):
@@ -92,6 +91,12 @@ class Batch(NamedTuple):
     @property
     def end(self) -> int:
         return self.position + self.length
+
+
+def batch_header(buf, pos: int = 0) -> Batch:
+    """The fields of the batch header at ``buf[pos]`` that every batch version has first (no checks)."""
+    h = records.HEADER.unpack_from(buf, pos)
+    return Batch(h[_BASE], h[_COUNT], pos, h[_LEN], h[_TIMESTAMP], h[_MSG_ID])
 
 
 class Segment:
@@ -277,12 +282,12 @@ class Segment:
         stop = int(entries[i + 1]["position"]) if i + 1 < len(entries) else self.start + self.size
         first = pos
         buf = self.read(pos, min(stop - pos, self.interval + _HEADER_ROOM))
-        unpack, size = records.HEADER.unpack_from, len(buf) - records.HEADER_SIZE
+        unpack, size = records.HEADER.unpack_from, len(buf) - records.HEADER.size
         while pos < stop and off < end:
             at = pos - first
             h = unpack(buf, at) if at <= size else None
-            if h is None or h[_MAGIC] != records.MAGIC or h[_VERSION] != records.VERSION or h[_BASE] != off \
-                    or h[_LEN] < records.HEADER_SIZE or h[_LEN] % records.ALIGN:
+            if h is None or h[_MAGIC] != records.MAGIC or h[_BASE] != off or h[_LEN] < records.HEADER.size \
+                    or h[_LEN] % records.ALIGN:
                 raise self._damage(buf, at, pos, off, int(entries[i]["offset"]))
             yield Batch(off, h[_COUNT], pos, h[_LEN], h[_TIMESTAMP], h[_MSG_ID])
             pos += h[_LEN]
@@ -359,8 +364,8 @@ class Segment:
         lo, hi = 0, len(entries)  # the batch of entry lo starts at or below msg_id; entry hi's above it
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            raw = self.read(int(entries[mid]["position"]), records.HEADER_SIZE)
-            lo, hi = (mid, hi) if records.HEADER.unpack_from(raw)[_MSG_ID] <= msg_id else (lo, mid)
+            raw = self.read(int(entries[mid]["position"]), records.HEADER.size)
+            lo, hi = (mid, hi) if batch_header(raw).msg_id <= msg_id else (lo, mid)
         for b in self._span(entries, lo, end) if len(entries) else ():
             if b.msg_id + b.count > msg_id:
                 return b.offset + msg_id - b.msg_id if b.msg_id <= msg_id else None
@@ -368,9 +373,9 @@ class Segment:
 
     def _sizes(self, entries: np.ndarray, i: int, rows: list) -> np.ndarray:
         """Each message's bytes from entry ``i``'s batch through the last of ``rows`` (that span's batches):
-        one read of the whole batches and of the last one's header and length columns."""
-        first, last = int(entries[i]["position"]), rows[-1]
-        buf = self.read(first, last.position - first + min(last.length, _HEADER_ROOM + _COLUMN_ROOM * last.count))
+        one read of those whole batches, their columns read by ``records.index_columns``."""
+        first = int(entries[i]["position"])
+        buf = self.read(first, rows[-1].end - first)
         try:
             sizes = records.index_columns(buf, np.array([b.position - first for b in rows], np.int64))[0]
         except records.RecordFormatError as e:
