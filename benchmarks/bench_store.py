@@ -20,6 +20,22 @@ What it measures (each case on a fresh partition in a temporary directory under 
 * ``read+decode <value size> b<batch size>``: the whole partition read back with ``read()`` (1 MiB per
   fetch) + ``decode(verify=True)`` to Arrow in a loop over offsets, for the data of the unflush1000
   t1 cases (written in batches of 1000, and of 1); whole passes, repeated for up to 4 s.
+* Lookups (a table of their own: calls/s, and wall and CPU microseconds per call) in the 100 B data of those cases, at
+  random offsets or times: ``locate`` of 1 MiB (where a data-port fetch's bytes are), ``offset_for_timestamp``,
+  ``range_bytes`` and ``offset_after_bytes`` of 1 MiB (Spark's byte budgets), ``timestamp_at``.
+* Key index (a table of its own; skipped for a tree without ``store/keyindex.py``): appends of 100 B values
+  with keys (``order-<n>``, 7 to 15 bytes) in batches of 1000 (group commit and unflush1000) and of 1
+  (unflush1000), with the key index off, and on: each append followed by ``KeyIndex.add`` of its keys, as
+  the partition will do it. Rounds alternate off and on; the best of each, and their ratio (the goal:
+  at least 0.9). Beside them, from the same rounds, the median cost of an append and of ``KeyIndex.add``
+  per batch, and append / (append + add): the rate ratio with the noise of a shared machine taken out.
+* Stored bytes (a table of their own): per message of each append case, the log's and the offset index's
+  bytes on disk after the partitions are closed (sealed, indexes written): log + index over the values,
+  and the index over the log. The issue's goal for 100 B messages: at most 3% over the message.
+
+The lookup and stored-bytes cases use only calls that every metaq version has, so the same script run
+against another tree (``PYTHONPATH`` of that tree, the script copied outside this one) gives its figures
+for the same cases.
 
 ``--quick`` shrinks every volume 10x and the time limit to 1 s. Figures only: no timing is asserted.
 
@@ -189,8 +205,14 @@ def run(root, quick):
             log = logs["unflush1000", size, batch, 1]
             msgs, _, secs = timed(lambda _: read_all(log), 100, limit)
             record(f"read+decode {size}B b{batch}", msgs, size, secs)
+    lookups = []
+    for batch in (1000, 1):
+        lookups += lookup_rates(logs["unflush1000", 100, batch, 1], f"100B b{batch}", limit, rng)
+    keyed = key_index_rates(root, volume, small_n, limit, rng)
+    counts = {key: log.latest_offset for key, log in logs.items()}
     for log in logs.values():
         log.close()
+    stored = [stored_bytes(logs[key].directory, counts[key], key) for key in logs]
 
     after = baselines(root, volume, small_n, limit, scale)
     print("baselines at end:   " + describe(after), flush=True)
@@ -199,7 +221,87 @@ def run(root, quick):
         r["x_disk"] = r["mb_s"] / base["disk_mb_s"]
         r["x_fsync"] = None if r["appends_s"] is None else r["appends_s"] / base["fsync_per_s"]
         r["x_memcpy"] = r["mb_s"] / (base["memcpy_gb_s"] * 1e3)
-    return {"start": before, "end": after, "mean": base}, rows
+    return {"start": before, "end": after, "mean": base}, rows, lookups, stored, keyed
+
+
+def key_index_rates(root, volume, small_n, limit, rng) -> list:
+    """Appends of keyed 100 B messages with the key index off and on (see the module's docstring)."""
+    try:
+        from metaq_broker.store.keyindex import KeyIndex
+    except ImportError:
+        print("  key index: this tree has none; skipped", flush=True)
+        return []
+    values = random_values(1000, 100, rng)
+    pool = [pa.array([b"order-%d" % k for k in rng.integers(0, 10 ** 9, 1000)], pa.binary()) for _ in range(8)]
+    singles = [([v], pool[0].slice(i, 1)) for i, v in enumerate(values.to_pylist())]  # keys stay columns
+    KeyIndex(0, 0).add(0, pool[0])  # compiles (or loads numba's cached code) before anything is timed
+    rows = []
+    for mode, batch in (("group", 1000), ("unflush1000", 1000), ("unflush1000", 1)):
+        n = max(volume // (batch * 100), 4) if batch > 1 else small_n
+        best, append_secs, add_secs = {}, [], []
+        for rnd in range(6):
+            on = rnd % 2 == 1
+            log = PartitionLog(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
+            index = KeyIndex(0, 0)
+
+            def op(i):
+                vs, ks = (values, pool[i % 8]) if batch > 1 else singles[i % 1000]
+                t0 = time.perf_counter()
+                r = log.append(vs, ks)
+                t1 = time.perf_counter()
+                append_secs.append(t1 - t0)
+                if on:
+                    index.add(r.base_offset, ks)
+                    add_secs.append(time.perf_counter() - t1)
+                return r.count
+
+            msgs, _, secs = timed(op, n, limit)
+            log.close()
+            shutil.rmtree(log.directory)
+            best[on] = max(best.get(on, 0), msgs / secs)
+        append_us, add_us = 1e6 * float(np.median(append_secs)), 1e6 * float(np.median(add_secs))
+        rows.append({"case": f"{mode} 100B+key b{batch}", "off_msgs_s": best[False], "on_msgs_s": best[True],
+                     "ratio": best[True] / best[False], "append_us_per_batch": append_us,
+                     "add_us_per_batch": add_us, "cost_ratio": append_us / (append_us + add_us)})
+        r = rows[-1]
+        print(f"  key index {r['case']:<28} off {r['off_msgs_s']:>11,.0f} on {r['on_msgs_s']:>11,.0f} msgs/s "
+              f"(ratio {r['ratio']:.3f}); per batch: append {append_us:.1f} us, add {add_us:.1f} us "
+              f"(ratio {r['cost_ratio']:.3f})", flush=True)
+    return rows
+
+
+def lookup_rates(log, data: str, limit: float, rng) -> list:
+    """Calls per second of each index lookup at random offsets (or times) of ``log``'s data."""
+    lo, hi = log.earliest_offset, log.latest_offset
+    offsets = rng.integers(lo, hi, 4096).tolist()
+    t0, t1 = log.timestamp_at(lo), log.timestamp_at(hi - 1)
+    stamps = rng.integers(t0, t1 + 1, 4096).tolist()
+    pairs = np.sort(rng.integers(lo, hi + 1, (4096, 2)), axis=1).tolist()
+    calls = {"locate 1MiB": lambda i: log.locate(offsets[i % 4096], MiB).length > 0,
+             "offset_for_timestamp": lambda i: log.offset_for_timestamp(stamps[i % 4096]) >= 0,
+             "range_bytes": lambda i: log.range_bytes(*pairs[i % 4096]) >= 0,
+             "offset_after_bytes 1MiB": lambda i: log.offset_after_bytes(offsets[i % 4096], MiB) >= 0,
+             "timestamp_at": lambda i: log.timestamp_at(offsets[i % 4096]) > 0}
+    rows = []
+    for name, op in calls.items():
+        cpu = time.process_time()
+        _, n, secs = timed(op, 1_000_000, limit / 2)
+        cpu = time.process_time() - cpu  # CPU seconds: on a shared machine steadier than the wall clock
+        rows.append({"case": f"{name} {data}", "calls_s": n / secs, "us_per_call": secs / n * 1e6,
+                     "cpu_us_per_call": cpu / n * 1e6})
+        print(f"  {rows[-1]['case']:<34} {rows[-1]['calls_s']:>12,.0f} calls/s {rows[-1]['us_per_call']:9.1f} us "
+              f"({rows[-1]['cpu_us_per_call']:.1f} us CPU)", flush=True)
+    return rows
+
+
+def stored_bytes(directory: Path, messages: int, key) -> dict:
+    """Bytes on disk per message of a closed partition: log (segments) and offset index (any format)."""
+    mode, size, batch, threads = key
+    log_b = sum(f.stat().st_size for f in directory.glob("*.meta"))
+    index_b = sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".idx", ".index"))
+    return {"case": f"{mode} {size}B b{batch} t{threads}", "messages": messages, "value_bytes": size,
+            "log_b_per_msg": log_b / messages, "index_b_per_msg": index_b / messages,
+            "over_value": (log_b + index_b) / messages / size - 1, "index_over_log": index_b / log_b}
 
 
 def describe(b):
@@ -231,7 +333,7 @@ def main(argv=None):
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
     try:
-        base, rows = run(root, args.quick)
+        base, rows, lookups, stored, keyed = run(root, args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created:
@@ -240,8 +342,26 @@ def main(argv=None):
             except OSError:
                 pass
     print("\n" + table(base, rows))
+    print("\nlookups (random offsets or times in the 100 B data of the unflush1000 t1 cases):")
+    for r in lookups:
+        print(f"  {r['case']:<34} {r['calls_s']:>12,.0f} calls/s {r['us_per_call']:9.1f} us/call "
+              f"{r['cpu_us_per_call']:9.1f} us CPU/call")
+    if keyed:
+        print("\nkey index: keyed 100 B messages, index off and on (best of 3 rounds each, alternating), and the "
+              "median cost of an append and of the index's add per batch, same rounds:")
+        print(f"  {'case':<30} {'off msgs/s':>12} {'on msgs/s':>12} {'on/off':>7} {'append us':>10} {'add us':>8} "
+              f"{'append/(append+add)':>20}")
+        for r in keyed:
+            print(f"  {r['case']:<30} {r['off_msgs_s']:>12,.0f} {r['on_msgs_s']:>12,.0f} {r['ratio']:>7.3f} "
+                  f"{r['append_us_per_batch']:>10.1f} {r['add_us_per_batch']:>8.1f} {r['cost_ratio']:>20.3f}")
+    print("\nstored bytes per message (after close; the index in any format: .index, or a dense .idx):")
+    print(f"  {'case':<28} {'log B':>8} {'index B':>8} {'log+index over value':>21} {'index over log':>15}")
+    for r in stored:
+        print(f"  {r['case']:<28} {r['log_b_per_msg']:>8.1f} {r['index_b_per_msg']:>8.2f} {r['over_value']:>21.1%} "
+              f"{r['index_over_log']:>15.2%}")
     if args.json:
-        args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows}, indent=2))
+        args.json.write_text(json.dumps({"quick": args.quick, "baselines": base, "cases": rows, "lookups": lookups,
+                                         "stored": stored, "key_index": keyed}, indent=2))
 
 
 if __name__ == "__main__":

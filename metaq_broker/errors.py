@@ -25,6 +25,10 @@ class InvalidOffsetError(MetaqError, ValueError):
     """An offset or byte budget that can never be valid (negative, wrong type)."""
 
 
+class InvalidQueryError(MetaqError, ValueError):
+    """A lookup that can never match: a time range whose start is after its end, a non-positive count."""
+
+
 class OffsetOutOfRangeError(MetaqError, LookupError):
     """An offset outside the stored log; carries the valid range."""
 

@@ -163,7 +163,7 @@ def test_damage_in_an_older_segment_whose_index_is_lost_fails_the_open(tmp_path)
     data = bytearray(first.read_bytes())
     data[SEGMENT_HEADER_SIZE + 70] ^= 0x01
     first.write_bytes(bytes(data))
-    first.with_suffix(".idx").unlink()
+    first.with_suffix(".index").unlink()
     with pytest.raises(CorruptLogError, match="checksum"):
         open_log(tmp_path)
     assert first.read_bytes() == bytes(data)
@@ -172,7 +172,7 @@ def test_damage_in_an_older_segment_whose_index_is_lost_fails_the_open(tmp_path)
 @pytest.mark.parametrize("damage", ["delete", "truncate", "zero", "extend"])
 def test_lost_or_wrong_index_is_rebuilt(tmp_path, caplog, damage):
     values, _ = fill(tmp_path, 120)
-    idx = segment_files(tmp_path)[1].with_suffix(".idx")
+    idx = segment_files(tmp_path)[1].with_suffix(".index")
     assert len(segment_files(tmp_path)) >= 3
     good = idx.read_bytes()
     if damage == "delete":
@@ -182,7 +182,7 @@ def test_lost_or_wrong_index_is_rebuilt(tmp_path, caplog, damage):
     elif damage == "zero":
         idx.write_bytes(b"\0" * len(good))
     else:
-        idx.write_bytes(good + good[:24])
+        idx.write_bytes(good + good[-32:])
     with caplog.at_level(logging.WARNING):
         log = open_log(tmp_path)
     assert "rebuilding it from the log" in caplog.text

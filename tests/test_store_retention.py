@@ -62,11 +62,12 @@ def values(p, start=None):
 
 def files(p):
     """Segment and index files (the partition's transaction snapshot is not a segment)."""
-    return sorted(f.name for f in p.directory.iterdir() if f.suffix in (".meta", ".idx"))
+    return sorted(f.name for f in p.directory.iterdir() if f.suffix in (".meta", ".index"))
 
 
 def seg_files(segs):
-    return sorted([s.path.name for s in segs] + [s.path.with_suffix(".idx").name for s in segs])
+    """Each segment's log, and the index of each sealed one (the active segment's is in memory)."""
+    return sorted([s.path.name for s in segs] + [s.path.with_suffix(".index").name for s in segs[:-1]])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_archive_gzips_the_exact_segment_bytes_then_removes_segment_and_index(tm
         for name, data in original.items():
             assert gzip.decompress((archive / (name + ".gz")).read_bytes()) == data
         assert files(p) == seg_files(segs[2:])
-        assert not segs[0].path.exists() and not segs[0].path.with_suffix(".idx").exists()
+        assert not segs[0].path.exists() and not segs[0].path.with_suffix(".index").exists()
         assert (p.earliest_offset, p.latest_offset) == (6, 13)
         assert dump(p) == before[6:]
 
@@ -338,10 +339,9 @@ def test_readers_holding_data_or_a_snapshot_from_before_retention_can_still_deco
         assert fetch_b.decode().column("value").to_pylist() == [big(4)]
         seg_b = segs[1]
         assert bytes(seg_b.read(seg_b.start, seg_b.size)) == original_b
-        idx = seg_b.index(end - seg_b.base_offset)
-        assert len(idx) == 3
-        first = int(idx["position"][0])
-        data = seg_b.read(first, seg_b.end - first)
+        first, length, stop = seg_b.plan(seg_b.base_offset, end, 1 << 20, end)  # its unlinked index still serves
+        assert (first, length, stop) == (seg_b.start + SEGMENT_HEADER_SIZE, seg_b.size - SEGMENT_HEADER_SIZE, 6)
+        data = seg_b.read(first, length)
         got = records.decode(data)
         assert got.column("offset").to_pylist() == [3, 4, 5]
         assert got.column("value").to_pylist() == [big(3), big(4), big(5)]

@@ -45,8 +45,7 @@ def copy_batches(src, dst, limit=None) -> int:
     durable (transactional batches), as a replica writes before its group-commit fsync."""
     n = 0
     while written_end(dst) < written_end(src) and (limit is None or n < limit):
-        seg, first, length, _, _ = src._plan_read(written_end(dst), 1, None, written_end(src))
-        data = seg.read(first, length)
+        data = src.read(written_end(dst), 1, end=written_end(src)).data
         h = records.parse_header(data, 0)
         assert h.base_offset == written_end(dst)
         if h.attributes & records.CONTROL:
@@ -285,8 +284,7 @@ def raw_counts(store):
         part = store.partition("t", p)
         offset = 0
         while offset < written_end(part):
-            seg, first, length, _, _ = part._plan_read(offset, 1, None, written_end(part))
-            h = records.parse_header(seg.read(first, length), 0)
+            h = records.parse_header(part.read(offset, 1, end=written_end(part)).data, 0)
             if h.attributes & records.TRANSACTIONAL:
                 out[h.txn] = out.get(h.txn, 0) + h.count
             offset = h.next_offset

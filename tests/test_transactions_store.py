@@ -16,15 +16,13 @@ def markers(store, partition):
     out = []
     offset = 0
     while offset < log.log_end_offset:
-        r = log._plan_read(offset, 1 << 20, None, log.log_end_offset)
-        seg, first, length, n, idx = r
-        data = seg.read(first, length)
-        starts = idx["position"][:n]
-        for pos in sorted(set((starts - first).tolist())):
+        r = log.read(offset, 1 << 20, end=log.log_end_offset)
+        data = r.data
+        for pos in r.batch_positions.tolist():
             h = records.parse_header(data, pos)
             if h.attributes & records.CONTROL:
                 out.append((h.txn, bytes(data[pos + h.size + 8: pos + h.size + 9]) == records.COMMIT_MARKER))
-        offset += n
+        offset = r.end_offset
     return out
 
 

@@ -11,6 +11,7 @@ _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
 
 GROUP_COMMIT = 0  # unflushThreshold <= 0 selects group commit, as in MetaQ
 MAX_REPLICAS = 256  # members of one broker group: replicaId 0-255
+MAX_INDEX_INTERVAL = 1 << 24  # a lookup reads up to this much of the log at once
 
 
 def validate_topic_name(name) -> str:
@@ -75,6 +76,9 @@ class TopicConfig:
     # Idempotent producers idle this long (by the store times of their batches) are forgotten: a batch of
     # theirs sent again after it is stored again. Kafka's producer.id.expiration.ms, and its default.
     producer_id_expiration_ms: int = 86_400_000
+    # Bytes of log between two entries of a segment's sparse offset index (Kafka's index.interval.bytes): a
+    # lookup walks at most this much of batch headers; the index costs 32 bytes per this many of log.
+    index_interval_bytes: int = 4096
 
     def __post_init__(self):
         if isinstance(self.delete_policy, str):
@@ -100,6 +104,9 @@ class TopicConfig:
             raise ConfigError(f"retention_bytes must be positive or -1 (no bound), got {self.retention_bytes}")
         if self.producer_id_expiration_ms < 1:
             raise ConfigError(f"producer_id_expiration_ms must be at least 1, got {self.producer_id_expiration_ms}")
+        if not 1 <= self.index_interval_bytes <= MAX_INDEX_INTERVAL:
+            raise ConfigError(f"index_interval_bytes must be between 1 and {MAX_INDEX_INTERVAL}, got "
+                              f"{self.index_interval_bytes}")
         if not 1 <= self.min_insync_replicas <= MAX_REPLICAS:
             raise ConfigError(f"min_insync_replicas must be between 1 and {MAX_REPLICAS}, got {self.min_insync_replicas}")
 

@@ -1,4 +1,4 @@
-"""A partition: an append-only log of segments with a dense offset index (MetaQ's MessageStore).
+"""A partition: an append-only log of segments with a sparse offset index (MetaQ's MessageStore).
 
 Concurrency: appends are serialised by one lock; reads take no lock. A reader takes a snapshot (the
 segment tuple and the visible end offset, both replaced whole, never mutated) and reads index entries
@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,15 +42,16 @@ from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
 from metaq_broker.store import epochs as epoch_file
 from metaq_broker.store import identity as identity_file
+from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.durable import fsync_dir, replace_file
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
 from metaq_broker.store.producer_state import ProducerStates, Stored, last_sequence
-from metaq_broker.store.recovery import (ARCHIVE_DIR, index_entries, last_msg_id, last_timestamp, open_epochs,
+from metaq_broker.store.recovery import (ARCHIVE_DIR, batch_table, last_msg_id, last_timestamp, open_epochs,
                                          recover, scan_segment, walk_batches)
 from metaq_broker.store.retention import archive_segment, removal_reason
-from metaq_broker.store.segment import INDEX_DTYPE, Segment
+from metaq_broker.store.segment import SEGMENT_HEADER_SIZE, Segment, batch_starts
 
 NO_PRODUCER = (records.NO_PRODUCER,) * 3
 
@@ -89,8 +91,13 @@ class FetchResult:
     start_offset: int
     end_offset: int
     data: np.ndarray  # uint8
-    batch_positions: np.ndarray  # where each batch starts in data
     aborted: np.ndarray = field(default_factory=lambda: records.NO_ABORTED)  # their batches are skipped
+
+    @cached_property
+    def batch_positions(self) -> np.ndarray:
+        """Where each batch starts in data: from their length fields, when asked (a verified decode walks
+        the batches itself)."""
+        return batch_starts(self.data)
 
     def decode(self, verify: bool = True) -> pa.RecordBatch:
         return records.decode(self.data, self.start_offset, self.end_offset, verify=verify,
@@ -140,6 +147,7 @@ class SegmentInfo:
     base_offset: int
     count: int
     last_timestamp: Optional[int]
+    index_entries: int = 0  # entries of its sparse offset index
 
 
 class PartitionLog:
@@ -170,7 +178,7 @@ class PartitionLog:
         cut = ("repair was asked for: messages after the damage are gone" if repair
                else None if acks_before_fsync
                else "under group commit no fsync covered them, so none was acknowledged")
-        segments = recover(self.directory, self.name, cut)
+        segments = recover(self.directory, self.name, cut, config.index_interval_bytes)
         self._record_flush_mode()
         self._segments: tuple = tuple(segments)
         active = segments[-1]
@@ -247,17 +255,15 @@ class PartitionLog:
         last = tail if tail.count else segs[-2] if len(segs) > 1 and segs[-2].count else None
         if last is None:
             return 3 * tail.start
-        idx = last.index()
-        e = idx[-1]
-        _, _, metaq, byte_base = _stream_columns(last.read(int(e["position"]), int(e["batch_len"])),
-                                                 np.zeros(1, np.int64))
+        final = last.batch_at(last.next_offset - 1, last.next_offset)
+        _, _, metaq, byte_base = _stream_columns(last.read(final.position, final.length), np.zeros(1, np.int64))
         if byte_base[0] >= 0:
             return int(byte_base[0] + metaq[0])
         if last is not tail:
             return 3 * tail.start
-        first = int(idx[0]["position"])
-        _, _, metaq, byte_base = _stream_columns(tail.read(first, tail.end - first),
-                                                 _batch_starts(idx, len(idx), first))
+        first = tail.start + SEGMENT_HEADER_SIZE
+        u8 = tail.read(first, tail.end - first)
+        _, _, metaq, byte_base = _stream_columns(u8, batch_starts(u8, tail.path))
         return int(records.stream_ends(byte_base, metaq, 3 * tail.start)[-1])
 
     def _batches(self, start: int, stop: int):
@@ -265,8 +271,9 @@ class PartitionLog:
         time: header scans of recovery, truncation and the first HW."""
         offset = start
         while offset < stop:
-            seg, first, length, n, idx = self._plan_read(offset, 64 << 20, None, stop)
-            yield seg.read(first, length), _batch_starts(idx, n, first)
+            seg, first, length, n = self._plan_read(offset, 64 << 20, None, stop)
+            u8 = seg.read(first, length)
+            yield u8, batch_starts(u8, seg.path)
             offset += n
 
     def _save_txns(self) -> None:
@@ -360,8 +367,8 @@ class PartitionLog:
 
     def segments(self) -> list:
         segs = self._segments
-        return [SegmentInfo(s.path, s.start, s.size, s.base_offset, s.count,
-                            int(s.index()[-1]["timestamp"]) if s.count else None) for s in segs]
+        return [SegmentInfo(s.path, s.start, s.size, s.base_offset, s.count, s.last_timestamp, len(s.entries()))
+                for s in segs]
 
     def _check_open(self):
         if self._closed:
@@ -457,23 +464,19 @@ class PartitionLog:
             nbytes += records.HEADER_SIZE + item[0].size
         if seg.count and seg.size + nbytes > self.config.max_segment_size:
             seg = self._roll()
-        parts, entries, placed = [], [], []
+        parts, batches, placed = [], [], []
         offset, position, metaq_end = self._next_offset, seg.end, self._metaq_end
         for body, txn, flags, _, producer in items:
             msg_id = self._ids.allocate(body.count)
             header = records.encode_header(body, offset, msg_id, ts, txn, flags, producer or NO_PRODUCER, metaq_end)
             metaq_end += body.metaq_bytes
-            e = np.empty(body.count, INDEX_DTYPE)
-            e["position"] = position
-            e["timestamp"] = ts
-            e["size"] = body.message_sizes
-            e["batch_len"] = n = records.HEADER_SIZE + body.size
+            n = records.HEADER_SIZE + body.size
             parts.append(header)
             parts += body.parts
-            entries.append(e)
+            batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64)), msg_id))
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
-        seg.append(parts, nbytes, entries[0] if len(entries) == 1 else np.concatenate(entries))
+        seg.append(parts, nbytes, batches)
         for (base, msg_id), (body, txn, flags, commit, producer) in zip(placed, items):
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing
@@ -555,7 +558,8 @@ class PartitionLog:
             self._epochs_dirty = False
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
-        new = Segment.create(self.directory, old.end, self._next_offset, capacity=old.count + old.count // 8)
+        n = len(old.entries())
+        new = Segment.create(self.directory, old.end, self._next_offset, self.config.index_interval_bytes, n + n // 8)
         self._segments = self._segments + (new,)
         self._unflushed = 0
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
@@ -673,7 +677,8 @@ class PartitionLog:
         h = records.headers_at(u8, positions)
         ends = positions + h["batch_len"].astype(np.int64)  # where each batch ends in data
         msg_ends = np.cumsum(h["count"], dtype=np.int64)
-        entries, metaq, byte_base = index_entries(u8, positions, 0, stream=True)
+        batches = batch_table(u8, positions, 0)
+        _, _, metaq, byte_base = _stream_columns(u8, positions)
         with self._write_lock:
             self._check_open()
             if int(h["base_offset"][0]) != self._next_offset:
@@ -690,7 +695,7 @@ class PartitionLog:
                         continue
                     j = i + 1  # a batch larger than a segment goes alone into one, as append does
                 lo, hi = int(positions[i]), int(ends[j - 1])
-                run = entries[(msg_ends[i - 1] if i else 0): msg_ends[j - 1]].copy()
+                run = batches[i:j].copy()
                 run["position"] += seg.end - lo
                 # version 2 batches continue the stream as recovery computes it (_stream_end)
                 anchor = self._metaq_end if seg.count else 3 * seg.start
@@ -706,7 +711,7 @@ class PartitionLog:
             self._last_ts = max(self._last_ts, int(h["timestamp"].max()))
             end = self._next_offset
             if not self.config.group_commit:
-                self._unflushed += int(msg_ends[-1])
+                self._unflushed += int(batches["count"].sum())
                 self._publish(end)  # as append: visible once written under unflushThreshold > 0
         self._written()
         return end
@@ -726,15 +731,14 @@ class PartitionLog:
                 return self._next_offset
             offset = max(offset, segs[0].base_offset)
             i = bisect.bisect_right([s.base_offset for s in segs], offset) - 1
-            seg, idx = segs[i], segs[i].index()
-            k = int(np.searchsorted(idx["position"], idx["position"][offset - seg.base_offset], "left"))
-            cut = seg.base_offset + k
+            seg = segs[i]
+            cut = seg.batch_at(offset, self._next_offset).offset
             self._rebuild_txns(cut, producers=True)
             self._epochs.truncate(cut)
             for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
                 dropped.path.unlink()
                 dropped.index_path.unlink(missing_ok=True)
-            tail = seg.truncated(k, int(idx["position"][k]) - seg.start)
+            tail = seg.truncated(cut)
             self._segments = tuple(segs[:i]) + (tail,)
             fsync_dir(self.directory)
             self._cut_ends(cut)
@@ -765,7 +769,7 @@ class PartitionLog:
                 dropped.path.unlink()
                 dropped.index_path.unlink(missing_ok=True)
             fsync_dir(self.directory)
-            self._segments = (Segment.create(self.directory, segs[-1].end, offset),)
+            self._segments = (Segment.create(self.directory, segs[-1].end, offset, self.config.index_interval_bytes),)
             self._cut_ends(offset)
             self._metaq_end = 3 * segs[-1].end
             if identity is not None and identity != self._identity.id:
@@ -867,7 +871,7 @@ class PartitionLog:
 
     def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int], end: Optional[int] = None):
         """What ``read`` and ``locate`` return: None at the end (the last stable offset unless ``end``),
-        else (segment, logical position, length, message count, index entries of the messages)."""
+        else (segment, logical position, length, message count)."""
         self._check_offset(offset)
         if not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
             raise InvalidOffsetError(f"max_bytes must be a positive integer, got {max_bytes!r}")
@@ -877,14 +881,9 @@ class PartitionLog:
         if offset >= end:
             return None
         seg = self._segment_for(segs, offset)
-        idx = seg.index(end - seg.base_offset)[offset - seg.base_offset:][:max_messages]
-        first = int(idx[0]["position"])
-        # Messages whose batch ends within the budget (the first batch whole even when it alone is over).
-        # Batch ends only grow along the index, so a binary search finds them, not a pass over a
-        # segment's worth of entries per fetch.
-        limit = first + max(max_bytes, int(idx[0]["batch_len"]))
-        n = bisect.bisect_right(idx, limit, key=lambda e: int(e["position"]) + int(e["batch_len"]))
-        return seg, first, int(idx[n - 1]["position"]) + int(idx[n - 1]["batch_len"]) - first, n, idx
+        first, length, stop = seg.plan(offset, end, int(max_bytes),
+                                       end if max_messages is None else min(end, offset + int(max_messages)))
+        return seg, first, length, stop - offset
 
     def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
              end: Optional[int] = None) -> FetchResult:
@@ -894,10 +893,9 @@ class PartitionLog:
         not yet fsynced or visible, whole ones only."""
         plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
-            return FetchResult(offset, offset, np.empty(0, np.uint8), np.empty(0, np.int64))
-        seg, first, length, n, idx = plan
-        return FetchResult(offset, offset + n, seg.read(first, length), _batch_starts(idx, n, first),
-                           self.aborted_in(offset, offset + n))
+            return FetchResult(offset, offset, np.empty(0, np.uint8))
+        seg, first, length, n = plan
+        return FetchResult(offset, offset + n, seg.read(first, length), self.aborted_in(offset, offset + n))
 
     def locate(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
                end: Optional[int] = None) -> FileRange:
@@ -906,7 +904,7 @@ class PartitionLog:
         plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
             return FileRange(offset, offset, None, 0, 0)
-        seg, first, length, n, _ = plan
+        seg, first, length, n = plan
         return FileRange(offset, offset + n, seg, first - seg.start, length, self.aborted_in(offset, offset + n))
 
     def read_arrow(self, offset: int, end_offset: Optional[int] = None, max_bytes: int = 1 << 20) -> pa.RecordBatch:
@@ -923,43 +921,49 @@ class PartitionLog:
             return result.decode(verify=True)
         except records.RecordFormatError as e:
             seg = self._segment_for(self._segments, offset)
-            file_pos = int(seg.index()[offset - seg.base_offset]["position"]) - seg.start + e.position
+            file_pos = seg.batch_at(offset, result.end_offset).position - seg.start + e.position
             raise CorruptLogError(f"{seg.path}: damaged batch at byte {file_pos} ({e}; reading offset {offset})",
                                   seg.path, file_pos) from None
 
     def timestamp_at(self, offset: int) -> int:
-        """Store time (ms) of the message at ``offset``, from the offset index (no file read)."""
-        segs, end = self._segments, self.latest_offset
+        """Store time (ms) of the message at ``offset``: its batch's header, found through the index."""
+        end = self.latest_offset
+        segs = self._segments
         if not segs[0].base_offset <= offset < end:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
-        seg = self._segment_for(segs, offset)
-        return int(seg.index()[offset - seg.base_offset]["timestamp"])
+        return self._segment_for(segs, offset).batch_at(offset, end).timestamp
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
-        segs, end = self._segments, self.latest_offset
-        for seg in segs:
-            ts = seg.index(end - seg.base_offset)["timestamp"]
-            if len(ts) and ts[-1] >= timestamp_ms:
-                return seg.base_offset + int(np.searchsorted(ts, timestamp_ms, "left"))
+        end = self.latest_offset
+        for seg in self._segments:
+            if seg.base_offset >= end:
+                break
+            if not seg.mutable and seg.last_timestamp is not None and seg.last_timestamp < timestamp_ms:
+                continue  # a sealed segment stored wholly before
+            found = seg.first_at_or_after(timestamp_ms, end)
+            if found is not None:
+                return found
         return end
 
-    def _entries(self, start: int, stop: int):
-        """Index entries of offsets [start, stop), segment by segment."""
+    def _ranges(self, start: int, stop: int):
+        """(segment, first, end, the snapshot's end) for the segments holding offsets [start, stop)."""
         segs, end = self._snapshot(start)
         end = max(end, self._visible_offset)  # sizes of unsettled messages are known too
         if stop > end:
             raise OffsetOutOfRangeError(self.name, stop, segs[0].base_offset, end)
         for seg in segs:
-            lo, hi = max(start, seg.base_offset), min(stop, seg.base_offset + seg.count)
+            lo, hi = max(start, seg.base_offset), min(stop, seg.next_offset)
             if lo < hi:
-                yield seg.index(end - seg.base_offset)[lo - seg.base_offset: hi - seg.base_offset]
+                yield seg, lo, hi, end
 
     def range_bytes(self, start: int, stop: int) -> int:
-        """Bytes of the messages in [start, stop) (keys, values, attributes and column entries)."""
+        """Bytes of the messages in [start, stop) (keys, values, attributes and column entries), exact: the
+        index holds the bytes before each entry, and the batches at either end say the rest."""
         self._check_offset(start)
         self._check_offset(stop)
-        return int(sum(int(e["size"].sum(dtype=np.int64)) for e in self._entries(start, max(start, stop))))
+        return sum(seg.bytes_before(hi, end) - seg.bytes_before(lo, end)
+                   for seg, lo, hi, end in self._ranges(start, max(start, stop)))
 
     def offset_after_bytes(self, start: int, max_bytes: int, stop: Optional[int] = None) -> int:
         """The furthest offset ``o`` with range_bytes(start, o) <= max_bytes (for byte-based read limits)."""
@@ -970,33 +974,58 @@ class PartitionLog:
             raise InvalidOffsetError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
         stop = self.latest_offset if stop is None else stop
         taken, offset = 0, start
-        for e in self._entries(start, max(start, stop)):
-            cum = np.cumsum(e["size"], dtype=np.int64) + taken
-            k = int(np.searchsorted(cum, max_bytes, "right"))
-            offset += k
-            if k < len(e):
-                break
-            taken = int(cum[-1])
+        for seg, lo, hi, end in self._ranges(start, max(start, stop)):
+            before = seg.bytes_before(lo, end)
+            have = seg.bytes_before(hi, end) - before
+            if taken + have > max_bytes:
+                return seg.offset_at_bytes(before + int(max_bytes) - taken, hi)
+            taken, offset = taken + have, hi
         return offset
+
+    def offset_for_msg_id(self, msg_id: int) -> Optional[int]:
+        """The offset of the message whose id is ``msg_id``, if it is below the last stable offset; None
+        otherwise (exactly one answer or none: ids are unique in a partition)."""
+        if isinstance(msg_id, bool) or not isinstance(msg_id, (int, np.integer)):
+            raise InvalidOffsetError(f"a message id must be an integer, got {msg_id!r}")
+        end = self.latest_offset
+        for seg in self._segments:
+            if seg.count and seg.first_msg_id <= msg_id <= seg.last_msg_id:
+                return seg.offset_for_msg_id(int(msg_id), end)
+        return None
 
     def position(self, offset: int) -> int:
         """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
         self._check_offset(offset)
         segs, _ = self._snapshot(offset)
-        if offset >= self._visible_offset:
+        visible = self._visible_offset
+        if offset >= visible:
             return segs[-1].end
-        seg = self._segment_for(segs, offset)
-        return int(seg.index()[offset - seg.base_offset]["position"])
+        return self._segment_for(segs, offset).batch_at(offset, visible).position
 
     def verify(self) -> list:
-        """Check every batch of every segment (checksums and offset continuity); return the problems."""
-        problems = []
-        segs = self._segments
-        for seg in segs:
+        """Check every batch of every segment (checksums and offset continuity), that message ids grow with
+        offsets, and that each segment's index is the one its batches make; return the problems."""
+        problems, last_id = [], -1
+        for seg in self._segments:
             try:
-                scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset, lookahead=False, strict=True)
+                batches, _, _ = scan_segment(seg.fd, seg.path, seg.start, seg.size, seg.base_offset,
+                                             lookahead=False, strict=True)
             except CorruptLogError as e:
                 problems.append(str(e))
+                continue
+            if len(batches):  # each batch's first id above the previous batch's last (ids are positive)
+                lasts = batches["msg_id"] + batches["count"] - 1
+                back = np.flatnonzero(batches["msg_id"] <= np.r_[last_id, lasts[:-1]])
+                if len(back):
+                    problems.append(f"{seg.path}: message ids go back at offset {int(batches['offset'][back[0]])}; "
+                                    f"lookups by message id assume they grow with offsets")
+                last_id = int(lasts[-1])
+            entries, _ = offset_index.entries_for(batches, seg.start, seg.interval, -1, 0)
+            summary = offset_index.summary_of(batches, seg.base_offset, seg.start, seg.size, seg.interval)
+            if summary != seg.summary() or not np.array_equal(entries, seg.entries()):
+                problems.append(f"{seg.index_path}: the index does not match the log ({seg.summary()} has "
+                                f"{len(seg.entries())} entries; the log makes {summary} with {len(entries)}); "
+                                f"remove the file and reopen the partition to rebuild it")
         return problems
 
     # -- retention ------------------------------------------------------------------------------------
@@ -1018,8 +1047,8 @@ class PartitionLog:
                 reason = removal_reason(seg, total, self.config, now_ms)
                 if reason is None:
                     break
-                info = SegmentInfo(seg.path, seg.start, seg.size, seg.base_offset, seg.count,
-                                   int(seg.index()[-1]["timestamp"]) if seg.count else None)
+                info = SegmentInfo(seg.path, seg.start, seg.size, seg.base_offset, seg.count, seg.last_timestamp,
+                                   len(seg.entries()))
                 if policy.action == "archive":
                     archive_segment(seg, self.directory / ARCHIVE_DIR)
                 segs.pop(0)
@@ -1075,9 +1104,3 @@ class PartitionLog:
 def _stream_columns(u8: np.ndarray, positions: np.ndarray) -> tuple:
     """(timestamps, lengths, MetaQ bytes, byte_base) of the batches at ``positions``."""
     return records.index_columns(u8, positions)[2:]
-
-
-def _batch_starts(idx: np.ndarray, n: int, first: int) -> np.ndarray:
-    """Where each batch holding the first ``n`` index entries starts, counted from logical byte ``first``."""
-    starts = idx["position"][:n]
-    return starts[np.r_[True, starts[1:] != starts[:-1]]] - first

@@ -1,7 +1,7 @@
 """Opening a partition's segments after a clean stop or a crash (Kafka's LogLoader): names and contiguity,
-sealed segments checked against their index (rebuilt from the log when missing or wrong), and the tail
-segment validated batch by batch, with what was never acknowledged cut off. docs/storage-format.md,
-section 8, has the rules."""
+sealed segments checked against their sparse index (rebuilt from the log when missing or wrong, converted
+from the dense index of earlier versions), and the tail segment validated batch by batch, with what was
+never acknowledged cut off. docs/storage-format.md, section 8, has the rules."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +13,12 @@ import numpy as np
 
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol import records
-from metaq_broker.store.durable import make_dirs
+from metaq_broker.store import offset_index
+from metaq_broker.store.durable import fsync_dir, make_dirs
 from metaq_broker.store.epochs import EpochFile
-from metaq_broker.store.segment import (INDEX_DTYPE, INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE,
-                                        Segment, decode_segment_header, load_index_map, read_exactly, segment_name,
-                                        write_index)
+from metaq_broker.store.offset_index import BATCH_DTYPE, DENSE_SUFFIX, IndexProblem
+from metaq_broker.store.segment import (INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
+                                        batch_header, decode_segment_header, read_exactly, segment_name)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ def _parse_segment_name(name: str) -> Optional[int]:
     return None
 
 
-def recover(directory: Path, name: str, cut: Optional[str]) -> list:
-    """Open a partition's segments: check names and contiguity, check or rebuild each sealed segment's
-    index, validate the tail segment batch by batch and cut a torn tail off. Damage in the tail followed
-    by valid batches is cut too when ``cut`` says why nothing acknowledged is lost, else refused."""
+def recover(directory: Path, name: str, cut: Optional[str], interval: int = offset_index.DEFAULT_INTERVAL) -> list:
+    """Open a partition's segments: check names and contiguity, check, rebuild or convert each sealed
+    segment's index, validate the tail segment batch by batch and cut a torn tail off. Damage in the tail
+    followed by valid batches is cut too when ``cut`` says why nothing acknowledged is lost, else refused.
+    ``interval``: bytes between index entries of indexes built now (a found index keeps its own)."""
     make_dirs(directory)
     starts = []
     for entry in directory.iterdir():
@@ -43,20 +45,21 @@ def recover(directory: Path, name: str, cut: Optional[str]) -> list:
             if start is None:
                 raise CorruptLogError(f"{entry}: a segment file must be named by its 20-digit start position", entry)
             starts.append(start)
-        elif entry.name.endswith(INDEX_SUFFIX + ".tmp"):
+        elif entry.name.endswith((INDEX_SUFFIX + ".tmp", DENSE_SUFFIX + ".tmp")):
             log.info("%s: removing %s left by an interrupted index write", name, entry.name)
             entry.unlink()
     starts.sort()
     for entry in directory.iterdir():  # indexes whose segment is gone (e.g. a crash during deletion)
-        if entry.name.endswith(INDEX_SUFFIX) and _parse_segment_name(entry.name[: -len(INDEX_SUFFIX)] + LOG_SUFFIX) \
-                not in starts:
-            log.info("%s: removing index %s, whose segment is gone", name, entry.name)
-            entry.unlink()
+        for suffix in (INDEX_SUFFIX, DENSE_SUFFIX):
+            if entry.name.endswith(suffix) and _parse_segment_name(entry.name[: -len(suffix)] + LOG_SUFFIX) \
+                    not in starts:
+                log.info("%s: removing index %s, whose segment is gone", name, entry.name)
+                entry.unlink()
     for tmp in (directory / ARCHIVE_DIR).glob("*.gz.tmp"):  # an archive interrupted by a crash
         log.info("%s: removing unfinished archive %s", name, tmp.name)
         tmp.unlink()
     if not starts:
-        return [Segment.create(directory, 0, 0)]
+        return [Segment.create(directory, 0, 0, interval)]
 
     paths = [directory / (segment_name(start) + LOG_SUFFIX) for start in starts]
     for prev, path, start in zip(paths, paths[1:], starts[1:]):
@@ -90,7 +93,7 @@ def recover(directory: Path, name: str, cut: Optional[str]) -> list:
         base = headers[i]
         if base is None:
             prev = segments[-1] if segments else None
-            segments.append(Segment.create(directory, start, prev.next_offset if prev else 0))
+            segments.append(Segment.create(directory, start, prev.next_offset if prev else 0, interval))
             continue
         if segments:
             prev = segments[-1]
@@ -98,84 +101,96 @@ def recover(directory: Path, name: str, cut: Optional[str]) -> list:
                 raise CorruptLogError(f"{name}: {prev.path.name} ends at offset {prev.next_offset} but "
                                       f"{path.name} starts at offset {base}", path)
         if last:
-            segments.append(_open_tail(directory, path, start, base, name, cut))
+            segments.append(_open_tail(directory, path, start, base, name, cut, interval))
         else:
-            segments.append(_open_sealed(directory, path, start, base, headers[i + 1], name))
+            segments.append(_open_sealed(directory, path, start, base, headers[i + 1], name, interval))
+    dense = [p for p in (directory / (segment_name(start) + DENSE_SUFFIX) for start in starts) if p.exists()]
+    for path in dense:  # every segment has its sparse index now (the tail's is built in memory)
+        log.info("%s: removing %s, a dense index of an earlier version", name, path.name)
+        path.unlink()
+    if dense:
+        fsync_dir(directory)
     return segments
 
 
-def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: Optional[int], name: str) -> Segment:
+def _open_sealed(directory: Path, path: Path, start: int, base: int, next_base: Optional[int], name: str,
+                 interval: int) -> Segment:
+    """A sealed segment with its index: the ``.index`` found, if sound; else one converted from an earlier
+    version's dense ``.idx`` (checked as that version checked it); else one rebuilt by a strict scan."""
     fd = os.open(path, os.O_RDONLY)
-    size = os.fstat(fd).st_size
-    expected = None if next_base is None else next_base - base
-    idx_path = path.with_suffix(INDEX_SUFFIX)
-    index, problem = None, None
-    idx_size = idx_path.stat().st_size if idx_path.exists() else None
-    if idx_size is None:
-        problem = "missing"
-    elif expected is not None and idx_size != expected * INDEX_DTYPE.itemsize:
-        problem = f"has {idx_size // INDEX_DTYPE.itemsize} entries, the log holds {expected}"
-    else:
-        index = load_index_map(idx_path, idx_size // INDEX_DTYPE.itemsize)
-        problem = _index_problem(index, start, size)
-    if problem:
-        log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
-        entries, good_end, _ = scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
-        if expected is not None and len(entries) != expected:
-            os.close(fd)
-            raise CorruptLogError(f"{path}: holds {len(entries)} messages but the next segment starts "
-                                  f"{expected} offsets later", path)
-        write_index(idx_path, entries)
-        index = load_index_map(idx_path, len(entries))
-    seg = Segment(directory, start, base, fd, size, index, len(index), mutable=False)
-    return seg
+    try:
+        size = os.fstat(fd).st_size
+        idx_path = path.with_suffix(INDEX_SUFFIX)
+        first = start + SEGMENT_HEADER_SIZE
+        try:
+            summary, entries = offset_index.load(idx_path, base, start, size, next_base, first)
+            return Segment(directory, start, base, fd, size, summary, entries, mutable=False)
+        except IndexProblem as e:
+            problem = str(e)
+        dense = path.with_suffix(DENSE_SUFFIX)
+        batches = None if idx_path.exists() else _converted(dense, start, base, size, next_base)
+        if batches is not None:
+            log.info("%s: converting the dense index of %s to a sparse one", name, path.name)
+            for row in (0, -1):  # the summary's first and last message ids, from those batches' headers
+                raw = read_exactly(fd, path, int(batches["position"][row]) - start, records.HEADER.size)
+                batches["msg_id"][row] = batch_header(raw).msg_id
+        else:
+            log.warning("%s: index of %s %s; rebuilding it from the log", name, path.name, problem)
+            batches, _, _ = scan_segment(fd, path, start, size, base, lookahead=False, strict=True)
+            if next_base is not None and int(batches["count"].sum()) != next_base - base:
+                raise CorruptLogError(f"{path}: holds {int(batches['count'].sum())} messages but the next segment "
+                                      f"starts {next_base - base} offsets later", path)
+        entries, _ = offset_index.entries_for(batches, start, interval, -1, 0)
+        offset_index.write(idx_path, offset_index.summary_of(batches, base, start, size, interval), entries)
+        summary, entries = offset_index.load(idx_path, base, start, size, next_base, first)
+        return Segment(directory, start, base, fd, size, summary, entries, mutable=False)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _index_problem(index: np.ndarray, start: int, size: int) -> Optional[str]:
-    if len(index) == 0:
-        return "is empty"
-    pos, blen = index["position"], index["batch_len"].astype(np.int64)
-    if pos[0] != start + SEGMENT_HEADER_SIZE:
-        return "does not start at the first batch"
-    if (np.diff(pos) < 0).any() or (np.diff(index["timestamp"]) < 0).any():
-        return "is out of order"
-    if pos[-1] + blen[-1] != start + size:
-        return "does not end at the end of the log"
-    boundary = np.flatnonzero(pos[1:] != pos[:-1])
-    if ((pos[boundary] + blen[boundary]) != pos[boundary + 1]).any():
-        return "has batches that do not follow one another"
-    return None
+def _converted(dense_path: Path, start: int, base: int, size: int, next_base: Optional[int]) -> Optional[np.ndarray]:
+    """The batches an earlier version's dense index describes, if it is there and passes that version's
+    checks (None: it is not; the log is scanned instead). Nothing is read from the log: as before, a
+    sealed segment with a sound index is not checksummed on open."""
+    try:
+        dense = np.fromfile(dense_path, offset_index.DENSE_DTYPE)
+    except (FileNotFoundError, ValueError):
+        return None
+    if next_base is not None and len(dense) != next_base - base:
+        return None
+    if offset_index.dense_problem(dense, start, size, start + SEGMENT_HEADER_SIZE):
+        return None
+    return offset_index.from_dense(dense, base)
 
 
-def _open_tail(directory: Path, path: Path, start: int, base: int, name: str, cut: Optional[str]) -> Segment:
+def _open_tail(directory: Path, path: Path, start: int, base: int, name: str, cut: Optional[str],
+               interval: int) -> Segment:
     fd = os.open(path, os.O_RDWR)
     size = os.fstat(fd).st_size
-    entries, good_end, reason = scan_segment(fd, path, start, size, base, lookahead=cut is None, strict=False)
+    batches, good_end, reason = scan_segment(fd, path, start, size, base, lookahead=cut is None, strict=False)
     if good_end < size:
         os.ftruncate(fd, good_end)
         log.warning("%s: recovery truncated %d bytes at the tail of %s (from byte %d, offset %d: %s); %s", name,
-                    size - good_end, path.name, good_end, base + len(entries), reason,
+                    size - good_end, path.name, good_end, base + int(batches["count"].sum()), reason,
                     cut or "only a torn, unacknowledged tail was cut")
         size = good_end
     # What recovery keeps becomes readable now, so it must be durable now: after a process crash the
     # tail may hold written but never fsynced batches.
     os.fsync(fd)
-    capacity = max(1024, 2 * len(entries))
-    index = np.empty(capacity, INDEX_DTYPE)
-    index[: len(entries)] = entries
-    return Segment(directory, start, base, fd, size, index, len(entries), mutable=True)
+    return Segment.from_batches(directory, start, base, fd, size, batches, interval)
 
 
 def scan_segment(fd: int, path: Path, start: int, size: int, base: int, lookahead: bool, strict: bool):
     """Validate a segment batch by batch (checksums, offsets continuing from ``base``).
 
-    Returns (index entries, end of the last good batch, why the scan stopped). ``strict`` raises at the
-    first bad batch. Otherwise a bad batch ends the log (a torn tail), except that with ``lookahead`` a
+    Returns (its batches, BATCH_DTYPE; end of the last good batch; why the scan stopped). ``strict`` raises
+    at the first bad batch. Otherwise a bad batch ends the log (a torn tail), except that with ``lookahead`` a
     valid batch after the damage raises instead: cutting there would drop messages that may have been
     acknowledged."""
     buf = read_exactly(fd, path, 0, size)
     positions, pos, reason = walk_batches(buf, SEGMENT_HEADER_SIZE, base, path, lookahead, strict)
-    return index_entries(buf, positions, start), pos, reason
+    return batch_table(buf, positions, start), pos, reason
 
 
 def walk_batches(buf: np.ndarray, pos: int, expected: Optional[int], path, lookahead: bool, strict: bool):
@@ -211,20 +226,20 @@ def walk_batches(buf: np.ndarray, pos: int, expected: Optional[int], path, looka
     return np.array(positions, dtype=np.int64), pos, reason
 
 
-def index_entries(buf: np.ndarray, positions: np.ndarray, start: int, stream: bool = False):
-    """Offset-index entries of the batches at ``positions`` of ``buf`` (vectorised), ``buf[0]`` lying at
-    logical position ``start``. ``stream``: also each batch's MetaQ bytes and ``byte_base`` (-1 in version
-    2), from the same pass (``records.index_columns``)."""
+def batch_table(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarray:
+    """The batches at ``positions`` of ``buf`` (checked, offsets contiguous), ``buf[0]`` lying at logical
+    position ``start``, as a segment indexes them (BATCH_DTYPE). Vectorised over the batches."""
+    out = np.empty(len(positions), BATCH_DTYPE)
     if not len(positions):
-        empty = np.empty(0, INDEX_DTYPE)
-        return (empty, np.empty(0, np.int64), np.empty(0, np.int64)) if stream else empty
-    sizes, counts, ts, blens, metaq, byte_base = records.index_columns(buf, positions)
-    entries = np.empty(len(sizes), INDEX_DTYPE)
-    entries["position"] = np.repeat(positions + start, counts)
-    entries["timestamp"] = np.repeat(ts, counts)
-    entries["size"] = sizes
-    entries["batch_len"] = np.repeat(blens, counts)
-    return (entries, metaq, byte_base) if stream else entries
+        return out
+    sizes, counts, ts, lengths = records.index_columns(buf, positions)[:4]
+    first_message = np.cumsum(counts) - counts
+    out["offset"] = records.parse_header(buf, int(positions[0])).base_offset + first_message
+    out["position"], out["timestamp"], out["length"], out["count"] = positions + start, ts, lengths, counts
+    out["bytes"] = np.add.reduceat(sizes, first_message)
+    out["msg_id"] = buf[positions[:, None] + np.arange(records.HEADER.size)].reshape(-1).view(
+        records.HEADER_DTYPE)["base_msg_id"]  # the fields every batch version has first
+    return out
 
 
 def open_epochs(directory: Path, name: str, log_end: int) -> tuple:
@@ -261,15 +276,13 @@ def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> b
 def last_timestamp(segments) -> int:
     for seg in reversed(segments):
         if seg.count:
-            return int(seg.index()[-1]["timestamp"])
+            return seg.last_timestamp
     return 0
 
 
 def last_msg_id(segments) -> Optional[int]:
     for seg in reversed(segments):
         if seg.count:
-            last = seg.index()[-1]
-            raw = seg.read(int(last["position"]), min(records.HEADER_SIZE, int(last["batch_len"])))
-            h = records.parse_header(raw)
-            return h.base_msg_id + h.count - 1
+            h = batch_header(seg.read(seg.last_position, records.HEADER.size))
+            return h.msg_id + h.count - 1
     return None

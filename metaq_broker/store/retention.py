@@ -17,7 +17,7 @@ from metaq_broker.store.segment import Segment
 def removal_reason(seg: Segment, partition_bytes: int, config: TopicConfig, now_ms: int) -> Optional[str]:
     """Why the partition's oldest segment ``seg`` is due (None: it is not), given the partition's size."""
     cutoff = now_ms - config.delete_policy.hours * 3600 * 1000
-    if seg.count and int(seg.index()[-1]["timestamp"]) < cutoff:
+    if seg.count and seg.last_timestamp < cutoff:
         return "older than the delete policy"
     if config.retention_bytes > 0 and partition_bytes - seg.size >= config.retention_bytes:
         return "over the size bound"

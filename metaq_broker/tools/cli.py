@@ -26,6 +26,7 @@ from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.security import acl as acl_mod
 from metaq_broker.security.scram import DEFAULT_ITERATIONS, MAX_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
 from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
+from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.partition import PartitionLog
 from metaq_broker.tools.quickstart import run as run_quickstart
@@ -754,8 +755,14 @@ def describe(partition_dir: Path):
                    + "".join(f", #{t} from offset {first}" for t, first in unsettled)
                    + f"; {len(aborted)} aborted with batches here"
                    + "".join(f", #{a['txn']} offsets {a['first']}-{a['last'] - 1}" for a in aborted[:20]))
-        for s in p.segments():
+        segments = p.segments()
+        index_bytes = sum(offset_index.HEADER_SIZE + offset_index.ENTRY_DTYPE.itemsize * s.index_entries
+                          for s in segments)
+        click.echo(f"  sparse offset index: {sum(s.index_entries for s in segments)} entries, {index_bytes} bytes "
+                   f"({100 * index_bytes / max(p.size_bytes, 1):.2f}% of the log; the active segment's in memory)")
+        for s in segments:
             click.echo(f"  {s.path.name}  base offset {s.base_offset:>12}  messages {s.count:>10}  bytes {s.size:>12}"
+                       f"  index entries {s.index_entries:>8}"
                        f"  last stored {s.last_timestamp if s.last_timestamp is not None else '-'}")
     finally:
         p.close()
@@ -764,7 +771,8 @@ def describe(partition_dir: Path):
 @log_group.command("verify")
 @click.argument("partition_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def verify(partition_dir: Path):
-    """Check every batch's checksums and offsets; exit 1 if anything is damaged."""
+    """Check every batch's checksums and offsets, and that each segment's offset index is the one its batches
+    make; exit 1 if anything is damaged."""
     try:
         p = _open_partition(partition_dir)
     except MetaqError as e:

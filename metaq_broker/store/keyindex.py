@@ -1,0 +1,381 @@
+"""A segment's key index, ``<start>.keys``: RocketMQ's IndexFile adapted to a partition's segments.
+
+As in RocketMQ: a header, a table of hash slots, and entries chained from their slot by the number of the
+previous entry in the same slot, newest first; a query walks one chain. Adapted:
+
+* one file per log segment, so retention removes it with its segment, a replica's truncation cuts only
+  the tail's, and a lost or damaged one is rebuilt from its segment alone;
+* an entry holds no time: store times never decrease along a partition's offsets, so the partition's time
+  index turns a time range into an offset range first (``offset_range``), and a chain, walked newest first,
+  stops at the first entry below it. An entry is 12 bytes (RocketMQ's 20): 32 bits of the key's 64-bit
+  hash, the previous entry's number, and the offset relative to the segment's base;
+* a batch's keys are hashed and chained by one compiled loop (numba): numpy took 90-180 ns a key (a
+  dozen passes over the words, one sort of the slots), as much as the append itself, where the goal is
+  an append rate with the index at least 0.9 of the rate without (benchmarks/bench_store.py); the table
+  grows fourfold (a rebuild) when the chains average more than four entries;
+* false hash matches are removed by comparing the real key, read from the log at the answer's offset
+  (``lookup``'s ``read_keys``).
+
+Message ids need no index of their own: ids grow with offsets and are dense in a batch, so the offset
+index finds them (``PartitionLog.offset_for_msg_id``).
+
+Pure: arrays and the file's bytes; the log is read by the caller. docs/storage-format.md, section 15.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from metaq_broker.errors import InvalidQueryError
+from metaq_broker.protocol.records import crc
+from metaq_broker.store.durable import fsync_dir
+
+SUFFIX = ".keys"
+MAGIC = b"MQKEYIX1"
+HEADER = struct.Struct("<8sqqqIIII")  # then a u32 CRC-32C of these 48 bytes, and zeros to 64
+HEADER_SIZE = 64
+
+MIN_SLOT_BITS, MAX_SLOT_BITS = 10, 24  # 2^10 slots at first, four times as many when chains average > LOAD
+LOAD = 4  # RocketMQ: 20 M entries, 5 M slots
+DEFAULT_MAX_ANSWERS = 64
+_WALK_STEPS = 4096  # chain steps before a lookup scans the segment's entries in the range instead
+_MASK = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_NO_LOCK = contextlib.nullcontext()
+_EMPTY = np.zeros(1, np.uint8)  # the data of a column of empty keys
+_BINARY = pa.binary()
+
+
+class IndexProblem(Exception):
+    """A key index file that cannot be used as it is (the caller rebuilds it from the log)."""
+
+
+def hash_key(key: bytes) -> int:
+    """The key's 64-bit hash: over its little-endian 8-byte words ``x_j`` (the last zero-padded), with
+    ``y_j = ((x_j + (j + 1)·φ)·M1) mod 2^64``, the sum ``len·φ + Σ (y_j ^ (y_j >> 32))`` modulo 2^64, mixed by
+    splitmix64's finaliser (φ, M1 and its constants as in splitmix64). An index keeps its high 32 bits;
+    ``_index_keys`` computes the same for a batch."""
+    key = bytes(key)
+    total = len(key) * _GOLDEN
+    for j in range(0, len(key), 8):
+        y = ((int.from_bytes(key[j: j + 8], "little") + (j // 8 + 1) * _GOLDEN) * _M1) & _MASK
+        total += y ^ (y >> 32)
+    z = total & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def _index_keys(data, offsets, rows, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - compiled
+    """Entries n + 1, n + 2, ... for the keys ``rows[i]`` of an Arrow binary column (``data``, ``offsets``)
+    at offsets ``rels[i]``: the high 32 bits of each key's ``hash_key``, chained behind its slot's head.
+    Returns the new entry count. Run compiled (``_kernels``): a loop per key, in machine code."""
+    golden, m1, m2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)  # local: numba folds them once
+    eight, one = np.uint64(8), np.uint64(1)
+    for i in range(rows.shape[0]):
+        a, b = np.int64(offsets[rows[i]]), np.int64(offsets[rows[i] + 1])
+        total, place, j = np.uint64(b - a) * golden, one, a
+        while j < b:
+            x, shift_in = np.uint64(0), np.uint64(0)
+            for k in range(j, min(j + 8, b)):
+                x |= np.uint64(data[k]) << shift_in
+                shift_in += eight
+            y = (x + place * golden) * m1
+            total += y ^ (y >> np.uint64(32))
+            place += one
+            j += 8
+        total = (total ^ (total >> np.uint64(30))) * m1
+        total = (total ^ (total >> np.uint64(27))) * m2
+        h = np.uint32((total ^ (total >> np.uint64(31))) >> np.uint64(32))
+        s = h >> shift
+        hashes[n], prevs[n], offs[n] = h, slots[s], rels[i]
+        n += 1
+        slots[s] = n
+    return n
+
+
+def _chain(h32, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - run compiled (``_kernels``)
+    """``_index_keys`` for entries whose hashes are known (a rebuild: growth, truncation)."""
+    for i in range(h32.shape[0]):
+        s = h32[i] >> shift
+        hashes[n], prevs[n], offs[n] = h32[i], slots[s], rels[i]
+        n += 1
+        slots[s] = n
+    return n
+
+
+_KERNELS = None
+
+
+def _kernels():
+    """(_index_keys, _chain), compiled on first use and cached on disk by numba."""
+    global _KERNELS
+    if _KERNELS is None:
+        import numba  # lazy: a second to import and compile; lookups (hash_key, chain walks) need neither
+        _KERNELS = tuple(numba.njit(cache=True, nogil=True)(f) for f in (_index_keys, _chain))
+    return _KERNELS
+
+
+def offset_range(since_ms: Optional[int], until_ms: Optional[int], offset_for_timestamp: Callable[[int], int],
+                 earliest: int, end: int) -> tuple:
+    """The offsets [lo, hi) stored in [since_ms, until_ms] (either open), through the partition's time index:
+    store times never decrease along offsets. ``since_ms`` after ``until_ms`` is an error naming both."""
+    for name, value in (("since", since_ms), ("until", until_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise InvalidQueryError(f"{name} must be a time in ms since the epoch, got {value!r}")
+    if since_ms is not None and until_ms is not None and since_ms > until_ms:
+        raise InvalidQueryError(f"since ({since_ms} ms) is after until ({until_ms} ms): no message can be in "
+                                f"that time range")
+    lo = earliest if since_ms is None else offset_for_timestamp(int(since_ms))
+    hi = end if until_ms is None else offset_for_timestamp(int(until_ms) + 1)
+    return lo, max(lo, hi)
+
+
+class KeyIndex:
+    """One segment's key index: built in memory batch by batch (the active segment's), or read from its
+    file (a sealed segment's, memory-mapped read-only). Covers the segment's offsets [base_offset,
+    next_offset). Entries are numbered from 1 (0 ends a chain) and kept as three columns: the high 32 bits
+    of the key's hash (whose top ``slot_bits`` bits pick the slot), the previous entry of the slot, and the
+    offset relative to ``base_offset``.
+
+    A writable index serialises ``add``, ``truncate`` and ``candidates`` with its own lock (chains are
+    rewritten in place as they grow); a loaded one never changes and takes none."""
+
+    def __init__(self, base_offset: int, start: int, max_slot_bits: int = MAX_SLOT_BITS, capacity: int = 1024):
+        """``max_slot_bits`` caps the table (tests make every key collide with 0: one slot)."""
+        self.base_offset, self.start, self.next_offset = base_offset, start, base_offset
+        self._max_bits = max_slot_bits
+        self._bits = slot_bits = _bits_for(0, max_slot_bits)
+        self._slots = np.zeros(1 << slot_bits, np.uint32)
+        self._hash, self._prev, self._off = (np.zeros(capacity, np.uint32) for _ in range(3))
+        self._n = 0
+        self._lock: Optional[threading.Lock] = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        """Entries: messages with a key."""
+        return self._n
+
+    @property
+    def slot_bits(self) -> int:
+        return self._bits
+
+    def columns(self) -> tuple:
+        """(hashes, previous entries, relative offsets) of the entries."""
+        n = self._n
+        return self._hash[:n], self._prev[:n], self._off[:n]
+
+    # -- building ---------------------------------------------------------------------------------------
+    def add(self, offsets, keys, next_offset: Optional[int] = None) -> None:
+        """Index the non-null ``keys`` (an Arrow binary array, or a sequence of bytes and None) of messages at
+        ``offsets``: the first of consecutive offsets (an append's batch), or an increasing array of them
+        (decoded messages, markers left out); at or after everything indexed so far. Afterwards the index
+        covers offsets below ``next_offset`` (default: one past the last message)."""
+        if not isinstance(keys, pa.Array):
+            keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else pa.array(keys, _BINARY)
+        if keys.type != _BINARY:
+            keys = keys.cast(_BINARY)
+        n = len(keys)
+        rows = np.flatnonzero(np.asarray(keys.is_valid())) if keys.null_count else np.arange(n)
+        if isinstance(offsets, (int, np.integer)):
+            rels, last = rows + (int(offsets) - self.base_offset), int(offsets) + n - 1
+        else:
+            offsets = np.asarray(offsets, np.int64)
+            if len(offsets) != n:
+                raise ValueError(f"{len(offsets)} offsets for {n} keys")
+            rels, last = offsets[rows] - self.base_offset, int(offsets[-1]) if n else None
+        with self._writing():
+            if len(rows):
+                first, final = int(rels[0]), int(rels[-1])
+                if self.base_offset + first < self.next_offset or final >= 1 << 32:
+                    raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
+                                     f"this index's (base offset {self.base_offset}, {self._n} entries)")
+                self._make_room(len(rows))
+                _, key_offsets, data = keys.buffers()
+                self._n = _kernels()[0](np.frombuffer(data, np.uint8) if data is not None and len(data) else _EMPTY,
+                                        np.frombuffer(key_offsets, np.int32, n + 1, keys.offset * 4), rows, rels,
+                                        self._slots, np.uint32(32 - self._bits), self._hash, self._prev, self._off,
+                                        self._n)
+            cover = next_offset if next_offset is not None else None if last is None else last + 1
+            if cover is not None:
+                self.next_offset = max(self.next_offset, cover)
+
+    def _writing(self):
+        if self._lock is None:
+            raise ValueError("a key index read from its file does not change (writable_copy makes one that does)")
+        return self._lock
+
+    def _make_room(self, m: int) -> None:
+        """Room for ``m`` more entries, the table grown first if they make the chains too long."""
+        n = self._n
+        if n + m >= 1 << 32:
+            raise ValueError("a segment's key index holds fewer than 2^32 entries")
+        if _bits_for(n + m, self._max_bits) != self._bits:
+            self._rebuild(n, _bits_for(n + m, self._max_bits))
+        if n + m > len(self._hash):
+            self._hash, self._prev, self._off = (_grown(a, n, max(4 * len(a), n + m))
+                                                 for a in (self._hash, self._prev, self._off))
+
+    def _rebuild(self, n: int, bits: int) -> None:
+        """Slots and chains for the first ``n`` entries, with 2^bits slots (growth, truncation): the same
+        bytes as if the table had had that size from the start."""
+        slots = np.zeros(1 << bits, np.uint32)
+        _kernels()[1](self._hash[:n], self._off[:n], slots, np.uint32(32 - bits), self._hash, self._prev,
+                      self._off, 0)
+        self._bits, self._slots, self._n = bits, slots, n
+
+    def truncate(self, offset: int) -> None:
+        """Forget every message at or after ``offset`` (a replica's cut of its tail)."""
+        with self._writing():
+            k = int(np.searchsorted(self._off[: self._n], max(offset - self.base_offset, 0), "left"))
+            if k < self._n:
+                self._rebuild(k, _bits_for(k, self._max_bits))
+            self.next_offset = min(self.next_offset, max(offset, self.base_offset))
+
+    # -- looking up -------------------------------------------------------------------------------------
+    def candidates(self, key_hash: int, lo: int, hi: int, limit: int) -> list:
+        """Offsets in [lo, hi) of messages whose key hashes like ``key_hash`` (a 64-bit ``hash_key``),
+        newest first, at most ``limit``. Some keys may only share the hash: ``lookup`` compares them."""
+        with self._lock or _NO_LOCK:
+            n, slots, hashes, prevs, rels = self._n, self._slots, self._hash, self._prev, self._off
+            if not n or limit < 1:
+                return []
+            h32 = key_hash >> 32
+            lo_rel, hi_rel = max(lo - self.base_offset, 0), hi - self.base_offset
+            if hi_rel <= 0 or lo_rel >= 1 << 32:
+                return []
+            out, e, steps = [], int(slots[h32 >> (32 - self._bits)]), 0
+            while e and len(out) < limit:
+                rel = int(rels[e - 1])
+                if rel < lo_rel:
+                    break
+                if rel < hi_rel and int(hashes[e - 1]) == h32:
+                    out.append(self.base_offset + rel)
+                e, steps = int(prevs[e - 1]), steps + 1
+                if steps == _WALK_STEPS and e:  # a long chain: scan the entries of the range instead
+                    first = int(np.searchsorted(rels[:e], lo_rel, "left"))
+                    more = first + np.flatnonzero((hashes[first:e] == h32) & (rels[first:e] < hi_rel))[::-1]
+                    out += (self.base_offset + rels[more[: limit - len(out)]].astype(np.int64)).tolist()
+                    break
+            return out
+
+    # -- the file -----------------------------------------------------------------------------------------
+    def encode(self) -> list:
+        """The file's bytes, as parts for one write: header, slots, then the three entry columns."""
+        with self._lock or _NO_LOCK:
+            columns = [np.array(self._slots)] + [np.array(c) for c in self.columns()]
+            n, bits, next_offset = self._n, self._bits, self.next_offset
+        head = HEADER.pack(MAGIC, self.base_offset, self.start, next_offset, bits, n,
+                           crc(memoryview(columns[0]).cast("B")),
+                           _crcs(memoryview(c).cast("B") for c in columns[1:]))
+        head += struct.pack("<I", crc(head))
+        return [head + b"\0" * (HEADER_SIZE - len(head))] + [memoryview(c).cast("B") for c in columns]
+
+    def write(self, path: Path) -> None:
+        """Write the index whole (temporary name, fsync, rename, fsync of the directory)."""
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for part in self.encode():
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+
+    @classmethod
+    def load(cls, path: Path, base_offset: int, start: int) -> "KeyIndex":
+        """A sealed segment's index from its file, checked (checksums, chains that point back, offsets in
+        order), memory-mapped read-only. IndexProblem says what is wrong."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(HEADER_SIZE)
+                file_size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            raise IndexProblem("is missing") from None
+        if len(raw) < HEADER_SIZE:
+            raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
+        magic, base, seg_start, next_offset, bits, n, slots_crc, entries_crc = HEADER.unpack_from(raw)
+        if magic != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
+            raise IndexProblem("has a bad header (magic or checksum)")
+        if (base, seg_start) != (base_offset, start):
+            raise IndexProblem(f"belongs to offset {base}, start {seg_start}; the segment is offset {base_offset}, "
+                               f"start {start}")
+        if not 0 <= bits <= MAX_SLOT_BITS or file_size != HEADER_SIZE + 4 * (1 << bits) + 12 * n:
+            raise IndexProblem(f"is {file_size} bytes for 2^{bits} slots and {n} entries")
+        slots = np.memmap(path, np.uint32, "r", HEADER_SIZE, (1 << bits,))
+        at = HEADER_SIZE + 4 * (1 << bits)
+        columns = [np.memmap(path, np.uint32, "r", at + 4 * n * k, (n,)) if n else np.zeros(0, np.uint32)
+                   for k in range(3)]
+        if crc(memoryview(slots).cast("B")) != slots_crc or \
+                _crcs(memoryview(c).cast("B") for c in columns) != entries_crc:
+            raise IndexProblem("fails its checksums")
+        hashes, prevs, rels = columns
+        if (np.diff(rels.astype(np.int64)) < 0).any() or (n and int(rels[-1]) >= next_offset - base) or (
+                prevs >= np.arange(1, n + 1, dtype=np.uint32)).any() or (slots > n).any():
+            raise IndexProblem("has entries out of order or chains that do not point back")
+        index = cls(base_offset, start, MAX_SLOT_BITS, 0)
+        index._bits, index._slots, (index._hash, index._prev, index._off) = bits, slots, columns
+        index._n, index.next_offset, index._lock = n, next_offset, None
+        return index
+
+    def writable_copy(self) -> "KeyIndex":
+        """An in-memory copy that ``add`` and ``truncate`` may change (a sealed segment made the tail again)."""
+        copy = KeyIndex(self.base_offset, self.start, self._max_bits, max(1024, 2 * self._n))
+        copy._bits, copy._slots = self._bits, np.array(self._slots)
+        for mine, theirs in zip(self.columns(), (copy._hash, copy._prev, copy._off)):
+            theirs[: self._n] = mine
+        copy._n, copy.next_offset = self._n, self.next_offset
+        return copy
+
+
+def _crcs(parts) -> int:
+    value = 0
+    for part in parts:
+        value = crc(part, value)
+    return value
+
+
+def _grown(column: np.ndarray, n: int, capacity: int) -> np.ndarray:
+    """``column``'s first ``n`` values in a new array of ``capacity`` (fourfold growth: few copies)."""
+    out = np.empty(capacity, np.uint32)
+    out[:n] = column[:n]
+    return out
+
+
+def _bits_for(n: int, max_bits: int = MAX_SLOT_BITS) -> int:
+    """Slot bits for ``n`` entries: MIN_SLOT_BITS, plus 2 (four times the slots) until there are at most LOAD
+    entries per slot. A function of ``n`` alone, so an index built batch by batch and one rebuilt from the
+    log at once are the same bytes."""
+    bits = MIN_SLOT_BITS
+    while n > LOAD << bits and bits + 2 <= MAX_SLOT_BITS:
+        bits += 2
+    return min(bits, max_bits)
+
+
+def lookup(indexes: Sequence[KeyIndex], key: bytes, lo: int, hi: int, read_keys: Callable[[list], list],
+           max_answers: int = DEFAULT_MAX_ANSWERS) -> list:
+    """Offsets in [lo, hi) of the messages whose key is ``key``, newest first, at most ``max_answers``.
+    ``indexes``: the partition's segments' key indexes, oldest first. ``read_keys(offsets)`` returns the
+    keys stored at those offsets (None where a reader would not return the message, e.g. an aborted
+    transaction's): candidates whose real key differs (a shared hash) are dropped."""
+    if isinstance(max_answers, bool) or not isinstance(max_answers, (int, np.integer)) or max_answers < 1:
+        raise InvalidQueryError(f"the number of answers must be a positive integer, got {max_answers!r}")
+    key, h, answers = bytes(key), hash_key(key), []
+    for index in reversed(indexes):
+        if index.next_offset <= lo or len(answers) >= max_answers:
+            break
+        upper = hi
+        while len(answers) < max_answers:
+            found = index.candidates(h, lo, upper, max_answers - len(answers))
+            if not found:
+                break
+            answers += [o for o, k in zip(found, read_keys(found)) if k is not None and bytes(k) == key]
+            upper = found[-1]
+    return answers

@@ -1,0 +1,201 @@
+"""A segment's sparse offset index, ``<start>.index`` (Kafka's ``.index`` and ``.timeindex`` in one file).
+
+One entry for the first batch that starts in each ``interval``-byte window of the segment (Kafka's
+index.interval.bytes, default 4 KiB), never one per message: the batch headers in the log say where each
+message is, so a lookup takes the entry at or before what it looks for and walks at most a window's worth
+of batch headers (``Segment``). An entry holds the batch's offset, logical position and store time (store
+times never decrease in a partition, so the same entries are the time index) and the message bytes of the
+segment before it (so byte budgets stay exact without a size per message). Which batches get an entry is
+a function of batch positions alone, so an index rebuilt from the log equals the one written while
+appending, whatever the appends' sizes were: ``metaq log verify`` compares them.
+
+Pure: arrays and the file's bytes; no reading of the log. docs/storage-format.md, section 5, has the layout.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from metaq_broker.protocol.records import crc
+from metaq_broker.store.durable import fsync_dir
+
+SUFFIX = ".index"
+DENSE_SUFFIX = ".idx"  # the dense index (one 24-byte entry per message) of metaq before the sparse one
+DEFAULT_INTERVAL = 4096
+
+ENTRY_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("bytes", "<i8")])
+# What a segment is told about each batch it takes (appends, a replica's copy, a scan of the log).
+BATCH_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("length", "<i8"),
+                        ("count", "<i8"), ("bytes", "<i8"), ("msg_id", "<i8")])
+# The dense index of earlier versions, read once to convert a data directory they wrote.
+DENSE_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
+
+MAGIC = b"MQINDEX1"
+HEADER = struct.Struct("<8sqqqqqqqqqIII")  # then a u32 CRC-32C of these 92 bytes
+HEADER_SIZE = HEADER.size + 4
+assert HEADER_SIZE == 96 and ENTRY_DTYPE.itemsize == 32
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What an index file says about its whole segment, beyond the entries."""
+
+    base_offset: int
+    start: int
+    size: int  # bytes of the segment file, its header included
+    next_offset: int
+    bytes: int  # message bytes (index ``size`` of docs/storage-format.md section 5) of the whole segment
+    last_timestamp: int  # of its last batch (0: no batch)
+    last_position: int  # logical position of its last batch (-1: no batch)
+    first_msg_id: int  # of its first message (0: none)
+    last_msg_id: int  # of its last message (-1: none)
+    interval: int
+
+
+class IndexProblem(Exception):
+    """An index file that cannot be used as it is (the caller rebuilds it from the log)."""
+
+
+def bucket(position, start: int, interval: int):
+    """The window of ``interval`` bytes of the segment starting at ``start`` that ``position`` lies in."""
+    return (position - start) // interval
+
+
+def entries_for(batches: np.ndarray, start: int, interval: int, last_bucket: int, bytes_before: int):
+    """Entries for ``batches`` (BATCH_DTYPE, in log order) appended to a segment whose last entry lies in
+    window ``last_bucket`` (-1: none yet) and which holds ``bytes_before`` message bytes before them.
+    Returns (entries, the window of the last entry now). Vectorised: no step per batch."""
+    b = bucket(batches["position"], start, interval)
+    take = b > np.r_[last_bucket, b[:-1]]  # positions grow, so windows never go back
+    chosen = batches[take]
+    out = np.empty(len(chosen), ENTRY_DTYPE)
+    out["offset"], out["position"], out["timestamp"] = chosen["offset"], chosen["position"], chosen["timestamp"]
+    out["bytes"] = (bytes_before + np.cumsum(batches["bytes"]) - batches["bytes"])[take]
+    return out, (int(b[take][-1]) if len(chosen) else last_bucket)
+
+
+def summary_of(batches: np.ndarray, base_offset: int, start: int, size: int, interval: int) -> Summary:
+    """The summary of a segment holding exactly ``batches``."""
+    if not len(batches):
+        return Summary(base_offset, start, size, base_offset, 0, 0, -1, 0, -1, interval)
+    last = batches[-1]
+    return Summary(base_offset, start, size, int(last["offset"] + last["count"]), int(batches["bytes"].sum()),
+                   int(last["timestamp"]), int(last["position"]), int(batches[0]["msg_id"]),
+                   int(last["msg_id"] + last["count"] - 1), interval)
+
+
+def encode(summary: Summary, entries: np.ndarray) -> list:
+    """The file's bytes, as parts for one write: header, entries."""
+    entries = np.ascontiguousarray(entries, ENTRY_DTYPE)
+    s = summary
+    head = HEADER.pack(MAGIC, s.base_offset, s.start, s.size, s.next_offset, s.bytes, s.last_timestamp,
+                       s.last_position, s.first_msg_id, s.last_msg_id, s.interval, len(entries),
+                       crc(memoryview(entries).cast("B")))
+    return [head + struct.pack("<I", crc(head)), memoryview(entries).cast("B")]
+
+
+def write(path: Path, summary: Summary, entries: np.ndarray) -> None:
+    """Write an index file whole (temporary name, fsync, rename, fsync of the directory): never half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for part in encode(summary, entries):
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def load(path: Path, base_offset: int, start: int, size: int, next_offset: Optional[int], first_position: int):
+    """Read and check an index file against its segment (``size`` bytes, its first batch at
+    ``first_position``; the next segment's base offset if known). Returns (Summary, entries memory-mapped
+    read-only); raises IndexProblem saying what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+            file_size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise IndexProblem("is missing") from None
+    if len(raw) < HEADER_SIZE:
+        raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
+    fields = HEADER.unpack_from(raw)
+    if fields[0] != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
+        raise IndexProblem("has a bad header (magic or checksum)")
+    summary, n, entries_crc = Summary(*fields[1:11]), fields[11], fields[12]
+    if (summary.base_offset, summary.start, summary.size) != (base_offset, start, size):
+        raise IndexProblem(f"describes offset {summary.base_offset}, start {summary.start}, {summary.size} bytes; "
+                           f"the segment is offset {base_offset}, start {start}, {size} bytes")
+    if next_offset is not None and summary.next_offset != next_offset:
+        raise IndexProblem(f"ends at offset {summary.next_offset}, the next segment starts at {next_offset}")
+    if file_size != HEADER_SIZE + n * ENTRY_DTYPE.itemsize:
+        raise IndexProblem(f"is {file_size} bytes, its header counts {n} entries")
+    if summary.interval < 1:
+        raise IndexProblem(f"has interval {summary.interval}")
+    entries = (np.memmap(path, ENTRY_DTYPE, mode="r", offset=HEADER_SIZE, shape=(n,)) if n
+               else np.empty(0, ENTRY_DTYPE))
+    if crc(memoryview(np.ascontiguousarray(entries)).cast("B")) != entries_crc:
+        raise IndexProblem("entries fail their checksum")
+    problem = shape_problem(summary, entries, first_position)
+    if problem:
+        raise IndexProblem(problem)
+    return summary, entries
+
+
+def shape_problem(s: Summary, entries: np.ndarray, first_position: int) -> Optional[str]:
+    """What makes ``entries`` impossible for a segment described by ``s`` (None: nothing)."""
+    count = s.next_offset - s.base_offset
+    if count < 0 or s.bytes < 0:
+        return "has a negative message count or size"
+    if not len(entries):
+        return "is empty, the segment is not" if count else None
+    if not count:
+        return "has entries for an empty segment"
+    off, pos, ts, nb = (entries[f].astype(np.int64) for f in ("offset", "position", "timestamp", "bytes"))
+    if off[0] != s.base_offset or pos[0] != first_position or nb[0] != 0:
+        return "does not start at the first batch"
+    if (np.diff(off) <= 0).any() or (np.diff(pos) <= 0).any() or (np.diff(ts) < 0).any() or (np.diff(nb) <= 0).any():
+        return "is out of order"
+    if off[-1] >= s.next_offset or pos[-1] > s.last_position or nb[-1] >= s.bytes or ts[-1] > s.last_timestamp:
+        return "has entries past the end of its segment"
+    b = bucket(pos, s.start, s.interval)
+    if (np.diff(b) <= 0).any():
+        return "has two entries in one window"
+    return None
+
+
+def from_dense(dense: np.ndarray, base_offset: int) -> np.ndarray:
+    """The batches (BATCH_DTYPE) that a dense index of earlier versions describes (vectorised)."""
+    if not len(dense):
+        return np.empty(0, BATCH_DTYPE)
+    pos = dense["position"]
+    first = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1]])
+    counts = np.diff(np.r_[first, len(dense)])
+    out = np.empty(len(first), BATCH_DTYPE)
+    out["offset"] = base_offset + first
+    out["position"], out["timestamp"] = pos[first], dense["timestamp"][first]
+    out["length"], out["count"] = dense["batch_len"][first], counts
+    out["bytes"] = np.add.reduceat(dense["size"].astype(np.int64), first)
+    out["msg_id"] = -1  # not in a dense index: the caller reads the first and last batches' from the log
+    return out
+
+
+def dense_problem(dense: np.ndarray, start: int, size: int, first_position: int) -> Optional[str]:
+    """The checks earlier versions made of a dense index before trusting it (None: it is usable)."""
+    if len(dense) == 0:
+        return "is empty"
+    pos, blen = dense["position"], dense["batch_len"].astype(np.int64)
+    if pos[0] != first_position:
+        return "does not start at the first batch"
+    if (np.diff(pos) < 0).any() or (np.diff(dense["timestamp"]) < 0).any():
+        return "is out of order"
+    if pos[-1] + blen[-1] != start + size:
+        return "does not end at the end of the log"
+    boundary = np.flatnonzero(pos[1:] != pos[:-1])
+    if ((pos[boundary] + blen[boundary]) != pos[boundary + 1]).any():
+        return "has batches that do not follow one another"
+    return None
