@@ -100,8 +100,8 @@ class FetchResult:
         return batch_starts(self.data)
 
     def decode(self, verify: bool = True) -> pa.RecordBatch:
-        return records.decode(self.data, self.start_offset, self.end_offset, verify=verify,
-                              positions=self.batch_positions, aborted=self.aborted)
+        return records.decode(self.data, self.start_offset, self.end_offset, verify=verify,  # verify walks itself
+                              positions=None if verify else self.batch_positions, aborted=self.aborted)
 
 
 @dataclass(frozen=True)
