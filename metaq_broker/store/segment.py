@@ -179,13 +179,13 @@ class Segment:
 
     @classmethod
     def from_batches(cls, directory: Path, start: int, base_offset: int, fd: int, size: int, batches: np.ndarray,
-                     interval: int, mutable: bool = True) -> "Segment":
-        """A segment holding exactly ``batches`` (BATCH_DTYPE, from a scan of its log), its index built."""
+                     interval: int) -> "Segment":
+        """The active segment holding exactly ``batches`` (BATCH_DTYPE, from recovery's scan), its index built."""
         entries, _ = offset_index.entries_for(batches, start, interval, -1, 0)
         spare = np.empty(max(64, 2 * len(entries)), ENTRY_DTYPE)
         spare[:len(entries)] = entries
         return cls(directory, start, base_offset, fd, size,
-                   offset_index.summary_of(batches, base_offset, start, size, interval), spare, mutable, len(entries))
+                   offset_index.summary_of(batches, base_offset, start, size, interval), spare, True, len(entries))
 
     # -- appending ----------------------------------------------------------------------------------
     def append(self, parts: list, nbytes: int, batches) -> None:
