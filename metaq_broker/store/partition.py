@@ -169,6 +169,7 @@ class PartitionLog:
         self.txns = PartitionTxns()
         scan_from = self.txns.load(self.directory)
         self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
+        self._epochs.trim(self.earliest_offset)  # retention's cut may have come before its trim was saved
         # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
         # snapshot could not be written yet (a roll always writes one first): transactional batches can
         # then only be in the active segment, which recovery has just read. Every epoch marker below the
@@ -635,11 +636,11 @@ class PartitionLog:
             log.warning("%s: truncated to offset %d (replication)", self.name, cut)
         return cut
 
-    def reset_to(self, offset: int) -> None:
+    def reset_to(self, offset: int, epoch: int = 0) -> None:
         """Drop every segment: the partition becomes empty, its next offset ``offset`` (a replica below the
-        master's earliest offset, or a wiped one). Epochs and transaction state are cleared, a HW cap set
-        moves to ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with a
-        snapshot that rescans it all."""
+        master's earliest offset, or a wiped one). Transaction state is cleared and the epochs say the log
+        goes on at ``offset`` with ``epoch`` (the master's epoch there), a HW cap set moves to ``offset``; a
+        reopen keeps it. A crash half way leaves a prefix of the old log with a snapshot that rescans it all."""
         self._check_offset(offset)
         with self._write_lock:
             self._check_open()
@@ -647,7 +648,7 @@ class PartitionLog:
             self.txns = PartitionTxns(None if self._hw is None else offset)
             self.txns.max_txn = max_txn
             self.txns.save(self.directory, 0, 0)  # valid for any prefix of the old log: it is scanned whole
-            self._epochs.clear()
+            self._epochs.reset(epoch, offset)
             self._epochs_dirty = False
             for dropped in reversed(segs):
                 dropped.path.unlink()
