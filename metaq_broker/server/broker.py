@@ -28,7 +28,7 @@ from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group import MASTER, GroupMember
 from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
-from metaq_broker.server.member import load_or_create
+from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
@@ -200,12 +200,14 @@ class Broker:
         self.replicas = ReplicaManager(self.store, self.transactions, cfg.broker_id, cfg.replica_id,
                                        self.identity.uuid, cfg.replica_lag_max_ms / 1000,
                                        alter_isr=lambda isr: self.group is not None and self.group.alter_isr(isr),
-                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e))
+                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e),
+                                       wake=lambda: self.group and self.group.wake())
         self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
                                       sync_topics=self._sync_topics,
                                       on_fenced=lambda e: self.group and self.group.wake(),
                                       security=cfg.security.replication_client(),
-                                      problem=cfg.security.replication_problem())
+                                      problem=cfg.security.replication_problem(),
+                                      fetch_timeout_s=cfg.replica_lag_max_ms / 1000)
 
     def _lock_data(self, data: Path) -> None:
         """Lock ``<dataPath>/replication/lock`` for this process's life: a second broker on the same data is
@@ -280,7 +282,8 @@ class Broker:
                            cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
                            promote=self._promote, demote=self._demote, follow=self.fetcher.follow,
                            tick=self.replicas.tick, unclean=cfg.unclean_election,
-                           lag_max_s=cfg.replica_lag_max_ms / 1000)
+                           lag_max_s=cfg.replica_lag_max_ms / 1000, pause=self.fetcher.pause,
+                           publish=self.registration.update_node, copy=StateCopy(cfg.data_path))
 
     def _promote(self, state) -> None:
         """Become master of ``state.epoch``: stop copying, stamp the epoch in the log (the first append of

@@ -54,10 +54,33 @@ def new_client(zk_connect: str, session_timeout: float = 10.0, security: Optiona
     if security is not None and security.uses_tls:
         kw.update(use_ssl=True, ca=security.ca_location, certfile=security.certificate_location,
                   keyfile=security.key_location, verify_certs=True, check_hostname=True)
-    return KazooClient(hosts=zk_connect, timeout=session_timeout,
-                       connection_retry=KazooRetry(max_tries=reconnect_tries, max_delay=2.0),
-                       command_retry=KazooRetry(max_tries=5 if reconnect_tries < 0 else reconnect_tries,
-                                                max_delay=2.0), **kw)
+    client = KazooClient(hosts=zk_connect, timeout=session_timeout,
+                         connection_retry=KazooRetry(max_tries=reconnect_tries, max_delay=2.0),
+                         command_retry=KazooRetry(max_tries=5 if reconnect_tries < 0 else reconnect_tries,
+                                                  max_delay=2.0), **kw)
+    _record_negotiated_timeout(client)
+    return client
+
+
+def negotiated_timeout(client: KazooClient) -> Optional[float]:
+    """The session timeout (seconds) ZooKeeper granted the client's current session, None before the first
+    connection. ZooKeeper may grant another than asked (its minSessionTimeout and maxSessionTimeout), and
+    a group master's lease must follow the granted one. kazoo computes it at each connection but keeps it
+    to itself: ``new_client`` records it from the connect timeout kazoo derives from it (the negotiated
+    timeout divided by the number of hosts)."""
+    return getattr(client, "metaq_negotiated_timeout", None)
+
+
+def _record_negotiated_timeout(client: KazooClient) -> None:
+    connection = client._connection
+    connect = connection._connect
+
+    def connect_and_record(*args, **kwargs):
+        read_timeout, connect_timeout = connect(*args, **kwargs)
+        client.metaq_negotiated_timeout = connect_timeout * len(client.hosts) / 1000.0
+        return read_timeout, connect_timeout
+
+    connection._connect = connect_and_record
 
 
 def ensure_public_path(client: KazooClient, path: str, security: Optional[ZkSecurity]) -> None:
