@@ -8,12 +8,14 @@ records, users or ACLs. Broker registrations and topic entries are made with ``p
 stay open, as before."""
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
+import time
 from typing import Optional
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 from kazoo.security import READ_ACL_UNSAFE, make_digest_acl
@@ -21,6 +23,8 @@ from kazoo.security import READ_ACL_UNSAFE, make_digest_acl
 from metaq_broker.errors import MetaqError
 from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.security.tls import explain
+
+log = logging.getLogger(__name__)
 
 
 class ZooKeeperUnavailableError(MetaqError):
@@ -58,7 +62,7 @@ def new_client(zk_connect: str, session_timeout: float = 10.0, security: Optiona
                          connection_retry=KazooRetry(max_tries=reconnect_tries, max_delay=2.0),
                          command_retry=KazooRetry(max_tries=5 if reconnect_tries < 0 else reconnect_tries,
                                                   max_delay=2.0), **kw)
-    _record_negotiated_timeout(client)
+    _watch_connects(client)
     return client
 
 
@@ -71,12 +75,36 @@ def negotiated_timeout(client: KazooClient) -> Optional[float]:
     return getattr(client, "metaq_negotiated_timeout", None)
 
 
-def _record_negotiated_timeout(client: KazooClient) -> None:
+def _watch_connects(client: KazooClient) -> None:
+    """Wrap kazoo's connection handshake: record the negotiated session timeout, and give up a session
+    that reachable servers have refused for a whole session timeout. A ZooKeeper that lost its data (or
+    was restored from an older snapshot) refuses every client that has seen a later transaction than it
+    has, forever: kazoo would retry the handshake without end. Such a session is as good as expired, so
+    it is treated as expired: a new session starts from zxid 0, and listeners see LOST as for a real
+    expiry (a broker registers again)."""
     connection = client._connection
     connect = connection._connect
+    refused_since = [None]
 
     def connect_and_record(*args, **kwargs):
-        read_timeout, connect_timeout = connect(*args, **kwargs)
+        try:
+            read_timeout, connect_timeout = connect(*args, **kwargs)
+        except SessionExpiredError:
+            refused_since[0] = None
+            raise
+        except Exception:
+            if connection._socket is None or client._session_id is None:
+                raise  # not reached (a server down), or no session to give up
+            now = time.monotonic()
+            refused_since[0] = refused_since[0] or now
+            if now - refused_since[0] < client._session_timeout / 1000.0:
+                raise
+            refused_since[0] = None
+            log.warning("ZooKeeper at %s has refused this client's session 0x%x for more than its session timeout "
+                        "(it lost its data, or went back to an older snapshot?): starting a new session",
+                        client.hosts, client._session_id)
+            raise SessionExpiredError("refused by every reachable server for a whole session timeout") from None
+        refused_since[0] = None
         client.metaq_negotiated_timeout = connect_timeout * len(client.hosts) / 1000.0
         return read_timeout, connect_timeout
 
