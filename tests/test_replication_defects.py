@@ -120,53 +120,61 @@ def test_a_frozen_master_neither_stalls_the_group_nor_keeps_a_producer_nor_feeds
     """The master is frozen (SIGSTOP) past its session. (8) A put already sent to it over the data port
     ends when the new master is registered, instead of at the producer's timeout. (7) The replica that
     was fetching from it follows the new master at once, so with minInSyncReplicas=2 acks=all puts are
-    acknowledged again within the producer's 15 s (the replica's socket used to wait 30 s). (4) Resumed, it
-    answers a replica fetch that reached it while frozen with ``not master:``, not with data."""
+    acknowledged again within the producer's 15 s (the replica's socket used to wait 30 s). (4) Replica
+    fetches it was long-polling on when it froze are answered ``not master:`` once it resumes, not with
+    the data a replica would take."""
     g = strict_group
     old = g.master_id()
     member = g.members[old]
+    replica = next(r for r in range(3) if r != old)
+    uuid = json.loads((g.members[replica].workdir / "data" / "replication" / "member.json").read_text())["uuid"]
     with Producer(timeout=60.0, **zk_args(g)) as stuck, Producer(timeout=15.0, **zk_args(g)) as fresh, \
             Consumer(**zk_args(g)) as consumer:
         for p in (stuck, fresh):
             wait_until(lambda p=p: len(p.cluster.topic_partitions("orders")) == 2 and p.data_address(1),
                        what="topic and data port routed")
         stuck.send_batch("orders", [b"before"], partition="1-0")
-        old_epoch = g.state()["epoch"]
+        epoch = g.state()["epoch"]
+        ends = {name: bounds[2] for name, bounds in consumer.offset_bounds("orders").items()}
         node = json.loads(g.zk.get(g.paths.group_replica(1, old))[0])
+        socks = [socket.create_connection((node["host"], int(node["dataPort"])), timeout=30) for _ in range(8)]
+
+        def fetch_at_end(applied: int) -> bytes:  # as the replica asks when it has everything
+            return rp.pack_request(rp.FetchRequest(epoch, replica, bytes.fromhex(uuid), applied, 500, 1 << 20, [
+                rp.PartitionFetch("orders", p, ends[f"1-{p}"], ends[f"1-{p}"], epoch if ends[f"1-{p}"] else 0)
+                for p in range(2)]))
+        socks[0].sendall(fetch_at_end(-1))
+        applied = rp.read_reply(socks[0])[0].journal_last_seq
+        for sock in socks:
+            sock.sendall(fetch_at_end(applied))  # nothing new: the master long-polls up to 0.5 s on each
+        time.sleep(0.1)  # the master holds them all now
         freeze(member)
-        frozen_at = time.monotonic()
         outcome: dict = {}
 
         def put_to_the_frozen_master():
             try:
                 stuck.send_batch("orders", [b"sent-to-frozen"], partition="1-0")
-                outcome["ok"] = time.monotonic()
+                outcome["ok"] = True
             except Exception as e:  # noqa: BLE001 - what the test looks at
-                outcome["error"] = (time.monotonic(), e)
+                outcome["error"] = e
 
         t = threading.Thread(target=put_to_the_frozen_master, daemon=True)
         t.start()
         try:
-            new = g.wait_master(timeout=30, other_than=old)
+            g.wait_master(timeout=30, other_than=old)
             t.join(timeout=20)
             assert not t.is_alive(), "the put to the frozen master still waits after the new master came"
-            when, error = outcome["error"]
+            error = outcome["error"]
             assert isinstance(error, BrokerUnavailableError) and "moved" in str(error) and \
                 "may or may not be stored" in str(error)
             fresh.send_batch("orders", [b"after"], partition="1-0")  # within the producer's 15 s timeout
-            # (4) a fetch as the replica would send it, queued at the frozen master, answered once it resumes
-            replica = next(r for r in range(3) if r not in (old, new))
-            uuid = json.loads((g.members[replica].workdir / "data" / "replication" / "member.json")
-                              .read_text())["uuid"]
-            request = rp.FetchRequest(old_epoch, replica, bytes.fromhex(uuid), -1, 500, 1 << 20,
-                                      [rp.PartitionFetch("orders", 0, 0, 0, 0)])
-            with socket.create_connection((node["host"], int(node["dataPort"])), timeout=10) as sock:
-                sock.sendall(rp.pack_request(request))
-                thaw(member)
-                head, _, sections = rp.read_reply(sock)
-            assert head.status != 0 and head.message.startswith("not master:"), (head, sections)
+            thaw(member)
+            heads = [rp.read_reply(sock)[0] for sock in socks]
+            assert all(h.status != 0 and h.message.startswith("not master:") for h in heads), heads
         finally:
             thaw(member)
+            for sock in socks:
+                sock.close()
         g.wait_in_sync(range(3))
         seen = read_all(consumer)
     assert {b"before", b"after"} <= set(seen) and len(seen) == len(set(seen))
