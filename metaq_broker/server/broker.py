@@ -167,6 +167,7 @@ class Broker:
                                 "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
             # Only the master settles prepared transactions from their decision records.
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
+            service.settle_ahead = self._settle_ahead
         except BaseException:
             self._shutdown_local(grace=0)
             self._unlock_data()
@@ -296,6 +297,17 @@ class Broker:
         self.transactions.promote()
         self.replicas.activate(state.epoch, dict(state.isr), self.fetcher.learned_hw)
         self.registration.set_publishing(True)
+        if self.resolver is not None:
+            self.resolver.wake()  # what this member holds in doubt may be decided: settle it now
+
+    def _settle_ahead(self, partitions) -> None:
+        """Before a commit or rollback is answered: settle the older in-doubt transactions of its partitions
+        whose decision is recorded (``TransactionResolver.settle_ahead``); ZooKeeper trouble only delays
+        that to the resolver's next round."""
+        try:
+            self.resolver.settle_ahead(partitions)
+        except Exception as e:  # noqa: BLE001 - the resolver's rounds settle them anyway
+            log.warning("could not settle in-doubt transactions ahead of a commit now: %s", e)
 
     def _demote(self, why: str) -> None:
         self.replicas.deactivate()

@@ -77,6 +77,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._addresses: dict = {}  # replicaId -> (address, data address) last seen in its member node
         self.own_addresses = ("", "")  # this broker's (address, data address), set once it listens
         self._last_nodes: tuple = ({}, set())  # DescribeGroup's last ZooKeeper read of members and starting
+        self.settle_ahead = None  # TransactionResolver.settle_ahead, once the broker has a resolver
 
     # -- helpers --------------------------------------------------------------------------------------
     def _gate(self, admit: bool = True) -> None:
@@ -384,6 +385,8 @@ class BrokerService(pb_grpc.BrokerServicer):
                 raise self.disk.error(e, note="the outcome is recorded: the broker finishes it by itself once space "
                                               "is freed (sending it again is safe too)") from None
             raise
+        if self.settle_ahead is not None:  # older in-doubt ones of these partitions with a recorded decision
+            self.settle_ahead(partitions)
         self._await_replicated(partitions)
         self.disk.ok()
         return state
