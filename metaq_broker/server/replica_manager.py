@@ -503,10 +503,6 @@ class ReplicaManager:
             return {"epoch": self.epoch, "active": self.active, "isr": dict(self.isr), "partitions": len(ends),
                     "replicas": replicas}
 
-    def min_insync(self, topics) -> int:
-        """The largest minInSyncReplicas of ``topics``."""
-        return max((self._min_insync(t) for t in set(topics)), default=1)
-
     def _min_insync(self, topic: str) -> int:
         try:
             return self.store.topic_config(topic).min_insync_replicas
