@@ -31,7 +31,7 @@ from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.session import negotiated_timeout, new_client, start_client
 from conftest import wait_until
-from test_replication_basic import log_bytes, read_all
+from test_replication_basic import Load, log_bytes, read_all
 
 TOPICS = {"orders": {"numPartitions": 2}}
 STRICT = {"orders": {"numPartitions": 2, "minInSyncReplicas": 2}}
@@ -227,35 +227,6 @@ def test_a_paused_fetcher_applies_nothing_more(tmp_path, zookeeper, zk_root):
 
 # -- 3: a ZooKeeper restart duplicates puts ------------------------------------------------------------
 
-class Writer(threading.Thread):
-    """acks=all puts of unique values one after another: ``acked`` were acknowledged, ``unsure`` failed
-    (a failure never resends here: it may or may not be stored)."""
-
-    def __init__(self, group, name: str):
-        super().__init__(daemon=True)
-        self.producer = Producer(timeout=30.0, **zk_args(group))
-        self.name_ = name.encode()
-        self.acked, self.unsure = [], []
-        self.done = threading.Event()
-
-    def run(self):
-        i = 0
-        while not self.done.is_set():
-            v = b"%s-%d" % (self.name_, i)
-            i += 1
-            try:
-                self.producer.send_batch("orders", [v])
-                self.acked.append(v)
-            except Exception as e:  # noqa: BLE001 - counted
-                self.unsure.append((v, repr(e)))
-                time.sleep(0.05)
-
-    def finish(self):
-        self.done.set()
-        self.join(timeout=90)
-        self.producer.close()
-
-
 def test_a_zookeeper_restart_stores_no_put_twice(tmp_path, own_zookeeper):
     """Four acks=all producers while ZooKeeper is down past the master's lease, twice: puts stored when
     the lease ran out used to be refused with ``not master:`` and resent (one duplicate per producer per
@@ -268,22 +239,23 @@ def test_a_zookeeper_restart_stores_no_put_twice(tmp_path, own_zookeeper):
         g.wait_in_sync(range(3))
         with Producer(**zk_args(g)) as p:
             wait_until(lambda: len(p.cluster.topic_partitions("orders")) == 2, what="topic routed")
-        writers = [Writer(g, f"w{i}") for i in range(4)]
+        # acks=all puts of unique values one after another; a failed one (it may or may not be stored) is
+        # never resent by the test
+        writers = [Load(Producer(timeout=30.0, **zk_args(g)), b"w%d" % i) for i in range(4)]
         for w in writers:
             w.start()
         for _ in range(2):
-            counts = [len(w.acked) for w in writers]
-            wait_until(lambda c=counts: all(len(w.acked) > n + 10 for w, n in zip(writers, c)), timeout=60,
-                       what="every writer going")
+            for w in writers:
+                w.progress(10)
             zk.stop()
             time.sleep(4.5)  # longer than the lease (0.75 x 4 s): puts in flight when it runs out
             zk.start()
-            counts = [len(w.acked) for w in writers]
-            wait_until(lambda c=counts: all(len(w.acked) > n + 10 for w, n in zip(writers, c)), timeout=60,
-                       what="writes resuming after ZooKeeper came back")
+            for w in writers:
+                w.progress(10)  # writes resume once ZooKeeper is back
     finally:
         for w in writers:
             w.finish()
+            w.producer.close()
     try:
         with Consumer(**zk_args(g)) as consumer:
             seen = read_all(consumer)
@@ -364,21 +336,15 @@ def test_zookeeper_losing_its_data_loses_nothing_acknowledged(tmp_path, own_zook
 
 def test_the_lease_follows_the_session_timeout_zookeeper_grants(zookeeper):
     """(Also check) The shared ZooKeeper (tickTime 500 ms) grants at most 10 s: a client asking for 15 s
-    gets 10, and that is what a master's lease must be measured against."""
-    client = new_client(zookeeper.connect_string, session_timeout=15.0)
-    start_client(client, zookeeper.connect_string, 15)
-    try:
-        assert negotiated_timeout(client) == pytest.approx(10.0)
-    finally:
-        client.stop()
-        client.close()
-    client = new_client(zookeeper.connect_string, session_timeout=4.0)
-    start_client(client, zookeeper.connect_string, 15)
-    try:
-        assert negotiated_timeout(client) == pytest.approx(4.0)
-    finally:
-        client.stop()
-        client.close()
+    gets 10, and that is what a master's lease must be measured against; one asking for 4 s gets 4."""
+    for asked, granted in ((15.0, 10.0), (4.0, 4.0)):
+        client = new_client(zookeeper.connect_string, session_timeout=asked)
+        start_client(client, zookeeper.connect_string, 15)
+        try:
+            assert negotiated_timeout(client) == pytest.approx(granted)
+        finally:
+            client.stop()
+            client.close()
 
 
 def test_a_master_granted_a_shorter_session_leases_by_it(tmp_path, zookeeper, zk_root):
