@@ -69,9 +69,35 @@ def test_epochs_and_starts_only_grow(tmp_path):
 def test_truncate_and_trim_keep_what_covers_the_log(tmp_path):
     f = log_of(tmp_path, "p", (1, 0), (2, 50), (5, 70), (6, 90))
     f.truncate(90)  # the log was cut at 90: epoch 6 began there and holds nothing now
-    f.trim(60)  # retention removed offsets below 60: epoch 1 goes, epoch 2 still covers 60
-    assert EpochFile.load(tmp_path / "p").entries == [Epoch(2, 2, 50), Epoch(5, 2, 70)]
+    f.trim(60)  # retention removed offsets below 60: epoch 1 goes, epoch 2 covers 60 and starts there now
+    assert EpochFile.load(tmp_path / "p").entries == [Epoch(2, 2, 60), Epoch(5, 2, 70)]
     assert [f.epoch_at(o) for o in (60, 69, 70, 89)] == [2, 2, 5, 5]
+    f.trim(60)  # nothing more to do: the file is not rewritten
+    f.trim(75)
+    assert EpochFile.load(tmp_path / "p").entries == [Epoch(5, 2, 75)]
+
+
+def test_a_replica_that_starts_over_after_retention_is_not_told_it_diverges(tmp_path):
+    """Issue 24, defect 6: the master's retention removed everything the replica has and the start of
+    epoch 2's range. The replica (epoch 1 only) asks; the master's answer lets it start over at the
+    earliest offset (RESET, with the epoch there), after which its requests validate at once. With the
+    first entry's start left below the earliest offset, the master answered "diverges at 50" after
+    every reset, forever."""
+    master = log_of(tmp_path, "m", (1, 0), (2, 50), (5, 70))
+    master.trim(60)
+    replica = log_of(tmp_path, "r", (1, 0))
+    held, end = master.end_offset_for(1, log_end=100)
+    assert (held, end) == (0, 60)  # the replica's epoch 1 is gone here: it holds nothing of this log
+    assert rejoin(replica, 40, master, 100) == 0  # cut to its own epoch-0 part (none)
+    replica.reset(master.epoch_at(60), 60)  # RESET(earliest 60, epoch 2): reset_to(60, 2)
+    assert replica.entries == [Epoch(2, 0, 60)]
+    for replica_end in (60, 65, 70, 80):  # copying on: every request validates (no DIVERGING)
+        if replica_end > 70 and replica.latest.epoch < 5:
+            replica.append(5, 2, 70)  # epoch 5's marker copied
+        last = replica.epoch_at(replica_end - 1)
+        held, end = master.end_offset_for(last, log_end=100)
+        assert held == last and replica_end <= end
+    assert EpochFile.load(tmp_path / "r").entries == [Epoch(2, 0, 60), Epoch(5, 2, 70)]
 
 
 def rejoin(replica: EpochFile, replica_end: int, master: EpochFile, master_end: int) -> int:

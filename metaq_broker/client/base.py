@@ -62,7 +62,7 @@ class ClientBase:
                                    static_topics=self._static_topics if static else None,
                                    static_data=self._static_data_address if static else None,
                                    zk_security=self.security.zk)
-        self.cluster.on_moved(lambda _bid, old: self.pool.retire(old))
+        self.cluster.on_moved(lambda _bid, old, _old_data: self.pool.retire(old))
 
     def _resolve_ids(self, static: dict) -> dict:
         resolved = {}

@@ -79,6 +79,7 @@ class ClusterView:
         self._zk_acl: dict = {}            # live brokerId -> whether it keeps ZooKeeper protected (zk.auth)
         self._broker_watched: set = set()  # every brokerId registered at some time while this view ran
         self._last: dict = {}              # brokerId -> its last "host:port" (kept while it is down)
+        self._last_data: dict = {}         # brokerId -> its last "host:dataPort", or None
         self._moved_listeners: list = []
         self._topic_names: list = []       # children of topics-pub
         self._wanted: set = set()          # topics a caller asked about (watched while they exist)
@@ -194,9 +195,9 @@ class ClusterView:
             out.append((address, data_address or None))
         return out
 
-    def on_moved(self, callback: Callable[[int, str], None]) -> None:
-        """Call ``callback(brokerId, old address)`` (on a kazoo thread) when a broker registers at an
-        address other than its last one: a replicated group's new master."""
+    def on_moved(self, callback: Callable[[int, str, Optional[str]], None]) -> None:
+        """Call ``callback(brokerId, old address, old data port address or None)`` (on a kazoo thread) when
+        a broker registers at an address other than its last one: a replicated group's new master."""
         self._moved_listeners.append(callback)
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -247,7 +248,7 @@ class ClusterView:
                 except (ValueError, TypeError):
                     log.warning("broker %d: unreadable dataPort in %r; fetching with FetchRaw", bid, data[:200])
         with self._lock:
-            old = self._last.get(bid)
+            old, old_data = self._last.get(bid), self._last_data.get(bid)
             if address is None:
                 self._brokers.pop(bid, None)
                 self._protocols.pop(bid, None)
@@ -260,10 +261,12 @@ class ClusterView:
                 self._data.pop(bid, None)
             else:
                 self._data[bid] = data_address
+            if address is not None:
+                self._last_data[bid] = data_address
         if address is not None and old is not None and old != address:
             for cb in list(self._moved_listeners):
                 try:
-                    cb(bid, old)
+                    cb(bid, old, old_data)
                 except Exception:  # noqa: BLE001
                     log.exception("broker move listener failed")
         self._changed()

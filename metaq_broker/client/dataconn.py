@@ -22,6 +22,7 @@ import functools
 import socket
 import ssl
 import threading
+import weakref
 from typing import Callable, Optional
 
 import grpc
@@ -70,6 +71,7 @@ class DataConnection:
         self.connects = 0  # connections made (a test sees reuse)
         self._head = bytearray(REPLY.size)
         self._answered = False  # a reply came on this connection (else a break may be a refusal in disguise)
+        self.retired = False  # cut off because its broker group's master moved (DataConnectionPool.retire)
 
     def connect(self, timeout: Optional[float] = None) -> None:
         """Connect if not connected (the TLS handshake and the AUTH frame included). An OSError means the
@@ -278,6 +280,16 @@ class DataConnection:
         if sock is not None:
             sock.close()
 
+    def cut(self) -> None:
+        """From another thread: end a wait for a reply at once (the caller's receive fails with OSError),
+        as closing a gRPC channel ends its calls. The plain socket's shutdown, also under TLS."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def __enter__(self) -> "DataConnection":
         return self
 
@@ -289,12 +301,14 @@ class DataConnectionPool:
     """Idle data connections by address and security. ``acquire`` hands one to a single caller (a fresh
     one when none is idle or the idle ones were closed by the broker); ``release`` keeps it for the next
     caller when it has no reply pending, else closes it. ``security`` is the pool's default; ``acquire``
-    may name another (a worker's pool shared by queries with different settings)."""
+    may name another (a worker's pool shared by queries with different settings). ``retire(address)``
+    (a group's master moved away from it) cuts off the connections in use there and drops the idle ones."""
 
     def __init__(self, timeout: float = 30.0, security: Optional[ClientSecurity] = None):
         self.timeout = timeout
         self.security = security or ClientSecurity()
         self._idle: dict = {}
+        self._busy: dict = {}  # address -> connections handed out, not released yet (weakly: some are dropped)
         self._lock = threading.Lock()
 
     def acquire(self, address: str, session: Optional[Callable[..., Optional[str]]] = None,
@@ -308,18 +322,35 @@ class DataConnectionPool:
                 i = next((i for i in range(len(idle) - 1, -1, -1) if idle[i].security == security), None)
                 conn = idle.pop(i) if i is not None else None
             if conn is None:
-                return DataConnection(address, self.timeout, security, session)
-            if conn.alive():
+                conn = DataConnection(address, self.timeout, security, session)
+            elif conn.alive():
                 conn.session = session or conn.session
-                return conn
-            conn.close()
+            else:
+                conn.close()
+                continue
+            with self._lock:
+                self._busy.setdefault(address, weakref.WeakSet()).add(conn)
+            return conn
 
     def release(self, conn: DataConnection) -> None:
-        if conn.sock is None or conn.outstanding:
-            conn.close()
-            return
         with self._lock:
-            self._idle.setdefault(conn.address, []).append(conn)
+            self._busy.get(conn.address, weakref.WeakSet()).discard(conn)
+            if conn.sock is not None and not conn.outstanding and not conn.retired:
+                self._idle.setdefault(conn.address, []).append(conn)
+                return
+        conn.close()
+
+    def retire(self, address: str) -> None:
+        """The broker group whose master was at ``address`` has a new one: puts waiting there for an answer
+        end at once (the master may be frozen, or cut off), flagged ``retired``, and idle connections go."""
+        with self._lock:
+            idle = self._idle.pop(address, [])
+            busy = list(self._busy.get(address, ()))
+        for conn in busy:
+            conn.retired = True
+            conn.cut()
+        for conn in idle:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

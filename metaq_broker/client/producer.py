@@ -107,6 +107,10 @@ class _DataPortPut:
         try:
             base_offset, base_msg_id, timestamp, _, count, fsynced = self.conn.receive_put()
         except (OSError, ProtocolError) as e:  # the request was sent: it may or may not be stored
+            if self.conn.retired:
+                raise BrokerUnavailableError(
+                    grpc.StatusCode.UNAVAILABLE, f"the master of {self.name} moved while this put to it of "
+                    f"{self.topic!r} waited for an answer: it may or may not be stored", self.conn.address) from None
             raise BrokerUnavailableError(
                 grpc.StatusCode.UNAVAILABLE, f"connection lost while putting to {self.name} of {self.topic!r}, "
                 f"which may or may not be stored: {e}", self.conn.address) from None
@@ -201,6 +205,8 @@ class Producer(ClientBase):
         self._stale_epoch = False
         super().__init__(zk_connect, zk_root, brokers, timeout, security)
         self.data_pool = DataConnectionPool(timeout, self.security)  # puts to brokers with a data port
+        # A put waiting on a master that then froze ends when the group's master moves, as gRPC calls do.
+        self.cluster.on_moved(lambda _bid, _old, old_data: old_data and self.data_pool.retire(old_data))
         self.use_data_port = use_data_port  # False: every put as gRPC PutRaw (benchmarks compare the two)
         self.partitioner = partitioner
         self.batch_size = batch_size

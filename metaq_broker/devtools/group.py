@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Optional
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import KazooException
 
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import new_client, start_client
 
 
 class BrokerGroup:
@@ -32,8 +34,8 @@ class BrokerGroup:
     @property
     def zk(self) -> KazooClient:
         if self._zk is None:
-            self._zk = KazooClient(hosts=self.zk_connect)
-            self._zk.start(timeout=15)
+            self._zk = new_client(self.zk_connect)  # one that survives ZooKeeper losing its data (tests do that)
+            start_client(self._zk, self.zk_connect, 15)
         return self._zk
 
     def start(self) -> "BrokerGroup":
@@ -48,8 +50,11 @@ class BrokerGroup:
             return None
 
     def master_id(self) -> Optional[int]:
-        """The replicaId holding the master node, or None."""
-        node = zk_groups.master_node(self.zk, self.paths, self.broker_id)
+        """The replicaId holding the master node, or None (also while ZooKeeper does not answer)."""
+        try:
+            node = zk_groups.master_node(self.zk, self.paths, self.broker_id)
+        except KazooException:
+            return None
         return None if node is None else int(node["replicaId"])
 
     def wait_master(self, timeout: float = 30.0, other_than: Optional[int] = None) -> int:

@@ -29,7 +29,7 @@ from metaq_broker.server.group import MASTER, GroupMember
 from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.groups import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
-from metaq_broker.server.member import load_or_create
+from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration
@@ -175,6 +175,7 @@ class Broker:
                                 "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
             # Only the master settles prepared transactions from their decision records.
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
+            service.settle_ahead = self._settle_ahead
         except BaseException:
             self._shutdown_local(grace=0)
             self._unlock_data()
@@ -208,12 +209,14 @@ class Broker:
         self.replicas = ReplicaManager(self.store, self.transactions, cfg.broker_id, cfg.replica_id,
                                        self.identity.uuid, cfg.replica_lag_max_ms / 1000,
                                        alter_isr=lambda isr: self.group is not None and self.group.alter_isr(isr),
-                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e))
+                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e),
+                                       wake=lambda: self.group and self.group.wake())
         self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
                                       sync_topics=self._sync_topics,
                                       on_fenced=lambda e: self.group and self.group.wake(),
                                       security=cfg.security.replication_client(),
-                                      problem=cfg.security.replication_problem())
+                                      problem=cfg.security.replication_problem(),
+                                      fetch_timeout_s=cfg.replica_lag_max_ms / 1000)
 
     def _lock_data(self, data: Path) -> None:
         """Lock ``<dataPath>/replication/lock`` for this process's life: a second broker on the same data is
@@ -298,7 +301,8 @@ class Broker:
                            cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
                            promote=self._promote, demote=self._demote, follow=self.fetcher.follow,
                            tick=self.replicas.tick, unclean=cfg.unclean_election,
-                           lag_max_s=cfg.replica_lag_max_ms / 1000)
+                           lag_max_s=cfg.replica_lag_max_ms / 1000, pause=self.fetcher.pause,
+                           publish=self.registration.update_node, copy=StateCopy(cfg.data_path))
 
     def _promote(self, state) -> None:
         """Become master of ``state.epoch``: stop copying, stamp the epoch in the log (the first append of
@@ -311,6 +315,17 @@ class Broker:
         self.transactions.promote()
         self.replicas.activate(state.epoch, dict(state.isr), self.fetcher.learned_hw)
         self.registration.set_publishing(True)
+        if self.resolver is not None:
+            self.resolver.wake()  # what this member holds in doubt may be decided: settle it now
+
+    def _settle_ahead(self, partitions) -> None:
+        """Before a commit or rollback is answered: settle the older in-doubt transactions of its partitions
+        whose decision is recorded (``TransactionResolver.settle_ahead``); ZooKeeper trouble only delays
+        that to the resolver's next round."""
+        try:
+            self.resolver.settle_ahead(partitions)
+        except Exception as e:  # noqa: BLE001 - the resolver's rounds settle them anyway
+            log.warning("could not settle in-doubt transactions ahead of a commit now: %s", e)
 
     def _demote(self, why: str) -> None:
         self.replicas.deactivate()

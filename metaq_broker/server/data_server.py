@@ -368,7 +368,9 @@ class DataServer:
 
     def _replica_fetch(self, conn: _Conn, request: bytearray) -> None:
         """A group member copying from this master (``ReplicaManager.serve_fetch`` decides what): the head,
-        the journal frames, then per partition a section head and its records from the segment file."""
+        the journal frames, then per partition a section head and its records from the segment file. The
+        lease is checked after the long poll, just before the reply: a master frozen past its session (a
+        new one may be elected) answers ``not master:`` instead of data its replicas would take."""
         sock, fds = conn.sock, []
         try:
             try:
@@ -376,6 +378,7 @@ class DataServer:
                     self._authorize_replica(conn)
                 req = rp.unpack_request(request)
                 answer = self.replicas.serve_fetch(req, lambda: not self._stopping)
+                self.service._gate(admit=False)  # fenced: a master whose lease ran out (frozen) answers nothing
             except FencedError as e:
                 sock.sendall(rp.error_reply(code_number(grpc.StatusCode.FAILED_PRECONDITION), str(e),
                                             self.replicas.epoch))

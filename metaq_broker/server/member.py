@@ -1,24 +1,36 @@
-"""Who this member of a broker group is: ``<dataPath>/replication/member.json``, written once.
+"""Who this member of a broker group is (``<dataPath>/replication/member.json``, written once), and the
+last group state it saw (``<dataPath>/replication/group-state``).
 
 The uuid names the data directory, not the process: a member whose data was wiped comes back with a new
 uuid, so the in-sync set (which lists ``[replicaId, uuid]``) no longer counts it and it cannot be elected
 before it has copied the log again (docs/design/replication-plan.md §1, §7). The ids in the file guard
 against starting a member on another member's data.
+
+The state copy lets a group survive ZooKeeper losing its data (docs/replication.md, "ZooKeeper lost its
+data"): every member keeps, durably, the newest state it read or wrote, so it still knows the last
+in-sync set (whom to wait for), the roster and the highest epoch ever used.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid as uuid_module
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from metaq_broker.errors import ConfigError
+from metaq_broker.protocol.records import crc
 from metaq_broker.store.durable import make_dirs, replace_file
+from metaq_broker.zk.groups import GroupState
+
+log = logging.getLogger(__name__)
 
 DIRECTORY = "replication"
 FILE = "member.json"
+STATE_FILE = "group-state"
 _UUID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -87,3 +99,36 @@ def _parse(path: Path, raw: bytes) -> MemberIdentity:
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise damaged(f"created {created!r} is not a time")
     return MemberIdentity(d["brokerId"], d["replicaId"], d["uuid"], float(created))
+
+
+class StateCopy:
+    """The newest group state this member has seen, kept in ``<dataPath>/replication/group-state`` as
+    ``<CRC-32C hex>\n<JSON>`` (written whole and fsynced before the member acts on the state: it wrote it
+    as master, or read it). A damaged file is logged and counts as none: the member then knows no more than
+    a new one, and waits for the others as a new one does."""
+
+    def __init__(self, data_path):
+        self.path = Path(data_path) / DIRECTORY / STATE_FILE
+        self.state: Optional[GroupState] = None
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        try:
+            head, _, body = raw.partition(b"\n")
+            if int(head, 16) != crc(body):
+                raise ValueError("checksum mismatch")
+            self.state = GroupState.from_copy(json.loads(body))
+        except (ValueError, UnicodeDecodeError) as e:
+            log.error("%s is damaged (%s): this member does not know its group's last state (it waits for the "
+                      "others after ZooKeeper loses the group's data, as a new member would)", self.path, e)
+
+    def keep(self, state: GroupState) -> bool:
+        """Remember ``state`` durably if it is newer than the one kept; True if it was."""
+        if state.version < 0 or not state.newer(self.state):
+            return False
+        body = json.dumps(state.to_copy(), sort_keys=True).encode()
+        make_dirs(self.path.parent)
+        replace_file(self.path, b"%08x\n" % crc(body) + body)
+        self.state = state
+        return True

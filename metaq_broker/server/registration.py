@@ -95,6 +95,18 @@ class BrokerRegistration:
         """Our node exists in the current session."""
         return self.connected and self._registered_session == self.client.client_id
 
+    def update_node(self, fields: dict) -> None:
+        """Merge ``fields`` into this broker's node data: written now if our session holds the node, and in
+        every later (re-)registration. A group member tells its standing in elections this way."""
+        with self._lock:
+            self.address = {**self.address, **fields}
+            if not self._started or self._stopped or not self.registered:
+                return
+            data = json.dumps(self.address, sort_keys=True).encode()
+            _, stat = self.client.get(self.node)
+            if stat.ephemeralOwner == self.client.client_id[0]:
+                self.client.set(self.node, data, version=stat.version)
+
     def set_publishing(self, publish: bool) -> None:
         """The group's master publishes the topic entries; a replica leaves them alone."""
         with self._lock:

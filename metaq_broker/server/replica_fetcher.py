@@ -6,6 +6,13 @@ log there, durably, before it asks again. The transaction journal rides along as
 The next request is sent only after the fsync of what the last reply brought, so the durable offsets it
 reports (which move the master's high watermark) are true.
 
+Fencing: a reply is applied only if its master is still the one followed (checked under the control lock
+just before the log is touched), and ``pause`` (this member is being promoted) returns only once no reply
+can be applied any more: a deposed master's late answer never enters a new master's log. ``follow`` to
+another master and ``pause`` shut the connection down, so a fetch blocked on a frozen or cut-off master
+ends at once; no socket operation waits longer than ``fetch_timeout_s`` (the broker's replicaLagMaxMs)
+in any case.
+
 Security is the broker's own, as Kafka's inter-broker listener (docs/replication.md, Security): with SSL or
 SASL_SSL the member speaks TLS to the master's data port and gRPC, trusting ``ssl.ca.location``, checking
 the master's host name and presenting its own certificate; under SASL_SSL it logs in over the master's
@@ -37,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_MS = 500
 MAX_BYTES = 8 << 20
+FETCH_TIMEOUT_S = 10.0  # the default replicaLagMaxMs: no socket operation of the fetch waits longer
 RETRY_S = 0.2
 REFUSED_RETRY_S = 5.0  # after a refusal (security, ACLs): a misconfiguration is not fixed in 0.2 s
 REFUSED_RELOG_S = 300.0  # the same refusal is logged again after this long
@@ -44,6 +52,10 @@ FAILURES_TOLD = 50  # connection failures in a row (about 10 s of retries) befor
 CONNECT_TIMEOUT = 5.0
 CALL_TIMEOUT = 10.0  # gRPC calls to the master: login, topics
 _CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a connection going away
+
+
+class StaleReply(Exception):
+    """A reply from a master this member no longer follows (``follow`` moved on, or ``pause``): dropped."""
 
 
 class ReplicationRefused(MetaqError):
@@ -100,11 +112,17 @@ class ReplicaFetcher:
     (``master``: the master's ZooKeeper node, a dict with host, port, dataPort), and returns how many it
     created or grew; ``on_fenced(epoch)`` is told when the master's epoch differs from the one followed (the
     group member re-reads the state). ``security`` is how to reach the master, ``problem`` why it cannot
-    be (``BrokerSecurity.replication_client``, ``replication_problem``)."""
+    be (``BrokerSecurity.replication_client``, ``replication_problem``). ``fetch_timeout_s`` bounds every
+    socket operation (connect, send, each receive): replicaLagMaxMs.
+
+    Locks: ``_lock`` (control: the target, the socket) is never held while waiting on the network;
+    ``_apply`` is held while a reply is received and applied, and ``pause`` takes it after changing the
+    target (so it waits only for an apply under way, the receive being cut short by the shutdown)."""
 
     def __init__(self, store, transactions, replica_id: int, uuid: str,
                  sync_topics: Callable[[dict, MasterLink], int], on_fenced: Callable[[int], None],
-                 security: Optional[ClientSecurity] = None, problem: Optional[str] = None):
+                 security: Optional[ClientSecurity] = None, problem: Optional[str] = None,
+                 fetch_timeout_s: float = FETCH_TIMEOUT_S):
         self.store, self.transactions = store, transactions
         self.replica_id, self.uuid = replica_id, bytes.fromhex(uuid)
         self._sync_topics, self._on_fenced = sync_topics, on_fenced
@@ -114,7 +132,10 @@ class ReplicaFetcher:
         self.last_error: Optional[str] = None  # the refusal that stops copying now, None while it copies
         self._logged = ("", 0.0)  # the last refusal logged, and when
         self._failures = 0  # fetches failed in a row for other reasons (a master going away, a network fault)
+        self.fetch_timeout_s = fetch_timeout_s
         self._lock = threading.Condition()
+        self._apply = threading.Lock()  # held while a reply is received and applied to the log
+        self._sock: Optional[socket.socket] = None  # the connection in use (shut down by follow/pause)
         self._target: Optional[tuple] = None  # (epoch, master node dict)
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -132,6 +153,7 @@ class ReplicaFetcher:
             if self._target != (epoch, master):
                 log.info("replica %d follows the master of epoch %d at %s:%s", self.replica_id, epoch,
                          master.get("host"), master.get("dataPort"))
+                self._interrupt()  # a fetch blocked on the old master (frozen, cut off) ends now
             self._target = (epoch, master)
             self._lock.notify_all()
             if self._thread is None:
@@ -139,18 +161,37 @@ class ReplicaFetcher:
                 self._thread.start()
 
     def pause(self) -> None:
-        """Stop copying (this member became master, or is stopping); ``follow`` resumes."""
+        """Stop copying (this member becomes master, or is stopping); ``follow`` resumes. Returns once no
+        reply can be applied any more: one received before is either applied already or dropped."""
         with self._lock:
             self._target = None
+            self._interrupt()
             self._lock.notify_all()
+        with self._apply:
+            pass
 
     def stop(self) -> None:
         with self._lock:
             self._stop, self._target = True, None
+            self._interrupt()
             self._lock.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout=10)
+
+    def _interrupt(self) -> None:
+        """Shut the connection in use down (holding ``_lock``): a receive blocked on it returns at once. The
+        plain socket's shutdown, also under TLS (``SSLSocket.shutdown`` would drop the TLS state under the
+        reading thread)."""
+        if self._sock is not None:
+            try:
+                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _following(self, target: tuple) -> bool:
+        with self._lock:
+            return self._target == target and not self._stop
 
     # -- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -165,23 +206,37 @@ class ReplicaFetcher:
             epoch, master = target
             try:
                 if connected_to != target:
-                    _close(sock)
+                    self._close(sock)
                     sock, connected_to = None, None
                     if link is None or link.address != f"{master['host']}:{master['port']}":
                         link = _replace_link(link, self._link(master))
                     sock = self._connect(master, link)
                     connected_to = target
-                self._exchange(sock, epoch, master, link)
+                    with self._lock:
+                        if self._target != target:
+                            raise StaleReply("the master changed while connecting")
+                        self._sock = sock
+                with self._apply:
+                    topics_changed = self._exchange(sock, target, link)
+                if topics_changed and not self._sync_topics(master, link):
+                    # The master has partitions this member lacks, yet listed no topic to create: ACLs hide them.
+                    raise ReplicationRefused(
+                        "the master has topics its ListTopics does not show this member: its principal needs "
+                        "Describe on every topic (an ACL on topic '*'), or to be in super.users")
                 self._failures = 0
                 if self.last_error is not None:
                     log.info("replica %d copies from %s:%s again", self.replica_id, master.get("host"),
                              master.get("dataPort"))
                     self.last_error, self._logged = None, ("", 0.0)
             except Exception as e:  # noqa: BLE001 - the master died or moved: try again, the group re-routes
-                log.debug("replica fetch from %s failed: %s", master, e, exc_info=True)
-                refused = _refusal(e)
+                moved = not self._following(target)
+                log.debug("replica fetch from %s failed%s: %s", master, " (no longer followed)" if moved else "", e,
+                          exc_info=not moved)
+                refused = _refusal(e) and not moved
                 if refused:
                     self._tell(master, e)
+                elif moved or isinstance(e, StaleReply):
+                    pass  # follow() or pause() cut it short on purpose
                 elif not isinstance(e, (OSError, dataport.ProtocolError)):
                     log.warning("replica fetch from %s:%s failed: %s: %s", master.get("host"),
                                 master.get("dataPort"), type(e).__name__, e)
@@ -190,15 +245,21 @@ class ReplicaFetcher:
                     if self._failures == FAILURES_TOLD:
                         log.warning("replica fetch from %s:%s failed %d times in a row, last: %s: %s",
                                     master.get("host"), master.get("dataPort"), FAILURES_TOLD, type(e).__name__, e)
-                _close(sock)
+                self._close(sock)
                 sock, connected_to = None, None
                 if refused:  # a new channel and login next time: the settings or the master may have changed
                     link = _replace_link(link, None)
                 with self._lock:
-                    if not self._stop:
+                    if not self._stop and not moved:
                         self._lock.wait(REFUSED_RETRY_S if refused else RETRY_S)
-        _close(sock)
+        self._close(sock)
         _replace_link(link, None)
+
+    def _close(self, sock) -> None:
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+        _close(sock)
 
     def _tell(self, master: dict, e: BaseException) -> None:
         """A refusal, logged as an error when it is new (or every REFUSED_RELOG_S while it lasts)."""
@@ -222,7 +283,7 @@ class ReplicaFetcher:
         """A connection to the master's data port: TLS (the master's host name checked) and the AUTH frame
         as the broker's protocol wants."""
         host, port = master["host"], int(master["dataPort"])
-        sock = socket.create_connection((host, port), CONNECT_TIMEOUT)
+        sock = socket.create_connection((host, port), min(CONNECT_TIMEOUT, self.fetch_timeout_s))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.security.uses_tls:
@@ -234,7 +295,7 @@ class ReplicaFetcher:
                     raise
                 except ssl.SSLError as e:
                     raise AuthenticationError(tls.explain(e, f"{host}:{port}")) from None
-            sock.settimeout(MAX_WAIT_MS / 1000 + 30)
+            sock.settimeout(self.fetch_timeout_s)  # never a wait past replicaLagMaxMs on a frozen master
             if self.security.uses_sasl:
                 self._login(sock, link, f"{host}:{port}")
         except BaseException:
@@ -257,10 +318,16 @@ class ReplicaFetcher:
         seq = self.transactions.applied_seq if self.transactions is not None else 0
         return rp.FetchRequest(epoch, self.replica_id, self.uuid, seq, MAX_WAIT_MS, MAX_BYTES, parts)
 
-    def _exchange(self, sock: socket.socket, epoch: int, master: dict, link: MasterLink) -> None:
+    def _exchange(self, sock: socket.socket, target: tuple, link: MasterLink) -> bool:
+        """One request and its reply, applied (holding ``_apply``) only while ``target`` is still followed;
+        True when the master says its topics changed."""
+        epoch, master = target
         req = self._request(epoch)
         sock.sendall(rp.pack_request(req))
         head, journal, sections = rp.read_reply(sock, self._buffer)
+        if not self._following(target):
+            raise StaleReply(f"a reply from {master.get('host')}:{master.get('dataPort')} (epoch {epoch}), no "
+                             f"longer followed: dropped")
         if head.status != 0:
             if head.master_epoch != epoch or head.message.startswith(rp.FENCED):
                 self._on_fenced(head.master_epoch)
@@ -287,9 +354,9 @@ class ReplicaFetcher:
             if sec.status == rp.DIVERGING:
                 self._truncate(part, sec.epoch, sec.offset)
             elif sec.status == rp.RESET:
-                log.warning("%s: the master's log starts at %d, beyond this replica's end %d: starting the "
-                            "partition over there", part.name, sec.offset, part.written_end)
-                part.reset_to(sec.offset)
+                log.warning("%s: the master's log starts at %d (epoch %d), beyond this replica's end %d: starting "
+                            "the partition over there", part.name, sec.offset, sec.epoch, part.written_end)
+                part.reset_to(sec.offset, epoch=sec.epoch)
             elif sec.status == rp.SECTION_DATA and len(sec.records):
                 part.append_replicated(sec.records)
                 written.append(part)
@@ -299,11 +366,7 @@ class ReplicaFetcher:
             part.make_durable(part.written_end)
         if self.transactions is not None:
             self.transactions.apply_pending()
-        if head.flags & rp.FLAG_TOPICS_CHANGED and not self._sync_topics(master, link):
-            # The master has partitions this member lacks, yet listed no topic to create: ACLs hide them.
-            raise ReplicationRefused(
-                "the master has topics its ListTopics does not show this member: its principal needs Describe "
-                "on every topic (an ACL on topic '*'), or to be in super.users")
+        return bool(head.flags & rp.FLAG_TOPICS_CHANGED)
 
     def _truncate(self, part, epoch: int, end: int) -> None:
         """KIP-279: the master's largest epoch <= ours is ``epoch``, ending at ``end``. If we hold that epoch,

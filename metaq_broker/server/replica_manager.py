@@ -5,13 +5,19 @@ A replica's fetch request says, per partition, where its log ends (written and f
 its last batch. The master checks that prefix against its own epochs (Kafka's KIP-101/KIP-279): a
 consistent entry is *validated* and its durable offset counts towards the partition's high watermark
 (HW): the least durable end over the master and every member of the ack set. Readers stop at the HW, and
-an ``acks=all`` put is answered once the HW passes it, so an acknowledged or seen message is on every
-member that can be elected.
+an ``acks=all`` put is answered once the HW passes it *and* the ack set still has minInSyncReplicas
+members, so an acknowledged or seen message is on every member that can be elected.
 
-The ack set is the committed in-sync set plus expansions being written (KIP-497): a replica leaves it only
-after ZooKeeper has the shrink, and joins it before ZooKeeper has the expansion, so it is always a superset
-of what an election may pick from. All state sits behind one lock; the lock is held while an expansion is
-decided, so no acknowledgement slips between the check "it has everything acknowledged" and the join.
+The ack set is the committed in-sync set plus an expansion being written (KIP-497): a replica leaves it
+only after ZooKeeper has the shrink, and joins it before ZooKeeper has the expansion, so it is always a
+superset of what an election may pick from. The join is decided under the lock, so no acknowledgement
+slips between the check "it has everything acknowledged" and the join.
+
+Lock order (a deadlock between the data port's fetch thread and the group thread taught it): the group's
+role lock (``GroupMember._lock``) before this manager's condition ``_cond``, before a partition's locks.
+Nothing here calls ZooKeeper or takes the group's lock while holding ``_cond``: in-sync changes are
+decided under it, written by ``tick`` (the group thread) with it released, then applied under it again.
+The data port's threads (``serve_fetch``) only record progress and wake the group thread.
 """
 from __future__ import annotations
 
@@ -46,6 +52,18 @@ class ReplicaProgress:
 
 
 @dataclass
+class IsrChange:
+    """An in-sync change decided under the lock, written to ZooKeeper without it (``tick``)."""
+
+    epoch: int
+    replica_id: int
+    uuid: str
+    isr: dict  # the committed in-sync set to write: replicaId -> uuid
+    expand: bool
+    why: str = ""
+
+
+@dataclass
 class Section:
     """One partition's answer to a replica fetch: ``where`` (a FileRange) on SECTION_DATA."""
 
@@ -73,22 +91,26 @@ class FencedError(Exception):
 
 class ReplicaManager:
     """``alter_isr(isr) -> bool`` writes the in-sync set (``[(replicaId, uuid), ...]``) to ZooKeeper with
-    the state's version; False when the write lost (a newer epoch: the caller demotes)."""
+    the state's version; False when the write lost (a newer epoch: the caller demotes) or ZooKeeper did not
+    answer. It is called by ``tick`` only, never with ``_cond`` held. ``wake()`` asks the group thread for
+    an early ``tick`` (a replica may join or must leave the in-sync set)."""
 
     def __init__(self, store, transactions, broker_id: int, replica_id: int, uuid: str, lag_max_s: float,
                  alter_isr: Callable[[list], bool], on_higher_epoch: Callable[[int], None] = lambda e: None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, wake: Callable[[], None] = lambda: None):
         self.store, self.transactions = store, transactions
         self.broker_id, self.replica_id, self.uuid = broker_id, replica_id, uuid
         self._on_higher_epoch = on_higher_epoch
         self.lag_max_s = lag_max_s
         self._alter_isr = alter_isr
+        self._wake = wake
         self._clock = clock
         self._cond = threading.Condition()
         self.epoch = 0
         self.active = False  # master of ``epoch``
         self.isr: dict = {}  # committed in-sync set: replicaId -> uuid (master included)
         self.ack_set: set = set()  # replica ids, master included
+        self._joining: Optional[tuple] = None  # (replicaId, uuid) in the ack set, its expansion being written
         self.progress: dict = {}  # replicaId -> ReplicaProgress
         self._hw: dict = {}  # (topic, partition) -> high watermark
         self._activated_at = 0.0
@@ -104,6 +126,7 @@ class ReplicaManager:
             self._activated_at = self._clock()
             self.isr = dict(isr)
             self.ack_set = set(isr) | {self.replica_id}
+            self._joining = None
             self.progress = {}
             self._hw = {}
             for p in self.store.all_partitions():
@@ -132,47 +155,58 @@ class ReplicaManager:
 
     def await_hw(self, topic: str, partition: int, end: int) -> None:
         """Return once the HW of the partition is at ``end`` or beyond (every ack-set member has the
-        batch, durable by its flush policy). NotAcknowledgedError when that cannot be promised: a shrink
-        below minInSyncReplicas, a demotion, or no progress for replicaLagMaxMs plus ACK_GRACE_S."""
+        batch, durable by its flush policy) with the ack set still at least the topic's minInSyncReplicas.
+        The size is checked before the HW is trusted: a HW recomputed over a set that shrank below the
+        minimum says nothing about the other members. NotAcknowledgedError ("may or may not be stored")
+        when it cannot be promised: the set below minInSyncReplicas, a demotion, or no progress for
+        replicaLagMaxMs plus ACK_GRACE_S."""
         key = (topic, partition)
         deadline = self._clock() + self.lag_max_s + ACK_GRACE_S
+        where = f"the batch up to offset {end} of {topic}-{partition}"
         with self._cond:
             while True:
-                if not self.active:
-                    raise NotAcknowledgedError(
-                        f"not acknowledged: this member stopped being master of group {self.broker_id} while "
-                        f"waiting for its in-sync set; the batch up to offset {end} of {topic}-{partition} may or "
-                        f"may not be stored")
+                self._check_acknowledging(topic, where)
                 if self._refresh(key) >= end:
                     return
-                if len(self.ack_set) < self._min_insync(topic):
-                    raise NotAcknowledgedError(
-                        f"not acknowledged: stored on the master, but the in-sync set {sorted(self.ack_set)} fell "
-                        f"below minInSyncReplicas={self._min_insync(topic)}; it may or may not become visible")
                 left = deadline - self._clock()
                 if left <= 0:
                     raise NotAcknowledgedError(
-                        f"not acknowledged: stored on the master, not on in-sync set {sorted(self.ack_set)} within "
-                        f"{self.lag_max_s + ACK_GRACE_S:.0f}s; it may or may not become visible")
+                        f"not acknowledged: {where} is on the master, not on in-sync set {sorted(self.ack_set)} "
+                        f"within {self.lag_max_s + ACK_GRACE_S:.0f}s; it may or may not be stored")
                 self._cond.wait(min(left, 0.05))
 
-    def await_journal(self, seq: int) -> None:
-        """Return once every ack-set replica has applied journal record ``seq`` (a transaction call)."""
+    def await_journal(self, seq: int, topics=()) -> None:
+        """Return once every ack-set replica has applied journal record ``seq`` (a transaction call), the
+        ack set at least minInSyncReplicas of each of ``topics`` (the transaction's)."""
         deadline = self._clock() + self.lag_max_s + ACK_GRACE_S
+        where = f"the transaction's journal record {seq}"
         with self._cond:
             while True:
-                if not self.active:
-                    raise NotAcknowledgedError(f"not acknowledged: this member stopped being master of group "
-                                               f"{self.broker_id}; the transaction's state is unknown")
+                for topic in sorted(set(topics)) or [None]:
+                    self._check_acknowledging(topic, where)
                 behind = [r for r in self.ack_set if r != self.replica_id
                           and (r not in self.progress or self.progress[r].journal_applied < seq)]
                 if not behind:
                     return
                 left = deadline - self._clock()
                 if left <= 0:
-                    raise NotAcknowledgedError(f"not acknowledged: in-sync replicas {behind} did not take the "
-                                               f"transaction record within {self.lag_max_s + ACK_GRACE_S:.0f}s")
+                    raise NotAcknowledgedError(f"not acknowledged: in-sync replicas {behind} did not take {where} "
+                                               f"within {self.lag_max_s + ACK_GRACE_S:.0f}s; the transaction's "
+                                               f"state may or may not be stored")
                 self._cond.wait(min(left, 0.05))
+
+    def _check_acknowledging(self, topic: Optional[str], where: str) -> None:
+        """NotAcknowledgedError unless this member is master and its ack set has the topic's
+        minInSyncReplicas (holding the lock)."""
+        if not self.active:
+            raise NotAcknowledgedError(
+                f"not acknowledged: this member stopped being master of group {self.broker_id} while waiting for "
+                f"its in-sync set; {where} may or may not be stored")
+        need = self._min_insync(topic) if topic is not None else 1
+        if len(self.ack_set) < need:
+            raise NotAcknowledgedError(
+                f"not acknowledged: {where} is on the master, but group {self.broker_id}'s in-sync set "
+                f"{sorted(self.ack_set)} is below minInSyncReplicas={need}; it may or may not be stored")
 
     def _refresh(self, key) -> int:
         """Recompute one partition's HW (holding the lock); it never moves down."""
@@ -186,7 +220,7 @@ class ReplicaManager:
             if r == self.replica_id:
                 continue
             prog = self.progress.get(r)
-            if prog is None or key not in prog.durable:
+            if prog is None or key not in prog.durable or prog.uuid != self._ack_uuid(r):
                 return self._hw.get(key, 0)  # an ack-set member not heard from in this epoch holds the HW
             hw = min(hw, prog.durable[key])
         old = self._hw.get(key, 0)
@@ -197,6 +231,13 @@ class ReplicaManager:
             self._cond.notify_all()
             return hw
         return old
+
+    def _ack_uuid(self, r: int) -> Optional[str]:
+        """The uuid (data directory) ack-set member ``r`` counts with: a member that came back wiped is
+        another, and holds the HW until its old entry is shrunk out."""
+        if r in self.isr:
+            return self.isr[r]
+        return self._joining[1] if self._joining is not None and self._joining[0] == r else None
 
     @property
     def _capped(self) -> bool:
@@ -242,8 +283,6 @@ class ReplicaManager:
             if prog is None or prog.uuid != uuid:
                 self.store.begin_epoch(self.epoch, self.replica_id)  # from now on the log says who wrote what
                 prog = self.progress[req.replica_id] = ReplicaProgress(req.replica_id, uuid)
-                if self.isr.get(req.replica_id) not in (None, uuid):  # a wiped member: not the one in sync
-                    self._shrink_locked(req.replica_id, "it came back with a new uuid (its data was wiped)")
             # Kafka's lastCaughtUpTime: at the log end now, or at least where the previous reply said it was.
             now = self._clock()
             tm = self.transactions
@@ -266,7 +305,9 @@ class ReplicaManager:
             for pf, part in parts:
                 if part is not None:
                     self._refresh((pf.topic, pf.partition))
-            self._maybe_expand_locked(prog)
+            if self.isr.get(req.replica_id) not in (None, uuid) or (
+                    req.replica_id not in self.ack_set and now - prog.last_caught_up <= self.lag_max_s):
+                self._wake()  # a wiped member's old entry leaves, or a caught-up one may join: tick decides
             self._cond.notify_all()
         deadline = time.monotonic() + min(req.max_wait_ms / 1000, LONG_POLL_S)
         seen = -1
@@ -313,12 +354,12 @@ class ReplicaManager:
                 sections.append(Section(rp.DIVERGING, epoch=parted[0], offset=parted[1], **base))
                 continue
             if pf.fetch_offset < part.earliest_offset:
-                sections.append(Section(rp.RESET, offset=part.earliest_offset, **base))
+                sections.append(self._reset(part, base))
                 continue
             try:  # past the budget: an empty section (the next request asks again)
                 where = part.locate(pf.fetch_offset, max(budget, 1), end=log_end if budget > 0 else pf.fetch_offset)
             except OffsetOutOfRangeError:
-                sections.append(Section(rp.RESET, offset=part.earliest_offset, **base))
+                sections.append(self._reset(part, base))
                 continue
             budget -= where.length
             with self._cond:
@@ -327,6 +368,13 @@ class ReplicaManager:
         with self._cond:
             prog.sent_journal, prog.sent_at = journal[1], self._clock()
         return Answer(self.epoch, journal, sections, topics_changed)
+
+    @staticmethod
+    def _reset(part, base: dict) -> Section:
+        """RESET: start over at the earliest offset, with the epoch that covers it here (its marker may be
+        gone with retention), so the replica's next request names the epoch this log has there."""
+        earliest = part.earliest_offset
+        return Section(rp.RESET, offset=earliest, epoch=part.epochs.epoch_at(earliest), **base)
 
     def _journal_for(self, applied: int) -> tuple:
         tm = self.transactions
@@ -339,66 +387,98 @@ class ReplicaManager:
         return (*tm.snapshot_records(), True)
 
     # -- the in-sync set ------------------------------------------------------------------------------
-    def _maybe_expand_locked(self, prog: ReplicaProgress) -> None:
-        """KIP-497: join the ack set now (so acknowledgements wait for it), then write the expansion."""
+    def tick(self) -> None:
+        """The group thread's, every quarter second and when woken: shrink the in-sync set of replicas that
+        fell behind (or came back wiped), expand it with caught-up ones, move the HWs. Each change is
+        decided under ``_cond``, written to ZooKeeper without it, then applied under it."""
+        for _ in range(8):  # a few changes per tick at most; the next tick does the rest
+            with self._cond:
+                if not self.active:
+                    return
+                change = self._next_change_locked()
+            if change is None:
+                break
+            written = self._alter_isr(sorted(change.isr.items()))
+            with self._cond:
+                self._apply_change_locked(change, written)
+            if not written:
+                break
+        self.refresh_all()
+
+    def _next_change_locked(self) -> Optional[IsrChange]:
+        """The next in-sync change due, if any. A shrink waits for its write before the replica leaves the
+        ack set; an expansion joins the ack set now, before its write (KIP-497)."""
+        now = self._clock()
+        for r in sorted(self.isr):
+            if r == self.replica_id:
+                continue
+            prog = self.progress.get(r)
+            if prog is not None and prog.uuid != self.isr[r]:
+                why = "it came back with a new uuid (its data was wiped)"
+            else:
+                since = max(prog.last_caught_up if prog is not None else 0.0, self._activated_at)
+                if now - since <= self.lag_max_s:
+                    continue
+                why = f"not caught up for {now - since:.1f}s, over replicaLagMaxMs"
+            isr = {k: v for k, v in self.isr.items() if k != r}
+            return IsrChange(self.epoch, r, self.isr[r], isr, expand=False, why=why)
+        for prog in sorted(self.progress.values(), key=lambda p: p.replica_id):
+            if self._may_join_locked(prog):
+                self.ack_set.add(prog.replica_id)
+                self._joining = (prog.replica_id, prog.uuid)
+                return IsrChange(self.epoch, prog.replica_id, prog.uuid, {**self.isr, prog.replica_id: prog.uuid},
+                                 expand=True)
+        return None
+
+    def _may_join_locked(self, prog: ReplicaProgress) -> bool:
+        """A replica joins once caught up in this epoch, durable at every HW and up to date with the journal.
+        The first to join a master alone caps readers where they are (``cap_at_visible``) and must have
+        all of that."""
         r = prog.replica_id
-        if r in self.ack_set or self._clock() - prog.last_caught_up > self.lag_max_s:
-            return
+        if r in self.ack_set or r in self.isr or self._clock() - prog.last_caught_up > self.lag_max_s:
+            return False
         tm = self.transactions
         if tm is not None and prog.journal_applied < tm.journal_seq:
-            return
+            return False
         parts = {(p.topic, p.partition): p for p in self.store.all_partitions()}
         if any(prog.durable.get(key, -1) < self._hw.get(key, 0) for key in parts):
-            return
+            return False
         if not self._capped:  # the first replica to join: from now on readers stop at the HW
             if any(prog.durable.get(key, -1) < p.log_end_offset for key, p in parts.items()):
-                return  # not caught up with what readers may have seen
+                return False  # not caught up with what readers may have seen
             frozen = {key: p.cap_at_visible() for key, p in parts.items()}
             if any(prog.durable.get(key, -1) < hw for key, hw in frozen.items()):
                 self._uncap()
-                return
+                return False
             for key, hw in frozen.items():
                 self._hw[key] = max(self._hw.get(key, 0), hw)
-        self.ack_set.add(r)
-        isr = {**self.isr, r: prog.uuid}
-        if self._alter_isr(sorted(isr.items())):
-            self.isr = isr
-            self.isr_expands += 1
-            log.info("replica %d joined the in-sync set of epoch %d: %s", r, self.epoch, sorted(isr))
-        else:
+        return True
+
+    def _apply_change_locked(self, change: IsrChange, written: bool) -> None:
+        """The outcome of a change's ZooKeeper write. A change of an older epoch (demoted, or master again
+        since) is void: ``activate`` started from the state the election wrote."""
+        if change.epoch != self.epoch or not self.active:
+            return
+        r = change.replica_id
+        if change.expand:
+            self._joining = None
+            if written:
+                self.isr = change.isr
+                self.isr_expands += 1
+                log.info("replica %d joined the in-sync set of epoch %d: %s", r, self.epoch, sorted(self.isr))
+            else:
+                self.ack_set.discard(r)
+                if not self._capped:
+                    self._uncap()
+        elif written:
+            self.isr = change.isr
             self.ack_set.discard(r)
+            self.isr_shrinks += 1
             if not self._capped:
                 self._uncap()
-
-    def _shrink_locked(self, r: int, why: str) -> None:
-        """Write the shrink first, then let acknowledgements stop waiting for the replica."""
-        if r not in self.isr and r not in self.ack_set:
-            return
-        isr = {k: v for k, v in self.isr.items() if k != r}
-        if r in self.isr and not self._alter_isr(sorted(isr.items())):
-            return
-        self.isr = isr
-        self.ack_set.discard(r)
-        self.isr_shrinks += 1
-        if not self._capped:
-            self._uncap()
-        log.warning("replica %d left the in-sync set of epoch %d (%s): %s", r, self.epoch, why, sorted(isr))
+            log.warning("replica %d left the in-sync set of epoch %d (%s): %s", r, self.epoch, change.why,
+                        sorted(self.isr))
         self._cond.notify_all()
-
-    def tick(self) -> None:
-        """Shrink the in-sync set of replicas that fell behind; move the HWs."""
-        with self._cond:
-            if not self.active:
-                return
-            now = self._clock()
-            for r in list(self.ack_set):
-                if r == self.replica_id:
-                    continue
-                prog = self.progress.get(r)
-                since = max(prog.last_caught_up if prog is not None else 0.0, self._activated_at)
-                if now - since > self.lag_max_s:
-                    self._shrink_locked(r, f"not caught up for {now - since:.1f}s, over replicaLagMaxMs")
-        self.refresh_all()
 
     # -- seeing it ------------------------------------------------------------------------------------
     def roster(self) -> set:

@@ -3,6 +3,7 @@ gRPC status codes. Record bytes pass through untouched (producers send encoded b
 return stored batches), so the broker does no per-message work."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -14,7 +15,7 @@ from kazoo.exceptions import KazooException
 
 from metaq_broker import __version__
 from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, MetaqError,
-                                 PartitionClosedError, TransactionError)
+                                 NotAcknowledgedError, NotMasterError, PartitionClosedError, TransactionError)
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput, records
@@ -87,6 +88,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         self._addresses: dict = {}  # replicaId -> (address, data address) last seen in its member node
         self.own_addresses = ("", "")  # this broker's (address, data address), set once it listens
         self._last_nodes: tuple = ({}, set())  # DescribeGroup's last ZooKeeper read of members and starting
+        self.settle_ahead = None  # TransactionResolver.settle_ahead, once the broker has a resolver
 
     # -- helpers --------------------------------------------------------------------------------------
     def _gate(self, admit: bool = True) -> None:
@@ -130,7 +132,11 @@ class BrokerService(pb_grpc.BrokerServicer):
 
     def put(self, request, principal: str) -> pb.PutResponse:
         """What every produce path (gRPC ``Put``/``PutRaw`` and the data port's PUT) does: the request is a
-        ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them)."""
+        ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them).
+
+        Refusals before the append stored nothing (``not master:``, ``not enough in-sync replicas``: the
+        client sends again); any refusal after it is ``not acknowledged: ... may or may not be stored``,
+        never ``not master:``, since the batch is in the log and a resend would store it twice."""
         if not isinstance(request, pb.PutRequest):
             request = rawput.unpack(request)
             producer = request.producer
@@ -157,16 +163,20 @@ class BrokerService(pb_grpc.BrokerServicer):
             if producer is not None and request.xid:
                 raise records.RecordFormatError("a transaction's put carries no producer id: the transaction "
                                                 "itself is all or nothing", 0)
-            if acks_all and self.replicas is not None:
-                self.replicas.check_enough(topic)
+            if (acks_all or request.xid) and self.replicas is not None:
+                self.replicas.check_enough(topic)  # a transaction's batches need the set its prepare waits for
+            self._gate(admit=False)  # the lease, just before the append: a master frozen since the gate stops here
             if request.xid:  # in the log, flagged with its transaction: invisible until the commit marker
                 result = self._transactions().put(request.xid, topic, partition, body)
             else:  # an idempotent producer's batch stored before is answered with its offsets (duplicate)
                 result = log_.append_body(body, producer)
             if self.replicas is not None and not request.xid:
-                if acks_all:
-                    self.replicas.await_hw(topic, partition, result.base_offset + result.count)
-                self._gate(admit=False)  # a master that lost its lease meanwhile must not acknowledge
+                where = f"the batch at offsets {result.base_offset}-{result.base_offset + result.count - 1} of " \
+                        f"{topic}-{partition}"
+                with self._after_append(where):
+                    if acks_all:
+                        self.replicas.await_hw(topic, partition, result.base_offset + result.count)
+                    self._gate(admit=False)  # a master that lost its lease meanwhile must not acknowledge
         except BaseException as e:
             counters.record_failure("put")
             if is_disk_full(e):  # here, not in ``rpc``: the data port's PUT comes this way too
@@ -177,6 +187,18 @@ class BrokerService(pb_grpc.BrokerServicer):
         return pb.PutResponse(topic=topic, partition=partition, base_offset=result.base_offset, count=result.count,
                               base_msg_id=result.base_msg_id, timestamp_ms=result.timestamp,
                               fsynced=result.fsynced, duplicate=result.duplicate)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _after_append(where: str):
+        """A refusal of something already written (``not master:`` from a lease that ran out) becomes
+        ``not acknowledged``: the client must not take it for "stored nothing" and send it again."""
+        try:
+            yield
+        except NotMasterError as e:
+            reason = str(e)[len(NotMasterError.PREFIX):].strip()
+            raise NotAcknowledgedError(f"not acknowledged: {where} was written, then {reason}; it may or may not "
+                                       f"be stored") from None
 
     def read(self, topic: str, partition: int, offset: int, max_bytes: int, max_messages: int, max_wait_ms: int,
              is_active, locate: bool = False, *, principal: str):
@@ -352,7 +374,12 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def PrepareTransaction(self, request, context, principal):
         self._allow_sink(principal, request.xid)
-        t = self._transactions().prepare(request.xid)
+        manager = self._transactions()
+        t = manager.get(request.xid)
+        if t is not None and t.state == "open" and self.replicas is not None:
+            for topic in sorted({topic for topic, _ in t.partitions}):
+                self.replicas.check_enough(topic)  # refused before the PREPARE record: nothing written
+        t = manager.prepare(request.xid)
         self._await_replicated(t.partitions)
         self.disk.ok()
         return self._reply(t.xid, t.state, t.messages)
@@ -368,14 +395,18 @@ class BrokerService(pb_grpc.BrokerServicer):
         return self._reply(request.xid, self._settle(self._transactions().rollback, request.xid))
 
     def _await_replicated(self, partitions) -> None:
-        """A transaction call is answered once the in-sync set has its batches or markers and its journal
-        records, whatever the producer's acks: an XA participant must not lose a prepare in a failover."""
+        """A transaction call is answered once the in-sync set, at least minInSyncReplicas of each of its
+        topics, has its batches or markers and its journal records, whatever the producer's acks: an XA
+        participant must not lose a prepare in a failover. Its record is written by then: any refusal
+        here is ``not acknowledged`` (sending the call again is safe: prepare, commit and rollback are
+        idempotent)."""
         if self.replicas is None:
             return
-        for topic, partition in sorted(partitions):
-            self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).written_end)
-        self.replicas.await_journal(self.transactions.journal_seq)
-        self._gate(admit=False)
+        with self._after_append("the transaction's record"):
+            for topic, partition in sorted(partitions):
+                self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).written_end)
+            self.replicas.await_journal(self.transactions.journal_seq, [t for t, _ in partitions])
+            self._gate(admit=False)
 
     def _settle(self, settle, xid: str) -> str:
         """``settle(xid)`` (commit or rollback). A full disk after the decision was journalled is still a
@@ -389,6 +420,8 @@ class BrokerService(pb_grpc.BrokerServicer):
                 raise self.disk.error(e, note="the outcome is recorded: the broker finishes it by itself once space "
                                               "is freed (sending it again is safe too)") from None
             raise
+        if self.settle_ahead is not None:  # older in-doubt ones of these partitions with a recorded decision
+            self.settle_ahead(partitions)
         self._await_replicated(partitions)
         self.disk.ok()
         return state

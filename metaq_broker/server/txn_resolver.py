@@ -11,7 +11,12 @@ commit: it is rolled back at once rather than at its timeout, since its first ba
 of its partitions. Rarely, it also tells the manager which decision records are gone, so that it forgets
 the outcomes it kept for them (a replay of an existing record may still ask). In a replicated group only the
 master does any of this: a replica's manager is a follower, and the member promoted next settles from the
-same records (its journal holds the prepared transactions and their coordinators)."""
+same records (its journal holds the prepared transactions and their coordinators).
+
+Settled promptly (issue 24, defect 9): a round runs as soon as this member becomes master (``wake``), not a
+round later, and a client's commit or rollback first settles the in-doubt transactions of the same
+partitions whose decision is recorded (``settle_ahead``), so a read planned after that commit was answered
+is not held back by an older transaction that was only waiting for this resolver's next round."""
 from __future__ import annotations
 
 import logging
@@ -31,23 +36,53 @@ class TransactionResolver:
         self.interval_s, self.forget_interval_s = interval_s, forget_interval_s
         self._next_forget = time.monotonic() + forget_interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metaq-txn-resolver", daemon=True)
 
     def start(self) -> "TransactionResolver":
+        self._wake.set()  # the first round at once: a restarted broker settles what is decided without delay
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """Run a round now (this member just became master: what it holds in doubt may be decided)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.run_once()
             except Exception as e:  # noqa: BLE001 - retried next round; ZooKeeper may be away
                 log.warning("transaction housekeeping failed (will retry): %s", e)
+
+    def settle_ahead(self, partitions) -> None:
+        """Settle the prepared transactions with batches in ``partitions`` whose decision record is there
+        to read (one read per record): a commit answered after this is not hidden behind them. Those
+        without a decision yet stay (their writer may still commit), as the last stable offset says."""
+        zk = self.zk()
+        wanted = set(partitions)
+        if zk is None or not wanted or getattr(self.manager, "follower", False):
+            return
+        decisions: dict = {}
+        for t in self.manager.prepared():
+            coordinator = txn_decisions.parse_coordinator(t.coordinator)
+            if coordinator is None or not wanted & set(t.partitions):
+                continue
+            path = coordinator["path"]
+            if path not in decisions:
+                decisions[path] = txn_decisions.read(zk, path)[0]
+            if decisions[path] is not None:
+                self.resolve(zk, t, coordinator, decisions[path], logging.DEBUG)
 
     def run_once(self) -> None:
         if getattr(self.manager, "follower", False):
@@ -92,16 +127,18 @@ class TransactionResolver:
         gone = {path for path, result in checks if result.get(timeout=30) is None}
         return self.manager.forget_decided(gone) if gone else 0
 
-    def resolve(self, zk, t, coordinator: dict) -> None:
+    def resolve(self, zk, t, coordinator: dict, decision=None, level: int = logging.INFO) -> None:
+        """Settle prepared ``t`` as its decision record says (``decision``: read already)."""
         path, run = coordinator["path"], coordinator["run"]
-        decision, _ = txn_decisions.read(zk, path)
+        if decision is None:
+            decision, _ = txn_decisions.read(zk, path)
         if decision is None or (decision.outcome == "abort" and run not in decision.aborted):
             if time.time() - t.prepared_at < t.timeout_s:
                 return  # the writer may still decide to commit
             decision = txn_decisions.decide_abort(zk, path, run)
         if decision.commits(self.broker_id, t.xid):
-            log.info("committing in-doubt transaction %s (decision %s)", t.xid, path)
+            log.log(level, "committing in-doubt transaction %s (decision %s)", t.xid, path)
             self.manager.commit(t.xid)
         else:
-            log.info("rolling back in-doubt transaction %s (decision %s: %s)", t.xid, path, decision.outcome)
+            log.log(level, "rolling back in-doubt transaction %s (decision %s: %s)", t.xid, path, decision.outcome)
             self.manager.rollback(t.xid)

@@ -131,11 +131,6 @@ class EpochFile:
         self.entries.extend(new)
         return bool(new)
 
-    def clear(self) -> None:
-        """No epochs: the log was emptied (``PartitionLog.reset_to``). Saved."""
-        self.entries = []
-        self.save()
-
     def truncate(self, log_end: int) -> None:
         """Forget epochs that begin at or after ``log_end`` (the log was cut there, or recovery found it
         ends there); saved when anything changed."""
@@ -145,12 +140,25 @@ class EpochFile:
             self.save()
 
     def trim(self, earliest: int) -> None:
-        """Forget epochs wholly below ``earliest`` (retention removed their offsets), keeping the one that
-        covers ``earliest``; saved when anything changed."""
+        """Retention removed the offsets below ``earliest``: forget the epochs wholly below it and move the
+        start of the one that covers it up to ``earliest`` (Kafka's truncateFromStart); saved when anything
+        changed. Without the move, a replica that must start over at ``earliest`` would be told its log
+        parts from this one below ``earliest`` (``end_offset_for`` answers that first start) after every
+        reset, and never catch up."""
         first = sum(1 for e in self.entries[1:] if e.start <= earliest)
-        if first:
-            self.entries = self.entries[first:]
+        kept = self.entries[first:]
+        if kept and kept[0].start < earliest:
+            kept[0] = Epoch(kept[0].epoch, kept[0].replica_id, earliest)
+        if kept != self.entries:
+            self.entries = kept
             self.save()
+
+    def reset(self, epoch: int, start: int) -> None:
+        """The log was emptied and goes on at ``start`` with a batch of ``epoch`` (a replica starting over
+        at its master's earliest offset: the epoch that covers it there, whose marker retention removed).
+        Epoch 0 leaves no entry. Saved."""
+        self.entries = [Epoch(epoch, 0, start)] if epoch > 0 else []
+        self.save()
 
     def epoch_at(self, offset: int) -> int:
         """The epoch that wrote ``offset`` (0 before the first entry)."""

@@ -191,6 +191,7 @@ class PartitionLog:
         self.producers = ProducerStates(self.name, config.producer_id_expiration_ms)
         producers_from = self.producers.load(self.directory)
         self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
+        self._epochs.trim(self.earliest_offset)  # retention's cut may have come before its trim was saved
         # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
         # snapshot could not be written yet (a roll always writes one first): transactional batches can
         # then only be in the active segment, which recovery has just read. Every epoch marker below the
@@ -746,12 +747,13 @@ class PartitionLog:
             log.warning("%s: truncated to offset %d (replication)", self.name, cut)
         return cut
 
-    def reset_to(self, offset: int, identity: Optional[str] = None) -> None:
+    def reset_to(self, offset: int, identity: Optional[str] = None, epoch: int = 0) -> None:
         """Drop every segment: the partition becomes empty, its next offset ``offset`` (a replica below the
-        master's earliest offset, or a wiped one). Epochs, transaction and producer state are cleared, a HW
-        cap set moves to ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with
-        a snapshot that rescans it all. ``identity``: the master's log's, taken as this one's once the old
-        log is gone (a crash before keeps the old identity, so the replica starts over again)."""
+        master's earliest offset, or a wiped one). Transaction and producer state are cleared and the epochs
+        say the log goes on at ``offset`` with ``epoch`` (the master's epoch there), a HW cap set moves to
+        ``offset``; a reopen keeps it. A crash half way leaves a prefix of the old log with a snapshot that
+        rescans it all. ``identity``: the master's log's, taken as this one's once the old log is gone (a
+        crash before keeps the old identity, so the replica starts over again)."""
         self._check_offset(offset)
         if identity is not None:
             identity_file.check_id(identity)
@@ -763,7 +765,7 @@ class PartitionLog:
             self.txns.save(self.directory, 0, 0)  # valid for any prefix of the old log: it is scanned whole
             self.producers = ProducerStates(self.name, self.config.producer_id_expiration_ms)
             self.producers.save(self.directory, 0, 0)
-            self._epochs.clear()
+            self._epochs.reset(epoch, offset)
             self._epochs_dirty = False
             for dropped in reversed(segs):
                 dropped.path.unlink()

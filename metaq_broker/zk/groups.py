@@ -74,6 +74,27 @@ class GroupState:
             raise ValueError(f"a broker group's epoch is never negative: {state.epoch}")
         return state
 
+    def to_copy(self) -> dict:
+        """What a member keeps of the last state it saw (its data directory, its member node): the state
+        and the ZooKeeper version it was read or written at. Copies order by ``newer``."""
+        return {**json.loads(self.to_json()), "version": self.version}
+
+    @classmethod
+    def from_copy(cls, d) -> "GroupState":
+        """A ``to_copy`` dict back; ValueError naming the problem."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a broker group's state: {d!r:.200}")
+        version = d.get("version", -1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"not a broker group's state: version {version!r}")
+        return cls.from_json(json.dumps(d), version)
+
+    def newer(self, other: Optional["GroupState"]) -> bool:
+        """Later than ``other`` in the state's history: a higher epoch, or the same epoch at a higher
+        version (in-sync changes within an epoch). Epochs only grow, also across a ZooKeeper that lost its
+        data (the recreated node starts at version 0 with a higher epoch)."""
+        return other is None or (self.epoch, self.version) > (other.epoch, other.version)
+
     def in_isr(self, replica_id: int, uuid: str) -> bool:
         """True when this replica, with this data directory (uuid), is in the in-sync set."""
         return (replica_id, uuid) in self.isr
@@ -100,15 +121,18 @@ def _failure(results) -> Optional[Exception]:
 
 
 def elect(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, broker_node_data: bytes,
-          prior: Optional[GroupState], acl=None, unclean: bool = False, min_epoch: int = 1) -> GroupState:
+          prior: Optional[GroupState], acl=None, unclean: bool = False, min_epoch: int = 1,
+          recovered: Optional[GroupState] = None) -> GroupState:
     """Become master of the group in one multi-op: the state written at ``prior``'s version (created when
-    ``prior`` is None: the first election ever) and ``/brokers/ids/<b>`` created ephemeral with
-    ``broker_node_data``. The new in-sync set is ``prior``'s less its master (not known to be caught up)
-    and with this member; with ``unclean`` only this member. ElectionLostError when someone else changed
-    the state or holds the master node; the state written (with its new version) otherwise. ``acl`` is
-    for every node created, parents included (a broker passes ``session.public_acl``: clients read them).
-    ``min_epoch``: above every epoch in the member's own log (a state lost with its ZooKeeper data must not
-    bring an epoch back that the log already has)."""
+    ``prior`` is None: the first election ever, or after ZooKeeper lost the group's state) and
+    ``/brokers/ids/<b>`` created ephemeral with ``broker_node_data``. The new in-sync set is ``prior``'s
+    less its master (not known to be caught up) and with this member; with ``unclean`` only this member.
+    ``recovered`` (with ``prior`` None): the last state the members kept of a group whose ZooKeeper state
+    is lost; its in-sync set (the caller checked every member of it is alive with the same data) and
+    roster carry over. ElectionLostError when someone else changed the state or holds the master node;
+    the state written (with its new version) otherwise. ``acl`` is for every node created, parents
+    included (a broker passes ``session.public_acl``: clients read them). ``min_epoch``: above every epoch
+    any live member has seen (its log, its copy of the state): an epoch number is never used twice."""
     if prior is not None and not unclean and not prior.in_isr(replica_id, uuid):
         raise ValueError(f"replica {replica_id} ({uuid}) is not in group {broker_id}'s in-sync set "
                          f"{list(prior.isr)}: only an unclean election may make it master")
@@ -118,7 +142,11 @@ def elect(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, broker
     now = time.time()
     t = zk.transaction()
     if prior is None:
-        state = GroupState(max(1, min_epoch), replica_id, (me,), (replica_id,), unclean, now)
+        base = recovered if recovered is not None and not unclean else None
+        isr = _isr(tuple(e for e in base.isr if e[0] != replica_id) + (me,)) if base is not None else (me,)
+        roster = set(recovered.replicas) | {r for r, _ in recovered.isr} if recovered is not None else set()
+        epoch = max(1, min_epoch, recovered.epoch + 1 if recovered is not None else 1)
+        state = GroupState(epoch, replica_id, isr, tuple(sorted(roster | {replica_id})), unclean, now)
         t.create(paths.group_state(broker_id), state.to_json(), acl)
     else:
         kept = () if unclean else tuple(e for e in prior.isr if e[0] not in (prior.master, replica_id))

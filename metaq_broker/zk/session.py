@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 from kazoo.security import READ_ACL_UNSAFE, make_digest_acl
@@ -161,10 +161,57 @@ def new_client(zk_connect: str, session_timeout: float = 10.0, security: Optiona
     if security is not None and security.uses_tls:
         kw.update(use_ssl=True, ca=security.ca_location, certfile=security.certificate_location,
                   keyfile=security.key_location, verify_certs=True, check_hostname=True)
-    return MetaqZooKeeper(hosts=zk_connect, timeout=session_timeout,
+    client = MetaqZooKeeper(hosts=zk_connect, timeout=session_timeout,
                           connection_retry=KazooRetry(max_tries=reconnect_tries, max_delay=2.0),
                           command_retry=KazooRetry(max_tries=5 if reconnect_tries < 0 else reconnect_tries,
                                                    max_delay=2.0), **kw)
+    _watch_connects(client)
+    return client
+
+
+def negotiated_timeout(client: KazooClient) -> Optional[float]:
+    """The session timeout (seconds) ZooKeeper granted the client's current session, None before the first
+    connection. ZooKeeper may grant another than asked (its minSessionTimeout and maxSessionTimeout), and
+    a group master's lease must follow the granted one. kazoo computes it at each connection but keeps it
+    to itself: ``new_client`` records it from the connect timeout kazoo derives from it (the negotiated
+    timeout divided by the number of hosts)."""
+    return getattr(client, "metaq_negotiated_timeout", None)
+
+
+def _watch_connects(client: KazooClient) -> None:
+    """Wrap kazoo's connection handshake: record the negotiated session timeout, and give up a session
+    that reachable servers have refused for a whole session timeout. A ZooKeeper that lost its data (or
+    was restored from an older snapshot) refuses every client that has seen a later transaction than it
+    has, forever: kazoo would retry the handshake without end. Such a session is as good as expired, so
+    it is treated as expired: a new session starts from zxid 0, and listeners see LOST as for a real
+    expiry (a broker registers again)."""
+    connection = client._connection
+    connect = connection._connect
+    refused_since = [None]
+
+    def connect_and_record(*args, **kwargs):
+        try:
+            read_timeout, connect_timeout = connect(*args, **kwargs)
+        except SessionExpiredError:
+            refused_since[0] = None
+            raise
+        except Exception:
+            if connection._socket is None or client._session_id is None:
+                raise  # not reached (a server down), or no session to give up
+            now = time.monotonic()
+            refused_since[0] = refused_since[0] or now
+            if now - refused_since[0] < client._session_timeout / 1000.0:
+                raise
+            refused_since[0] = None
+            log.warning("ZooKeeper at %s has refused this client's session 0x%x for more than its session timeout "
+                        "(it lost its data, or went back to an older snapshot?): starting a new session",
+                        client.hosts, client._session_id)
+            raise SessionExpiredError("refused by every reachable server for a whole session timeout") from None
+        refused_since[0] = None
+        client.metaq_negotiated_timeout = connect_timeout * len(client.hosts) / 1000.0
+        return read_timeout, connect_timeout
+
+    connection._connect = connect_and_record
 
 
 def ensure_public_path(client: KazooClient, path: str, security: Optional[ZkSecurity]) -> None:
