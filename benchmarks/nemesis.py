@@ -59,8 +59,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.nemesis_check import Checker, compare_member_logs  # noqa: E402
 from benchmarks.nemesis_load import (ACKS_ALL, ACKS_ONE, IDEMPOTENT, PAD, History, Observer, Reader,  # noqa: E402
@@ -70,8 +68,6 @@ from metaq_broker.client.consumer import Consumer  # noqa: E402
 from metaq_broker.devtools import netns  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
-from metaq_broker.proto import metaq_pb2 as pb  # noqa: E402
-from metaq_broker.proto import metaq_pb2_grpc as pb_grpc  # noqa: E402
 
 TOPIC, RET_TOPIC = "nem", "nem-ret"
 TOPICS = {TOPIC: {"numPartitions": 2},
@@ -124,7 +120,7 @@ class FaultEvent:
     ended: float = 0.0
     started_wall: float = 0.0
     recovered: Optional[float] = None
-    resumed: Optional[float] = None  # seconds from the reference point to the first acks=all acknowledgement
+    resumed: Optional[float] = None  # the longest stretch without an acks=all acknowledgement (Harness.resumed)
     master_before: Optional[int] = None
     master_after: Optional[int] = None
     epochs: tuple = ()
@@ -145,33 +141,24 @@ def schedule(seed: int, kinds: list, session_s: float, count: int = 1000) -> lis
     return out[:count]
 
 
-def member_log_end(member, topic: str) -> int:
-    """A member's log end of ``topic``, summed over its partitions, asked of the member itself
-    (``DescribeTopic``'s latest: a replica's log end; a master caps it at the high watermark)."""
-    with grpc.insecure_channel(member.address) as channel:
-        d = pb_grpc.BrokerStub(channel).DescribeTopic(pb.TopicRequest(topic=topic), timeout=5)
-    return sum(p.latest for p in d.partitions)
-
-
 def settled(group: BrokerGroup, consumer: Consumer, admin: Admin, topics: list) -> tuple:
-    """(high watermarks {(topic, n): offset}, "") once no transaction is prepared or open and every
-    member's log ends where the master's does; else (None, what is missing)."""
+    """(high watermarks {(topic, n): offset}, "") once no transaction is prepared or open and the master
+    says every member is in sync with nothing to copy (``DescribeGroup``: lag 0, from where each
+    replica's last fetch said its log ends); else (None, what is missing)."""
     try:
-        master = group.master_id()
-        if master is None:
-            return None, "no master"
         prepared = admin.prepared_transactions(group.broker_id)
-        hw, behind = {}, []
+        rows = [r for r in admin.brokers() if r["brokerId"] == group.broker_id]
+        behind = [f"member {r['replicaId']} is {r['role']}, in sync {r['inSync']}, {r['lagMessages']} behind"
+                  + (f" ({r['error']})" if r["error"] else "") for r in rows
+                  if r["role"] not in ("master", "replica") or not r["inSync"] or r["lagMessages"] != 0]
+        if len(rows) != len(group.members):
+            behind.append(f"the master describes {len(rows)} members")
+        hw = {}
         for topic in topics:
-            bounds = consumer.offset_bounds(topic)
-            for p, (_, lso, leo) in bounds.items():
+            for p, (_, lso, leo) in consumer.offset_bounds(topic).items():
                 hw[(topic, int(p.split("-")[1]))] = lso
                 if lso != leo:
                     behind.append(f"{topic} {p}: last stable offset {lso}, log end {leo}")
-            total = sum(b[2] for b in bounds.values())
-            for r, m in enumerate(group.members):
-                if r != master and member_log_end(m, topic) != total:
-                    behind.append(f"member {r} ends at {member_log_end(m, topic)} of {topic}, the master at {total}")
         if prepared or behind:
             return None, f"{len(prepared)} prepared transactions; " + "; ".join(behind)
         return hw, ""
@@ -259,9 +246,6 @@ class Harness:
     def host(self, r: int) -> str:
         return self.group.members[r].host.name
 
-    def member_log_end(self, r: int, topic: str) -> int:
-        return member_log_end(self.group.members[r], topic)
-
     def signal(self, r: int, sig) -> None:
         os.kill(self.group.members[r].proc.pid, sig)
 
@@ -321,7 +305,7 @@ class Harness:
             self.restart(r)
         elif kind == "retention":
             r = self.replica(s.target)
-            end = self.member_log_end(r, RET_TOPIC)
+            end = self.reader_consumer.offset_bounds(RET_TOPIC)["1-0"][2]  # the master's log end: the replica's is below
             g.members[r].kill()
             self.down.add(r)
             ev.started = ev.ended = time.monotonic()
@@ -338,7 +322,7 @@ class Harness:
                     break
                 time.sleep(0.2)
             writer.pace, writer.batch_max, writer.pad = 0.5, 5, PAD
-            ev.detail = f"member {r} down at log end {end}; master's earliest offset {earliest} when restarted"
+            ev.detail = f"member {r} down when the master's log ended at {end}; its earliest offset {earliest} when restarted"
             self.restart(r)
         elif kind.startswith("cut-"):
             master = ev.master_before
@@ -438,11 +422,18 @@ class Harness:
         return self.recover(None, where + " (after repair)")
 
     def resumed(self, ev: FaultEvent) -> Optional[float]:
-        """Seconds from the fault's reference point (its start or end) to the first acks=all
-        acknowledgement of a put sent since it began; None if there is none yet."""
+        """The longest stretch without an acks=all acknowledgement from the fault's reference point (its
+        start or its end) to the first acknowledgement, after it, of a put sent since the fault began; None
+        until there is one. A master that serves on for a while (its lease) and then stops is measured
+        from its last acknowledgement to the next."""
         ref = ev.started if FAULTS[ev.spec.kind][0] == "start" else ev.ended
-        acks = [done for sent, done in self.history.acks_all_times() if sent >= ev.started and done >= ref]
-        return None if not acks else max(0.0, min(acks) - ref)
+        acks = self.history.acks_all_times(since=ref)
+        fresh = [done for sent, done in acks if sent >= ev.started and done >= ref]
+        if not fresh:
+            return None
+        until = min(fresh)
+        points = [ref] + sorted(done for _, done in acks if ref <= done <= until)
+        return max(b - a for a, b in zip(points, points[1:]))
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self, budget_s: float, kinds: list) -> None:
@@ -487,11 +478,15 @@ class Harness:
         return [(v.where, v.kind, v.detail) for v in found]
 
     def report_event(self, ev: FaultEvent) -> None:
-        resumed = "never" if ev.resumed is None else f"{ev.resumed:.1f} s after its {FAULTS[ev.spec.kind][0]}"
+        resumed = ("never" if ev.resumed is None else
+                   f"after a pause of {ev.resumed:.1f} s (counted from its {FAULTS[ev.spec.kind][0]})")
         over = "" if ev.resumed is None or ev.resumed <= self.bound_s else f" OVER the {self.bound_s:.1f} s bound"
         recovered = "no" if ev.recovered is None else f"{ev.recovered - ev.started:.1f} s"
+        before = ev.epochs[0] if ev.epochs else None
+        sample = None if before is None else self.observer.first_after(ev.started, lambda s: s[1] > before)
+        elected = "" if sample is None else f" (elected {sample[0] - ev.started:.1f} s after the fault began)"
         log(f"fault {ev.index} {ev.spec.describe()} {ev.detail}: master {ev.master_before} -> {ev.master_after}, "
-            f"epoch {ev.epochs[0] if ev.epochs else '?'} -> {ev.epochs[1] if ev.epochs else '?'}; acks=all "
+            f"epoch {ev.epochs[0] if ev.epochs else '?'} -> {ev.epochs[1] if ev.epochs else '?'}{elected}; acks=all "
             f"resumed {resumed}{over}; recovered in {recovered}; violations {len(ev.violations)}")
 
     def finish(self) -> dict:
@@ -599,7 +594,7 @@ def summarize(h: Harness, final: dict, elapsed: float) -> tuple:
     """The table per fault kind, the totals and the verdict line; returns (text, violations)."""
     lines = []
     kinds = sorted({ev.spec.kind for ev in h.events})
-    lines.append(f"{'fault':22} {'runs':>4} {'resume max s':>12} {'over bound':>10} {'unrecovered':>11} "
+    lines.append(f"{'fault':22} {'runs':>4} {'max pause s':>12} {'over bound':>10} {'unrecovered':>11} "
                  f"{'violations':>10}")
     for k in kinds:
         evs = [ev for ev in h.events if ev.spec.kind == k]
@@ -614,8 +609,8 @@ def summarize(h: Harness, final: dict, elapsed: float) -> tuple:
     slow = [ev for ev in h.events if ev.resumed is not None and ev.resumed > h.bound_s]
     for ev in slow:
         h.violations.append((f"fault {ev.index} {ev.spec.kind}", "slow",
-                             f"acks=all writes resumed {ev.resumed:.1f} s after the fault's {FAULTS[ev.spec.kind][0]}, "
-                             f"over zk.sessionTimeout + 2 s = {h.bound_s:.1f} s"))
+                             f"no acks=all put was acknowledged for {ev.resumed:.1f} s (counted from the fault's "
+                             f"{FAULTS[ev.spec.kind][0]}), over zk.sessionTimeout + 2 s = {h.bound_s:.1f} s"))
     violations = list(h.violations) + [(v.where, v.kind, v.detail) for v in (h.checker.violations if h.checker else [])]
     by_kind: dict = {}
     for _, kind, _ in violations:

@@ -21,6 +21,7 @@ attempt were stored twice by one put (the client's own resend, or the broker).
 """
 from __future__ import annotations
 
+import bisect
 import inspect
 import random
 import threading
@@ -94,16 +95,20 @@ class History:
         self.txns: list = []
         self.seen: list = []  # (topic, partition, offset, value, reader) shown to a reader
         self.reader_errors: list = []  # (time, reader, error) other than a failover's
+        self._acks_all: list = []  # (acknowledged, sent) of acks=all puts, in the order they were recorded
 
     def add_attempt(self, a: Attempt) -> None:
         with self.lock:
             self.attempts.append(a)
+            if a.outcome == "acked" and self.kinds.get(a.writer) in (ACKS_ALL, IDEMPOTENT):
+                self._acks_all.append((a.done, a.sent))
 
-    def acks_all_times(self) -> list:
-        """[(sent, acknowledged)] of every acknowledged acks=all put (plain and idempotent)."""
+    def acks_all_times(self, since: float = 0.0) -> list:
+        """[(sent, acknowledged)] of the acknowledged acks=all puts (plain and idempotent) acknowledged at
+        or after ``since`` (recorded in about that order: a margin covers threads that raced)."""
         with self.lock:
-            return [(a.sent, a.done) for a in self.attempts
-                    if a.outcome == "acked" and self.kinds.get(a.writer) in (ACKS_ALL, IDEMPOTENT)]
+            start = max(0, bisect.bisect_left(self._acks_all, (since,)) - 64)
+            return [(sent, done) for done, sent in self._acks_all[start:] if done >= since]
 
 
 class _Client(threading.Thread):

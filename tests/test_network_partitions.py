@@ -14,19 +14,23 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.nemesis import member_log_end, settled  # noqa: E402
+from benchmarks.nemesis import settled  # noqa: E402
 from benchmarks.nemesis_check import Checker, compare_member_logs  # noqa: E402
-from benchmarks.nemesis_load import ACKS_ALL, ACKS_ONE, Attempt, History, Reader, Writer  # noqa: E402
+from benchmarks.nemesis_load import (ACKS_ALL, ACKS_ONE, Attempt, History, Reader, Writer,  # noqa: E402
+                                     value_of)
 from conftest import wait_until  # noqa: E402
 from metaq_broker.client.admin import Admin  # noqa: E402
 from metaq_broker.client.consumer import Consumer  # noqa: E402
+from metaq_broker.client.producer import Producer  # noqa: E402
 from metaq_broker.devtools import netns  # noqa: E402
+from metaq_broker.protocol.status import STORED_NOTHING  # noqa: E402
 
 TOPIC = "orders"
 TOPICS = {TOPIC: {"numPartitions": 2}}
@@ -65,6 +69,18 @@ def group(tmp_path, zookeeper, zk_root, network):
         g.stop()
 
 
+_loads: list = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_loads():
+    """A test that failed half-way leaves its clients running: stop them."""
+    yield
+    while _loads:
+        for c in _loads.pop().clients:
+            c.stop()
+
+
 class Load:
     """Writers (acks=all, acks=1, and ``extra(history)``) and a reader on TOPIC, recording into one History."""
 
@@ -77,7 +93,9 @@ class Load:
                         Writer("all-1", ACKS_ALL, h, TOPIC, self.client, 1, timeout=5.0),
                         Writer("one-0", ACKS_ONE, h, TOPIC, self.client, 1, timeout=5.0), *extra(h)]
         self.reader = Reader("reader", h, TOPIC, self.client, timeout=10.0)
-        for c in [*self.writers, self.reader]:
+        self.clients = [*self.writers, self.reader]
+        _loads.append(self)
+        for c in self.clients:
             c.start()
         self.wait_acked(20)
 
@@ -102,8 +120,15 @@ class Load:
             assert w.crash is None, w.crash
         self.group.wait_in_sync(range(3), timeout=30)
         with Consumer(**self.client, timeout=10.0) as consumer, Admin(**self.client, timeout=10.0) as admin:
-            hw = wait_until(lambda: settled(self.group, consumer, admin, [TOPIC])[0], timeout=30,
-                            what="the group settled (members' logs end where the master's does)")
+            last = [None, ""]
+
+            def settle():
+                last[:] = settled(self.group, consumer, admin, [TOPIC])
+                return last[0]
+            try:
+                hw = wait_until(settle, timeout=30, what="the group settled")
+            except AssertionError:
+                raise AssertionError(f"the group did not settle within 30 s: {last[1]}") from None
             self.reader.stop()
             self.reader.join(timeout=30)
             assert self.reader.crash is None, self.reader.crash
@@ -136,7 +161,11 @@ def test_master_cut_from_its_replicas_with_zookeeper_reachable(group, network):
     cut = time.monotonic()
     for r in replicas:
         network.cut(f"m{master}", f"m{r}")
+    time.sleep(1.0)  # fetches the replicas had sent before the cut are answered by now (a long poll ends in 0.5 s)
+    late = threading.Thread(target=put_once, args=(load, "late-0"))  # appended on the master alone
+    late.start()
     wait_until(lambda: isr(group) == [master], timeout=30, what="the in-sync set shrunk to the master")
+    late.join(timeout=30)
     shrunk = time.monotonic()
     acks_one = len([a for a in load.history.attempts if a.writer == "one-0" and a.outcome == "acked"])
     wait_until(lambda: len([a for a in load.history.attempts if a.writer == "one-0" and a.outcome == "acked"])
@@ -145,10 +174,12 @@ def test_master_cut_from_its_replicas_with_zookeeper_reachable(group, network):
     # Everything acknowledged under acks=all by now must be on a replica as well as on the master.
     ends = {r: {p: e for p, e in replica_ends(group.members[r]).items()} for r in replicas}
     with load.history.lock:
-        acked = [a for a in load.history.attempts if a.outcome == "acked" and a.writer.startswith("all-")]
+        acked = [a for a in load.history.attempts if a.outcome == "acked" and load.history.kinds[a.writer] == ACKS_ALL]
+        late = [a for a in load.history.attempts if a.writer == "late-0"]
     alone = [a for a in acked if not any(a.base_offset + a.count <= ends[r][a.partition] for r in replicas)]
     assert not alone, (f"{len(alone)} acks=all puts were acknowledged while only the master had them (cut at "
                        f"{cut:.1f}, in-sync set shrunk at {shrunk:.1f}), e.g. {alone[:3]}; replicas end at {ends}")
+    assert late and late[0].outcome != "refused", late  # admitted (in-sync set still whole), then not acknowledged
     last = max(a.done for a in acked)
     network.heal_all()
     healed = time.monotonic()
@@ -160,8 +191,23 @@ def test_master_cut_from_its_replicas_with_zookeeper_reachable(group, network):
     load.finish()
 
 
+def put_once(load, writer: str) -> None:
+    """One acks=all put of five messages, recorded as ``writer``'s only attempt, whatever its outcome."""
+    load.history.kinds[writer] = ACKS_ALL
+    with Producer(**load.client, timeout=20.0) as producer:
+        a = Attempt(writer, TOPIC, 0, 5, 0, time.monotonic())
+        try:
+            r = producer.send_batch(TOPIC, [value_of(writer, i, 0) for i in range(5)])[0]
+            a.outcome, a.partition, a.base_offset = "acked", r.partition, r.base_offset
+        except Exception as e:  # noqa: BLE001 - recorded: the test says what it may be
+            a.outcome, a.error = ("refused" if isinstance(e, STORED_NOTHING) else "uncertain"), repr(e)
+        a.done = time.monotonic()
+        load.history.add_attempt(a)
+
+
 def replica_ends(member) -> dict:
-    """{partition name: log end} asked of the member itself (a replica does not cap it)."""
+    """{partition name: log end} asked of the member itself (``DescribeTopic``'s latest: uncapped on a
+    member that has never been master, as the replicas of a fresh group)."""
     import grpc
     from metaq_broker.proto import metaq_pb2 as pb, metaq_pb2_grpc as pb_grpc
     with grpc.insecure_channel(member.address) as channel:
