@@ -53,14 +53,18 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.nemesis_check import Checker, compare_member_logs  # noqa: E402
+from benchmarks.nemesis_check import Checker, Violation, compare_member_logs, summarize  # noqa: E402
 from benchmarks.nemesis_load import (ACKS_ALL, ACKS_ONE, IDEMPOTENT, PAD, History, Observer, Reader,  # noqa: E402
                                      TxnWriter, Writer, idempotence_available)
 from metaq_broker.client.admin import Admin  # noqa: E402
@@ -68,6 +72,7 @@ from metaq_broker.client.consumer import Consumer  # noqa: E402
 from metaq_broker.devtools import netns  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
+from metaq_broker.server.group import BOOTSTRAP_GRACE_S  # noqa: E402
 
 TOPIC, RET_TOPIC = "nem", "nem-ret"
 TOPICS = {TOPIC: {"numPartitions": 2},
@@ -166,6 +171,53 @@ def settled(group: BrokerGroup, consumer: Consumer, admin: Admin, topics: list) 
         return None, f"{type(e).__name__}: {e}"
 
 
+class GroupView:
+    """The group's state and master node read with timeouts (``BrokerGroup``'s reads wait forever while
+    ZooKeeper is away), through a session that ``reset`` replaces: after ZooKeeper lost its data it
+    refuses every session that saw a later transaction (kazoo retries such a session forever)."""
+
+    def __init__(self, connect: str, paths, broker_id: int):
+        self.connect, self.paths, self.broker_id = connect, paths, broker_id
+        self._zk: Optional[KazooClient] = None
+        self._lock = threading.Lock()  # the harness and the Observer both read
+
+    def _client(self) -> KazooClient:
+        with self._lock:
+            if self._zk is None:
+                zk = KazooClient(hosts=self.connect, timeout=5.0)
+                zk.start(timeout=10)
+                self._zk = zk
+            return self._zk
+
+    def _get(self, path: str):
+        try:
+            return self._client().get_async(path).get(timeout=3)[0]
+        except NoNodeError:
+            return None
+
+    def state(self) -> Optional[dict]:
+        data = self._get(self.paths.group_state(self.broker_id))
+        return None if data is None else json.loads(data)
+
+    def master_id(self) -> Optional[int]:
+        data = self._get(self.paths.broker(self.broker_id))
+        return None if data is None else int(json.loads(data).get("replicaId", 0))
+
+    def sample(self) -> Optional[tuple]:
+        """(epoch, master, in-sync replicaIds) or None (the Observer's sample)."""
+        state = self.state()
+        return None if state is None else (state["epoch"], self.master_id(), tuple(r for r, _ in state["isr"]))
+
+    def reset(self) -> None:
+        zk, self._zk = self._zk, None
+        if zk is not None:
+            try:
+                zk.stop()
+                zk.close()
+            except Exception:  # noqa: BLE001 - a session that can never come back
+                pass
+
+
 class Harness:
     def __init__(self, args, workdir: Path):
         self.args, self.workdir = args, workdir
@@ -173,7 +225,7 @@ class Harness:
         self.bound_s = self.session_s + 2.0
         self.history = History()
         self.events: list = []
-        self.violations: list = []  # (where, kind, detail) found by the harness itself
+        self.violations: list = []  # Violation found by the harness itself (the checker keeps its own)
         self.zk: Optional[LocalZooKeeper] = None
         self.network: Optional[netns.Network] = None
         self.group: Optional[BrokerGroup] = None
@@ -203,40 +255,63 @@ class Harness:
         self.group.start()
         self.group.wait_master(timeout=60)
         self.group.wait_in_sync(range(3), timeout=60)
-        client = {"zk_connect": self.zk_connect, "zk_root": "/nemesis"}
-        timeout = 2 * self.session_s + 2
-        h = self.history
-        self.clients = [Writer("all-0", ACKS_ALL, h, TOPIC, client, a.seed, timeout),
-                        Writer("all-1", ACKS_ALL, h, TOPIC, client, a.seed, timeout),
-                        Writer("one-0", ACKS_ONE, h, TOPIC, client, a.seed, timeout),
-                        TxnWriter("txn-0", h, TOPIC, client, a.seed, timeout),
-                        Writer("ret-0", ACKS_ALL, h, RET_TOPIC, client, a.seed, timeout, pace=0.5),
-                        Reader("read-nem", h, TOPIC, client, timeout),
-                        Reader("read-ret", h, RET_TOPIC, client, timeout)]
+        self.view = GroupView(self.zk_connect, self.group.paths, self.group.broker_id)
         if idempotence_available():
-            self.clients.append(Writer("idem-0", IDEMPOTENT, h, TOPIC, client, a.seed, timeout))
             log("idempotent producers: yes (Producer takes idempotent=True): writer idem-0")
         else:
             log("idempotent producers: NOT AVAILABLE in this tree (Producer has no 'idempotent' parameter): "
                 "not exercised, and 0 idempotent duplicates means nothing yet")
-        self.reader_consumer = Consumer(**client, timeout=timeout)
-        self.admin = Admin(**client, timeout=timeout)
-        self.checker = Checker(h, [TOPIC, RET_TOPIC])
-        self.observer = Observer(self.group)
+        self.checker = Checker(self.history, [TOPIC, RET_TOPIC])
+        self.observer = Observer(self.view.sample)
         self.observer.start()
-        for c in self.clients:
-            c.start()
+        self.start_clients()
         deadline = time.monotonic() + 60
         while len(self.history.acks_all_times()) < 20:
             if time.monotonic() > deadline:
                 raise RuntimeError("no acks=all put acknowledged within 60 s of the start")
             time.sleep(0.1)
 
+    def start_clients(self) -> None:
+        """The writers and readers (again after ZooKeeper lost its data: the old ones' sessions are refused
+        for good, so new clients take over under new names: ``all-0`` becomes ``all-0.1``)."""
+        a, h = self.args, self.history
+        self.generation = getattr(self, "generation", -1) + 1
+        suffix = "" if self.generation == 0 else f".{self.generation}"
+        client = {"zk_connect": self.zk_connect, "zk_root": "/nemesis"}
+        timeout = 2 * self.session_s + 2
+        self.clients = [Writer("all-0" + suffix, ACKS_ALL, h, TOPIC, client, a.seed, timeout),
+                        Writer("all-1" + suffix, ACKS_ALL, h, TOPIC, client, a.seed, timeout),
+                        Writer("one-0" + suffix, ACKS_ONE, h, TOPIC, client, a.seed, timeout),
+                        TxnWriter("txn-0" + suffix, h, TOPIC, client, a.seed, timeout),
+                        Writer("ret-0" + suffix, ACKS_ALL, h, RET_TOPIC, client, a.seed, timeout, pace=0.5),
+                        Reader("read-nem" + suffix, h, TOPIC, client, timeout),
+                        Reader("read-ret" + suffix, h, RET_TOPIC, client, timeout)]
+        if idempotence_available():
+            self.clients.append(Writer("idem-0" + suffix, IDEMPOTENT, h, TOPIC, client, a.seed, timeout))
+        self.reader_consumer = Consumer(**client, timeout=timeout)
+        self.admin = Admin(**client, timeout=timeout)
+        for c in self.clients:
+            c.start()
+
+    def stop_clients(self) -> None:
+        """Stop the writers and readers (each ends within its producer's timeout) and the checker's clients."""
+        for c in self.clients:
+            c.stop()
+        for c in self.clients:
+            c.join(timeout=4 * self.session_s + 10)
+            if c.crash:
+                self._violate("clients", "harness", f"client {c.name} crashed:\n{c.crash}")
+        for closeable in (self.reader_consumer, self.admin):
+            try:
+                closeable.close()
+            except Exception:  # noqa: BLE001 - a client whose ZooKeeper session can never come back
+                pass
+
     # -- roles --------------------------------------------------------------------------------------
     def master(self) -> int:
-        m = self.group.master_id()
+        m = self.view.master_id()
         if m is None:
-            raise RuntimeError(f"no master before a fault; state {self.group.state()}")
+            raise RuntimeError(f"no master before a fault; state {self.view.state()}")
         return m
 
     def replica(self, which: int) -> int:
@@ -280,20 +355,29 @@ class Harness:
             self.zk.restart(down_for=s.duration)
             ev.ended = time.monotonic()
         elif kind == "zk-data-loss":
-            ev.detail = "ZooKeeper's data wiped"
+            ev.detail = "ZooKeeper's data wiped, every member killed meanwhile"
             lagging = None
             if s.variant:
                 lagging = self.replica(s.target)
-                ev.detail += f", member {lagging} down and lagging first"
+                ev.detail += f", member {lagging} down and lagging first, then started first"
                 g.members[lagging].kill()
                 self.down.add(lagging)
                 time.sleep(LAG_MS / 1000 + 2.0)  # out of the in-sync set, and behind by 2 s of writes
+            self.stop_clients()
+            for r, m in enumerate(g.members):
+                m.kill()
+                self.down.add(r)
             self.zk.stop()
             shutil.rmtree(self.zk.data_dir / "data", ignore_errors=True)
             self.zk.start()
+            self.view.reset()
+            order = ([lagging] if lagging is not None else []) + [r for r in range(3) if r != lagging]
+            for i, r in enumerate(order):
+                self.restart(r)
+                if i == 0 and lagging is not None:
+                    time.sleep(BOOTSTRAP_GRACE_S + 1)  # alone long enough to stand unless it waits for the others
             ev.ended = time.monotonic()
-            if lagging is not None:
-                self.restart(lagging)
+            self.start_clients()
         elif kind == "wipe-member":
             r = ev.master_before if s.target == 0 else self.replica(1)
             ev.detail = f"member {r}"
@@ -311,7 +395,7 @@ class Harness:
             ev.started = ev.ended = time.monotonic()
             deadline = time.monotonic() + 60
             earliest = 0
-            writer = next(c for c in self.clients if c.name == "nemesis-ret-0")
+            writer = next(c for c in self.clients if c.name.startswith("nemesis-ret-0"))
             writer.pace, writer.batch_max, writer.pad = 0.0, 40, b"r" * 1000  # a burst: retention passes the replica
             while time.monotonic() < deadline:
                 try:
@@ -344,7 +428,7 @@ class Harness:
 
     # -- recovery -----------------------------------------------------------------------------------
     def _violate(self, where: str, kind: str, detail: str) -> None:
-        self.violations.append((where, kind, detail))
+        self.violations.append(Violation(kind, where, detail))
         log(f"VIOLATION [{where}] {kind}: {detail}")
 
     def check_processes(self, where: str) -> None:
@@ -361,7 +445,7 @@ class Harness:
 
     def healthy(self) -> Optional[str]:
         """None when every member runs, one is master and all are in sync; else what is missing."""
-        state, master = self.group.state(), self.group.master_id()
+        state, master = self.view.state(), self.view.master_id()
         if master is None:
             return f"no master (state {state})"
         isr = {r for r, _ in state["isr"]} if state else set()
@@ -403,7 +487,7 @@ class Harness:
         can go on (the violation is already recorded): a member out of the in-sync set is wiped and
         started again (it copies everything); a group without master has every member restarted."""
         try:
-            state, master = self.group.state(), self.group.master_id()
+            state, master = self.view.state(), self.view.master_id()
         except Exception:  # noqa: BLE001
             state, master = None, None
         if master is None:
@@ -447,21 +531,21 @@ class Harness:
             ev = FaultEvent(i + 1, spec)
             self.events.append(ev)
             where = f"fault {ev.index} {spec.kind}"
-            epoch_before = (self.group.state() or {}).get("epoch")
+            epoch_before = (self.view.state() or {}).get("epoch")
             try:
                 self.inject(ev)
             except Exception as e:  # noqa: BLE001 - a fault that could not be applied is reported as such
                 self._violate(where, "harness", f"could not inject: {e}\n{traceback.format_exc(limit=3)}")
             ok = self.recover(ev, where)
             try:
-                ev.master_after = self.group.master_id()
-                ev.epochs = (epoch_before, (self.group.state() or {}).get("epoch"))
+                ev.master_after = self.view.master_id()
+                ev.epochs = (epoch_before, (self.view.state() or {}).get("epoch"))
             except Exception:  # noqa: BLE001
                 pass
             if not ok:
                 ok = self.repair(where)
             found = self.checkpoint(where) if ok else []
-            ev.violations = [v for v in self.violations if v[0].startswith(where)] + found
+            ev.violations = [v for v in self.violations if v.where.startswith(where)] + found
             self.report_event(ev)
             if not ok:
                 log("stopping the schedule: the group did not recover, not even after a repair")
@@ -473,9 +557,9 @@ class Harness:
         except Exception as e:  # noqa: BLE001 - the check could not read: that is a finding too
             self._violate(where, "unreadable", f"the checker could not read the log: {type(e).__name__}: {e}")
             return []
-        for v in found:
-            log(f"VIOLATION [{v.where}] {v.kind}: {v.detail}")
-        return [(v.where, v.kind, v.detail) for v in found]
+        for line in summarize(found):
+            log(f"VIOLATION {line}")
+        return found
 
     def report_event(self, ev: FaultEvent) -> None:
         resumed = ("never" if ev.resumed is None else
@@ -499,8 +583,10 @@ class Harness:
                 c.join(timeout=4 * self.session_s + 10)
                 if c.is_alive():
                     self._violate("final", "stuck", f"client {c.name} did not stop within {4 * self.session_s + 10:.0f} s")
-        if not self.recover(None, "final"):
-            self.repair("final")
+        last = self.events[-1] if self.events else None
+        if last is None or last.recovered is not None:  # else recovery and repair have just failed: not again
+            if not self.recover(None, "final"):
+                self.repair("final")
         hw = self.quiesce()
         for c in self.clients:
             c.stop()
@@ -511,13 +597,13 @@ class Harness:
         self.observer.stop()
         try:
             found = self.checker.final(self.reader_consumer)
-            for v in found:
-                log(f"VIOLATION [{v.where}] {v.kind}: {v.detail}")
+            for line in summarize(found):
+                log(f"VIOLATION {line}")
         except Exception as e:  # noqa: BLE001
             self._violate("final", "unreadable", f"the final read failed: {type(e).__name__}: {e}")
         logs_identical = None
         if hw is not None:
-            master = self.group.master_id()
+            master = self.view.master_id()
             order = [r for r in range(3) if r != master] + ([master] if master is not None else [])
             for r in order:  # replicas first: a stopping master hands over to whoever is still there
                 self.group.members[r].stop()
@@ -573,6 +659,8 @@ class Harness:
             c.stop()
         if self.observer:
             self.observer.stop()
+        if getattr(self, "view", None):
+            self.view.reset()
         for closeable in (self.reader_consumer, getattr(self, "admin", None)):
             if closeable is not None:
                 try:
@@ -590,7 +678,7 @@ class Harness:
             self.network.close()
 
 
-def summarize(h: Harness, final: dict, elapsed: float) -> tuple:
+def report(h: Harness, final: dict, elapsed: float) -> tuple:
     """The table per fault kind, the totals and the verdict line; returns (text, violations)."""
     lines = []
     kinds = sorted({ev.spec.kind for ev in h.events})
@@ -608,13 +696,13 @@ def summarize(h: Harness, final: dict, elapsed: float) -> tuple:
     lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
     slow = [ev for ev in h.events if ev.resumed is not None and ev.resumed > h.bound_s]
     for ev in slow:
-        h.violations.append((f"fault {ev.index} {ev.spec.kind}", "slow",
+        h.violations.append(Violation("slow", f"fault {ev.index} {ev.spec.kind}",
                              f"no acks=all put was acknowledged for {ev.resumed:.1f} s (counted from the fault's "
                              f"{FAULTS[ev.spec.kind][0]}), over zk.sessionTimeout + 2 s = {h.bound_s:.1f} s"))
-    violations = list(h.violations) + [(v.where, v.kind, v.detail) for v in (h.checker.violations if h.checker else [])]
+    violations = list(h.violations) + list(h.checker.violations if h.checker else [])
     by_kind: dict = {}
-    for _, kind, _ in violations:
-        by_kind[kind] = by_kind.get(kind, 0) + 1
+    for v in violations:
+        by_kind[v.kind] = by_kind.get(v.kind, 0) + 1
     lines.append(f"members' logs identical up to the high watermark: "
                  f"{ {True: 'yes', False: 'NO', None: 'not compared'}[final.get('logs_identical')] }")
     lines.append(f"faults: {len(h.events)} in {elapsed / 60:.1f} min; seed {h.args.seed}")
@@ -633,6 +721,7 @@ def summarize(h: Harness, final: dict, elapsed: float) -> tuple:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kazoo").setLevel(logging.CRITICAL)  # its reconnection chatter while ZooKeeper is down
+    logging.getLogger("metaq_broker.store").setLevel(logging.ERROR)  # opening stopped members' logs to compare them
     ap = argparse.ArgumentParser(prog="python -m benchmarks.nemesis", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=None, help="length of the fault schedule (default 30)")
     ap.add_argument("--seconds", type=float, default=None, help="the same in seconds (short runs, CI)")
@@ -681,11 +770,11 @@ def main(argv=None) -> int:
         final = h.finish()
     finally:
         h.stop()
-    text, violations = summarize(h, final, time.monotonic() - begin)
+    text, violations = report(h, final, time.monotonic() - begin)
     if violations:
         print("\nviolations (where, kind, what the checker saw):", flush=True)
-        for where, kind, detail in violations:
-            print(f"- [{where}] {kind}: {detail}", flush=True)
+        for line in summarize(violations):
+            print(f"- {line}", flush=True)
         print("\nmember log lines around each fault with a violation:", flush=True)
         for ev in h.events:
             if ev.violations:
@@ -701,9 +790,9 @@ def main(argv=None) -> int:
                 {**asdict(ev.spec), "index": ev.index, "detail": ev.detail, "resumed_s": ev.resumed,
                  "recovered_s": None if ev.recovered is None else ev.recovered - ev.started,
                  "master_before": ev.master_before, "master_after": ev.master_after,
-                 "violations": ev.violations} for ev in h.events],
+                 "violations": [asdict(v) for v in ev.violations]} for ev in h.events],
             "counts": dict(h.checker.counts) if h.checker else {}, "final": final,
-            "violations": violations}, indent=2, default=str))
+            "violations": [asdict(v) for v in violations]}, indent=2, default=str))
     if violations or args.keep:
         print(f"run directory kept: {workdir}", flush=True)
     else:

@@ -39,6 +39,7 @@ class Violation:
     kind: str  # lost | vanished | duplicate | transaction | diverged | ...
     where: str  # the checkpoint (fault) it was found at
     detail: str
+    group: str = ""  # what many violations of one cause share (``summarize`` counts them under it)
 
 
 @dataclass
@@ -48,7 +49,25 @@ class Mirror:
     log: dict = field(default_factory=dict)
     end: int = 0
     earliest: int = 0
+    leo: int = 0  # the log end offset when last read: an acknowledged offset at or past it was cut off
     last: Optional[int] = None
+
+
+def summarize(violations: list, examples: int = 3) -> list:
+    """One line per (where, kind, what): the count and the first ``examples`` details (a lost failover
+    can cost thousands of messages; one line each would bury the rest)."""
+    groups: dict = {}
+    for v in violations:
+        groups.setdefault((v.where, v.kind, v.group or v.detail), []).append(v.detail)
+    out = []
+    for (where, kind, group), details in groups.items():
+        if len(details) == 1:
+            out.append(f"[{where}] {kind}: {details[0][:1500]}")
+            continue
+        more = f" | ... and {len(details) - examples} more" if len(details) > examples else ""
+        out.append(f"[{where}] {kind} x{len(details)}, {group}: e.g. " + " | ".join(d[:300] for d in details[:examples])
+                   + more)
+    return out
 
 
 def _key(value: bytes):
@@ -65,31 +84,36 @@ class Checker:
         self.pending_seen: dict = collections.defaultdict(list)  # (topic, partition) -> [(offset, value, reader)]
         self._attempts = self._seen = 0
         self._copied: set = set()  # (writer, seq) stored more than once, not yet judged
+        self._read_now: set = set()  # the partitions read at the current checkpoint
+        self._txns_taken, self._txns_pending = 0, []
         self._judged: set = set()
         self.violations: list = []
         self.counts = collections.Counter()  # acked, verified, expired, acks1_lost, seen, ...
         self.label = "start"
 
-    def _violate(self, kind: str, detail: str) -> None:
-        self.violations.append(Violation(kind, self.label, detail))
+    def _violate(self, kind: str, detail: str, group: str = "") -> None:
+        self.violations.append(Violation(kind, self.label, detail, group or detail))
 
     # -- reading the log --------------------------------------------------------------------------------
     def checkpoint(self, consumer, label: str) -> list:
         """Read what is new, check the mirrored prefix still holds, verify what can be; returns the new
         violations."""
         self.label, before = label, len(self.violations)
+        self._take_history()  # first: everything taken was acknowledged (or shown) before the log is read
+        self._read_now = set()
         for topic in self.topics:
-            for p, (earliest, lso, _) in sorted(consumer.offset_bounds(topic).items()):
+            for p, (earliest, lso, leo) in sorted(consumer.offset_bounds(topic).items()):
                 m = self.mirrors.setdefault((topic, p), Mirror())
-                m.earliest = earliest
+                m.earliest, m.leo = earliest, leo
+                self._read_now.add((topic, p))
                 if not self._prefix_holds(consumer, topic, p, m, lso):
                     self._reread(consumer, topic, p, m, lso)
                 self._extend(consumer, topic, p, m, lso)
                 for o in [o for o in m.log if o < earliest]:  # retention: no longer readable, no longer kept
                     del m.log[o]
-        self._take_history()
         self._verify()
         self._check_duplicates()
+        self._check_transactions()
         return self.violations[before:]
 
     def _prefix_holds(self, consumer, topic, p, m: Mirror, lso: int) -> bool:
@@ -141,7 +165,8 @@ class Checker:
             acked = [k for _, k in gone if isinstance(k, tuple) and k in self.acked]
             self._violate("vanished", f"{topic} {p}: {len(gone)} messages below the last stable offset that the "
                           f"checker had read vanished or changed, offsets {gone[0][0]}..{gone[-1][0]} (first: "
-                          f"{gone[0][1]} is now {fresh.log.get(gone[0][0])}); {len(acked)} of them acknowledged")
+                          f"{gone[0][1]} is now {fresh.log.get(gone[0][0])}); {len(acked)} of them acknowledged",
+                          f"the log the checker had read was replaced in {topic} {p}")
             for k in acked:
                 self._lost(k, self.acked[k], "vanished after it had been read below the high watermark")
         m.log, m.end, m.last = fresh.log, fresh.end, fresh.last
@@ -169,14 +194,17 @@ class Checker:
         if kind == ACKS_ONE:
             self.counts["acks=1 lost"] += 1
             return
-        self._violate("lost", f"{kind} message {key} acknowledged at {where[0]} {where[1]} offset {where[2]}: {why}")
+        self._violate("lost", f"{kind} message {key} acknowledged at {where[0]} {where[1]} offset {where[2]}: {why}",
+                      f"{kind} acknowledged messages lost from {where[0]} {where[1]}")
 
     def _verify(self, final: bool = False) -> None:
         for tp, pending in self.pending_acked.items():
+            if tp not in self._read_now and not final:
+                continue  # not listed this time (no master): judged at a later checkpoint
             m = self.mirrors.get(tp, Mirror())
             keep = []
             for offset, key in pending:
-                if offset >= m.end and not final:
+                if m.end <= offset < m.leo and not final:  # not readable yet (an open transaction before it)
                     keep.append((offset, key))
                 elif m.log.get(offset) == key:
                     self.counts["acked and verified"] += 1
@@ -184,20 +212,25 @@ class Checker:
                     self.counts["acked, expired by retention"] += 1
                 else:
                     found = m.log.get(offset)
-                    self._lost(key, (*tp, offset), "missing at the end of the run (beyond the log's end "
-                               f"{m.end})" if offset >= m.end else f"the offset holds {found} instead")
+                    self._lost(key, (*tp, offset), f"the log now ends at {m.leo}" if offset >= m.leo else
+                               f"beyond the last stable offset {m.end} at the end of the run" if offset >= m.end else
+                               f"the offset holds {found} instead")
             self.pending_acked[tp] = keep
         for tp, pending in self.pending_seen.items():
+            if tp not in self._read_now and not final:
+                continue
             m = self.mirrors.get(tp, Mirror())
             keep = []
             for offset, key, reader in pending:
-                if offset >= m.end and not final:
+                if m.end <= offset < m.leo and not final:
                     keep.append((offset, key, reader))
                 elif offset < m.earliest or m.log.get(offset) == key:
                     continue
                 else:
                     self._violate("vanished", f"{reader} was shown {key} at {tp[0]} {tp[1]} offset {offset}; "
-                                  f"the log now has {m.log.get(offset)} there (end {m.end})")
+                                  + (f"the log now ends at {m.leo}" if offset >= m.leo else
+                                     f"the log now has {m.log.get(offset)} there"),
+                                  f"messages shown to readers vanished from {tp[0]} {tp[1]}")
             self.pending_seen[tp] = keep
 
     # -- the end ----------------------------------------------------------------------------------------
@@ -205,7 +238,7 @@ class Checker:
         before = len(self.violations)
         self.checkpoint(consumer, "final")
         self._verify(final=True)
-        self._check_transactions()
+        self._check_transactions(final=True)
         return self.violations[before:]
 
     def _check_duplicates(self) -> None:
@@ -227,31 +260,44 @@ class Checker:
             places = sorted(copies)
             attempts_stored = [c[3] for c in places]
             if kind in (IDEMPOTENT, TXN):
-                self._violate("duplicate", f"{kind} message ({writer}, {seq}) stored {len(copies)} times: {places}")
+                self._violate("duplicate", f"{kind} message ({writer}, {seq}) stored {len(copies)} times: {places}",
+                              f"{kind} messages stored more than once")
             elif len(set(attempts_stored)) < len(attempts_stored):
                 self._violate("duplicate", f"{kind} message ({writer}, {seq}): one put stored twice (attempt "
-                              f"{collections.Counter(attempts_stored).most_common(1)[0][0]}): {places}")
+                              f"{collections.Counter(attempts_stored).most_common(1)[0][0]}): {places}",
+                              f"{kind} messages of one put stored twice")
             elif any(outcomes.get((writer, seq, a)) is not None and outcomes[(writer, seq, a)].outcome == "refused"
                      for a in attempts_stored):
                 a = next(outcomes[(writer, seq, a)] for a in attempts_stored if outcomes.get((writer, seq, a))
                          is not None and outcomes[(writer, seq, a)].outcome == "refused")
                 self._violate("duplicate", f"{kind} message ({writer}, {seq}) attempt {a.attempt} is stored although "
-                              f"its put was refused with an error that says nothing was stored: {a.error[:300]}")
+                              f"its put was refused with an error that says nothing was stored: {a.error[:300]}",
+                              f"{kind} messages stored although refused")
             else:
                 self.counts[f"{kind} duplicates (after 'may or may not be stored')"] += len(copies) - 1
 
-    def _check_transactions(self) -> None:
+    def _check_transactions(self, final: bool = False) -> None:
+        """Judge each transaction once none of its messages lies between its partition's last stable
+        offset and log end (not yet decided there): committed wholly visible, aborted not at all,
+        uncertain all or nothing."""
         with self.history.lock:
-            txns = list(self.history.txns)
-        for t in txns:
-            visible = sum(1 for topic, p, offset, value in t.messages
-                          if self.mirrors.get((topic, p), Mirror()).log.get(offset) == identity(value))
+            new, self._txns_taken = self.history.txns[self._txns_taken:], len(self.history.txns)
+        self._txns_pending += new
+        keep = []
+        for t in self._txns_pending:
+            mirrors = [self.mirrors.get((topic, p), Mirror()) for topic, p, _, _ in t.messages]
+            if not final and any(m.end <= o < m.leo for (_, _, o, _), m in zip(t.messages, mirrors)):
+                keep.append(t)
+                continue
+            visible = sum(1 for (_, _, offset, value), m in zip(t.messages, mirrors)
+                          if m.log.get(offset) == identity(value))
             total = len(t.messages)
             self.counts[f"transactions {t.outcome}"] += 1
             ok = {"committed": visible == total, "aborted": visible == 0}.get(t.outcome, visible in (0, total))
             if not ok:
                 self._violate("transaction", f"{t.outcome} transaction {t.xid_prefix}: {visible} of its {total} "
-                              f"messages visible ({t.error[:200]})")
+                              f"messages visible ({t.error[:200]})", f"{t.outcome} transactions not all or nothing")
+        self._txns_pending = keep
 
 
 def partition_bytes(data_path: Path, topic: str, partition: int, start: int, end: int) -> bytes:

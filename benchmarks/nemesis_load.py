@@ -270,22 +270,23 @@ class Reader(_Client):
 
 
 class Observer(threading.Thread):
-    """Samples the group's state (epoch, master, in-sync set) every ``interval`` seconds."""
+    """Samples the group's state every ``interval`` seconds: ``sample()`` returns (epoch, master, in-sync
+    replicaIds) or None."""
 
-    def __init__(self, group, interval: float = 0.1):
+    def __init__(self, sample, interval: float = 0.1):
         super().__init__(name="nemesis-observer", daemon=True)
-        self.group, self.interval = group, interval
+        self.sample, self.interval = sample, interval
         self.samples: list = []  # (time.monotonic(), epoch, master replicaId or None, in-sync replicaIds)
         self.stop_event = threading.Event()
 
     def run(self) -> None:
         while not self.stop_event.wait(self.interval):
             try:
-                state, master = self.group.state(), self.group.master_id()
+                sample = self.sample()
             except Exception:  # noqa: BLE001 - ZooKeeper down (a fault): no sample
                 continue
-            if state:
-                self.samples.append((time.monotonic(), state["epoch"], master, tuple(r for r, _ in state["isr"])))
+            if sample:
+                self.samples.append((time.monotonic(), *sample))
 
     def first_after(self, t: float, predicate) -> Optional[tuple]:
         return next((s for s in self.samples if s[0] >= t and predicate(s)), None)
