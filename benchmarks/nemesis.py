@@ -8,9 +8,9 @@ checker of what the clients were promised (Jepsen's idea, kept small).
 ``zk.sessionTimeout`` 4 s, ``replicaLagMaxMs`` 3 s, group commit). Each member runs on an address of its
 own in a network namespace when the machine allows it (root, ``ip``, ``nft``:
 ``metaq_broker.devtools.netns``), else on loopback (``--loopback`` forces that; link cuts are then left
-out and the output says so). Topic ``nem`` (2 partitions) carries the checked traffic; topic ``nem-ret``
-(1 partition, ``retentionBytes`` 128 KiB, segments of 32 KiB, retention every second) has its earliest
-offset moving all the time.
+out and the output says so). Topic ``nem`` (2 partitions) carries most of the traffic; topic ``nem-ret``
+(1 partition, ``retentionBytes`` 128 KiB, segments of 32 KiB, retention every second) has a slow producer
+whose bursts in the ``retention`` fault move its earliest offset.
 
 **The clients** (``nemesis_load.py``): two plain producers at ``acks=all``, one at ``acks=1``, an
 idempotent producer when ``Producer`` takes ``idempotent=`` (the output says whether it does), a
@@ -78,6 +78,7 @@ TOPIC, RET_TOPIC = "nem", "nem-ret"
 TOPICS = {TOPIC: {"numPartitions": 2},
           RET_TOPIC: {"numPartitions": 1, "retentionBytes": 128 << 10, "maxSegmentSize": 32 << 10}}
 LAG_MS = 3000
+RET_PACE = 2.0  # seconds between puts to nem-ret: its earliest offset moves in the retention fault's bursts only
 # kind -> (resume counted from "start" or "end" of the fault, duration range in session timeouts, needs namespaces)
 FAULTS = {
     "kill-master": ("start", (0.5, 2.0), False),
@@ -283,7 +284,7 @@ class Harness:
                         Writer("all-1" + suffix, ACKS_ALL, h, TOPIC, client, a.seed, timeout),
                         Writer("one-0" + suffix, ACKS_ONE, h, TOPIC, client, a.seed, timeout),
                         TxnWriter("txn-0" + suffix, h, TOPIC, client, a.seed, timeout),
-                        Writer("ret-0" + suffix, ACKS_ALL, h, RET_TOPIC, client, a.seed, timeout, pace=0.5),
+                        Writer("ret-0" + suffix, ACKS_ALL, h, RET_TOPIC, client, a.seed, timeout, pace=RET_PACE),
                         Reader("read-nem" + suffix, h, TOPIC, client, timeout),
                         Reader("read-ret" + suffix, h, RET_TOPIC, client, timeout)]
         if idempotence_available():
@@ -405,7 +406,7 @@ class Harness:
                 if earliest > end:
                     break
                 time.sleep(0.2)
-            writer.pace, writer.batch_max, writer.pad = 0.5, 5, PAD
+            writer.pace, writer.batch_max, writer.pad = RET_PACE, 5, PAD
             ev.detail = f"member {r} down when the master's log ended at {end}; its earliest offset {earliest} when restarted"
             self.restart(r)
         elif kind.startswith("cut-"):
