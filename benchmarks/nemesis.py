@@ -2,7 +2,7 @@
 checker of what the clients were promised (Jepsen's idea, kept small).
 
     python -m benchmarks.nemesis [--minutes M | --seconds S] [--seed N] [--faults KIND,...] [--loopback]
-                                 [--session-timeout-ms MS] [--dir PATH] [--keep] [--json PATH]
+                                 [--session-timeout-ms MS] [--recover-s S] [--dir PATH] [--keep] [--json PATH]
 
 **The system.** One real ZooKeeper and a group of three ``metaq-broker`` members (``minInSyncReplicas=2``,
 ``zk.sessionTimeout`` 4 s, ``replicaLagMaxMs`` 3 s, group commit). Each member runs on an address of its
@@ -21,10 +21,13 @@ its identity ``<writer>|<seq>|<attempt>|``.
 **The faults**, one at a time, each followed by recovery (every member running, a master, all three in
 sync, an ``acks=all`` put acknowledged) and a checkpoint of the checker: ``kill-master`` and
 ``kill-replica`` (kill -9, restarted after a while), ``pause-*-short`` and ``pause-*-long`` (SIGSTOP for
-less than the session timeout, and past it), ``zk-restart`` (down for a while), ``zk-data-loss`` (stopped,
-data directory wiped, started; in half the runs a replica is down and lagging first and comes back
-right after), ``wipe-member`` (kill -9, data directory removed, restarted), ``retention`` (a replica down
-until the master's earliest offset of ``nem-ret`` passed its log end), and with namespaces
+less than the session timeout, and past it), ``zk-restart`` (down for a while), ``zk-data-loss``
+(ZooKeeper stopped, its data directory wiped, started, with every member killed meanwhile and started
+again after it, the clients too: a process that stays up never gets a session from a ZooKeeper that lost
+its data, which refuses clients that saw a later transaction; in half the runs a replica is down and
+lagging first and is started first), ``wipe-member`` (kill -9, data directory removed, restarted),
+``retention`` (a replica down until the master's earliest offset of ``nem-ret`` passed its log end), and
+with namespaces
 ``cut-master-replicas``, ``cut-master-zk``, ``cut-client-master``, ``cut-replica-master``,
 ``cut-replica-zk`` (packets dropped both ways, then healed). The seed fixes the order, durations and
 targets (targets by role: "the master", "the first/second replica"); timing is the machine's own.
@@ -34,12 +37,15 @@ losses are counted apart), 0 duplicates from the idempotent producer and from tr
 producer's duplicates are counted and must each follow a "may or may not be stored" error), 0 messages a
 reader was shown that later vanished or changed, transactions all or nothing, members' logs identical up
 to the high watermark (their segment bytes compared once they are stopped), every member process alive
-unless the nemesis killed it, and after each fault ``acks=all`` writes resumed within
-``zk.sessionTimeout`` + 2 s (counted from the fault's start when the group must survive it alone, from
-its end when no member can serve meanwhile: a short pause of the master, ZooKeeper down or emptied, the
-master cut from its replicas, the client cut from the master). The output is a line per fault, a table
-per fault kind, the violations with the member log lines around them, and a final verdict; the exit code
-is 0 for PASS, 1 for violations, 2 when the harness itself could not run.
+unless the nemesis killed it, and after each fault no stretch without an ``acks=all`` acknowledgement
+longer than ``zk.sessionTimeout`` + 2 s (counted from the fault's start when the group must survive it
+alone, from its end when no member can serve meanwhile: a short pause of the master, ZooKeeper down or
+emptied, the master cut from its replicas, the client cut from the master). A fault the group has not
+recovered from within ``--recover-s`` is a violation; then the harness repairs as an operator would (a
+member out of sync wiped, a group without master restarted) and goes on, or stops the schedule if that
+fails too. The output is a line per fault, a table per fault kind, the violations (counted by cause,
+with examples) with the member log lines around them, and a final verdict; the exit code is 0 for PASS,
+1 for violations, 2 when the harness itself could not run.
 """
 from __future__ import annotations
 
@@ -210,7 +216,8 @@ class GroupView:
         return None if state is None else (state["epoch"], self.master_id(), tuple(r for r, _ in state["isr"]))
 
     def reset(self) -> None:
-        zk, self._zk = self._zk, None
+        with self._lock:
+            zk, self._zk = self._zk, None
         if zk is not None:
             try:
                 zk.stop()
