@@ -177,6 +177,8 @@ class Checker:
         with h.lock:
             attempts, self._attempts = h.attempts[self._attempts:], len(h.attempts)
             seen, self._seen = h.seen[self._seen:], len(h.seen)
+            self._txns_pending += h.txns[self._txns_taken:]
+            self._txns_taken = len(h.txns)
         for a in attempts:
             if a.outcome != "acked":
                 continue
@@ -280,9 +282,6 @@ class Checker:
         """Judge each transaction once none of its messages lies between its partition's last stable
         offset and log end (not yet decided there): committed wholly visible, aborted not at all,
         uncertain all or nothing."""
-        with self.history.lock:
-            new, self._txns_taken = self.history.txns[self._txns_taken:], len(self.history.txns)
-        self._txns_pending += new
         keep = []
         for t in self._txns_pending:
             mirrors = [self.mirrors.get((topic, p), Mirror()) for topic, p, _, _ in t.messages]
