@@ -17,6 +17,9 @@ Against the mirror:
   attempt but one ended "may or may not be stored"; a violation when one attempt was stored twice or an
   attempt refused with an error that promised nothing was stored is there.
 * **transactions**: committed ones wholly visible, aborted ones not at all, uncertain ones all or nothing.
+* **stalled**: acknowledged messages below the log end but past the last stable offset for longer than
+  ``stall_s`` (20 s: twice the harness's transaction timeout), or at the end: readers cannot reach them,
+  held back by a transaction that is not settled.
 
 ``compare_member_logs`` compares the members' segment bytes (stopped members, read from their data
 directories) from the latest earliest offset up to the high watermark.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -75,8 +79,11 @@ def _key(value: bytes):
 
 
 class Checker:
-    def __init__(self, history: History, topics: list):
-        self.history, self.topics = history, topics
+    """``stall_s``: how long acknowledged messages may stay past the last stable offset (an open
+    transaction may hold readers back until its timeout) before that is a violation."""
+
+    def __init__(self, history: History, topics: list, stall_s: float = 20.0):
+        self.history, self.topics, self.stall_s = history, topics, stall_s
         self.mirrors: dict = {}  # (topic, partition) -> Mirror
         self.where: dict = collections.defaultdict(set)  # (writer, seq) -> {(topic, partition, offset, attempt)}
         self.acked: dict = {}  # (writer, seq, attempt) -> (topic, partition, offset)
@@ -86,6 +93,7 @@ class Checker:
         self._copied: set = set()  # (writer, seq) stored more than once, not yet judged
         self._read_now: set = set()  # the partitions read at the current checkpoint
         self._txns_taken, self._txns_pending = 0, []
+        self._stalled: dict = {}  # (topic, partition) -> the last stable offset a stall was reported at
         self._judged: set = set()
         self.violations: list = []
         self.counts = collections.Counter()  # acked, verified, expired, acks1_lost, seen, ...
@@ -185,7 +193,7 @@ class Checker:
             for i in range(a.count):
                 key = (a.writer, a.seq + i, a.attempt)
                 self.acked[key] = (a.topic, a.partition, a.base_offset + i)
-                self.pending_acked[(a.topic, a.partition)].append((a.base_offset + i, key))
+                self.pending_acked[(a.topic, a.partition)].append((a.base_offset + i, key, 0.0))
                 self.counts["acked " + h.kinds[a.writer]] += 1
         for topic, p, offset, value, reader in seen:
             self.pending_seen[(topic, p)].append((offset, _key(value), reader))
@@ -205,9 +213,17 @@ class Checker:
                 continue  # not listed this time (no master): judged at a later checkpoint
             m = self.mirrors.get(tp, Mirror())
             keep = []
-            for offset, key in pending:
-                if m.end <= offset < m.leo and not final:  # not readable yet (an open transaction before it)
-                    keep.append((offset, key))
+            now = time.monotonic()
+            for offset, key, since in pending:
+                if m.end <= offset < m.leo:  # written, not readable yet: behind an unsettled transaction
+                    since = since or now
+                    if final:
+                        self.counts["acked, never readable (behind an unsettled transaction)"] += 1
+                        self._hidden(tp, m, offset)
+                    else:
+                        keep.append((offset, key, since))
+                        if now - since > self.stall_s:
+                            self._hidden(tp, m, offset)
                 elif m.log.get(offset) == key:
                     self.counts["acked and verified"] += 1
                 elif offset < m.earliest:
@@ -215,7 +231,6 @@ class Checker:
                 else:
                     found = m.log.get(offset)
                     self._lost(key, (*tp, offset), f"the log now ends at {m.leo}" if offset >= m.leo else
-                               f"beyond the last stable offset {m.end} at the end of the run" if offset >= m.end else
                                f"the offset holds {found} instead")
             self.pending_acked[tp] = keep
         for tp, pending in self.pending_seen.items():
@@ -234,6 +249,16 @@ class Checker:
                                      f"the log now has {m.log.get(offset)} there"),
                                   f"messages shown to readers vanished from {tp[0]} {tp[1]}")
             self.pending_seen[tp] = keep
+
+    def _hidden(self, tp, m: Mirror, offset: int) -> None:
+        """Acknowledged messages that readers still cannot read ``stall_s`` after a checkpoint first found
+        them so (or at the end): once per partition and last stable offset."""
+        if self._stalled.get(tp) == m.end:
+            return
+        self._stalled[tp] = m.end
+        self._violate("stalled", f"{tp[0]} {tp[1]}: acknowledged messages from offset {offset} on are still not "
+                      f"readable: the last stable offset stays at {m.end} (log end {m.leo}), held back by a "
+                      f"transaction that is not settled")
 
     # -- the end ----------------------------------------------------------------------------------------
     def final(self, consumer) -> list:
@@ -285,8 +310,11 @@ class Checker:
         keep = []
         for t in self._txns_pending:
             mirrors = [self.mirrors.get((topic, p), Mirror()) for topic, p, _, _ in t.messages]
-            if not final and any(m.end <= o < m.leo for (_, _, o, _), m in zip(t.messages, mirrors)):
-                keep.append(t)
+            if any(m.end <= o < m.leo for (_, _, o, _), m in zip(t.messages, mirrors)):
+                if final:  # still behind an unsettled transaction: reported as stalled, not judged
+                    self.counts[f"transactions {t.outcome}, never readable"] += 1
+                else:
+                    keep.append(t)
                 continue
             visible = sum(1 for (_, _, offset, value), m in zip(t.messages, mirrors)
                           if m.log.get(offset) == identity(value))

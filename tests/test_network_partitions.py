@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.nemesis import settled  # noqa: E402
-from benchmarks.nemesis_check import Checker, compare_member_logs  # noqa: E402
+from benchmarks.nemesis_check import Checker, compare_member_logs, summarize  # noqa: E402
 from benchmarks.nemesis_load import (ACKS_ALL, ACKS_ONE, Attempt, History, Reader, Writer,  # noqa: E402
                                      value_of)
 from conftest import wait_until  # noqa: E402
@@ -134,7 +134,7 @@ class Load:
             assert self.reader.crash is None, self.reader.crash
             checker = Checker(self.history, [TOPIC])
             violations = checker.final(consumer)
-        assert not violations, "\n".join(f"{v.kind}: {v.detail}" for v in violations)
+        assert not violations, "\n".join(summarize(violations))
         assert checker.counts["acked acks=all"] > 0 and checker.counts["seen by readers"] > 0
         master = self.group.master_id()
         for r in [r for r in range(3) if r != master] + [master]:
