@@ -4,12 +4,10 @@ to fail: the schedule is a function of its seed, the checker finds every kind of
 broker's log (lost, vanished, duplicated, partly visible transactions), and the member log comparison
 finds diverging bytes."""
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
