@@ -4,7 +4,9 @@ without its fix: acks=all acknowledged with one copy (1), ZooKeeper losing its d
 restart duplicating puts (3), a deposed master's late answers (4), the lock-order deadlock (5), a replica
 that must start over after retention (6), a frozen master stalling the group (7), a producer stuck on a
 frozen master (8), and the session timeout ZooKeeper negotiates (Also check). Defect 9 (a single broker's
-in-doubt transactions after a restart) is in test_replication_txn_restart.py."""
+in-doubt transactions after a restart) is in test_replication_txn_restart.py. The producers here are not
+idempotent (``idempotent=False``): the tests look at the broker's own answers, which an idempotent producer
+would send again (tests/test_idempotent_producer.py covers those)."""
 import json
 import os
 import shutil
@@ -82,7 +84,8 @@ def test_acks_all_is_never_acknowledged_by_the_master_alone(strict_group):
     g = strict_group
     master = g.master_id()
     others = [r for r in range(3) if r != master]
-    with Producer(timeout=20.0, **zk_args(g)) as producer, Producer(timeout=2.0, **zk_args(g)) as quick, \
+    with Producer(idempotent=False, timeout=20.0, **zk_args(g)) as producer, \
+            Producer(idempotent=False, timeout=2.0, **zk_args(g)) as quick, \
             Consumer(**zk_args(g)) as consumer:
         for p in (producer, quick):
             wait_until(lambda p=p: len(p.cluster.topic_partitions("orders")) == 2, what="topic routed")
@@ -128,7 +131,8 @@ def test_a_frozen_master_neither_stalls_the_group_nor_keeps_a_producer_nor_feeds
     member = g.members[old]
     replica = next(r for r in range(3) if r != old)
     uuid = json.loads((g.members[replica].workdir / "data" / "replication" / "member.json").read_text())["uuid"]
-    with Producer(timeout=60.0, **zk_args(g)) as stuck, Producer(timeout=15.0, **zk_args(g)) as fresh, \
+    with Producer(idempotent=False, timeout=60.0, **zk_args(g)) as stuck, \
+            Producer(idempotent=False, timeout=15.0, **zk_args(g)) as fresh, \
             Consumer(**zk_args(g)) as consumer:
         for p in (stuck, fresh):
             wait_until(lambda p=p: len(p.cluster.topic_partitions("orders")) == 2 and p.data_address(1),
@@ -194,7 +198,7 @@ def test_a_paused_fetcher_applies_nothing_more(tmp_path, zookeeper, zk_root):
         g.wait_master()
         master = zk_groups.master_node(g.zk, g.paths, 1)
         epoch = g.state()["epoch"]
-        with Producer(acks="1", **zk_args(g)) as producer:
+        with Producer(idempotent=False, acks="1", **zk_args(g)) as producer:
             wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
 
             def load():
@@ -237,11 +241,11 @@ def test_a_zookeeper_restart_stores_no_put_twice(tmp_path, own_zookeeper):
     try:
         g.wait_master()
         g.wait_in_sync(range(3))
-        with Producer(**zk_args(g)) as p:
+        with Producer(idempotent=False, **zk_args(g)) as p:
             wait_until(lambda: len(p.cluster.topic_partitions("orders")) == 2, what="topic routed")
         # acks=all puts of unique values one after another; a failed one (it may or may not be stored) is
         # never resent by the test
-        writers = [Load(Producer(timeout=30.0, **zk_args(g)), b"w%d" % i) for i in range(4)]
+        writers = [Load(Producer(idempotent=False, timeout=30.0, **zk_args(g)), b"w%d" % i) for i in range(4)]
         for w in writers:
             w.start()
         for _ in range(2):
@@ -291,7 +295,7 @@ def test_zookeeper_losing_its_data_loses_nothing_acknowledged(tmp_path, own_zook
         lagging = next(r for r in range(3) if r != master)
         g.members[lagging].stop()
         wait_until(lambda: lagging not in isr_of(g), timeout=30, what="the stopped member left the in-sync set")
-        with Producer(timeout=30.0, **zk_args(g)) as producer:
+        with Producer(idempotent=False, timeout=30.0, **zk_args(g)) as producer:
             wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
             acked = [b"m-%d" % i for i in range(500)]
             for i in range(0, 500, 5):
@@ -304,7 +308,7 @@ def test_zookeeper_losing_its_data_loses_nothing_acknowledged(tmp_path, own_zook
         g.members[lagging].start()
         time.sleep(3.0)  # longer than the bootstrap grace: it would have stood by now
         assert g.master_id() is None
-        with Producer(brokers={1: g.members[lagging].address}, timeout=1.0) as direct:
+        with Producer(brokers={1: g.members[lagging].address}, idempotent=False, timeout=1.0) as direct:
             with pytest.raises(RemoteNotMasterError) as refused:
                 direct.send_batch("orders", [b"refused"], partition="1-0")
         assert "ZooKeeper has no state" in str(refused.value) and "not back with their data" in str(refused.value)
@@ -323,7 +327,7 @@ def test_zookeeper_losing_its_data_loses_nothing_acknowledged(tmp_path, own_zook
         g.wait_master(timeout=60)
         assert g.state()["epoch"] > epoch
         g.wait_in_sync(range(3), timeout=60)
-        with Producer(timeout=30.0, **zk_args(g)) as producer, Consumer(**zk_args(g)) as consumer:
+        with Producer(idempotent=False, timeout=30.0, **zk_args(g)) as producer, Consumer(**zk_args(g)) as consumer:
             wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, timeout=30,
                        what="topics registered again")
             producer.send_batch("orders", [b"after"])
@@ -415,7 +419,7 @@ def test_a_replica_behind_the_masters_retention_starts_over_and_rejoins(tmp_path
         master = g.wait_master()
         g.wait_in_sync(range(2))
         other = 1 - master
-        with Producer(acks="1", **zk_args(g)) as producer, Consumer(**zk_args(g)) as consumer:
+        with Producer(idempotent=False, acks="1", **zk_args(g)) as producer, Consumer(**zk_args(g)) as consumer:
             wait_until(lambda: producer.cluster.topic_partitions("orders"), what="topic routed")
             producer.send_batch("orders", [b"a" * 100] * 50)
             g.wait_in_sync(range(2))
