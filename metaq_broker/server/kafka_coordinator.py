@@ -198,7 +198,7 @@ class GroupCoordinator:
         protocol_type = req["protocol_type"]
 
         def fail(code: int, mid: str = member_id) -> None:
-            self._resolve(fut, _join_error(code, mid))
+            self._resolve(fut, join_error(code, mid))
 
         if not group_id:
             return fail(codes.INVALID_GROUP_ID)
@@ -267,7 +267,7 @@ class GroupCoordinator:
 
     def _update_member(self, group: Group, member: Member, fut: Future, spec: dict, now: float) -> None:
         if member.join is not None and member.join is not fut:
-            self._resolve(member.join, _join_error(codes.REBALANCE_IN_PROGRESS, member.member_id))
+            self._resolve(member.join, join_error(codes.REBALANCE_IN_PROGRESS, member.member_id))
         member.protocols = spec["protocols"]
         member.session_timeout, member.rebalance_timeout = spec["session_timeout"], spec["rebalance_timeout"]
         member.client_id, member.client_host = spec["client_id"], spec["client_host"]
@@ -280,9 +280,9 @@ class GroupCoordinator:
         old_id = group.static[spec["instance_id"]]
         member = group.members.pop(old_id)
         if member.join is not None:
-            self._resolve(member.join, _join_error(codes.FENCED_INSTANCE_ID, old_id))
+            self._resolve(member.join, join_error(codes.FENCED_INSTANCE_ID, old_id))
         if member.sync is not None:
-            self._resolve(member.sync, _sync_answer(codes.FENCED_INSTANCE_ID))
+            self._resolve(member.sync, sync_answer(codes.FENCED_INSTANCE_ID))
         member.join = member.sync = None
         old_leader = group.leader
         member.member_id = new_id
@@ -376,7 +376,7 @@ class GroupCoordinator:
         for m in group.members.values():
             m.assignment = b""
             if m.sync is not None:
-                self._resolve(m.sync, _sync_answer(code))
+                self._resolve(m.sync, sync_answer(code))
                 m.sync = None
 
     # -- SyncGroup ------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ class GroupCoordinator:
         with self._lock:
             code = self._sync(fut, req)
             if code is not None:
-                self._resolve(fut, _sync_answer(code))
+                self._resolve(fut, sync_answer(code))
         self._run_effects()
         return fut
 
@@ -414,11 +414,11 @@ class GroupCoordinator:
         member.last_heartbeat = self.clock()
         group.pending_sync.discard(member_id)
         if group.state == STABLE:
-            self._resolve(fut, {**_sync_answer(codes.NONE), "protocol_type": group.protocol_type,
+            self._resolve(fut, {**sync_answer(codes.NONE), "protocol_type": group.protocol_type,
                                 "protocol_name": group.protocol, "assignment": member.assignment})
             return None
         if member.sync is not None and member.sync is not fut:
-            self._resolve(member.sync, _sync_answer(codes.REBALANCE_IN_PROGRESS))
+            self._resolve(member.sync, sync_answer(codes.REBALANCE_IN_PROGRESS))
         member.sync = fut
         if member_id == group.leader and group.storing != group.generation:
             given = {a["member_id"]: bytes(a["assignment"]) for a in req["assignments"]}
@@ -451,7 +451,7 @@ class GroupCoordinator:
                 for m in group.members.values():
                     m.assignment = assignment.get(m.member_id, b"")
                     if m.sync is not None:
-                        self._resolve(m.sync, {**_sync_answer(codes.NONE), "protocol_type": group.protocol_type,
+                        self._resolve(m.sync, {**sync_answer(codes.NONE), "protocol_type": group.protocol_type,
                                                "protocol_name": group.protocol, "assignment": m.assignment})
                         m.sync, m.last_heartbeat = None, now
         self._run_effects()
@@ -547,9 +547,9 @@ class GroupCoordinator:
     def _drop_member(self, group: Group, member: Member) -> None:
         """Take ``member`` out, answering what it has parked; the group's state is the caller's."""
         if member.join is not None:
-            self._resolve(member.join, _join_error(codes.UNKNOWN_MEMBER_ID, ""))
+            self._resolve(member.join, join_error(codes.UNKNOWN_MEMBER_ID, ""))
         if member.sync is not None:
-            self._resolve(member.sync, _sync_answer(codes.UNKNOWN_MEMBER_ID))
+            self._resolve(member.sync, sync_answer(codes.UNKNOWN_MEMBER_ID))
         member.join = member.sync = None
         del group.members[member.member_id]
         if member.instance_id is not None and group.static.get(member.instance_id) == member.member_id:
@@ -728,9 +728,9 @@ class GroupCoordinator:
     def _unload_group(self, group: Group) -> None:
         for m in group.members.values():
             if m.join is not None:
-                self._resolve(m.join, _join_error(codes.NOT_COORDINATOR, m.member_id))
+                self._resolve(m.join, join_error(codes.NOT_COORDINATOR, m.member_id))
             if m.sync is not None:
-                self._resolve(m.sync, _sync_answer(codes.NOT_COORDINATOR))
+                self._resolve(m.sync, sync_answer(codes.NOT_COORDINATOR))
             m.join = m.sync = None
         group.state = DEAD
         self._groups.pop(group.group_id, None)
@@ -742,13 +742,13 @@ def _member_id(prefix: str) -> str:
     return f"{_ID_CHARS.sub('_', prefix or '')[:100] or 'member'}-{uuid.uuid4()}"
 
 
-def _join_error(code: int, member_id: str) -> dict:
+def join_error(code: int, member_id: str) -> dict:
     """A JoinGroup answer with an error (protocol name "": a null cannot be sent below v7)."""
     return {"throttle_time_ms": 0, "error_code": code, "generation_id": -1, "protocol_type": None,
             "protocol_name": "", "leader": "", "skip_assignment": False, "member_id": member_id, "members": []}
 
 
-def _sync_answer(code: int) -> dict:
+def sync_answer(code: int) -> dict:
     return {"throttle_time_ms": 0, "error_code": code, "protocol_type": None, "protocol_name": None,
             "assignment": b""}
 

@@ -55,7 +55,7 @@ def topic_entry(snap: ClusterSnapshot, topic: Optional[str], topic_id: Optional[
     if topic is None:
         topic = snap.topic_by_id(topic_id or bytes(16))
         if topic is None:
-            return _topic_error(None, codes.UNKNOWN_TOPIC_ID, topic_id)
+            return _topic_error("", codes.UNKNOWN_TOPIC_ID, topic_id)  # "": below v12 a name cannot be null
     try:
         validate_topic_name(topic)
     except InvalidTopicError:
@@ -69,7 +69,7 @@ def topic_entry(snap: ClusterSnapshot, topic: Optional[str], topic_id: Optional[
             "partitions": [partition_entry(snap, topic, k, p) for k, p in enumerate(tmap.partitions)]}
 
 
-def _topic_error(topic: Optional[str], code: int, topic_id: Optional[bytes] = None) -> dict:
+def _topic_error(topic: str, code: int, topic_id: Optional[bytes] = None) -> dict:
     return {"error_code": code, "name": topic, "topic_id": topic_id or bytes(16), "is_internal": False,
             "partitions": []}
 
@@ -120,12 +120,15 @@ def coordinator_of(group: str, broker_ids: Iterable[int]) -> Optional[int]:
     return best_id
 
 
-def find_coordinator(snap: ClusterSnapshot, keys: list, key_type: int) -> list:
+def find_coordinator(snap: ClusterSnapshot, keys: list, key_type: int, refused=frozenset()) -> list:
     """``[{"key", "node_id", "host", "port", "error_code", "error_message"}]`` for each key (v4+'s
-    ``coordinators``; v0-3 answer the one key's fields at the top level)."""
+    ``coordinators``; v0-3 answer the one key's fields at the top level). ``refused``: group ids the caller
+    may not Describe (GROUP_AUTHORIZATION_FAILED)."""
     out = []
     for key in keys:
-        if key_type == COORDINATOR_TRANSACTION:
+        if key_type == COORDINATOR_GROUP and key in refused:
+            out.append(_no_coordinator(key, codes.GROUP_AUTHORIZATION_FAILED, f"not authorized to describe group {key!r}"))
+        elif key_type == COORDINATOR_TRANSACTION:
             out.append(_no_coordinator(key, codes.INVALID_REQUEST, TRANSACTIONS_REFUSED))
         elif key_type != COORDINATOR_GROUP:
             out.append(_no_coordinator(key, codes.INVALID_REQUEST, f"unknown coordinator key type {key_type}"))
@@ -146,13 +149,13 @@ def _no_coordinator(key: str, code: int, message: str) -> dict:
     return {"key": key, "node_id": -1, "host": "", "port": -1, "error_code": code, "error_message": message}
 
 
-def find_coordinator_response(snap: ClusterSnapshot, request: dict, version: int) -> dict:
+def find_coordinator_response(snap: ClusterSnapshot, request: dict, version: int, refused=frozenset()) -> dict:
     """The whole FindCoordinator answer for a decoded request of ``version``."""
     key_type = request.get("key_type", COORDINATOR_GROUP)
     if version >= 4:
         return {"throttle_time_ms": 0, "coordinators": find_coordinator(snap, list(request["coordinator_keys"]),
-                                                                        key_type)}
-    one = find_coordinator(snap, [request["key"]], key_type)[0]
+                                                                        key_type, refused)}
+    one = find_coordinator(snap, [request["key"]], key_type, refused)[0]
     return {"throttle_time_ms": 0, "error_code": one["error_code"], "error_message": one["error_message"],
             "node_id": one["node_id"], "host": one["host"], "port": one["port"]}
 

@@ -9,7 +9,13 @@ JSON: ``{"version": 1, "generation": g, "protocolType": "consumer", "protocol": 
 "members": [{"memberId", "instanceId", "clientId", "clientHost", "sessionTimeoutMs", "rebalanceTimeoutMs",
 "metadata": base64, "assignment": base64}, ...]}``. Writes are conditioned on the version the writer read or
 wrote last, so of two brokers that both believe they coordinate the group (one with an old view of the live
-brokers) the second write fails and that broker gives the group up (``GroupMovedError``)."""
+brokers) the second write fails and that broker gives the group up (``GroupMovedError``).
+
+Each live member of a Kafka group also has an ephemeral ``<root>/consumers/<group>/ids/<memberId>`` of the
+coordinator's session, as metaq's own consumers do, so ``metaq groups`` and the console see it and resets
+and deletes are refused while it lives. Its data, ``{"kafka": true, "broker": <coordinator>}``, names no
+topic, so metaq's own consumers, which balance over the members listing a topic, never count it; and a node
+without it is one of metaq's own consumers."""
 from __future__ import annotations
 
 import base64
@@ -20,7 +26,7 @@ from typing import Optional
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from metaq_broker.errors import MetaqError
-from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.paths import ZkPaths, check_component
 
 MAX_RECORD = 512 << 10  # bytes; ZooKeeper's jute.maxbuffer is 1 MiB. Larger: written without its members
 
@@ -110,3 +116,50 @@ def write(zk, paths: ZkPaths, group: str, record: GroupRecord, version: Optional
     except (BadVersionError, NodeExistsError, NoNodeError):
         raise GroupMovedError(f"the Kafka record of group {group!r} ({path}) was changed by another broker or "
                               f"deleted since version {version}") from None
+
+
+def add_member(zk, paths: ZkPaths, group: str, member_id: str, broker_id: int) -> None:
+    """The ephemeral node of a live Kafka member (this session's); one this session has is kept."""
+    path = paths.group_member(group, check_component("member id", member_id))
+    zk.ensure_path(paths.group_ids(group))
+    while True:
+        try:
+            zk.create(path, json.dumps({"kafka": True, "broker": broker_id}).encode(), ephemeral=True)
+            return
+        except NodeExistsError:
+            stat = zk.exists(path)
+            if stat is None:
+                continue  # gone meanwhile
+            if stat.ephemeralOwner == zk.client_id[0]:
+                return
+            raise
+
+
+def remove_member(zk, paths: ZkPaths, group: str, member_id: str) -> None:
+    try:
+        zk.delete(paths.group_member(group, member_id))
+    except NoNodeError:
+        pass
+
+
+def is_kafka_member(data: bytes) -> bool:
+    try:
+        return json.loads(data).get("kafka") is True
+    except (ValueError, AttributeError):
+        return False
+
+
+def native_members(zk, paths: ZkPaths, group: str) -> list:
+    """Live members of ``group`` that are metaq's own consumers (not a Kafka coordinator's), sorted."""
+    try:
+        names = zk.get_children(paths.group_ids(group))
+    except NoNodeError:
+        return []
+    out = []
+    for name in names:
+        try:
+            if not is_kafka_member(zk.get(paths.group_member(group, name))[0]):
+                out.append(name)
+        except NoNodeError:
+            continue
+    return sorted(out)
