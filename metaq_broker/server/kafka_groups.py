@@ -89,6 +89,7 @@ class KafkaGroups(Persistence):
         ZooKeeper answers, stop; returns within about ``timeout``."""
         self.coordinator.unload(lambda group: False)
         self._stop.set()
+        self._jobs.put(None)  # wake the thread
         if self._thread is not None:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
