@@ -482,3 +482,18 @@ def test_describe_overview_delete(coord):
     assert coord.state("g") == EMPTY and coord.delete("g") == codes.NONE and not coord.has("g")
     assert coord.overview() == []
     assert DEAD == "Dead"
+
+
+def test_idle_empty_groups_leave_memory(coord, clock):
+    """Any group id a client names takes memory: an Empty one without pending ids is dropped after a minute
+    (its record brings it back when asked)."""
+    for i in range(100):
+        new_member(coord, group=f"probe-{i}")  # ids handed out, never used
+    (a,), gen = stable_group(coord)
+    coord.leave_group({"group_id": "g", "member_id": a}, 2)
+    clock.advance(SESSION / 1000 + 0.1)
+    coord.tick()
+    assert coord.has("probe-7") and coord.has("g")  # pending ids expired just now: kept a while
+    clock.advance(60.5)
+    coord.tick()
+    assert coord.overview() == [] and not coord.has("g") and not coord.has("probe-7")

@@ -2,18 +2,22 @@
 members, assignment and committed offsets end to end, offsets kept under metaq's partition names where
 ``metaq groups`` reads them (with a real broker process, through the real command line), refusals with
 Kafka's codes (generation, member, topic, partition, ACLs), member nodes kept in step (also after a new
-ZooKeeper session), the record that lets another coordinator take a group over without a rebalance, a stale
+ZooKeeper session), the lag metrics of a broker, the record that lets another coordinator take a group over
+without a rebalance, a stale
 coordinator giving a group up, groups moving when a broker joins, a group metaq's own consumers use,
 ListGroups, DescribeGroups and DeleteGroups. Every answer is encoded at the versions served."""
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from conftest import wait_until
 from kazoo.client import KazooClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.messages import APIS
 from metaq_broker.protocol.kafka.schema import decode, encode_parts
@@ -307,8 +311,10 @@ def test_list_describe_and_delete_groups(env):
 
 
 # -- metaq groups shows a Kafka group -------------------------------------------------------------------
-def test_metaq_groups_shows_a_kafka_groups_offsets_and_refuses_to_delete_it_while_members_live(cluster, zookeeper):
-    cluster.start_broker(1, topics={"orders": {"numPartitions": 2}})
+def test_metaq_groups_and_lag_metrics_show_a_kafka_groups_offsets(cluster, zookeeper):
+    """... and `metaq groups delete` is refused while a Kafka member lives."""
+    metrics_port = free_port()
+    cluster.start_broker(1, settings={"metricsPort": metrics_port}, topics={"orders": {"numPartitions": 2}})
     with cluster.client(Producer) as p:
         p.send_batch("orders", [b"m%d" % i for i in range(10)], partition="1-0")
         p.send_batch("orders", [b"n%d" % i for i in range(5)], partition="1-1")
@@ -335,6 +341,8 @@ def test_metaq_groups_shows_a_kafka_groups_offsets_and_refuses_to_delete_it_whil
         assert r.returncode == 0, r.stderr
         rows = sorted(line.split()[1:] for line in r.stdout.decode().splitlines()[1:])
         assert rows == [["orders", "1-0", "4", "10", "6"], ["orders", "1-1", "5", "5", "0"]]
+        lag = wait_until(lambda: lag_samples(metrics_port, "kafka-readers"), what="lag of the Kafka group exported")
+        assert lag == {"1-0": 6, "1-1": 0}
         r = metaq("groups", "delete", "--group", "kafka-readers")
         assert r.returncode == 1 and a.encode() in r.stderr  # a live Kafka member
         env.g.leave_group({"group_id": "kafka-readers", "member_id": a}, 2)
@@ -344,3 +352,10 @@ def test_metaq_groups_shows_a_kafka_groups_offsets_and_refuses_to_delete_it_whil
         assert env.store().fetch("kafka-readers", "orders") == {}
     finally:
         env.close()
+
+
+def lag_samples(port, group) -> dict:
+    """{partition: metaq_consumergroup_lag} the broker exports for ``group``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {s.labels["partition"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "metaq_consumergroup_lag" and s.labels.get("group") == group}

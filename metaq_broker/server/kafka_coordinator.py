@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 EMPTY, PREPARING, COMPLETING, STABLE, DEAD = "Empty", "PreparingRebalance", "CompletingRebalance", "Stable", "Dead"
 _ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+IDLE_EMPTY_S = 60.0  # an Empty group without pending member ids is kept in memory this long (any group id
+# a client names takes memory: this bounds it by the rate of new names, not their number)
 
 
 class Persistence:
@@ -100,6 +102,7 @@ class Group:
     pending_sync: set = field(default_factory=set)  # members that have not sent SyncGroup for this generation
     sync_deadline: float = 0.0
     storing: int = -1  # the generation whose assignment is being written, -1: none
+    empty_since: float = 0.0  # when it last became Empty (an idle Empty group is dropped from memory)
 
     def rebalance_timeout(self) -> float:
         return max((m.rebalance_timeout for m in self.members.values()), default=0.0)
@@ -152,6 +155,7 @@ class GroupCoordinator:
         self.initial_delay = initial_rebalance_delay_ms / 1000
         self.max_group_size = max_group_size
         self.new_member_timeout = new_member_join_timeout_ms / 1000
+        self.idle_empty = IDLE_EMPTY_S
         self._groups: dict = {}
         self._lock = threading.RLock()
         self._effects: list = []  # run in order after the lock is released (see the module's doc)
@@ -208,7 +212,7 @@ class GroupCoordinator:
         if group is None:
             if member_id:  # a member of a group this coordinator does not know: it must join anew
                 return fail(codes.UNKNOWN_MEMBER_ID)
-            group = self._groups[group_id] = Group(group_id)
+            group = self._groups[group_id] = Group(group_id, empty_since=self.clock())
         if group.state == DEAD:
             return fail(codes.COORDINATOR_NOT_AVAILABLE)
         if not group.supports(protocol_type, {n for n, _ in protocols}, member_id):
@@ -352,7 +356,7 @@ class GroupCoordinator:
             return
         group.generation += 1
         if not group.members:
-            group.state, group.protocol, group.leader = EMPTY, None, None
+            group.state, group.protocol, group.leader, group.empty_since = EMPTY, None, None, now
             log.info("group %s is empty at generation %d", group.group_id, group.generation)
             self._members_changed(group)
             self._after(self._store_quietly, group.group_id, self._record(group))
@@ -578,6 +582,10 @@ class GroupCoordinator:
         return min(max(wait, 0.0), 1.0)
 
     def _tick_group(self, group: Group, now: float) -> None:
+        if group.state == EMPTY and not group.members and not group.pending and \
+                now - group.empty_since > self.idle_empty:  # its record has what it is: loaded again if asked
+            del self._groups[group.group_id]
+            return
         for member_id, expiry in list(group.pending.items()):
             if expiry <= now:
                 del group.pending[member_id]
@@ -693,7 +701,7 @@ class GroupCoordinator:
         with self._lock:
             if group_id in self._groups:
                 return
-            group = self._groups[group_id] = Group(group_id)
+            group = self._groups[group_id] = Group(group_id, empty_since=self.clock())
             if record is not None:
                 now = self.clock()
                 group.generation, group.protocol_type = record.generation, record.protocol_type

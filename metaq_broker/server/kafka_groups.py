@@ -75,6 +75,7 @@ class KafkaGroups(Persistence):
         self._published: dict = {}  # group -> member ids whose node this session made
         self._dirty: set = set()  # groups whose member nodes differ from _wanted
         self._session = None  # the ZooKeeper session _published belongs to
+        self._brokers: frozenset = frozenset()  # the live Kafka brokers cluster_changed last saw
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -100,6 +101,10 @@ class KafkaGroups(Persistence):
 
     def cluster_changed(self) -> None:
         """The live brokers may have changed: give up the groups another broker coordinates now."""
+        brokers = frozenset(self._cluster().brokers)
+        if brokers == self._brokers:
+            return  # a topic or epoch changed: no group moves
+        self._brokers = brokers
         for group in self.coordinator.unload(self.is_coordinator):
             log.info("group %s is coordinated by another broker now; given up", group)
             with self._lock:
