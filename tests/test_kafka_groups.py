@@ -2,13 +2,14 @@
 members, assignment and committed offsets end to end, offsets kept under metaq's partition names where
 ``metaq groups`` reads them (with a real broker process, through the real command line), refusals with
 Kafka's codes (generation, member, topic, partition, ACLs), member nodes kept in step (also after a new
-ZooKeeper session), the lag metrics of a broker, the record that lets another coordinator take a group over
-without a rebalance, a stale
-coordinator giving a group up, groups moving when a broker joins, a group metaq's own consumers use,
-ListGroups, DescribeGroups and DeleteGroups. Every answer is encoded at the versions served."""
+ZooKeeper session), the broker's lag metrics, ZooKeeper away (retriable errors, members stay), the record
+that lets another coordinator take a group over without a rebalance, a stale coordinator giving a group up,
+groups moving when a broker joins, a group metaq's own consumers use, ListGroups, DescribeGroups and
+DeleteGroups. Every answer is encoded at the versions served."""
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -230,6 +231,39 @@ def test_a_group_metaq_consumers_use_is_refused_to_kafka_members(env):
         "error_code"] == codes.NON_EMPTY_GROUP
     env.store().leave("shared", "metaq-consumer-1")
     assert join(env.g, "shared").result(T)["error_code"] == codes.MEMBER_ID_REQUIRED
+
+
+def test_without_a_zookeeper_session_members_stay_and_changes_wait(env):
+    """The broker's ZooKeeper session is away (its ``zk()`` gives None): heartbeats go on from memory,
+    everything that must read or write ZooKeeper is answered COORDINATOR_NOT_AVAILABLE (clients retry), and
+    closing does not wait for ZooKeeper."""
+    away = {"now": False}
+    g = KafkaGroups(lambda: None if away["now"] else env.zk, env.root, 5, env.cache.snapshot,
+                    initial_rebalance_delay_ms=0).start()
+    env.groups.append(g)
+    (a,), gen = stable(g)
+    away["now"] = True
+    assert g.heartbeat({"group_id": "app", "generation_id": gen, "member_id": a}, 4)["error_code"] == 0
+    assert commit(g, "app", gen, a, {"orders": {0: 1}}) == {("orders", 0): codes.COORDINATOR_NOT_AVAILABLE}
+    assert join(g, "other").result(T)["error_code"] == codes.COORDINATOR_NOT_AVAILABLE  # not loaded: unknown
+    assert join(g, "app", a).result(T)["error_code"] == codes.COORDINATOR_NOT_AVAILABLE  # metaq's members unseen
+    away["now"] = False
+    new = join(g, "app", a, metadata=b"v2").result(T)  # a rebalance ...
+    away["now"] = True
+    answer = g.sync_group({"group_id": "app", "generation_id": new["generation_id"], "member_id": a,
+                           "assignments": [{"member_id": a, "assignment": b"x"}]}, 3).result(T)
+    assert answer["error_code"] == codes.COORDINATOR_NOT_AVAILABLE
+    assert fetch(g, "app", [{"name": "orders", "partition_indexes": [0]}], 7)["error_code"] == \
+        codes.COORDINATOR_NOT_AVAILABLE
+    away["now"] = False  # back: the member rejoins and the group settles
+    again = join(g, "app", a, metadata=b"v2").result(T)
+    assert g.sync_group({"group_id": "app", "generation_id": again["generation_id"], "member_id": a,
+                         "assignments": [{"member_id": a, "assignment": b"y"}]}, 3).result(T)["assignment"] == b"y"
+    assert commit(g, "app", again["generation_id"], a, {"orders": {0: 2}}) == {("orders", 0): 0}
+    away["now"] = True
+    started = time.monotonic()
+    g.close()
+    assert time.monotonic() - started < 3
 
 
 # -- coordinators ----------------------------------------------------------------------------------------
