@@ -3,6 +3,10 @@ fake clock: member ids (KIP-394), joins, the leader's assignment, heartbeats in 
 and timing out, the rebalance, sync and initial-delay timeouts, static members, offset-commit checks, storage
 failures, a group taken over from its record and given up. Every answer is also encoded with the Kafka codec
 at each version served, so a body a client cannot read fails here."""
+import collections
+import threading
+import time
+
 import pytest
 
 from metaq_broker.protocol.kafka import codes
@@ -259,7 +263,7 @@ def test_a_pending_member_id_expires(coord, clock):
 
 def test_a_member_that_sends_no_sync_is_dropped_after_the_rebalance_timeout(coord, clock):
     a, b = new_member(coord), new_member(coord)
-    fa, fb = join(coord, member=a), join(coord, member=b)
+    fa, _ = join(coord, member=a), join(coord, member=b)
     gen = result(fa)["generation_id"]
     assert result(sync(coord, a, gen, [(a, b"1"), (b, b"2")]))["assignment"] == b"1"
     clock.advance(REBALANCE / 1000 + 0.1)
@@ -308,7 +312,7 @@ def test_leave_group_v3_batch_and_the_group_empties(coord, rec):
 
 def test_the_leader_leaving_while_followers_wait_for_their_assignment(coord):
     a, b = new_member(coord), new_member(coord)
-    fa, fb = join(coord, member=a), join(coord, member=b)
+    fa, _ = join(coord, member=a), join(coord, member=b)
     gen = result(fa)["generation_id"]
     waiting = sync(coord, b, gen)
     coord.leave_group({"group_id": "g", "member_id": a}, 2)
@@ -391,7 +395,7 @@ def test_a_failed_store_makes_the_members_rejoin(coord, rec):
 def test_a_store_that_finds_another_coordinator_gives_the_group_up(coord, rec):
     rec.fail = GroupMovedError("moved")
     a, b = new_member(coord), new_member(coord)
-    fa, fb = join(coord, member=a), join(coord, member=b)
+    fa, _ = join(coord, member=a), join(coord, member=b)
     gen = result(fa)["generation_id"]
     fs = sync(coord, b, gen)
     assert result(sync(coord, a, gen, [(a, b"x")]))["error_code"] == codes.NOT_COORDINATOR
@@ -404,7 +408,7 @@ def test_commit_checks(coord):
     assert coord.commit_allowed("g", -1, "", None) == codes.NONE  # no group management: allowed
     assert coord.commit_allowed("g", 3, "m", None) == codes.ILLEGAL_GENERATION
     a, b = new_member(coord), new_member(coord)
-    fa, fb = join(coord, member=a), join(coord, member=b)
+    fa, _ = join(coord, member=a), join(coord, member=b)
     gen = result(fa)["generation_id"]
     assert coord.commit_allowed("g", gen, a, None) == codes.REBALANCE_IN_PROGRESS  # CompletingRebalance
     sync(coord, a, gen, [(a, b"1"), (b, b"2")])
@@ -497,3 +501,53 @@ def test_idle_empty_groups_leave_memory(coord, clock):
     clock.advance(60.5)
     coord.tick()
     assert coord.overview() == [] and not coord.has("g") and not coord.has("probe-7")
+
+
+def test_members_on_many_threads_with_a_real_clock(rec):
+    """Eight members behave as Kafka clients do (rejoin on REBALANCE_IN_PROGRESS, start over on
+    UNKNOWN_MEMBER_ID) on their own threads while the group thread ticks: every request is answered,
+    nothing deadlocks, and the group ends Empty."""
+    c = GroupCoordinator(time.monotonic, rec, initial_rebalance_delay_ms=0, min_session_timeout_ms=100)
+    stop, errors, rounds = threading.Event(), [], collections.Counter()
+
+    def ticker():
+        while not stop.is_set():
+            time.sleep(min(c.tick(), 0.05))
+
+    def client(i):
+        try:
+            member_id = ""
+            for _ in range(6):
+                answer = join(c, member=member_id, session=3000, rebalance=3000).result(20)
+                if answer["error_code"] in (codes.MEMBER_ID_REQUIRED, codes.UNKNOWN_MEMBER_ID):
+                    member_id = answer["member_id"] if answer["error_code"] == codes.MEMBER_ID_REQUIRED else ""
+                    continue
+                assert answer["error_code"] == codes.NONE, answer
+                gen, leader = answer["generation_id"], answer["leader"] == member_id
+                plan = [(m["member_id"], b"a") for m in answer["members"]] if leader else []
+                if sync(c, member_id, gen, plan).result(20)["error_code"] != codes.NONE:
+                    continue
+                rounds[i] += 1
+                for _ in range(3):
+                    if beat(c, member_id, gen) != codes.NONE:
+                        break
+                    time.sleep(0.02)
+            if member_id:
+                c.leave_group({"group_id": "g", "member_id": member_id}, 2)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    tick = threading.Thread(target=ticker)
+    tick.start()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    stop.set()
+    tick.join(5)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert sum(rounds.values()) >= 8  # every member got through rounds with an assignment
+    assert c.state("g") in (EMPTY, PREPARING)
+    clock_end = time.monotonic() + 10
+    while c.state("g") != EMPTY and time.monotonic() < clock_end:
+        time.sleep(min(c.tick(), 0.05))
+    assert c.state("g") == EMPTY and rec.members[-1] == ("g", ())

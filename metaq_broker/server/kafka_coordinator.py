@@ -20,8 +20,10 @@ future; the member then expires like one that stopped heartbeating.
 the initial rebalance delay) and returns the seconds until the next one; a broker calls it from one
 thread in a loop (``KafkaGroups``), a test after moving its fake clock.
 
-**Lock order.** One lock guards all groups. Futures are resolved and ``persistence`` is called only after
-it is released (queued as effects, run in order), so a callback may call back into the coordinator.
+**Lock order.** ``_lock`` guards all groups. Futures are resolved and ``persistence`` is called only after
+it is released: queued as effects, which run in the order queued, one thread at a time (``_effects_lock``,
+reentrant, always taken before ``_lock``, never while holding it), so ``persistence`` sees the member sets
+in the order they happened and a callback may call back into the coordinator.
 """
 from __future__ import annotations
 
@@ -159,6 +161,7 @@ class GroupCoordinator:
         self._groups: dict = {}
         self._lock = threading.RLock()
         self._effects: list = []  # run in order after the lock is released (see the module's doc)
+        self._effects_lock = threading.RLock()
 
     # -- effects --------------------------------------------------------------------------------------
     def _after(self, fn, *args) -> None:
@@ -168,16 +171,17 @@ class GroupCoordinator:
         self._after(_set_result, fut, body)
 
     def _run_effects(self) -> None:
-        while True:
-            with self._lock:
-                if not self._effects:
-                    return
-                effects, self._effects = self._effects, []
-            for effect in effects:
-                try:
-                    effect()
-                except Exception:  # noqa: BLE001 - one failing callback must not stop the others
-                    log.exception("Kafka group coordinator: a callback failed")
+        with self._effects_lock:
+            while True:
+                with self._lock:
+                    if not self._effects:
+                        return
+                    effects, self._effects = self._effects, []
+                for effect in effects:
+                    try:
+                        effect()
+                    except Exception:  # noqa: BLE001 - one failing callback must not stop the others
+                        log.exception("Kafka group coordinator: a callback failed")
 
     def _members_changed(self, group: Group) -> None:
         self._after(self.persistence.members_changed, group.group_id,
