@@ -146,6 +146,9 @@ def test_a_broker_without_zookeeper_numbers_its_own_partitions_in_order():
     assert [(p["partition_index"], p["leader_id"], p["leader_epoch"]) for p in t["partitions"]] == \
         [(0, 3, 0), (1, 3, 0), (2, 3, 0)]
     assert snap.maps["t"].partitions == ("3-0", "3-1", "3-2")
+    refused = readable(FIND_COORDINATOR, km.find_coordinator_response(snap, {"key": "g", "key_type": 0}, 3,
+                                                                      groups=False), range(1, 4))
+    assert refused["error_code"] == codes.INVALID_REQUEST and "zk.connect=none" in refused["error_message"]
 
 
 @pytest.mark.parametrize("info,expected", [

@@ -31,6 +31,8 @@ from metaq_broker.zk.kafka_partitions import TopicMap
 
 ENDPOINT_BROKERS = 1  # DescribeCluster's endpoint_type: brokers (2 asks for controllers: KRaft's, none here)
 COORDINATOR_GROUP, COORDINATOR_TRANSACTION = 0, 1  # FindCoordinator's key_type
+GROUPS_WITHOUT_ZOOKEEPER = ("consumer groups need ZooKeeper, where metaq keeps group offsets: this broker runs "
+                            "with zk.connect=none; assign partitions to the consumer and keep offsets yourself")
 TRANSACTIONS_REFUSED = ("metaq does not support Kafka transactions (the producer's transactional.id); "
                         "use an idempotent producer (enable.idempotence) without transactional.id")
 
@@ -120,13 +122,17 @@ def coordinator_of(group: str, broker_ids: Iterable[int]) -> Optional[int]:
     return best_id
 
 
-def find_coordinator(snap: ClusterSnapshot, keys: list, key_type: int, refused=frozenset()) -> list:
+def find_coordinator(snap: ClusterSnapshot, keys: list, key_type: int, refused=frozenset(),
+                     groups: bool = True) -> list:
     """``[{"key", "node_id", "host", "port", "error_code", "error_message"}]`` for each key (v4+'s
     ``coordinators``; v0-3 answer the one key's fields at the top level). ``refused``: group ids the caller
-    may not Describe (GROUP_AUTHORIZATION_FAILED)."""
+    may not Describe (GROUP_AUTHORIZATION_FAILED); ``groups`` False: a broker without ZooKeeper, which
+    coordinates no group (INVALID_REQUEST saying so: retrying would not help)."""
     out = []
     for key in keys:
-        if key_type == COORDINATOR_GROUP and key in refused:
+        if key_type == COORDINATOR_GROUP and not groups:
+            out.append(_no_coordinator(key, codes.INVALID_REQUEST, GROUPS_WITHOUT_ZOOKEEPER))
+        elif key_type == COORDINATOR_GROUP and key in refused:
             out.append(_no_coordinator(key, codes.GROUP_AUTHORIZATION_FAILED, f"not authorized to describe group {key!r}"))
         elif key_type == COORDINATOR_TRANSACTION:
             out.append(_no_coordinator(key, codes.INVALID_REQUEST, TRANSACTIONS_REFUSED))
@@ -149,13 +155,14 @@ def _no_coordinator(key: str, code: int, message: str) -> dict:
     return {"key": key, "node_id": -1, "host": "", "port": -1, "error_code": code, "error_message": message}
 
 
-def find_coordinator_response(snap: ClusterSnapshot, request: dict, version: int, refused=frozenset()) -> dict:
-    """The whole FindCoordinator answer for a decoded request of ``version``."""
+def find_coordinator_response(snap: ClusterSnapshot, request: dict, version: int, refused=frozenset(),
+                              groups: bool = True) -> dict:
+    """The whole FindCoordinator answer for a decoded request of ``version`` (``groups``: as above)."""
     key_type = request.get("key_type", COORDINATOR_GROUP)
     if version >= 4:
         return {"throttle_time_ms": 0, "coordinators": find_coordinator(snap, list(request["coordinator_keys"]),
-                                                                        key_type, refused)}
-    one = find_coordinator(snap, [request["key"]], key_type, refused)[0]
+                                                                        key_type, refused, groups)}
+    one = find_coordinator(snap, [request["key"]], key_type, refused, groups)[0]
     return {"throttle_time_ms": 0, "error_code": one["error_code"], "error_message": one["error_message"],
             "node_id": one["node_id"], "host": one["host"], "port": one["port"]}
 
