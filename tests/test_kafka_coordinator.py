@@ -14,7 +14,7 @@ from metaq_broker.protocol.kafka.messages import APIS
 from metaq_broker.protocol.kafka.schema import decode, encode_parts
 from metaq_broker.server.kafka_coordinator import (COMPLETING, DEAD, EMPTY, PREPARING, STABLE, GroupCoordinator,
                                                     Persistence)
-from metaq_broker.zk.kafka_groups import GroupMovedError, GroupRecord, MemberRecord
+from metaq_broker.zk.kafka_group_records import GroupMovedError, GroupRecord, MemberRecord
 
 JOIN, SYNC, HEARTBEAT, LEAVE, DESCRIBE = 11, 14, 12, 13, 15
 SESSION, REBALANCE = 10_000, 30_000

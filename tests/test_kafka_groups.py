@@ -25,7 +25,7 @@ from metaq_broker.protocol.kafka.schema import decode, encode_parts
 from metaq_broker.server import kafka_metadata as km
 from metaq_broker.server.kafka_groups import KafkaGroups
 from metaq_broker.server.registration import BrokerRegistration
-from metaq_broker.zk import kafka_groups as zk_groups
+from metaq_broker.zk import kafka_group_records as zk_groups
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.kafka_cluster import KafkaClusterCache
 from metaq_broker.zk.paths import ZkPaths

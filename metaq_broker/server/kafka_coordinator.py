@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from metaq_broker.protocol.kafka import codes
-from metaq_broker.zk.kafka_groups import GroupMovedError, GroupRecord, MemberRecord
+from metaq_broker.zk.kafka_group_records import GroupMovedError, GroupRecord, MemberRecord
 
 log = logging.getLogger(__name__)
 

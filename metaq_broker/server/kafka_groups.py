@@ -9,7 +9,7 @@ Delete to delete it, Describe on the cluster to list every group (else those it 
 
 What it adds to the state machine: whether this broker coordinates a group (``kafka_metadata.coordinator_of``
 over the live Kafka brokers; groups that move elsewhere are given up: ``cluster_changed``), the group's
-record loaded from ZooKeeper on first use and written after each assignment (``zk/kafka_groups.py``),
+record loaded from ZooKeeper on first use and written after each assignment (``zk/kafka_group_records.py``),
 ephemeral member nodes so that ``metaq groups`` and the console see Kafka members, and committed offsets
 kept where metaq keeps every group's (``zk/group_offsets.py``) under metaq's partition names, translated
 from Kafka's numbers (``zk/kafka_partitions.py``): ``metaq groups``, the lag metrics and the console show
@@ -35,10 +35,10 @@ from metaq_broker.security.acl import CLUSTER
 from metaq_broker.server import kafka_metadata
 from metaq_broker.server.kafka_coordinator import (EMPTY, GroupCoordinator, Persistence, join_error,
                                                     sync_answer)
-from metaq_broker.zk import kafka_groups as zk_groups
+from metaq_broker.zk import kafka_group_records as zk_groups
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.kafka_cluster import ClusterSnapshot
-from metaq_broker.zk.kafka_groups import GroupMovedError
+from metaq_broker.zk.kafka_group_records import GroupMovedError
 from metaq_broker.zk.paths import ZkPaths
 
 log = logging.getLogger(__name__)
