@@ -8,8 +8,8 @@
   forget`` or when the broker no longer has the topic.
 * ``<root>/kafka/topics/<topic>``: with each topic entry, Kafka's numbers for the broker's partitions of it
   that have none yet (``zk/kafka_partitions.py``: append-only, so numbers never move).
-* The broker node's JSON is the broker's: addresses under ``host`` (``advertisedHostName``), ``port``,
-  ``dataPort`` and ``kafkaPort`` (while its Kafka listener is up).
+* The broker node's JSON (made by the broker) holds its addresses: ``host`` (``advertisedHostName``),
+  ``port``, ``dataPort``, and ``kafkaPort`` while its Kafka listener is up.
 
 Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an expired session the
 ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because

@@ -11,7 +11,8 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/brokers/groups/<brokerId>/starting/<replicaId> ephemeral, JSON: a member waiting for its old session
     <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
     <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
-    <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics
+    <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics (a Kafka member's:
+                                                          {"kafka": true, "broker": <its coordinator>})
     <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
     <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
     <root>/consumers/<group>/kafka                        JSON: a Kafka consumer group's generation, protocol and

@@ -71,8 +71,8 @@ FENCED_INSTANCE_ID = 82
 INVALID_RECORD = 87
 PRODUCER_FENCED = 90
 UNKNOWN_TOPIC_ID = 100
-UNSUPPORTED_ENDPOINT_TYPE = 115
 TRANSACTIONAL_ID_NOT_FOUND = 105
+UNSUPPORTED_ENDPOINT_TYPE = 115
 
 NAMES = {v: k for k, v in globals().items() if k.isupper() and isinstance(v, int)}
 # Codes a Kafka client retries by itself (Kafka's RetriableException subclasses, of those named here)
