@@ -71,6 +71,9 @@ class Broker:
         self.port: Optional[int] = None
         self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
         self.data_port: Optional[int] = None  # the data port once started (dataPort >= 0)
+        # The Kafka listener's port once it listens (kafkaPort >= 0), registered for Kafka clients; the listener
+        # itself is issue 27's, still to come: until it sets this, no Kafka address is registered
+        self.kafka_port: Optional[int] = None
         self.data_server = None
         self.stats, self.metrics = BrokerStats(), None
         self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
@@ -153,8 +156,8 @@ class Broker:
                 except OSError as e:
                     raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
                 self.data_port = self.data_server.port
-            service.own_addresses = (self.address, "" if self.data_port is None else
-                                     f"{cfg.host_name}:{self.data_port}")
+            host = cfg.advertised_host
+            service.own_addresses = (f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}")
             self.server.start()
             if self.data_server is not None:
                 self.data_server.start()
@@ -279,17 +282,18 @@ class Broker:
                         path, session)
 
     def _member_info(self) -> dict:
-        """The member node's JSON (and, plus ``replicaId``, the master node's): addresses and what an
-        election of a group without state compares."""
+        """The member node's JSON (and, plus ``replicaId``, the master node's): addresses (``host`` is
+        ``advertisedHostName``, for every listener) and what an election of a group without state compares."""
         cfg = self.config
         last_epoch, log_end = self._standing()
-        return {"host": cfg.host_name, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
+        return {"host": cfg.advertised_host, "port": self.port, "brokerId": cfg.broker_id, "version": __version__,
                 "securityProtocol": cfg.security.protocol, "replicaId": cfg.replica_id, "uuid": self.identity.uuid,
                 # clients without a ZooKeeper identity then commit offsets and decisions through brokers
                 **({"zkAcl": True} if cfg.zk_security.digest else {}),
                 "lastEpoch": last_epoch, "logEnd": log_end,
                 **({"instance": self.instance} if self.instance is not None else {}),
-                **({"dataPort": self.data_port} if self.data_port is not None else {})}
+                **({"dataPort": self.data_port} if self.data_port is not None else {}),
+                **({"kafkaPort": self.kafka_port} if self.kafka_port is not None else {})}
 
     def _standing(self) -> tuple:
         parts = self.store.all_partitions()

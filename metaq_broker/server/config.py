@@ -71,6 +71,8 @@ SYSTEM_KEYS: dict = {
     "brokerId": ("broker_id", _int(0, 1023)),
     "replicaId": ("replica_id", _int(0, MAX_REPLICAS - 1)),
     "hostName": ("host_name", _str),
+    "advertisedHostName": ("advertised_host_name", _str),
+    "kafkaPort": ("kafka_port", _int(-1, 65535)),
     "serverPort": ("server_port", _int(0, 65535)),
     "metricsPort": ("metrics_port", _int(-1, 65535)),
     "dataPort": ("data_port", _int(-1, 65535)),
@@ -95,6 +97,10 @@ class BrokerConfig:
     broker_id: int = 0
     replica_id: int = 0  # this member of broker group broker_id (replication: same brokerId, own replicaId)
     host_name: str = "127.0.0.1"
+    # The address every listener registers and Kafka's Metadata returns (None: hostName), so a broker can bind
+    # 0.0.0.0 in a container and be reached by its DNS name
+    advertised_host_name: Optional[str] = None
+    kafka_port: int = 9092  # Kafka's wire protocol on hostName: -1 off, 0 any free port (docs/kafka.md)
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
     data_port: int = 0  # bulk fetches (sendfile) and puts over plain TCP (data_server.py): -1 off, 0 any free port
@@ -120,6 +126,11 @@ class BrokerConfig:
     topics: dict = field(default_factory=dict)  # name -> TopicConfig
     source: Optional[str] = None
 
+    @property
+    def advertised_host(self) -> str:
+        """The host name clients are given: ``advertisedHostName``, else ``hostName``."""
+        return self.advertised_host_name or self.host_name
+
 
 def topic_config_from(base: TopicConfig, overrides: Mapping[str, str], where: str) -> TopicConfig:
     """``base`` with per-topic INI keys applied; ``where`` names the source in errors."""
@@ -139,6 +150,9 @@ def topic_ini_values(topic: TopicConfig) -> dict:
     return {key: str(getattr(topic, attr)) for key, (attr, _) in TOPIC_KEYS.items()}
 
 
+_UNROUTABLE = ("0.0.0.0", "::", "[::]")
+
+
 def _check_system(cfg: BrokerConfig) -> None:
     """Rules between [system] keys."""
     if cfg.zk_session_timeout_ms > cfg.zk_max_session_timeout_ms and cfg.zk_connect.lower() != "none":
@@ -148,6 +162,11 @@ def _check_system(cfg: BrokerConfig) -> None:
             f"maxSessionTimeout (by default 20 x tickTime = 40000 ms), and a group's master would then serve past "
             f"its lease; lower zk.sessionTimeout, or raise the ZooKeeper servers' maxSessionTimeout and set "
             f"zk.maxSessionTimeout to it")
+    if cfg.advertised_host_name in _UNROUTABLE:  # (a hostName of 0.0.0.0 is still registered as before)
+        raise ConfigError(
+            f"[system] advertisedHostName: {cfg.advertised_host_name!r} means every address of the host, not one "
+            f"clients can reach; it is registered in ZooKeeper and returned to Kafka clients: give this host's "
+            f"name or address")
     if cfg.data_port == -1 and cfg.replica_id != 0:
         raise ConfigError(
             f"[system] dataPort: -1 (off) with replicaId {cfg.replica_id}: the members of a broker group copy "

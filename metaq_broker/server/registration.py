@@ -6,6 +6,10 @@
   "brokerId": id}``. Clients route to the entries of brokers that are alive; keys hash over all of them,
   so the entries stay when the broker stops (as when it crashes) and go only with ``metaq brokers
   forget`` or when the broker no longer has the topic.
+* ``<root>/kafka/topics/<topic>``: with each topic entry, Kafka's numbers for the broker's partitions of it
+  that have none yet (``zk/kafka_partitions.py``: append-only, so numbers never move).
+* The broker node's JSON (made by the broker) holds its addresses: ``host`` (``advertisedHostName``),
+  ``port``, ``dataPort``, and ``kafkaPort`` while its Kafka listener is up.
 
 Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an expired session the
 ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because
@@ -30,7 +34,8 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.security.settings import ZkSecurity
-from metaq_broker.zk import topic_entries
+from metaq_broker.names import partition_name
+from metaq_broker.zk import kafka_partitions, topic_entries
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import ensure_public_path, new_client, public_acl, start_client
 
@@ -240,6 +245,12 @@ class BrokerRegistration:
             except NodeExistsError:
                 if self.client.get(path)[0] != data:
                     self.client.set(path, data)
+        names = [partition_name(self.broker_id, n) for n in range(int(num_partitions))]
+        try:  # Kafka's numbers for partitions that have none yet (zk/kafka_partitions.py)
+            kafka_partitions.number(self.client, self.paths, topic, names)
+        except MetaqError as e:  # a damaged map is never overwritten: Kafka clients miss these until it is repaired
+            log.error("%s; partitions %s of broker %d have no Kafka partition number", e, ", ".join(names),
+                      self.broker_id)
 
     # -- topics at runtime ----------------------------------------------------------------------------
     def add_topic(self, topic: str, num_partitions: int) -> None:

@@ -144,8 +144,8 @@ class GroupStore:
             return {}
         out = {}
         for p in children:
-            path = self.paths.group_offset(group, topic, p)
             try:
+                path = self.paths.group_offset(group, topic, p)
                 offset = int(self.zk.get(path)[0])
             except (NoNodeError, ValueError):
                 continue  # vanished, or not ours (a foreign child or a non-number)

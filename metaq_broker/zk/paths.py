@@ -11,9 +11,15 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/brokers/groups/<brokerId>/starting/<replicaId> ephemeral, JSON: a member waiting for its old session
     <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
     <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
-    <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics
+    <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics (a Kafka member's:
+                                                          {"kafka": true, "broker": <its coordinator>})
     <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
     <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
+    <root>/consumers/<group>/kafka                        JSON: a Kafka consumer group's generation, protocol and
+                                                          members, written by its coordinator (docs/kafka.md)
+    <root>/kafka/cluster_id                               JSON {"version": "1", "id": <22 chars>}: Kafka's cluster id
+    <root>/kafka/topics/<topic>                           JSON: the topic's Kafka id and its partitions in Kafka's
+                                                          numbering (append-only: a number is never reused)
     <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
     <root>/latest_producer_id_block                       JSON: the last block of producer ids a broker took
     <root>/config/users/<quoted user>                     JSON {"SCRAM-SHA-256": salted credential}
@@ -149,6 +155,23 @@ class ZkPaths:
     def group_owner(self, group: str, topic: str, partition_name: str) -> str:
         parse_partition_name(partition_name)
         return f"{self.group_owners(group, topic)}/{partition_name}"
+
+    def group_kafka(self, group: str) -> str:
+        """A Kafka consumer group's record (generation, protocol, members), kept by its coordinator."""
+        return f"{self.group(group)}/kafka"
+
+    # -- Kafka's view: partition numbers, topic ids, the cluster id (zk/kafka_partitions.py) -------------
+    def kafka(self) -> str:
+        return f"{self.root}/kafka"
+
+    def kafka_cluster_id(self) -> str:
+        return f"{self.kafka()}/cluster_id"
+
+    def kafka_topics(self) -> str:
+        return f"{self.kafka()}/topics"
+
+    def kafka_topic(self, topic: str) -> str:
+        return f"{self.kafka_topics()}/{check_component('topic', topic)}"
 
     # -- exactly-once sink decisions ------------------------------------------------------------------
     def producer_id_block(self) -> str:

@@ -1,0 +1,159 @@
+"""What a Kafka listener answers from, kept in step with ZooKeeper: live brokers with their Kafka addresses,
+each broker group's epoch, every topic's entries, the partition maps (zk/kafka_partitions.py) and the
+cluster id. ``KafkaClusterCache`` follows the nodes with watches (kazoo's TreeCache on
+``brokers/ids``, ``brokers/groups``, ``brokers/topics-pub`` and ``kafka/topics``), so answering Metadata costs
+no ZooKeeper request; ``snapshot()`` hands out an immutable ``ClusterSnapshot`` built again only after a
+change. ``server/kafka_metadata.py`` turns a snapshot into Kafka's answers (pure functions).
+
+A broker's Kafka address is in its registration JSON (``/brokers/ids/<b>``): ``host`` (its
+``advertisedHostName``) and ``kafkaPort``, present while its Kafka listener is up."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kazoo.recipe.cache import TreeCache, TreeEvent
+
+from metaq_broker.zk import kafka_partitions
+from metaq_broker.zk.groups import GroupState
+from metaq_broker.zk.kafka_partitions import KafkaMapError, TopicMap
+from metaq_broker.zk.paths import ZkPaths
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KafkaBroker:
+    """A live broker as Kafka clients see it: node id = brokerId (a replicated group is one node)."""
+    node_id: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """The cluster at one moment. Treat the dicts as read-only: snapshots are shared."""
+
+    cluster_id: str
+    live: frozenset  # broker ids registered now (``/brokers/ids``), Kafka listener or not
+    brokers: dict  # brokerId -> KafkaBroker, the live brokers with a Kafka listener
+    epochs: dict  # brokerId -> its group's epoch (``brokers/groups/<b>/state``)
+    topics: dict  # topic -> {brokerId: numPartitions}: its entries, the brokers' that are down included
+    maps: dict  # topic -> TopicMap: Kafka's numbers and topic id
+    _by_id: dict = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_id", {m.topic_id: t for t, m in self.maps.items()})
+
+    def topic_by_id(self, topic_id: bytes) -> Optional[str]:
+        return self._by_id.get(bytes(topic_id))
+
+
+def kafka_endpoint(broker_id: int, info) -> Optional[KafkaBroker]:
+    """The Kafka address in a registration's JSON (a dict), None when it has none (listener off, or a broker
+    of an older version)."""
+    if not isinstance(info, dict):
+        return None
+    host, port = info.get("host"), info.get("kafkaPort")
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+            or not 0 < port < 65536:
+        return None
+    return KafkaBroker(broker_id, host, port)
+
+
+def build(cluster_id: str, nodes: dict, paths: ZkPaths) -> ClusterSnapshot:
+    """A snapshot from ``{path: data}`` of the watched nodes; unreadable nodes are left out (and logged)."""
+    ids, groups, pub, maps_root = (paths.broker_ids() + "/", paths.broker_groups() + "/", paths.topics_pub() + "/",
+                                   paths.kafka_topics() + "/")
+    live, brokers, epochs, topics, maps = set(), {}, {}, {}, {}
+    for path, data in nodes.items():
+        try:
+            if path.startswith(ids):
+                name = path[len(ids):]
+                if name.isdigit():
+                    live.add(int(name))
+                    endpoint = kafka_endpoint(int(name), json.loads(data))
+                    if endpoint is not None:
+                        brokers[endpoint.node_id] = endpoint
+            elif path.startswith(groups):
+                name, _, leaf = path[len(groups):].partition("/")
+                if name.isdigit() and leaf == "state":
+                    epochs[int(name)] = GroupState.from_json(data).epoch
+            elif path.startswith(pub):
+                topic, _, entry = path[len(pub):].partition("/")
+                if entry.endswith("-m") and entry[:-2].isdigit() and "/" not in entry:
+                    count = int(json.loads(data)["numPartitions"])
+                    if count > 0:
+                        topics.setdefault(topic, {})[int(entry[:-2])] = count
+            elif path.startswith(maps_root):
+                topic = path[len(maps_root):]
+                if "/" not in topic:
+                    maps[topic] = TopicMap.from_json(topic, data)
+        except (ValueError, KeyError, TypeError, KafkaMapError) as e:
+            log.warning("Kafka metadata: ignoring %s: %s", path, e)
+    return ClusterSnapshot(cluster_id, frozenset(live), brokers, epochs, topics, maps)
+
+
+class KafkaClusterCache:
+    """Watches the nodes Kafka's answers come from; ``snapshot()`` is a dictionary copy at most once per
+    change. ``on_change`` callbacks run on a kazoo thread after each change and must not block."""
+
+    def __init__(self, zk, root: str, timeout: float = 15.0, acl=None):
+        self.paths = ZkPaths(root)
+        self.cluster_id = kafka_partitions.cluster_id(zk, self.paths, acl)
+        self._lock = threading.Lock()  # guards _nodes, _snapshot
+        self._nodes: dict = {}  # path -> data of every watched node below the four roots
+        self._snapshot: Optional[ClusterSnapshot] = None
+        self._listeners: list = []
+        roots = (self.paths.broker_ids(), self.paths.broker_groups(), self.paths.topics_pub(),
+                 self.paths.kafka_topics())
+        self._trees, ready = [], []
+        for path in roots:
+            tree, event = TreeCache(zk, path), threading.Event()
+            tree.listen(lambda e, root=path, ev=event: self._on_event(root, ev, e))
+            tree.listen_fault(lambda e, root=path: log.error("the Kafka metadata cache of %s failed: %s", root, e))
+            self._trees.append(tree)
+            ready.append(event)
+        for tree in self._trees:
+            tree.start()
+        for path, event in zip(roots, ready):
+            if not event.wait(timeout):
+                log.warning("%s not loaded from ZooKeeper within %.0fs; Kafka metadata lacks it until it is",
+                            path, timeout)
+
+    def snapshot(self) -> ClusterSnapshot:
+        with self._lock:
+            if self._snapshot is None:
+                self._snapshot = build(self.cluster_id, self._nodes, self.paths)
+            return self._snapshot
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def close(self) -> None:
+        for tree in self._trees:
+            tree.close()
+
+    def _on_event(self, root: str, ready: threading.Event, event) -> None:
+        if event.event_type == TreeEvent.INITIALIZED:
+            ready.set()
+            return
+        data = event.event_data
+        if data is None or not data.path.startswith(root + "/"):
+            return  # connection events, and the root node itself
+        with self._lock:
+            if event.event_type in (TreeEvent.NODE_ADDED, TreeEvent.NODE_UPDATED):
+                self._nodes[data.path] = data.data
+            elif event.event_type == TreeEvent.NODE_REMOVED:
+                self._nodes.pop(data.path, None)
+            else:
+                return
+            self._snapshot = None
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one bad listener must not stop the cache
+                log.exception("Kafka metadata change listener failed")
