@@ -96,3 +96,11 @@ def unpack(request) -> Request:
         raise RecordFormatError("PutRaw request: topic or xid is not UTF-8", 0) from None
     acks = ACKS_ONE if flags & FLAG_ACKS_ONE else ACKS_ALL
     return Request(topic, partition, xid, Batch(count, attributes, view[header_len:], body_crc), acks)
+
+
+# How large a put may be. A producer cuts a partition's messages into bodies of at most SPLIT_BYTES
+# (a single larger message goes alone); a broker refuses, before reading its body, a put request over
+# max(maxTransferSize, the largest maxMessageSize, SPLIT_BYTES) + HEADER_ALLOWANCE bytes (the header, the
+# topic and the xid), on the data port and over gRPC alike (server/broker.py, ``max_put_bytes``).
+SPLIT_BYTES = 4 << 20
+HEADER_ALLOWANCE = 256 << 10
