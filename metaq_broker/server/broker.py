@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Optional
@@ -58,6 +59,32 @@ HANDSHAKE_TIMEOUT_MS = 10_000  # a gRPC connection's TLS and HTTP/2 handshake mu
 CONNECTION_IDLE_MS = 300_000  # a gRPC connection with no call for this long is closed (clients reconnect)
 LOCK_FILE = "lock"  # <dataPath>/replication/lock: held by the running member (flock), names this run
 HAND_OVER_S = 5.0  # a stopping master waits at most this long for its in-sync replicas to have its whole log
+
+
+class _UndecodableRequests(logging.Filter):
+    """gRPC logs every request it cannot deserialize at ERROR with a traceback (``grpc._common``): anyone who
+    reaches the port could fill the log. The call is refused all the same (INTERNAL, "Exception deserializing
+    request"); here it becomes one warning a minute, with the count, and no traceback."""
+
+    def __init__(self, every_s: float = 60.0):
+        super().__init__()
+        self.every_s, self.count, self.last = every_s, 0, -every_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Exception deserializing"):
+            return True
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return False
+        log.warning("gRPC: %d request(s) that could not be deserialized were refused (logged at most once a "
+                    "minute)", self.count)
+        self.count, self.last = 0, now
+        return False
+
+
+_UNDECODABLE = _UndecodableRequests()
+logging.getLogger("grpc._common").addFilter(_UNDECODABLE)
 
 
 class Broker:
