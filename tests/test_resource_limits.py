@@ -21,7 +21,7 @@ from certs import make_pki
 from conftest import wait_until
 from kazoo.client import KazooClient
 
-from metaq_broker.client import Consumer, Producer
+from metaq_broker.client import Admin, Consumer, Producer
 from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.protocol import dataport, rawput
 from metaq_broker.security.acl import Acl
@@ -329,3 +329,51 @@ def test_three_120_mib_grpc_calls(secured, pki):
     finally:
         conn.close()
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+
+
+# -- the put limit, as legitimate clients meet it -------------------------------------------------------
+
+def test_a_large_send_batch_is_cut_under_the_limit_and_stored_in_order(cluster):
+    """A producer cuts a partition's 24 MB of messages into puts of at most rawput.SPLIT_BYTES (the broker
+    takes up to max(maxTransferSize, maxMessageSize, SPLIT_BYTES) + header), sent one after the other."""
+    cluster.start_broker(1, {"maxTransferSize": 1 << 20}, topics={"t": {"numPartitions": 2}})
+    values = [b"%07d" % i + bytes(993) for i in range(24_000)]
+    for use_data_port in (True, False):
+        with cluster.client(Producer, use_data_port=use_data_port) as p:
+            wait_until(lambda: len(p.partitions("t")) == 2, what="topic t")
+            results = p.send_batch("t", values, partition="1-0")
+        assert len(results) == 6 and all(r.count <= rawput.SPLIT_BYTES // 1000 for r in results)
+        assert [r.base_offset for r in results] == sorted(r.base_offset for r in results)
+    with cluster.client(Consumer) as c:
+        got = []
+        while len(got) < 2 * len(values):
+            got += c.fetch("t", "1-0", len(got), max_bytes=16 << 20).batch.column("value").to_pylist()
+    assert got == values + values
+
+
+def test_a_put_over_the_brokers_limit_is_refused_in_words(cluster):
+    b = cluster.start_broker(1, {"maxTransferSize": 1 << 20}, topics={"t": {"numPartitions": 1}})
+    limit = max(1 << 20, 4 << 20, rawput.SPLIT_BYTES) + rawput.HEADER_ALLOWANCE
+    big = rawput.pack("t", 0, "", 1, 0, 0, [bytes(limit)])
+    with grpc.insecure_channel(b.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(rawput.PATH)(big, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    zk = KazooClient(hosts=cluster.zk_connect)
+    zk.start(15)
+    try:
+        port = json.loads(zk.get(f"{cluster.zk_root}/brokers/ids/1")[0])["dataPort"]
+    finally:
+        zk.stop()
+        zk.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        s.sendall(dataport.PREFIX.pack(dataport.PREFIX.size + len(big), dataport.PUT, 0) + big[:4096])
+        head = bytearray(dataport.PUT_REPLY.size)
+        assert dataport.recv_exact(s, memoryview(head))
+        reply_len, status, *_ = dataport.PUT_REPLY.unpack(head)
+        message = s.recv(reply_len - len(head)).decode()
+    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert f"over this broker's limit of {limit}" in message and "maxTransferSize" in message
+    with cluster.client(Admin) as admin:  # nor may a topic ask for messages larger than one put
+        with pytest.raises(ValueError, match="maxMessageSize 16777216 is over what this broker takes in one put"):
+            admin.create_topic("huge", 1, config={"maxMessageSize": str(16 << 20)}, broker_ids=[1])

@@ -54,7 +54,6 @@ RUNTIME_TOPICS_FILE = "runtime-topics.ini"
 SERVICE_NAME = "metaq.v1.Broker"
 WRITE_SERVICE = "metaq.write"  # health: NOT_SERVING while the last write found the disk full
 MAX_GRPC_MESSAGE = 256 << 20  # a reply: a fetch (maxTransferSize, or one larger batch), a replica's topic list
-GRPC_FRAMING = 64 << 10  # a Put's protobuf fields beside the batch: the receive limit is max_put_bytes + this
 HANDSHAKE_TIMEOUT_MS = 10_000  # a gRPC connection's TLS and HTTP/2 handshake must be done by then
 CONNECTION_IDLE_MS = 300_000  # a gRPC connection with no call for this long is closed (clients reconnect)
 LOCK_FILE = "lock"  # <dataPath>/replication/lock: held by the running member (flock), names this run
@@ -157,7 +156,7 @@ class Broker:
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
                 interceptors=[self.auth.gate()],
-                options=[("grpc.max_receive_message_length", service.max_put_bytes + GRPC_FRAMING),
+                options=[("grpc.max_receive_message_length", service.max_put_bytes),  # a Put's fields fit the allowance
                          ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
                          ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
                          ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
@@ -495,7 +494,8 @@ class Broker:
         if limit and config.max_message_size + rawput.HEADER_ALLOWANCE > limit:
             raise ConfigError(f"topic {topic!r}: maxMessageSize {config.max_message_size} is over what this broker "
                               f"takes in one put ({limit - rawput.HEADER_ALLOWANCE} bytes: the largest of "
-                              f"maxTransferSize and the maxMessageSize of its topics at start); raise maxTransferSize")
+                              f"maxTransferSize, {rawput.SPLIT_BYTES} and the maxMessageSize of its topics at "
+                              f"start); raise maxTransferSize")
         with self._topic_lock:
             created = topic not in self.store.topics()
             config = self.store.create_topic(topic, config)
