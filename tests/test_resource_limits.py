@@ -74,7 +74,7 @@ class Legit:
     """A SASL client producing to and fetching from ``t`` in rounds, in a thread, for as long as it runs;
     every round's outcome is kept with its time."""
 
-    def __init__(self, zk_connect, root, security):
+    def __init__(self, zk_connect, root, security=None):
         self.producer = Producer(zk_connect=zk_connect, zk_root=root, security=security, timeout=30)
         self.consumer = Consumer(zk_connect=zk_connect, zk_root=root, security=security, timeout=30)
         wait_until(lambda: self.producer.partitions("t"), what="topic t")
@@ -134,6 +134,28 @@ def secured(tmp_path_factory, zookeeper, pki):
     bs.stop()
     zk.stop()
     zk.close()
+
+
+@pytest.fixture(scope="module")
+def open_broker(tmp_path_factory, zookeeper, secured):
+    """A PLAINTEXT broker without ACLs: anyone may write, so only the put limit stands in an attacker's way."""
+    from test_security import Brokers
+    bs = Brokers(tmp_path_factory.mktemp("open"), zookeeper.connect_string, f"/limits-open-{time.time_ns()}")
+    broker = bs.start("b", 1, {}, topics={"t": {"numPartitions": 1}})
+    zk = KazooClient(hosts=zookeeper.connect_string)
+    zk.start(15)
+    data_port = json.loads(zk.get(f"{bs.root}/brokers/ids/1")[0])["dataPort"]
+    zk.stop()
+    zk.close()
+    legit = Legit(zookeeper.connect_string, bs.root, None)
+    yield broker, data_port, legit
+    legit.close()
+    bs.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def figures():
+    yield
     if FIGURES:
         print("\n| attack | RSS before / worst / after (MiB) | threads | fds | legitimate rounds during |")
         print("|---|---|---|---|---|")
@@ -251,19 +273,22 @@ def put_head(declared: int, topic: str = "t") -> bytes:
     return dataport.PREFIX.pack(declared, dataport.PUT, 0) + head + bytes(header_len - len(head))
 
 
-def test_most_of_a_256_mib_put_before_login(secured, pki):
-    """Anonymous clients declaring 256 MiB PUTs and streaming 200 MiB each, four at once: the first frame
-    of a SASL_SSL connection must be AUTH, so each is refused at its 32-byte head and closed."""
-    broker, data_port, legit = secured
+@pytest.mark.parametrize("where", ["SASL_SSL", "PLAINTEXT"])
+def test_most_of_a_256_mib_put_from_an_anonymous_client(secured, open_broker, pki, where):
+    """Anonymous clients declaring 256 MiB PUTs and streaming 200 MiB each, four at once. SASL_SSL: the
+    first frame must be AUTH, so each is refused at its 32-byte head. PLAINTEXT, where anonymous may write:
+    the declared size is over the broker's put limit, refused before the body. Each connection is closed."""
+    broker, data_port, legit = secured if where == "SASL_SSL" else open_broker
 
     def one(_):
-        with tls_socket(pki, data_port) as s:
+        s = tls_socket(pki, data_port) if where == "SASL_SSL" else socket.create_connection(("127.0.0.1", data_port))
+        with s:
             return _stream(s, put_head(256 * MIB), 200 * MIB)
 
     def run():
         with ThreadPoolExecutor(4) as pool:
             return list(pool.map(one, range(4)))
-    sent = attack("4 x most of a 256 MiB data-port PUT, no login", broker, legit, run)["result"]
+    sent = attack(f"4 x most of a 256 MiB data-port PUT, anonymous ({where})", broker, legit, run)["result"]
     assert all(n < 64 * MIB for n in sent), sent  # cut off long before: the broker closed the connection
 
 
@@ -377,3 +402,24 @@ def test_a_put_over_the_brokers_limit_is_refused_in_words(cluster):
     with cluster.client(Admin) as admin:  # nor may a topic ask for messages larger than one put
         with pytest.raises(ValueError, match="maxMessageSize 16777216 is over what this broker takes in one put"):
             admin.create_topic("huge", 1, config={"maxMessageSize": str(16 << 20)}, broker_ids=[1])
+
+
+def test_a_request_trickling_in_is_cut_off_at_its_deadline(open_broker):
+    """A put that sends a byte every second never finishes: the broker closes the connection once
+    REQUEST_TIMEOUT_S passed since its first byte, having kept only the scratch of its header."""
+    broker, data_port, legit = open_broker
+    with socket.create_connection(("127.0.0.1", data_port), timeout=15) as s:
+        s.sendall(put_head(1 << 20))
+        start = time.monotonic()
+
+        def trickled_out():
+            try:
+                s.sendall(b"\0")
+            except OSError:
+                return True
+            return _closed(s)
+        wait_until(trickled_out, timeout=data_server.REQUEST_TIMEOUT_S + 30, interval=1.0,
+                   what="the trickling put cut off")
+        took = time.monotonic() - start
+    print(f"a put trickling in a byte a second was cut off after {took:.0f}s")
+    assert took >= data_server.REQUEST_TIMEOUT_S - 1

@@ -15,8 +15,6 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
-import time
-from typing import Optional
 
 import grpc
 
@@ -109,23 +107,12 @@ class ProtocolError(MetaqError):
     """The peer broke the data port's framing; the connection is closed."""
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> bool:
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fill ``view`` from ``sock``; False if the peer closed before the first byte, ProtocolError if it
-    closed part-way or, with a ``deadline`` (``time.monotonic()``), did not send it all by then (the
-    socket's timeout is left set)."""
+    closed part-way."""
     got, n = 0, len(view)
     while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ProtocolError(f"{n - got} of {n} bytes did not arrive in time")
-            sock.settimeout(left)
-            try:
-                k = sock.recv_into(view[got:], n - got)
-            except TimeoutError:
-                raise ProtocolError(f"{n - got} of {n} bytes did not arrive in time") from None
-        else:
-            k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got)
         if k == 0:
             if got == 0:
                 return False

@@ -55,7 +55,8 @@ SERVICE_NAME = "metaq.v1.Broker"
 WRITE_SERVICE = "metaq.write"  # health: NOT_SERVING while the last write found the disk full
 MAX_GRPC_MESSAGE = 256 << 20  # a reply: a fetch (maxTransferSize, or one larger batch), a replica's topic list
 HANDSHAKE_TIMEOUT_MS = 10_000  # a gRPC connection's TLS and HTTP/2 handshake must be done by then
-CONNECTION_IDLE_MS = 300_000  # a gRPC connection with no call for this long is closed (clients reconnect)
+CONNECTION_IDLE_MS = 600_000  # a gRPC connection with no call for this long is closed (clients reconnect; Kafka's
+# connections.max.idle.ms)
 LOCK_FILE = "lock"  # <dataPath>/replication/lock: held by the running member (flock), names this run
 HAND_OVER_S = 5.0  # a stopping master waits at most this long for its in-sync replicas to have its whole log
 

@@ -24,7 +24,10 @@ in that stage at once (more are closed as they are accepted) and each gets ``LOG
 accept; a failed handshake is logged at debug level only. Only then does the connection get a thread of
 its own, which serves its requests in order: a request must arrive whole within ``REQUEST_TIMEOUT_S`` of
 its first byte, and a connection idle for ``IDLE_TIMEOUT_S`` is closed (the client's pool sees it and
-connects again). A put is checked before its body is read: its declared size against the broker's limit
+connects again). On plain TCP these are the kernel's timeouts (``SO_RCVTIMEO``, ``SO_SNDTIMEO``) on a
+blocking socket, checked between reads, not Python's socket timeouts, which poll before every read (and
+``sendfile`` needs a blocking socket); OpenSSL retries a kernel timeout without end, so a TLS connection
+uses Python's. A put is checked before its body is read: its declared size against the broker's limit
 (``BrokerService.max_put_bytes``: max(maxTransferSize, maxMessageSize, rawput.SPLIT_BYTES) plus the
 header's allowance; over it the connection is closed after the refusal), then from its header who may
 write the topic (``BrokerService.admit_put``); a refused body is read into a small scratch buffer and
@@ -62,7 +65,7 @@ from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.dataport import (AUTH, AUTH_ATTEMPTS, FETCH, MAX_TOKEN_BYTES, MAX_TOPIC_BYTES, OK,
                                             PREFIX, PUT, PUT_REPLY, REPLICA_FETCH, REPLY, REQUEST, ProtocolError,
-                                            code_number, recv_exact)
+                                            code_number)
 from metaq_broker.protocol.rawfetch import pack_aborted
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security import tls
@@ -85,7 +88,8 @@ SEND_TIMEOUT_S = 60.0  # a reply the client does not take in for this long (SO_S
 REPLY_TIMEOUT_S = 1.0  # the accepting thread's wait to send a short answer (a refusal, an AUTH reply)
 _TICK_S = 0.5  # with SASL_SSL the accepting thread looks for expired sessions this often
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
-_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+# A receive timeout passing: SO_RCVTIMEO on a blocking socket (EAGAIN), Python's on a TLS one
+_TIMED_OUT = (BlockingIOError, ssl.SSLWantReadError, TimeoutError)
 
 
 class _Conn:
@@ -348,7 +352,9 @@ class DataServer:
         self._new.pop(new.sock, None)
         self._selector.unregister(new.sock)
         new.sock.setblocking(True)
-        new.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
+        if self._context is None:  # plain TCP: the kernel's timeouts (a TLS connection sets Python's)
+            new.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
+            new.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(REQUEST_TIMEOUT_S))
         conn = _Conn(new.sock, self._context is not None, principal, session, token)
         thread = threading.Thread(target=self._serve, args=(conn, head), name="metaq-data", daemon=True)
         with self._lock:
@@ -404,19 +410,25 @@ class DataServer:
             conn.sock.close()
 
     def _next_head(self, conn: _Conn, head: bytearray) -> bool:
-        """The next request's head: False when the client closed, was idle for IDLE_TIMEOUT_S or the
-        broker is stopping; the rest of it must come within REQUEST_TIMEOUT_S of its first byte."""
-        sock = conn.sock
-        sock.settimeout(IDLE_TIMEOUT_S)
-        try:
-            got = sock.recv_into(head)
-        except TimeoutError:
-            log.debug("data port: a connection of %s was idle for %.0fs; closed", conn.principal, IDLE_TIMEOUT_S)
-            return False
+        """The next request's head: False when the client closed, was idle for IDLE_TIMEOUT_S (looked at
+        each time the receive timeout passes) or the broker is stopping; the rest of it must come within
+        REQUEST_TIMEOUT_S of its first byte."""
+        sock, idle_since = conn.sock, time.monotonic()
+        if conn.tls:
+            sock.settimeout(IDLE_TIMEOUT_S)
+        while True:
+            try:
+                got = sock.recv_into(head)
+                break
+            except _TIMED_OUT:
+                if self._stopping or conn.ended or time.monotonic() - idle_since >= IDLE_TIMEOUT_S:
+                    log.debug("data port: a connection of %s was idle for %.0fs; closed", conn.principal,
+                              time.monotonic() - idle_since)
+                    return False
         if got == 0:
             return False
         if got < len(head):
-            _recv(sock, memoryview(head)[got:], time.monotonic() + REQUEST_TIMEOUT_S)
+            _recv(conn, memoryview(head)[got:], time.monotonic() + REQUEST_TIMEOUT_S)
         return True
 
     def _serve_requests(self, conn: _Conn, first: Optional[bytes]) -> None:
@@ -437,8 +449,8 @@ class DataServer:
                     return
                 body = bytearray(length)
                 body[:REQUEST.size] = head
-                _recv(conn.sock, memoryview(body)[REQUEST.size:], deadline)
-                conn.sock.settimeout(None)
+                _recv(conn, memoryview(body)[REQUEST.size:], deadline)
+                _replying(conn)
                 self._replica_fetch(conn, body)
                 continue
             if kind != FETCH or topic_len > MAX_TOPIC_BYTES or length != REQUEST.size + topic_len:
@@ -449,8 +461,8 @@ class DataServer:
                                  f"{topic_len} bytes){why}; closing the connection")
                 return
             name = bytearray(topic_len)
-            _recv(conn.sock, memoryview(name), deadline)
-            conn.sock.settimeout(None)  # blocking for the reply (sendfile needs it; SO_SNDTIMEO bounds it)
+            _recv(conn, memoryview(name), deadline)
+            _replying(conn)
             self._fetch(conn, name, *fields)
 
     # -- one request --------------------------------------------------------------------------------
@@ -601,7 +613,7 @@ class DataServer:
     def _receive_put(self, conn: _Conn, head: bytearray, length: int, deadline: float) -> bool:
         """One PUT: its size and, from its header, its topic and xid checked before the body is read; then
         stored and answered. A refusal before the body drops the body unread into memory and keeps the
-        connection; False (close it) after a put over the broker's limit or a header that does not add up."""
+        connection; False (close it) after a put over the broker's limit or too short for a header."""
         sock = conn.sock
         limit = self.service.max_put_bytes
         if not PREFIX.size + rawput.HEADER.size <= length <= limit:
@@ -615,15 +627,15 @@ class DataServer:
         request_len = length - PREFIX.size
         fixed = bytearray(rawput.HEADER.size)
         fixed[:REQUEST.size - PREFIX.size] = head[PREFIX.size:]
-        _recv(sock, memoryview(fixed)[REQUEST.size - PREFIX.size:], deadline)
+        _recv(conn, memoryview(fixed)[REQUEST.size - PREFIX.size:], deadline)
         header_len, _, _, _, _, _, topic_len, xid_len, _ = rawput.HEADER.unpack(fixed)
         if not rawput.HEADER.size + topic_len + xid_len <= header_len <= request_len or header_len % records.ALIGN:
             self._send_put_error(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"PutRaw request header says the body starts at byte {header_len} of {request_len}; "
-                                 f"closing the connection")
-            return False
+                                 f"PutRaw request header says the body starts at byte {header_len} of {request_len}")
+            _discard(conn, request_len - rawput.HEADER.size, deadline)  # the frame's length still holds
+            return True
         names = bytearray(header_len - rawput.HEADER.size)
-        _recv(sock, memoryview(names), deadline)
+        _recv(conn, memoryview(names), deadline)
 
         def admit():
             try:
@@ -634,16 +646,15 @@ class DataServer:
             return True
         if not self._answer(sock, "PutData", self._send_put_error, admit):
             conn.put_buffer = np.empty(0, np.uint8)
-            _discard(sock, request_len - header_len, deadline)
-            sock.settimeout(None)
+            _discard(conn, request_len - header_len, deadline)
             return True
         if len(conn.put_buffer) < request_len:
             conn.put_buffer = np.empty(request_len, np.uint8)
         view = memoryview(conn.put_buffer)[:request_len]
         view[:rawput.HEADER.size] = fixed
         view[rawput.HEADER.size:header_len] = names
-        _recv(sock, view[header_len:], deadline)
-        sock.settimeout(None)
+        _recv(conn, view[header_len:], deadline)
+        _replying(conn)
         if not self._put(conn, view) or len(conn.put_buffer) > KEEP_PUT_BUFFER:
             conn.put_buffer = np.empty(0, np.uint8)  # after a refusal, or a rare huge put: not kept
         return True
@@ -678,19 +689,37 @@ def _error(layout, status: int, message: str) -> bytes:
     return REPLY.pack(REPLY.size, status, -1, -1, -1, -1, len(body)) + body
 
 
-def _recv(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """Fill ``view`` by ``deadline``; ProtocolError when the client closes or is too slow."""
-    if not recv_exact(sock, view, deadline):
-        raise ProtocolError("connection closed inside a request")
+def _recv(conn: _Conn, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` by ``deadline`` (checked after each read, and by the receive timeout); ProtocolError
+    when the client closes, goes silent or is too slow."""
+    sock, got, n = conn.sock, 0, len(view)
+    while got < n:
+        if conn.tls:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except _TIMED_OUT:
+            raise ProtocolError(f"{n - got} of {n} bytes of a request did not come within {REQUEST_TIMEOUT_S:.0f}s")
+        if k == 0:
+            raise ProtocolError("connection closed inside a request")
+        got += k
+        if got < n and time.monotonic() > deadline:
+            raise ProtocolError(f"a request took over {REQUEST_TIMEOUT_S:.0f}s to arrive")
 
 
-def _discard(sock: socket.socket, n: int, deadline: float) -> None:
+def _discard(conn: _Conn, n: int, deadline: float) -> None:
     """Read ``n`` bytes by ``deadline`` through a small buffer and drop them."""
     scratch = memoryview(bytearray(min(n, DRAIN_CHUNK)))
     while n:
         k = min(n, len(scratch))
-        _recv(sock, scratch[:k], deadline)
+        _recv(conn, scratch[:k], deadline)
         n -= k
+
+
+def _replying(conn: _Conn) -> None:
+    """A request is in: a TLS connection's reply may take SEND_TIMEOUT_S (a plain one has SO_SNDTIMEO)."""
+    if conn.tls:
+        conn.sock.settimeout(SEND_TIMEOUT_S)
 
 
 def _timeval(seconds: float) -> bytes:
