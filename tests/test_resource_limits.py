@@ -196,7 +196,8 @@ def attack(name: str, broker, legit, run, settle=None) -> dict:
     print("\n" + row)
     assert not failures, f"a legitimate client failed during {name}: {failures[0]!r}"
     assert rounds >= 1, f"no legitimate round completed during {name}"
-    assert peak.peak["rss"] - before["rss"] <= GOAL, f"{name}: memory grew by {(peak.peak['rss'] - before['rss']) / MIB:.0f} MiB"
+    grew = peak.peak["rss"] - before["rss"]
+    assert grew <= GOAL, f"{name}: memory grew by {grew / MIB:.0f} MiB"
     return {"before": before, "peak": peak.peak, "after": after, "result": result}
 
 

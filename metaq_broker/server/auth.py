@@ -284,8 +284,6 @@ class BrokerAuth:
 
     def admit(self, method: str, context) -> None:
         """Refuse (abort) a call that ``gate`` must not let read its request."""
-        if method in _OPEN_PATHS or not self.enabled:
-            return
         try:
             principal = self.grpc_principal(context)
         except AuthenticationError as e:

@@ -83,8 +83,7 @@ class _UndecodableRequests(logging.Filter):
         return False
 
 
-_UNDECODABLE = _UndecodableRequests()
-logging.getLogger("grpc._common").addFilter(_UNDECODABLE)
+logging.getLogger("grpc._common").addFilter(_UndecodableRequests())
 
 
 class Broker:
