@@ -50,11 +50,11 @@ def brokers(tmp_path_factory, zookeeper):
     for name, b, sec in (("plain", plain, None), ("sasl", sasl, secure)):
         node = json.loads(zk.get(f"{bs.root}/brokers/ids/{b.broker_id}")[0])
         out[name] = (b, node["dataPort"], sec, conn.session_token() if sec else None, pki)
+    zk.stop()  # no kazoo thread (its jitter draws from ``random``) while hypothesis generates inputs
+    zk.close()
     yield bs, out
     conn.close()
     bs.stop()
-    zk.stop()
-    zk.close()
 
 
 def log_end(consumer, broker) -> int:

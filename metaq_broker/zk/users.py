@@ -104,6 +104,8 @@ class UserCache:
         self._path = ZkPaths(root).users()
         self._users: dict = {}
         self._listeners: list = []  # called with a user's name once it was changed or removed
+        self._typical: Optional[int] = None  # typical_iterations, until the users change
+        self._version = 0  # changes seen
         self._ready = threading.Event()
         self._tree = TreeCache(zk, self._path)
         self._tree.listen(self._on_event)
@@ -118,8 +120,14 @@ class UserCache:
     def typical_iterations(self) -> int:
         """The SCRAM iteration count most users have (DEFAULT_ITERATIONS without users): what an unknown
         user is told, so that the count does not give it away."""
-        counts = Counter(c.iterations for c in list(self._users.values()))
-        return counts.most_common(1)[0][0] if counts else DEFAULT_ITERATIONS
+        typical = self._typical
+        if typical is None:  # counted again after a change, not at every login
+            version = self._version
+            counts = Counter(c.iterations for c in list(self._users.values()))
+            typical = counts.most_common(1)[0][0] if counts else DEFAULT_ITERATIONS
+            if version == self._version:  # no change meanwhile: keep it
+                self._typical = typical
+        return typical
 
     def listen(self, callback: Callable[[str], None]) -> None:
         """``callback(name)`` on ZooKeeper's event thread each time a user is changed or removed."""
@@ -150,6 +158,8 @@ class UserCache:
             self._users.pop(name, None)
         else:
             return
+        self._version += 1
+        self._typical = None
         if event.event_type != TreeEvent.NODE_ADDED:
             for callback in self._listeners:
                 try:
