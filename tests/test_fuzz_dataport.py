@@ -3,7 +3,6 @@ frames of every kind with lengths, names and bodies that are valid, mutated or g
 connection that then half-closes. Invariants: the broker answers in its reply layouts or closes, within
 seconds (never hangs), never crashes, and stores nothing it refused (the partition's log end moves only
 by the counts of the puts it acknowledged). A legitimate round trip works after the run."""
-import json
 import socket
 import ssl
 import struct
@@ -14,16 +13,12 @@ from certs import make_pki
 from fuzzing import bodies, fuzz_settings, mutated
 from hypothesis import given
 from hypothesis import strategies as st
-from kazoo.client import KazooClient
 
 from metaq_broker.client import Consumer, Producer
 from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.protocol import dataport, rawput
 from metaq_broker.security.acl import Acl
-from metaq_broker.security.scram import Credential
 from metaq_broker.security.settings import ClientSecurity
-from metaq_broker.zk.acls import add_acls
-from metaq_broker.zk.users import put_user
 
 ANSWER_WITHIN_S = 15.0  # a half-closed connection is answered and closed by then, loaded machine included
 
@@ -33,12 +28,9 @@ def brokers(tmp_path_factory, zookeeper):
     """{"plain": ..., "sasl": ...}: (process, data port, client security, a session token for AUTH)."""
     from test_security import Brokers
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    bs = Brokers(tmp_path_factory.mktemp("fuzz"), zookeeper.connect_string, f"/fuzz-{time.time_ns()}")
-    zk = KazooClient(hosts=zookeeper.connect_string)
-    zk.start(15)
-    put_user(zk, bs.root, "alice", Credential.make("alice-pw"))
-    add_acls(zk, bs.root, [Acl("User:alice", "Allow", "All", "topic", "t")])
-    topics = {"t": {"numPartitions": 1, "maxMessageSize": 1000}, "u": {"numPartitions": 1}}
+    bs = Brokers.made(tmp_path_factory, zookeeper, "fuzz", users={"alice": "alice-pw"},
+                      acls=[Acl("User:alice", "Allow", "All", "topic", "t")])
+    topics = {"t": {"numPartitions": 1, "maxMessageSize": 1000}}
     plain = bs.start("plain", 1, {"maxFetchWait": 100}, topics=topics)
     sasl = bs.start("sasl", 2, {"maxFetchWait": 100, "security.protocol": "SASL_SSL", "authorizer": "acl",
                                 "ssl.certificate.location": pki.broker.cert, "ssl.key.location": pki.broker.key,
@@ -46,12 +38,8 @@ def brokers(tmp_path_factory, zookeeper):
     secure = ClientSecurity.from_properties({"security.protocol": "SASL_SSL", "ssl.ca.location": pki.ca,
                                              "sasl.username": "alice", "sasl.password": "alice-pw"})
     conn = BrokerConnection(sasl.address, 10, secure)
-    out = {}
-    for name, b, sec in (("plain", plain, None), ("sasl", sasl, secure)):
-        node = json.loads(zk.get(f"{bs.root}/brokers/ids/{b.broker_id}")[0])
-        out[name] = (b, node["dataPort"], sec, conn.session_token() if sec else None, pki)
-    zk.stop()  # no kazoo thread (its jitter draws from ``random``) while hypothesis generates inputs
-    zk.close()
+    out = {name: (b, bs.data_port(b.broker_id), sec, conn.session_token() if sec else None, pki)
+           for name, b, sec in (("plain", plain, None), ("sasl", sasl, secure))}
     yield bs, out
     conn.close()
     bs.stop()

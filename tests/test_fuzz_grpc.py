@@ -4,7 +4,6 @@ and to a SASL_SSL broker with ACLs (with and without a session). Invariants: eac
 within seconds (never a hang), never INTERNAL from the broker's own code (only a request gRPC could not
 deserialize is INTERNAL, as gRPC words it), the broker never dies, and a refused put stores nothing."""
 import json
-import time
 
 import grpc
 import pytest
@@ -12,7 +11,6 @@ from certs import make_pki
 from fuzzing import bodies, fuzz_settings, mutated
 from hypothesis import given
 from hypothesis import strategies as st
-from kazoo.client import KazooClient
 
 from metaq_broker.client import Admin
 from metaq_broker.client.connection import BrokerConnection
@@ -20,10 +18,7 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawfetch, rawput
 from metaq_broker.protocol.services import AUTH_PATH, COMMIT_OFFSETS, FETCH_OFFSETS, groups_path
 from metaq_broker.security.acl import Acl
-from metaq_broker.security.scram import Credential
 from metaq_broker.security.settings import ClientSecurity, read_pem
-from metaq_broker.zk.acls import add_acls
-from metaq_broker.zk.users import put_user
 
 CALL_TIMEOUT_S = 20.0
 
@@ -89,13 +84,10 @@ def calls(draw) -> tuple:
 def brokers(tmp_path_factory, zookeeper):
     from test_security import Brokers
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    bs = Brokers(tmp_path_factory.mktemp("fuzz-grpc"), zookeeper.connect_string, f"/fz-{time.time_ns()}")
-    zk = KazooClient(hosts=zookeeper.connect_string)
-    zk.start(15)
-    put_user(zk, bs.root, "alice", Credential.make("alice-pw"))
-    add_acls(zk, bs.root, [Acl("User:alice", "Allow", "All", "topic", "t"),
-                           Acl("User:alice", "Allow", "Read", "group", "g"),
-                           Acl("User:alice", "Allow", "Write", "sink", "s")])
+    bs = Brokers.made(tmp_path_factory, zookeeper, "fuzz-grpc", users={"alice": "alice-pw"},
+                      acls=[Acl("User:alice", "Allow", "All", "topic", "t"),
+                            Acl("User:alice", "Allow", "Read", "group", "g"),
+                            Acl("User:alice", "Allow", "Write", "sink", "s")])
     topics = {"t": {"numPartitions": 1, "maxMessageSize": 1000}}
     plain = bs.start("plain", 1, {"maxFetchWait": 100, "transactionTimeout": 2000}, topics=topics)
     sasl = bs.start("sasl", 2, {"maxFetchWait": 100, "transactionTimeout": 2000, "security.protocol": "SASL_SSL",
@@ -104,8 +96,6 @@ def brokers(tmp_path_factory, zookeeper):
     secure = ClientSecurity.from_properties({"security.protocol": "SASL_SSL", "ssl.ca.location": pki.ca,
                                              "sasl.username": "alice", "sasl.password": "alice-pw"})
     conn = BrokerConnection(sasl.address, 10, secure)
-    zk.stop()  # no kazoo thread (its jitter draws from ``random``) while hypothesis generates inputs
-    zk.close()
     yield {"plain": (plain, None, None, None),
            "sasl": (sasl, secure, conn.session_token(), grpc.ssl_channel_credentials(read_pem("ca", pki.ca)))}
     conn.close()

@@ -6,7 +6,6 @@ grows by at most 64 MiB, every legitimate round succeeds during the attack, and 
 come back.
 
     python -m pytest -q -s tests/test_resource_limits.py      # the table is printed at the end"""
-import json
 import os
 import resource
 import socket
@@ -19,17 +18,14 @@ import grpc
 import pytest
 from certs import make_pki
 from conftest import wait_until
-from kazoo.client import KazooClient
+from test_security import registered_data_port
 
 from metaq_broker.client import Admin, Consumer, Producer
 from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.protocol import dataport, rawput
 from metaq_broker.security.acl import Acl
-from metaq_broker.security.scram import Credential
 from metaq_broker.security.settings import ClientSecurity, read_pem
 from metaq_broker.server import data_server
-from metaq_broker.zk.acls import add_acls
-from metaq_broker.zk.users import put_user
 
 MIB = 1 << 20
 GOAL = 64 * MIB
@@ -117,38 +113,26 @@ def pki(tmp_path_factory):
 def secured(tmp_path_factory, zookeeper, pki):
     """A SASL_SSL broker with ACLs: alice may write and read ``t``, bob only read it."""
     from test_security import Brokers
-    bs = Brokers(tmp_path_factory.mktemp("limits"), zookeeper.connect_string, f"/limits-{time.time_ns()}")
-    zk = KazooClient(hosts=zookeeper.connect_string)
-    zk.start(15)
-    for user in ("alice", "bob"):
-        put_user(zk, bs.root, user, Credential.make(f"{user}-pw"))
-    add_acls(zk, bs.root, [Acl("User:alice", "Allow", "All", "topic", "t"),
-                           Acl("User:bob", "Allow", "Read", "topic", "t")])
+    bs = Brokers.made(tmp_path_factory, zookeeper, "limits", users={"alice": "alice-pw", "bob": "bob-pw"},
+                      acls=[Acl("User:alice", "Allow", "All", "topic", "t"),
+                            Acl("User:bob", "Allow", "Read", "topic", "t")])
     broker = bs.start("b", 1, {"security.protocol": "SASL_SSL", "ssl.certificate.location": pki.broker.cert,
                                "ssl.key.location": pki.broker.key, "ssl.ca.location": pki.ca,
                                "authorizer": "acl"}, topics={"t": {"numPartitions": 1}})
-    data_port = json.loads(zk.get(f"{bs.root}/brokers/ids/1")[0])["dataPort"]
     legit = Legit(zookeeper.connect_string, bs.root, security(pki, "alice"))
-    yield broker, data_port, legit
+    yield broker, bs.data_port(1), legit
     legit.close()
     bs.stop()
-    zk.stop()
-    zk.close()
 
 
 @pytest.fixture(scope="module")
 def open_broker(tmp_path_factory, zookeeper, secured):
     """A PLAINTEXT broker without ACLs: anyone may write, so only the put limit stands in an attacker's way."""
     from test_security import Brokers
-    bs = Brokers(tmp_path_factory.mktemp("open"), zookeeper.connect_string, f"/limits-open-{time.time_ns()}")
+    bs = Brokers.made(tmp_path_factory, zookeeper, "limits-open")
     broker = bs.start("b", 1, {}, topics={"t": {"numPartitions": 1}})
-    zk = KazooClient(hosts=zookeeper.connect_string)
-    zk.start(15)
-    data_port = json.loads(zk.get(f"{bs.root}/brokers/ids/1")[0])["dataPort"]
-    zk.stop()
-    zk.close()
     legit = Legit(zookeeper.connect_string, bs.root, None)
-    yield broker, data_port, legit
+    yield broker, bs.data_port(1), legit
     legit.close()
     bs.stop()
 
@@ -385,13 +369,7 @@ def test_a_put_over_the_brokers_limit_is_refused_in_words(cluster):
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary(rawput.PATH)(big, timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    zk = KazooClient(hosts=cluster.zk_connect)
-    zk.start(15)
-    try:
-        port = json.loads(zk.get(f"{cluster.zk_root}/brokers/ids/1")[0])["dataPort"]
-    finally:
-        zk.stop()
-        zk.close()
+    port = registered_data_port(cluster.zk_connect, cluster.zk_root, 1)
     with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
         s.sendall(dataport.PREFIX.pack(dataport.PREFIX.size + len(big), dataport.PUT, 0) + big[:4096])
         head = bytearray(dataport.PUT_REPLY.size)

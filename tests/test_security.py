@@ -1,6 +1,8 @@
 """TLS, SASL and ACLs with real broker processes and a real ZooKeeper (docs/security.md): who gets in, what
 they may do, and that every refusal says why. Certificates come from a throwaway CA (tests/certs.py).
 The data port's side is in test_security_dataport.py, ZooKeeper's own ACLs in test_security_zk.py."""
+import contextlib
+import json
 import socket
 import ssl
 import threading
@@ -58,9 +60,44 @@ class Brokers:
     def client(self, cls, security=None, **kw):
         return cls(zk_connect=self.zk_connect, zk_root=self.root, security=security, **kw)
 
+    @classmethod
+    def made(cls, tmp_path_factory, zookeeper, name: str, users=None, acls=(), iterations: int = 4096) -> "Brokers":
+        """A fresh zk root with SCRAM ``users`` ({name: password}) and ``acls`` written (the ZooKeeper client
+        that wrote them is closed again)."""
+        bs = cls(tmp_path_factory.mktemp(name), zookeeper.connect_string, f"/{name}-{time.time_ns()}")
+        with bs._zk() as zk:
+            for user, password in (users or {}).items():
+                put_user(zk, bs.root, user, Credential.make(password, iterations=iterations))
+            if acls:
+                add_acls(zk, bs.root, list(acls))
+        return bs
+
+    def data_port(self, broker_id: int) -> int:
+        return registered_data_port(self.zk_connect, self.root, broker_id)
+
+    def _zk(self):
+        return _zk_client(self.zk_connect)
+
     def stop(self):
         for b in self.started:
             b.kill()
+
+
+@contextlib.contextmanager
+def _zk_client(zk_connect: str):
+    zk = new_client(zk_connect)
+    zk.start(15)
+    try:
+        yield zk
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def registered_data_port(zk_connect: str, root: str, broker_id: int) -> int:
+    """The data port broker ``broker_id`` registered under ``root``."""
+    with _zk_client(zk_connect) as zk:
+        return json.loads(zk.get(f"{root}/brokers/ids/{broker_id}")[0])["dataPort"]
 
 
 def login(broker, security):

@@ -9,11 +9,10 @@ import time
 
 import grpc
 import pytest
-from certs import CertificateAuthority, make_pki
+from certs import CertificateAuthority
 from conftest import wait_until
 from cryptography import x509
 from cryptography.x509.oid import NameOID
-from kazoo.client import KazooClient
 
 from metaq_broker.client import Admin, Consumer, Producer
 from metaq_broker.client.dataconn import DataConnection
@@ -34,20 +33,8 @@ from metaq_broker.zk import decisions as txn_decisions
 from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.users import put_user
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def zk(zookeeper):
-    c = KazooClient(hosts=zookeeper.connect_string)
-    c.start(15)
-    yield c
-    c.stop()
-    c.close()
+from test_security import registered_data_port
+from test_security_dataport import pki, zk  # noqa: F401 - fixtures: a throwaway CA, a ZooKeeper client
 
 
 def tls(pki, protocol="SSL", **more) -> dict:
@@ -170,14 +157,7 @@ def mtls_broker(cluster, certificates, rules=None) -> tuple:
         settings["ssl.principal.mapping.rules"] = rules
     b = broker(cluster, 1, settings, topics={"secret": {"numPartitions": 1}},
                health_certificate=(admin.cert, admin.key))
-    zk = KazooClient(hosts=cluster.zk_connect)
-    zk.start(15)
-    try:
-        data_port = json.loads(zk.get(f"{cluster.zk_root}/brokers/ids/1")[0])["dataPort"]
-    finally:
-        zk.stop()
-        zk.close()
-    return b, f"127.0.0.1:{data_port}"
+    return b, f"127.0.0.1:{registered_data_port(cluster.zk_connect, cluster.zk_root, 1)}"
 
 
 def put_parts(values, topic="secret"):
@@ -235,16 +215,10 @@ ITERATIONS = 16384  # a cost above the default, so that the iteration count and 
 @pytest.fixture(scope="module")
 def two_sasl_brokers(tmp_path_factory, zookeeper, pki):
     from test_security import Brokers
-    bs = Brokers(tmp_path_factory.mktemp("probe"), zookeeper.connect_string, f"/probe-{time.time_ns()}")
-    zk = KazooClient(hosts=zookeeper.connect_string)
-    zk.start(15)
-    for user in ("alice", "bob"):
-        put_user(zk, bs.root, user, Credential.make(f"{user}-pw", iterations=ITERATIONS))
-    started = [bs.start(f"b{i}", i, tls(pki, "SASL_SSL")) for i in (1, 2)]
-    yield bs, started
+    bs = Brokers.made(tmp_path_factory, zookeeper, "probe", users={"alice": "alice-pw", "bob": "bob-pw"},
+                      iterations=ITERATIONS)
+    yield bs, [bs.start(f"b{i}", i, tls(pki, "SASL_SSL")) for i in (1, 2)]
     bs.stop()
-    zk.stop()
-    zk.close()
 
 
 def auth_call(channel, mechanism: str, message: str):
