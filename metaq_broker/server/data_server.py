@@ -276,7 +276,7 @@ class DataServer:
             self._selector.modify(sock, selectors.EVENT_WRITE, new)
         except BlockingIOError:
             pass
-        except (OSError, ValueError, ProtocolError, UnicodeDecodeError) as e:  # a failed handshake, a reset
+        except (OSError, ValueError, ProtocolError) as e:  # a failed handshake, a reset
             log.debug("data port: connection from %s failed before login: %s", new.peer, e)
             self._drop(new)
 
@@ -310,7 +310,7 @@ class DataServer:
             new.token, new.token_got = bytearray(topic_len), 0
         while new.token_got < topic_len:
             new.token_got += self._recv_some(new.sock, memoryview(new.token)[new.token_got:])
-        token = new.token.decode()
+        token = new.token.decode("utf-8", "replace")  # not UTF-8: no session has it, refused below
         try:
             session = self.auth.session(token)
         except AuthenticationError as e:
