@@ -24,6 +24,7 @@ setup(
         "grpcio-health-checking>=1.60",
         "protobuf>=7.35.1",
         "kazoo>=2.9",
+        "cryptography>=41",  # a client certificate's subject DN, the principal on every port (security/tls.py)
         "click>=8.1",
         "prometheus-client>=0.20",  # the broker's /metrics endpoint
         "google-crc32c>=1.5",  # the record format's CRC-32C, with the CPU's CRC instruction
@@ -41,7 +42,7 @@ setup(
                  "cryptography>=41",  # a throwaway CA for the security tests and benchmark (tests/certs.py)
                  # real Kafka clients against the Kafka protocol (tests/test_kafka_*.py; apt: kcat)
                  "confluent-kafka>=2.4", "kafka-python>=2.0.2", "aiokafka>=0.11",
-                 "hypothesis>=6.100"],  # property tests against brute-force models (offsets, the store's indexes)
+                 "hypothesis>=6.100"],  # property tests against brute-force models (offsets, the store's indexes) and the fuzzers over frames, gRPC messages and batches (tests/test_fuzz_*.py)
         # benchmarks/bench_broker.py's peers' clients; their servers: apt-get install redis-server nats-server
         "bench": ["redis>=5", "nats-py>=2.6", "matplotlib>=3.8"],
     },

@@ -53,13 +53,15 @@ class CertificateAuthority:
         Path(self.ca_path).write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, file_name: str, common_name: str, hosts: tuple = (), client: bool = False,
-              expired: bool = False, sans: Optional[list] = None) -> Pem:
-        """A certificate signed by this CA. ``hosts`` become DNS or IP subject alternative names."""
+              expired: bool = False, sans: Optional[list] = None, subject: Optional[x509.Name] = None) -> Pem:
+        """A certificate signed by this CA. ``hosts`` become DNS or IP subject alternative names; ``subject``
+        replaces the subject ``CN=<common_name>`` (an empty ``x509.Name([])`` for none)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         start, end = ((now - datetime.timedelta(days=10), now - datetime.timedelta(days=1)) if expired
                       else (now - datetime.timedelta(days=1), now + datetime.timedelta(days=30)))
-        builder = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(self.cert.subject)
+        builder = (x509.CertificateBuilder().subject_name(_name(common_name) if subject is None else subject)
+                   .issuer_name(self.cert.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
                    .not_valid_before(start).not_valid_after(end)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -72,7 +74,8 @@ class CertificateAuthority:
             except ValueError:
                 names.append(x509.DNSName(h))
         if names:
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+            builder = builder.add_extension(x509.SubjectAlternativeName(names),  # critical without a subject
+                                            critical=subject is not None and not len(subject))
         return _write(self.directory / file_name, builder.sign(self.key, hashes.SHA256()), key)
 
 

@@ -375,11 +375,11 @@ def test_a_malformed_put_is_refused_and_the_broker_serves_on(tmp_path):
             head = s.recv(dataport.PUT_REPLY.size, socket.MSG_WAITALL)
             n, status = dataport.PUT_REPLY.unpack(head)[:2]
             assert status == 3 and b"body starts at byte 4096" in s.recv(n - len(head), socket.MSG_WAITALL)
-            # a put claiming more than the data port takes: refused, the connection closed
+            # a put claiming more than the broker takes: refused before its body, the connection closed
             s.sendall(dataport.PREFIX.pack(dataport.MAX_PUT_BYTES + 1, dataport.PUT, 0) + b"\0" * 24)
             head = s.recv(dataport.PUT_REPLY.size, socket.MSG_WAITALL)
             n, status = dataport.PUT_REPLY.unpack(head)[:2]
-            assert status == 3 and b"at most" in s.recv(n - len(head), socket.MSG_WAITALL)
+            assert status == 8 and b"over this broker's limit" in s.recv(n - len(head), socket.MSG_WAITALL)
             assert s.recv(1) == b""
         with DataConnection(f"127.0.0.1:{b.data_port}") as d:  # a put cut short, then a good one
             d.connect()

@@ -8,6 +8,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 from certs import make_pki
@@ -340,9 +341,14 @@ def test_a_flood_of_bad_handshakes_does_not_disturb_good_clients(cluster, zk, pk
     assert len(log.splitlines()) < 50
 
 
-def test_a_removed_user_loses_its_open_data_port_connection(tmp_path, zookeeper, zk_root, zk, pki, monkeypatch):
-    from metaq_broker.server import data_server
-    monkeypatch.setattr(data_server, "RECHECK_SESSION_S", 0.0)  # every request checks the session again
+@pytest.mark.parametrize("change", ["removed", "new password", "expired"])
+def test_an_ended_session_closes_its_open_data_port_connection_at_once(tmp_path, zookeeper, zk_root, zk, pki,
+                                                                       monkeypatch, change):
+    """The user cache's watch (or the session's expiry) ends the connection itself, not its next request
+    (which came up to 60 s later)."""
+    from metaq_broker.server import auth
+    if change == "expired":
+        monkeypatch.setattr(auth, "SESSION_LIFETIME_S", 3.0)
     zk_users.put_user(zk, zk_root, "alice", Credential.make("alice-pw"))
     overrides = {"brokerId": 1, "serverPort": 0, "dataPort": 0, "zk.connect": zookeeper.connect_string,
                  "zk.root": zk_root, "dataPath": tmp_path / "b", **broker_tls(pki, protocol="SASL_SSL")}
@@ -352,15 +358,21 @@ def test_a_removed_user_loses_its_open_data_port_connection(tmp_path, zookeeper,
     try:
         with DataConnection(f"127.0.0.1:{broker.data_port}", 10, client_sasl(pki), conn.session_token) as d:
             assert d.fetch("t", 0, 0).end_offset == 0
-            zk_users.delete_user(zk, zk_root, "alice")
+            if change == "removed":
+                zk_users.delete_user(zk, zk_root, "alice")
+            elif change == "new password":
+                zk_users.put_user(zk, zk_root, "alice", Credential.make("alice-new-pw"))
+            ended = time.monotonic()
+            wait_until(lambda: not d.alive(), timeout=10, interval=0.02, what="the connection closed by the broker")
+            print(f"session {change}: connection closed {time.monotonic() - ended:.2f}s later")
 
             def refused():
                 try:
                     d.fetch("t", 0, 0)
-                except RemoteAuthenticationError as e:
+                except (RemoteAuthenticationError, AuthenticationError) as e:
                     return str(e)
-            # closed at its next request; connecting again renews the session, which fails: alice is gone
-            assert "unknown user or wrong password" in wait_until(refused, what="the session ended")
+            if change != "expired":  # connecting again renews the session, which fails: the credential is gone
+                assert "unknown user or wrong password" in wait_until(refused, what="the new login refused")
     finally:
         conn.close()
         broker.stop(grace=1)

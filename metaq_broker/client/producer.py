@@ -264,8 +264,10 @@ class Producer(ClientBase):
     def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
                        headers=None) -> list:
         """[(partition name, encoded body)]: the messages split by partition (``partition`` is one name, an
-        Arrow array of a name per message, or None for key hash / round robin), no loop per message.
-        ``headers``: Kafka record headers, per message a list of (str key, bytes value) (``records``)."""
+        Arrow array of a name per message, or None for key hash / round robin), no loop per message; a
+        partition's body over ``rawput.SPLIT_BYTES`` is cut into several in order (brokers refuse a put over
+        their limit, which is at least that). ``headers``: Kafka record headers, per message a list of
+        (str key, bytes value) (``records``)."""
         body_cols = _columns(values, keys, attributes, flags, headers)
         n = len(body_cols[0])
         names, which = self._assign(topic, n, body_cols[1], partition)
@@ -279,8 +281,8 @@ class Producer(ClientBase):
             take = None if whole else pa.array(group)
             arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3] + body_cols[4:]]
             group_flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
-            out.append((names[int(which[group[0]])], records.encode_body(*arrays[:3], flags=group_flags,
-                                                                          headers=arrays[3])))
+            body = records.encode_body(*arrays[:3], flags=group_flags, headers=arrays[3])
+            out.extend((names[int(which[group[0]])], b) for b in _split(body, arrays, group_flags))
         return out
 
     # -- synchronous ----------------------------------------------------------------------------------
@@ -372,9 +374,13 @@ class Producer(ClientBase):
         partition, round robin across calls. ``headers``: Kafka record headers (``encode_batches``)."""
         puts: list = []
         try:
-            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition, headers):
-                puts.append(self.start_put(topic, name, body))
             results = []
+            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition, headers):
+                earlier = next((p for p in puts if p.name == name), None)
+                if earlier is not None:  # a body cut in several: stored in order, one at a time
+                    results.append(earlier.result())
+                    puts.remove(earlier)
+                puts.append(self.start_put(topic, name, body))
             while puts:
                 results.append(puts.pop(0).result())
             return results
@@ -431,17 +437,20 @@ class Producer(ClientBase):
     def _send_items(self, topic: str, partition: str, items: list) -> None:
         try:
             values, keys, attrs, flags, headers, futs = zip(*items)
-            result = self.send_batch(topic, list(values), None if all(k is None for k in keys) else list(keys),
+            stored = self.send_batch(topic, list(values), None if all(k is None for k in keys) else list(keys),
                                      None if all(a is None for a in attrs) else list(attrs),
                                      list(flags), partition=partition,
-                                     headers=None if all(h is None for h in headers) else list(headers))[0]
+                                     headers=None if all(h is None for h in headers) else list(headers))
         except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
             for item in items:
                 item[-1].set_exception(e)
             return
-        for i, item in enumerate(items):
-            item[-1].set_result(SendResult(topic, partition, result.base_offset + i, result.base_msg_id + i,
-                                          result.timestamp))
+        done = 0
+        for result in stored:  # one result, or several in order when the batch was cut (encode_batches)
+            for i, item in enumerate(items[done:done + result.count]):
+                item[-1].set_result(SendResult(topic, partition, result.base_offset + i, result.base_msg_id + i,
+                                               result.timestamp))
+            done += result.count
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Send everything queued and wait until it is acknowledged (or failed)."""
@@ -541,6 +550,24 @@ class Transaction:
 
     def rollback(self) -> None:
         settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
+
+
+def _split(body: records.EncodedBody, arrays: list, flags) -> list:
+    """``body`` as it is, or cut at message boundaries into bodies of at most ``rawput.SPLIT_BYTES`` each
+    (a message larger than that alone in its own): one search per piece, no loop per message."""
+    if body.size <= rawput.SPLIT_BYTES or body.count == 1:
+        return [body]
+    ends = np.cumsum(body.message_sizes, dtype=np.int64)
+    limit = rawput.SPLIT_BYTES - records.ALIGN  # room for the padding
+    pieces, start = [], 0
+    while start < body.count:
+        base = int(ends[start - 1]) if start else 0
+        stop = max(int(np.searchsorted(ends, base + limit, side="right")), start + 1)
+        piece = [a if a is None else a.slice(start, stop - start) for a in arrays]
+        pieces.append(records.encode_body(*piece[:3], flags=None if flags is None else flags[start:stop],
+                                          headers=piece[3]))
+        start = stop
+    return pieces
 
 
 def _columns(values, keys, attributes, flags, headers=None) -> list:

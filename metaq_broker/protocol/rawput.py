@@ -120,3 +120,11 @@ def check_producer(pid: int, epoch: int, seq: int) -> tuple:
         raise RecordFormatError(f"producer id {pid}, epoch {epoch}, sequence {seq}: the id and the sequence must "
                                 f"not be negative, the epoch 0 to 32766", 0)
     return pid, epoch, seq
+
+
+# How large a put may be. A producer cuts a partition's messages into bodies of at most SPLIT_BYTES
+# (a single larger message goes alone); a broker refuses, before reading its body, a put request over
+# max(maxTransferSize, the largest maxMessageSize, SPLIT_BYTES) + HEADER_ALLOWANCE bytes (the header, the
+# topic and the xid), on the data port and over gRPC alike (server/broker.py, ``max_put_bytes``).
+SPLIT_BYTES = 4 << 20
+HEADER_ALLOWANCE = 256 << 10

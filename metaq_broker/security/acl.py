@@ -101,3 +101,14 @@ class AclTable:
             elif a.grants(operation):
                 allowed = True
         return allowed
+
+    def allows_some(self, principal: str, operation: str, resource_type: str) -> bool:
+        """Whether ``operation`` is allowed to ``principal`` on at least one resource of the type: a super
+        user, or an allowing ACL of the principal (or ``User:*``) not cancelled by a denial of every name."""
+        if principal in self.super_users:
+            return True
+        mine = [a for a in self._by_type.get(resource_type, ()) if a.principal in (principal, "User:*")]
+        if any(a.permission == "Deny" and a.operation in ("All", operation) and a.name == WILDCARD
+               and a.pattern_type == "literal" for a in mine):
+            return False
+        return any(a.permission == "Allow" and a.grants(operation) for a in mine)

@@ -101,14 +101,23 @@ def _attributes(message: str) -> dict:
 FAILED = "authentication failed: unknown user or wrong password (SCRAM-SHA-256)"
 
 
+def fake_credential(key: bytes, user: str, iterations: int = DEFAULT_ITERATIONS) -> Credential:
+    """What an unknown user is checked against, so that it costs and shows what a known one does: a salt
+    derived from ``key`` and the name (the same on every broker that shares ``key``, and after a restart),
+    ``iterations`` as the real users have, and keys no password derives."""
+    derived = _hmac(key, b"metaq-fake-user\0" + user.encode("utf-8", "surrogatepass"))
+    return Credential(derived[:16], _hmac(key, derived), _hmac(derived, key), iterations)
+
+
 class ScramServer:
     """One exchange on the broker: ``first(client-first) -> server-first``, then
-    ``final(client-final) -> (server-final, username)``. An unknown user gets a made-up salt and fails at
-    the end, like a wrong password, so that names cannot be probed."""
+    ``final(client-final) -> (server-final, username)``. An unknown user gets ``fake(user)`` (a stable
+    made-up salt, the usual iteration count) and fails at the end, like a wrong password, so that names
+    cannot be probed."""
 
-    def __init__(self, lookup: Callable[[str], Optional[Credential]], fake_key: bytes = b""):
+    def __init__(self, lookup: Callable[[str], Optional[Credential]], fake: Callable[[str], Credential]):
         self._lookup = lookup
-        self._fake_key = fake_key or secrets.token_bytes(32)
+        self._fake = fake
         self._state = None
 
     def first(self, client_first: str) -> str:
@@ -122,7 +131,7 @@ class ScramServer:
         cred = self._lookup(user)
         fake = cred is None
         if fake:
-            cred = Credential(_hmac(self._fake_key, user.encode())[:16], b"\0" * 32, b"\0" * 32, DEFAULT_ITERATIONS)
+            cred = self._fake(user)
         nonce = attrs["r"] + secrets.token_urlsafe(18)
         server_first = f"r={nonce},s={_b64(cred.salt)},i={cred.iterations}"
         self._state = (user, cred, fake, bare, server_first, nonce)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from metaq_broker.errors import ConfigError
+from metaq_broker.security.principals import parse_rules
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256")
@@ -25,8 +26,8 @@ ZK_KEYS = ("zk.auth", "zk.ssl.ca.location", "zk.ssl.certificate.location", "zk.s
 BROKER_ZK_KEYS = ("zk.client.auth",)
 # Keys of a broker's [system] section.
 BROKER_KEYS = ("security.protocol", "ssl.ca.location", "ssl.certificate.location", "ssl.key.location",
-               "ssl.client.auth", "sasl.enabled.mechanisms", "authorizer", "super.users",
-               "replication.sasl.username", "replication.sasl.password")
+               "ssl.client.auth", "ssl.principal.mapping.rules", "sasl.enabled.mechanisms", "authorizer",
+               "super.users", "replication.sasl.username", "replication.sasl.password")
 
 
 def _choice(key: str, raw: str, allowed, upper: bool = True) -> str:
@@ -212,6 +213,7 @@ class BrokerSecurity(_Protocol):
     certificate_location: Optional[str] = None
     key_location: Optional[str] = None
     client_auth: str = "none"
+    principal_rules: tuple = field(default_factory=parse_rules)  # ssl.principal.mapping.rules (principals.py)
     mechanisms: tuple = MECHANISMS
     authorizer: str = "none"
     super_users: frozenset = frozenset()
@@ -232,6 +234,8 @@ class BrokerSecurity(_Protocol):
                   certificate_location=_path(f"{where}ssl.certificate.location", get("ssl.certificate.location")),
                   key_location=_path(f"{where}ssl.key.location", get("ssl.key.location")),
                   client_auth=_choice(f"{where}ssl.client.auth", get("ssl.client.auth", "none"), CLIENT_AUTH, False),
+                  principal_rules=parse_rules(get("ssl.principal.mapping.rules"),
+                                              f"{where}ssl.principal.mapping.rules"),
                   mechanisms=mechanisms,
                   authorizer=_choice(f"{where}authorizer", get("authorizer", "none"), AUTHORIZERS, False),
                   super_users=supers,

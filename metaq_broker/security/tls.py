@@ -1,11 +1,15 @@
 """TLS for the data port (Python's ``ssl``; gRPC takes the same PEM files through its own credentials),
-the principal a client certificate names, and TLS failures told in words."""
+the principal a client certificate names (one function for every port; ``principals`` has the rule), and
+TLS failures told in words."""
 from __future__ import annotations
 
 import ssl
 from typing import Optional
 
-from metaq_broker.errors import ConfigError
+from cryptography import x509
+
+from metaq_broker.errors import AuthenticationError, ConfigError
+from metaq_broker.security.principals import principal_of_dn
 from metaq_broker.security.settings import BrokerSecurity, ClientSecurity
 
 ANONYMOUS = "User:ANONYMOUS"
@@ -51,27 +55,29 @@ def client_context(sec: ClientSecurity) -> ssl.SSLContext:
     return ctx
 
 
-def principal_of_peer(cert: Optional[dict]) -> str:
-    """``User:<CN>`` of a verified peer certificate as ``SSLSocket.getpeercert()`` gives it, else its first
-    subject alternative name; ANONYMOUS without a certificate."""
+def principal_of_certificate(cert: Optional[bytes], rules: tuple) -> str:
+    """The principal of a verified client certificate (DER or PEM bytes), for every port alike: its subject
+    DN mapped by ``rules`` (``principals.parse_rules`` of ``ssl.principal.mapping.rules``); ANONYMOUS
+    without a certificate. Raises AuthenticationError when no rule maps the subject (an empty one)."""
     if not cert:
         return ANONYMOUS
-    for rdn in cert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName" and value:
-                return f"User:{value}"
-    for _kind, value in cert.get("subjectAltName", ()):
-        return f"User:{value}"
-    return ANONYMOUS
+    try:
+        parsed = (x509.load_pem_x509_certificate(cert) if cert.lstrip().startswith(b"-----BEGIN")
+                  else x509.load_der_x509_certificate(cert))
+        dn = parsed.subject.rfc4514_string()
+    except ValueError as e:
+        raise AuthenticationError(f"the client certificate cannot be read: {e}") from None
+    principal = principal_of_dn(dn, rules)
+    if principal is None:
+        raise AuthenticationError(f"the client certificate's subject {dn!r} names no principal: no rule of "
+                                  f"ssl.principal.mapping.rules maps it (a subject alternative name is never used)")
+    return principal
 
 
-def principal_of_grpc(auth_context: dict) -> str:
-    """The same from a gRPC call's ``context.auth_context()`` (``x509_common_name``, then the SANs)."""
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
-        values = auth_context.get(key)
-        if values:
-            return "User:" + values[0].decode("utf-8", "replace")
-    return ANONYMOUS
+def peer_certificate(auth_context: dict) -> Optional[bytes]:
+    """The client certificate (PEM) of a gRPC call, from ``context.auth_context()``; None without one."""
+    values = auth_context.get("x509_pem_cert")
+    return values[0] if values else None
 
 
 def explain(error: BaseException, address: str) -> str:

@@ -10,7 +10,17 @@ changed or removed user's tokens stop working at once (the salt no longer matche
 
 Credential checks (PBKDF2) run ``AUTH_CONCURRENCY`` at a time; a login that waits longer than
 ``AUTH_QUEUE_WAIT_S`` is refused as "busy" (UNAUTHENTICATED, clients back off and retry), so a flood of bad
-passwords cannot take every gRPC worker from authenticated clients."""
+passwords cannot take every gRPC worker from authenticated clients. An unknown user is checked against a
+made-up credential (``scram.fake_credential``: the cluster's salt key, the users' usual iteration count),
+so that PLAIN and SCRAM cost and show the same for it as for a known user with a wrong password.
+
+Sessions end as soon as their user is changed or removed: gRPC checks the token on every call, and
+``watch_sessions`` tells the data port, whose connections authenticate once, which user changed.
+
+``gate`` runs before gRPC reads a call's request: without a valid session (SASL_SSL) or a client
+certificate that names a principal (mutual TLS), and for a put by a principal that may write nowhere,
+the call is refused before its message is received, so an unauthenticated caller cannot make the broker
+hold requests of up to its receive limit."""
 from __future__ import annotations
 
 import base64
@@ -24,12 +34,13 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import grpc
 
 from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigError
-from metaq_broker.protocol.services import AUTH_SERVICE, AUTHENTICATE, SESSION_METADATA
+from metaq_broker.protocol import rawput
+from metaq_broker.protocol.services import AUTH_PATH, AUTH_SERVICE, AUTHENTICATE, SESSION_METADATA
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security import scram, tls
 from metaq_broker.security.acl import CLUSTER, AclTable
@@ -76,12 +87,27 @@ def session_key(directory: Path) -> bytes:
     return key
 
 
+class Session(NamedTuple):
+    """What a valid session token says."""
+    principal: str
+    user: str
+    expires: float  # seconds since the epoch (the broker's clock)
+
+
+# gRPC methods served before any login (the login itself, health checks)
+_OPEN_PATHS = (AUTH_PATH, "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+_PUT_PATHS = ("/metaq.v1.Broker/Put", rawput.PATH)
+
+
 class BrokerAuth:
     """Authentication and authorization of one broker. ``users`` looks up a SCRAM credential by user name
-    (None: unknown); ``acls`` is set by ``set_acls`` from ZooKeeper (zk/acls.py's cache)."""
+    (None: unknown); ``fake_key`` (the cluster's ``zk.users.scram_secret``) and ``iterations()`` (the users'
+    usual count) make up unknown users' credentials; ``acls`` is set by ``set_acls`` from ZooKeeper
+    (zk/acls.py's cache)."""
 
     def __init__(self, security: BrokerSecurity, data_path, users: Optional[Callable] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, fake_key: bytes = b"",
+                 iterations: Callable[[], int] = lambda: scram.DEFAULT_ITERATIONS):
         if security.uses_sasl and users is None:
             raise ConfigError("security.protocol SASL_SSL needs ZooKeeper (zk.connect), where users are kept")
         self.security = security
@@ -92,7 +118,9 @@ class BrokerAuth:
         self._checks = threading.BoundedSemaphore(AUTH_CONCURRENCY)
         self._handshakes: dict = {}  # id -> (ScramServer, started)
         self._lock = threading.Lock()
-        self._fake_key = secrets.token_bytes(32)
+        self._fake_key = fake_key or secrets.token_bytes(32)
+        self._iterations = iterations
+        self._session_watchers: list = []  # called with a user's name when its sessions may have ended
         self.denied = Counter()  # (operation, resource_type) -> denials, for the metrics
         self.failures = Counter()  # mechanism -> failed authentications, for the metrics
         self._ssl_context = None
@@ -118,10 +146,18 @@ class BrokerAuth:
             raise AuthenticationError("authenticate first: this broker takes SASL_SSL clients only "
                                       "(security.protocol=SASL_SSL, sasl.username, sasl.password)")
         if self.security.client_auth == "required":
-            return tls.principal_of_grpc(context.auth_context())
+            return self.principal_of_certificate(tls.peer_certificate(context.auth_context()))
         return tls.ANONYMOUS
 
+    def principal_of_certificate(self, cert: Optional[bytes]) -> str:
+        """A verified client certificate's principal (``ssl.principal.mapping.rules``), the same on every port."""
+        return tls.principal_of_certificate(cert, self.security.principal_rules)
+
     def principal_of_token(self, token: str) -> str:
+        return self.session(token).principal
+
+    def session(self, token: str) -> Session:
+        """The session a token names, if it still holds; AuthenticationError saying why not."""
         try:
             payload, signature = token.split(".")
             ok = hmac.compare_digest(_unb64(signature), hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
@@ -135,7 +171,19 @@ class BrokerAuth:
         cred = self._users(claims["u"])
         if cred is None or _b64(cred.salt) != claims["s"]:
             raise AuthenticationError(f"session of {claims['p']} ended: the user was removed or its password changed")
-        return claims["p"]
+        return Session(claims["p"], claims["u"], claims["exp"])
+
+    def watch_sessions(self, callback: Callable[[str], None]) -> None:
+        """``callback(user)`` whenever that user was changed or removed: its sessions may have ended."""
+        self._session_watchers.append(callback)
+
+    def user_changed(self, user: str) -> None:
+        """The user cache's event (zk/users.py ``UserCache.listen``)."""
+        for callback in self._session_watchers:
+            callback(user)
+
+    def now(self) -> float:
+        return self._clock()
 
     def _token(self, user: str, cred: scram.Credential) -> tuple:
         exp = self._clock() + SESSION_LIFETIME_S
@@ -174,17 +222,21 @@ class BrokerAuth:
         finally:
             self._checks.release()
 
+    def _fake(self, user: str) -> scram.Credential:
+        return scram.fake_credential(self._fake_key, user, self._iterations())
+
     def _step(self, mechanism: str, m: dict) -> dict:
         message = str(m["message"])
         if mechanism == "PLAIN":
             _authzid, user, password = message.split("\0", 2)
             cred = self._users(user)
-            if cred is None or not cred.check_password(password):
+            checked = (cred or self._fake(user)).check_password(password)  # the same PBKDF2 for an unknown user
+            if cred is None or not checked:
                 raise AuthenticationError("authentication failed: unknown user or wrong password (PLAIN)")
             return self._done(user, cred, "")
         handshake = m.get("handshake")
         if handshake is None:
-            server = scram.ScramServer(self._users, self._fake_key)
+            server = scram.ScramServer(self._users, self._fake)
             reply = server.first(message)
             handshake = secrets.token_urlsafe(16)
             with self._lock:
@@ -221,7 +273,50 @@ class BrokerAuth:
             self.denied[(operation, resource_type)] += 1
             raise AuthorizationError(principal, operation, resource_type, name)
 
+    def may_write_somewhere(self, principal: str) -> bool:
+        """Whether some ACL lets ``principal`` write some topic: a put by anyone else is refused unread."""
+        return self.security.authorizer == "none" or self._table.allows_some(principal, "Write", "topic")
+
+    # -- before a gRPC call's request is read ---------------------------------------------------------
+    def gate(self) -> grpc.ServerInterceptor:
+        """The interceptor that refuses calls before their request message is received (see above)."""
+        return _Gate(self)
+
+    def admit(self, method: str, context) -> None:
+        """Refuse (abort) a call that ``gate`` must not let read its request."""
+        try:
+            principal = self.grpc_principal(context)
+        except AuthenticationError as e:
+            context.abort(code_of(e), str(e))
+        if method in _PUT_PATHS and not self.may_write_somewhere(principal):
+            self.denied[("Write", "topic")] += 1
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{principal} is not allowed Write on any topic")
+
     def authorize_any(self, principal: str, operation: str, resources: list) -> None:
         """Allowed if any of ``[(resource_type, name)]`` allows it (Create on the cluster or on the topic)."""
         if not any(self.allows(principal, operation, t, n) for t, n in resources):
             self.authorize(principal, operation, *resources[-1])
+
+
+class _Gate(grpc.ServerInterceptor):
+    """Serves each unary call through a stream-request handler, which gRPC runs before it receives the
+    request: ``BrokerAuth.admit`` first, then the message is read and the method's own handler called."""
+
+    def __init__(self, auth: BrokerAuth):
+        self.auth = auth
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.unary_unary is None or method in _OPEN_PATHS or not self.auth.enabled:
+            return handler
+        unary, auth = handler.unary_unary, self.auth
+
+        def admitted(requests, context):
+            auth.admit(method, context)
+            request = next(requests, None)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+            return unary(request, context)
+        return grpc.stream_unary_rpc_method_handler(admitted, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)

@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,7 @@ from metaq_broker import __version__
 from metaq_broker.errors import ConfigError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol import rawput
 from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
@@ -47,16 +49,44 @@ from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
-from metaq_broker.zk.users import UserCache
+from metaq_broker.zk.users import UserCache, scram_secret
 
 log = logging.getLogger(__name__)
 
 RUNTIME_TOPICS_FILE = "runtime-topics.ini"
 SERVICE_NAME = "metaq.v1.Broker"
 WRITE_SERVICE = "metaq.write"  # health: NOT_SERVING while the last write found the disk full
-MAX_GRPC_MESSAGE = 256 << 20
+MAX_GRPC_MESSAGE = 256 << 20  # a reply: a fetch (maxTransferSize, or one larger batch), a replica's topic list
+HANDSHAKE_TIMEOUT_MS = 10_000  # a gRPC connection's TLS and HTTP/2 handshake must be done by then
+CONNECTION_IDLE_MS = 600_000  # a gRPC connection with no call for this long is closed (clients reconnect; Kafka's
+# connections.max.idle.ms)
 LOCK_FILE = "lock"  # <dataPath>/replication/lock: held by the running member (flock), names this run
 HAND_OVER_S = 5.0  # a stopping master waits at most this long for its in-sync replicas to have its whole log
+
+
+class _UndecodableRequests(logging.Filter):
+    """gRPC logs every request it cannot deserialize at ERROR with a traceback (``grpc._common``): anyone who
+    reaches the port could fill the log. The call is refused all the same (INTERNAL, "Exception deserializing
+    request"); here it becomes one warning a minute, with the count, and no traceback."""
+
+    def __init__(self, every_s: float = 60.0):
+        super().__init__()
+        self.every_s, self.count, self.last = every_s, 0, -every_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Exception deserializing"):
+            return True
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return False
+        log.warning("gRPC: %d request(s) that could not be deserialized were refused (logged at most once a "
+                    "minute)", self.count)
+        self.count, self.last = 0, now
+        return False
+
+
+logging.getLogger("grpc._common").addFilter(_UndecodableRequests())
 
 
 class Broker:
@@ -75,6 +105,7 @@ class Broker:
         # itself is issue 27's, still to come: until it sets this, no Kafka address is registered
         self.kafka_port: Optional[int] = None
         self.data_server = None
+        self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
         self.stats, self.metrics = BrokerStats(), None
         self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
         self.store = self.server = self.registration = self.transactions = self.resolver = None
@@ -126,14 +157,18 @@ class Broker:
                                     self.create_topic, self.stats,
                                     observe=self.metrics.observe_rpc if self.metrics else None,
                                     transactions=self.transactions, disk=self.disk, auth=self.auth,
-                                    sinks_root=ZkPaths(cfg.zk_root).sinks(), group=self.group,
+                                    paths=ZkPaths(cfg.zk_root), group=self.group,
                                     replicas=self.replicas,
                                     producer_ids=ProducerIds(cfg.broker_id, data, self._groups_zk if
                                                              self.uses_zookeeper else None, cfg.zk_root))
+            service.max_put_bytes = self.put_limit = self.max_put_bytes()
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
-                options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                interceptors=[self.auth.gate()],
+                options=[("grpc.max_receive_message_length", service.max_put_bytes),  # a Put's fields fit the allowance
                          ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+                         ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
             self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
@@ -417,10 +452,25 @@ class Broker:
             self._security_zk.share_below(*client_subtrees(cfg.zk_root))  # it writes groups and decisions
             start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
             self._users = UserCache(self._security_zk, cfg.zk_root)
-        auth = BrokerAuth(sec, cfg.data_path, self._users.credential if self._users is not None else None)
+        if sec.uses_sasl:
+            auth = BrokerAuth(sec, cfg.data_path, self._users.credential,
+                              fake_key=scram_secret(self._security_zk, cfg.zk_root),
+                              iterations=self._users.typical_iterations)
+            self._users.listen(auth.user_changed)  # sessions of a changed or removed user end on every port
+        else:
+            auth = BrokerAuth(sec, cfg.data_path)
         if sec.authorizer == "acl":
             self._acls = AclCache(self._security_zk, cfg.zk_root, auth.set_acls)
         return auth
+
+    def max_put_bytes(self) -> int:
+        """The largest put request this broker takes, on the data port and over gRPC (``rawput.SPLIT_BYTES``
+        says why): max(maxTransferSize, the largest maxMessageSize, SPLIT_BYTES) + the header's allowance.
+        A topic created later may not ask for a larger maxMessageSize (``create_topic``)."""
+        cfg = self.config
+        sizes = [cfg.max_transfer_size, cfg.topic_defaults.max_message_size, rawput.SPLIT_BYTES]
+        sizes += [self.store.topic_config(t).max_message_size for t in self.store.topics()]
+        return max(sizes) + rawput.HEADER_ALLOWANCE
 
     def _groups_zk(self):
         """The ZooKeeper session group offsets are written with (None while ZooKeeper is away)."""
@@ -503,6 +553,12 @@ class Broker:
         if num_partitions:
             settings["numPartitions"] = str(num_partitions)
         config = topic_config_from(self.config.topic_defaults, settings, f"topic {topic!r}")
+        limit = self.put_limit
+        if limit and config.max_message_size + rawput.HEADER_ALLOWANCE > limit:
+            raise ConfigError(f"topic {topic!r}: maxMessageSize {config.max_message_size} is over what this broker "
+                              f"takes in one put ({limit - rawput.HEADER_ALLOWANCE} bytes: the largest of "
+                              f"maxTransferSize, {rawput.SPLIT_BYTES} and the maxMessageSize of its topics at "
+                              f"start); raise maxTransferSize")
         with self._topic_lock:
             created = topic not in self.store.topics()
             config = self.store.create_topic(topic, config)

@@ -5,7 +5,9 @@ with its own identity (``zk.auth``), so clients need no ZooKeeper credentials an
 
 The gRPC service ``metaq.v1.Groups`` has two methods, messages as JSON: ``CommitOffsets``
 ``{"group", "topic", "offsets": {partition: offset}, "forward_only"}`` -> ``{"offsets": written}`` and
-``FetchOffsets`` ``{"group", "topic"}`` -> ``{"offsets": committed}``."""
+``FetchOffsets`` ``{"group", "topic"}`` -> ``{"offsets": committed}``. A commit names only partitions the
+topic has (from its entries in ZooKeeper, brokers that are down included), at most
+``MAX_COMMIT_PARTITIONS`` of them: the broker's ZooKeeper identity writes nothing a client made up."""
 from __future__ import annotations
 
 import json
@@ -15,12 +17,17 @@ from typing import Callable
 import grpc
 from kazoo.exceptions import KazooException
 
-from metaq_broker.errors import MetaqError
+from metaq_broker.errors import InvalidPartitionError, MetaqError
+from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS, GROUPS_SERVICE
 from metaq_broker.protocol.status import code_of
+from metaq_broker.zk import topic_entries
 from metaq_broker.zk.group_offsets import GroupStore
+from metaq_broker.zk.paths import ZkPaths
 
 log = logging.getLogger(__name__)
+
+MAX_COMMIT_PARTITIONS = 4096  # partitions one CommitOffsets call may name
 
 
 class GroupOffsetsService:
@@ -63,8 +70,19 @@ class GroupOffsetsService:
         offsets = m.get("offsets")
         if not isinstance(offsets, dict):
             raise ValueError("offsets must be a JSON object {partition: offset}")
-        return self._store().commit(group, topic, offsets, forward_only=bool(m.get("forward_only")),
-                                    identities=_identities(m))
+        if len(offsets) > MAX_COMMIT_PARTITIONS:
+            raise InvalidPartitionError(f"a commit names {len(offsets)} partitions; at most {MAX_COMMIT_PARTITIONS} "
+                                        f"per call")
+        store = self._store()
+        counts = topic_entries.partition_counts(store.zk, ZkPaths(self.root), topic)
+        for name in offsets:
+            broker, number = parse_partition_name(name)
+            if number >= counts.get(broker, 0):
+                raise InvalidPartitionError(
+                    f"topic {topic!r} has no partition {name!r}" + (
+                        f" (its partitions: {_spans(counts)})" if counts else " (no broker has the topic)"))
+        return store.commit(group, topic, offsets, forward_only=bool(m.get("forward_only")),
+                            identities=_identities(m))
 
     def fetch(self, principal: str, m: dict) -> dict:
         group, topic = m["group"], m["topic"]
@@ -79,3 +97,7 @@ def _identities(m: dict) -> dict:
     if not isinstance(ids, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ids.items()):
         raise ValueError("identities must be a JSON object {partition: identity}")
     return ids
+
+
+def _spans(counts: dict) -> str:
+    return ", ".join(f"{b}-0..{b}-{n - 1}" for b, n in sorted(counts.items()) if n)

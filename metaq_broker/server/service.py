@@ -19,6 +19,7 @@ from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartiti
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput, records
+from metaq_broker.protocol.dataport import MAX_PUT_BYTES
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security.acl import CLUSTER
 from metaq_broker.security.tls import ANONYMOUS
@@ -27,6 +28,7 @@ from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.decisions import parse_coordinator
+from metaq_broker.zk.paths import ZkPaths, check_component
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +67,17 @@ def _pb_producer(request: pb.PutRequest):
 
 
 class BrokerService(pb_grpc.BrokerServicer):
+    max_put_bytes = MAX_PUT_BYTES  # the largest put request taken (the broker sets it: Broker.max_put_bytes)
+
     def __init__(self, store, broker_id: int, max_transfer_size: int, max_fetch_wait_ms: int,
                  create_topic, stats: BrokerStats, observe=None, transactions=None, disk=None, auth=None,
-                 sinks_root: str = "/meta/sinks", group=None, replicas=None, producer_ids=None):
+                 paths: ZkPaths = ZkPaths(), group=None, replicas=None, producer_ids=None):
         self.store = store
         self.producer_ids = producer_ids  # server.producer_ids.ProducerIds: InitProducerId
         self.group = group  # server.group.GroupMember: only the master serves clients (None: no ZooKeeper)
         self.replicas = replicas  # server.replica_manager.ReplicaManager: acknowledgements wait for it
         self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
-        self.sinks_root = sinks_root  # transactions' coordinators (decision records) must lie below it
+        self.paths = paths  # where transactions' coordinators (the sinks' decision records) lie
         self.disk = disk or DiskState(store.data_path)  # whether the last write found the disk full
         self.transactions = transactions  # store.transactions.TransactionManager
         self.broker_id = broker_id
@@ -130,6 +134,15 @@ class BrokerService(pb_grpc.BrokerServicer):
     def Put(self, request, context, principal):
         return self.put(request, principal)
 
+    def admit_put(self, principal: str, topic: str, xid: str) -> None:
+        """What a put's header alone decides, checked by the data port before it reads the body: the
+        caller may write the topic (and the transaction's sink), the topic exists, this member takes puts."""
+        self._allow(principal, "Write", "topic", topic)
+        if xid:
+            self._allow_sink(principal, xid)
+        self.store.topic_config(topic)
+        self._gate()
+
     def put(self, request, principal: str) -> pb.PutResponse:
         """What every produce path (gRPC ``Put``/``PutRaw`` and the data port's PUT) does: the request is a
         ``PutRequest`` or a ``PutRaw`` request's bytes (``rawput``: the body stays a view of them).
@@ -143,10 +156,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         else:
             producer = _pb_producer(request)
         topic, partition = request.topic, request.partition
-        self._allow(principal, "Write", "topic", topic)
-        if request.xid:
-            self._allow_sink(principal, request.xid)
-        self._gate()
+        self.admit_put(principal, topic, request.xid)
         config = self.store.topic_config(topic)
         acks_all = request.acks == 0 and not request.xid  # a transaction waits at its prepare
         if partition == -1:
@@ -362,14 +372,35 @@ class BrokerService(pb_grpc.BrokerServicer):
         if request.timeout_ms < 0:
             raise TransactionError(f"timeout_ms must not be negative, got {request.timeout_ms}")
         coordinator = parse_coordinator(request.coordinator)
-        if coordinator and self.auth is not None and self.auth.enabled:
-            # the broker writes abort decisions there: a caller may only name its own sink's records
-            sink = request.xid.split("/", 1)[0]
-            if not coordinator["path"].startswith(f"{self.sinks_root}/{sink}/"):
-                raise TransactionError(f"coordinator path {coordinator['path']!r} is not below "
-                                       f"{self.sinks_root}/{sink}/ (the decision records of sink {sink!r})")
+        if coordinator:
+            self._check_coordinator(request.xid, coordinator["path"])
         t = self._transactions().begin(request.xid, request.timeout_ms / 1000 or None, request.coordinator)
         return self._reply(t.xid, t.state)
+
+    def _check_coordinator(self, xid: str, path: str) -> None:
+        """The broker reads a prepared transaction's decision record, and may write an abort into it: the
+        path must be one ZooKeeper takes, and once security is on, exactly the record of the batch the xid
+        names (the Spark sink's ``<sinkId>/<batchId>/...`` and ``<root>/sinks/<sinkId>/batches/<batchId>``),
+        so a caller can name only its own sink's records."""
+        try:
+            for component in path.split("/")[1:]:
+                check_component("a coordinator path component", component)
+        except ValueError as e:
+            raise TransactionError(f"coordinator path {path!r}: {e}") from None
+        if self.auth is None or not self.auth.enabled:
+            return
+        sink, _, rest = xid.partition("/")
+        batch = rest.partition("/")[0]
+        try:
+            expected = self.paths.sink_batch(sink, int(batch)) if batch.isdigit() else None
+        except ValueError:
+            expected = None
+        if path != expected:
+            raise TransactionError(
+                f"coordinator path {path!r} is not the decision record of the transaction's batch "
+                f"({expected})" if expected else
+                f"coordinator path {path!r}: xid {xid!r} names no sink batch (<sinkId>/<batchId>/...), so it "
+                f"can have no decision record")
 
     @rpc
     def PrepareTransaction(self, request, context, principal):

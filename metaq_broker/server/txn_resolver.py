@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from kazoo.exceptions import BadArgumentsError
+
 from metaq_broker.zk import decisions as txn_decisions
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class TransactionResolver:
         self.manager, self.broker_id, self.zk = manager, broker_id, zk
         self.interval_s, self.forget_interval_s = interval_s, forget_interval_s
         self._next_forget = time.monotonic() + forget_interval_s
+        self._failing: set = set()  # xids whose housekeeping failed (logged at warning once)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metaq-txn-resolver", daemon=True)
@@ -74,15 +77,18 @@ class TransactionResolver:
         if zk is None or not wanted or getattr(self.manager, "follower", False):
             return
         decisions: dict = {}
-        for t in self.manager.prepared():
+
+        def settle(t) -> None:
             coordinator = txn_decisions.parse_coordinator(t.coordinator)
             if coordinator is None or not wanted & set(t.partitions):
-                continue
+                return
             path = coordinator["path"]
             if path not in decisions:
                 decisions[path] = txn_decisions.read(zk, path)[0]
             if decisions[path] is not None:
                 self.resolve(zk, t, coordinator, decisions[path], logging.DEBUG)
+        for t in self.manager.prepared():
+            self._isolated(t.xid, settle, t)
 
     def run_once(self) -> None:
         if getattr(self.manager, "follower", False):
@@ -92,9 +98,7 @@ class TransactionResolver:
         if zk is None:
             return
         for t in self.manager.prepared():
-            coordinator = txn_decisions.parse_coordinator(t.coordinator)
-            if coordinator is not None:
-                self.resolve(zk, t, coordinator)
+            self._isolated(t.xid, self._resolve_prepared, zk, t)
         self.roll_back_orphans(zk)
         if time.monotonic() >= self._next_forget:
             self.forget_gone_records(zk)
@@ -104,10 +108,11 @@ class TransactionResolver:
         every transaction it will ever commit, and an abort of their run is final. One read per record."""
         decided: dict = {}
         gone = []
-        for t in self.manager.open_transactions():
+
+        def check(t) -> None:
             coordinator = txn_decisions.parse_coordinator(t.coordinator)
             if coordinator is None:
-                continue
+                return
             path = coordinator["path"]
             if path not in decided:
                 decided[path] = txn_decisions.read(zk, path)[0]
@@ -117,7 +122,20 @@ class TransactionResolver:
                 log.info("rolling back open transaction %s: decision %s (%s) leaves it out", t.xid, path, d.outcome)
                 self.manager.rollback(t.xid)
                 gone.append(t.xid)
+        for t in self.manager.open_transactions():
+            self._isolated(t.xid, check, t)
         return gone
+
+    def _isolated(self, xid: str, step, *args) -> None:
+        """One transaction's step; its failure is logged (at warning once per transaction, then at debug)
+        and never stops the others' (a decision record ZooKeeper refuses must not pin every partition)."""
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - retried next round
+            first = xid not in self._failing
+            self._failing.add(xid)
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "transaction %s: housekeeping failed (retried every round): %s: %s", xid, type(e).__name__, e)
 
     def forget_gone_records(self, zk) -> int:
         """Let the manager forget outcomes whose decision record was deleted (one batch of exists calls)."""
@@ -127,11 +145,24 @@ class TransactionResolver:
         gone = {path for path, result in checks if result.get(timeout=30) is None}
         return self.manager.forget_decided(gone) if gone else 0
 
+    def _resolve_prepared(self, zk, t) -> None:
+        coordinator = txn_decisions.parse_coordinator(t.coordinator)
+        if coordinator is not None:
+            self.resolve(zk, t, coordinator)
+
     def resolve(self, zk, t, coordinator: dict, decision=None, level: int = logging.INFO) -> None:
         """Settle prepared ``t`` as its decision record says (``decision``: read already)."""
         path, run = coordinator["path"], coordinator["run"]
         if decision is None:
-            decision, _ = txn_decisions.read(zk, path)
+            try:
+                decision, _ = txn_decisions.read(zk, path)
+            except (BadArgumentsError, ValueError) as e:  # a path ZooKeeper refuses: no decision can ever be read
+                if time.time() - t.prepared_at < t.timeout_s:
+                    raise
+                log.warning("rolling back in-doubt transaction %s: its decision record %r cannot be read (%s) and "
+                            "its timeout passed", t.xid, path, e)
+                self.manager.rollback(t.xid)
+                return
         if decision is None or (decision.outcome == "abort" and run not in decision.aborted):
             if time.time() - t.prepared_at < t.timeout_s:
                 return  # the writer may still decide to commit

@@ -23,6 +23,8 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
     <root>/latest_producer_id_block                       JSON: the last block of producer ids a broker took
     <root>/config/users/<quoted user>                     JSON {"SCRAM-SHA-256": salted credential}
+    <root>/config/scram-secret                            32 random bytes: the brokers' key for the salts
+                                                          of unknown SCRAM users (zk/users.py)
     <root>/acls/<resourceType>/<patternType>/<quoted name>  the ACLs of one resource pattern (security.acl)
 
 Names that become one path component are checked here, so a bad topic or group name fails with a
@@ -193,6 +195,9 @@ class ZkPaths:
 
     def user(self, name: str) -> str:
         return f"{self.users()}/{quoted_component('user name', name)}"
+
+    def scram_secret(self) -> str:
+        return f"{self.root}/config/scram-secret"
 
     def acls(self) -> str:
         return f"{self.root}/acls"

@@ -2,19 +2,26 @@
 ``{"SCRAM-SHA-256": "salt=..,stored_key=..,server_key=..,iterations=N"}``: a salted credential, never
 the password. ``metaq users`` writes them; the broker reads them through ``UserCache``, which watches
 the nodes so that a login costs no ZooKeeper request and a changed or removed user is noticed at once
-(the broker then drops that user's sessions)."""
+(the broker then drops that user's sessions).
+
+An unknown user must look like a known one with a wrong password, so a broker answers its SCRAM login
+with a made-up salt that every broker derives alike, restart after restart: an HMAC of the name under
+``scram_secret``, 32 random bytes the first broker stores at ``<root>/config/scram-secret`` (with
+``zk.auth``, readable by the brokers' identity only)."""
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
-from typing import Optional
+from collections import Counter
+from typing import Callable, Optional
 
 from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.recipe.cache import TreeCache, TreeEvent
 
 from metaq_broker.errors import MetaqError
-from metaq_broker.security.scram import MECHANISM, Credential
+from metaq_broker.security.scram import DEFAULT_ITERATIONS, MECHANISM, Credential
 from metaq_broker.zk.paths import ZkPaths, unquote_component
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,26 @@ def delete_user(zk, root: str, name: str) -> None:
         raise UnknownUserError(f"user {name!r} does not exist (metaq users list shows the users)") from None
 
 
+def scram_secret(zk, root: str) -> bytes:
+    """The cluster's key for made-up SCRAM salts: read, or made by the first broker to ask (its session's
+    ACL: the brokers' ``zk.auth`` identity only)."""
+    path = ZkPaths(root).scram_secret()
+    while True:
+        try:
+            data, _ = zk.get(path)
+            if len(data) == 32:
+                return data
+            log.warning("%s holds %d bytes, not 32: replaced by a new key", path, len(data))
+            zk.set(path, secrets.token_bytes(32))
+            continue
+        except NoNodeError:
+            pass
+        try:
+            zk.create(path, secrets.token_bytes(32), makepath=True)
+        except NodeExistsError:
+            pass  # another broker made it first: read theirs
+
+
 def list_users(zk, root: str) -> list:
     """Every stored user name, sorted."""
     try:
@@ -76,6 +103,9 @@ class UserCache:
     def __init__(self, zk, root: str, timeout: float = 15.0):
         self._path = ZkPaths(root).users()
         self._users: dict = {}
+        self._listeners: list = []  # called with a user's name once it was changed or removed
+        self._typical: Optional[int] = None  # typical_iterations, until the users change
+        self._version = 0  # changes seen
         self._ready = threading.Event()
         self._tree = TreeCache(zk, self._path)
         self._tree.listen(self._on_event)
@@ -86,6 +116,22 @@ class UserCache:
 
     def credential(self, name: str) -> Optional[Credential]:
         return self._users.get(name)
+
+    def typical_iterations(self) -> int:
+        """The SCRAM iteration count most users have (DEFAULT_ITERATIONS without users): what an unknown
+        user is told, so that the count does not give it away."""
+        typical = self._typical
+        if typical is None:  # counted again after a change, not at every login
+            version = self._version
+            counts = Counter(c.iterations for c in list(self._users.values()))
+            typical = counts.most_common(1)[0][0] if counts else DEFAULT_ITERATIONS
+            if version == self._version:  # no change meanwhile: keep it
+                self._typical = typical
+        return typical
+
+    def listen(self, callback: Callable[[str], None]) -> None:
+        """``callback(name)`` on ZooKeeper's event thread each time a user is changed or removed."""
+        self._listeners.append(callback)
 
     def close(self) -> None:
         self._tree.close()
@@ -110,3 +156,13 @@ class UserCache:
                 self._users[name] = credential
         elif event.event_type == TreeEvent.NODE_REMOVED:
             self._users.pop(name, None)
+        else:
+            return
+        self._version += 1
+        self._typical = None
+        if event.event_type != TreeEvent.NODE_ADDED:
+            for callback in self._listeners:
+                try:
+                    callback(name)
+                except Exception:  # noqa: BLE001 - a listener's failure must not stop the cache
+                    log.exception("a listener of user changes failed")
