@@ -156,7 +156,11 @@ class MetricsServer(ThreadingHTTPServer):
                 log.debug("metrics login of %r refused: %s", user, e)
                 return None
         if self.certificates:
-            return tls.principal_of_peer(handler.request.getpeercert())
+            try:  # the one rule every port maps a certificate by (ssl.principal.mapping.rules)
+                return self.auth.principal_of_certificate(handler.request.getpeercert(binary_form=True))
+            except AuthenticationError as e:
+                log.debug("metrics: client certificate refused: %s", e)
+                return None
         return None if self.basic else tls.ANONYMOUS
 
     def handle_error(self, request, client_address) -> None:
