@@ -70,7 +70,7 @@ class BrokerService(pb_grpc.BrokerServicer):
                  sinks_root: str = "/meta/sinks", group=None, replicas=None, producer_ids=None):
         self.store = store
         self.producer_ids = producer_ids  # server.producer_ids.ProducerIds: InitProducerId
-        self.group = group  # server.group.GroupMember: only the master serves clients (None: no ZooKeeper)
+        self.group = group  # server.member_role.GroupMember: only the master serves clients (None: no ZooKeeper)
         self.replicas = replicas  # server.replica_manager.ReplicaManager: acknowledgements wait for it
         self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
         self.sinks_root = sinks_root  # transactions' coordinators (decision records) must lie below it
