@@ -1,4 +1,7 @@
-"""Packaging for metaq: the broker (with its client and tools) and the Spark connector."""
+"""Packaging for metaq: the broker (with its client and tools) and the Spark connector.
+
+The distribution is ``metaq-broker``: PyPI's ``metaq`` is MetaQ's own Python client (2012). The import
+packages (``metaq_broker``, ``metaq_spark``) and the commands (``metaq``, ``metaq-broker``) keep their names."""
 import re
 from pathlib import Path
 
@@ -8,7 +11,7 @@ ROOT = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "metaq_broker" / "__init__.py").read_text()).group(1)
 
 setup(
-    name="metaq",
+    name="metaq-broker",  # not "metaq": taken on PyPI (see above)
     version=VERSION,
     description="A compact MetaQ-style message broker with an exactly-once Apache Spark connector",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),

@@ -28,7 +28,6 @@ import collections
 import contextlib
 import datetime as dt
 import importlib.metadata
-import io
 import json
 import os
 import platform
@@ -42,6 +41,8 @@ import time
 from pathlib import Path
 
 import click
+
+from metaq_broker.tools.progress import progressbar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -427,15 +428,6 @@ def run_one(name: str, script: Path | None, args, log_dir: Path, tick) -> dict:
     if res["skipped"]:
         res["status"] = "partial"
     return res
-
-
-def progressbar(show: bool, **kw):
-    """click.progressbar on stderr; drawn when ``show`` even if stderr is not a terminal, else silent."""
-    bar = click.progressbar(file=sys.stderr if show else io.StringIO(), **kw)
-    if show:
-        bar._is_atty = True  # click >= 8.2 draws only on a terminal; --progress asks for it anyway
-        bar.is_hidden = False  # the same for click 8.1
-    return bar
 
 
 def parse_args(argv, prog):

@@ -1,6 +1,7 @@
-"""Options of the ``metaq`` source, checked once at load()/start(): every unknown or malformed option
-fails with a message that names it. Names follow Spark's Kafka source where the meaning is the same.
-Spark hands options over lower-cased; messages use the documented spelling."""
+"""Options of the ``metaq`` source and sink, checked on the driver once at load()/start()/save(), before any
+task runs: every unknown or malformed option fails with a message that names it. Names follow Spark's
+Kafka source and sink where the meaning is the same. Spark hands options over lower-cased; messages use
+the documented spelling."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ from typing import Optional
 from metaq_broker.errors import ConfigError
 from metaq_broker.names import parse_partition_name
 from metaq_broker.security.settings import ClientSecurity
+from metaq_broker.zk.decisions import BATCH_WRITE_PREFIX
+from metaq_broker.zk.paths import check_component
 
 # Both the source and the sink take these: the client's security keys with the prefix "metaq." (docs/security.md)
 SECURITY_OPTIONS = {"metaq.security.protocol", "metaq.ssl.ca.location", "metaq.ssl.certificate.location",
@@ -28,14 +31,15 @@ SOURCE_OPTIONS = SECURITY_OPTIONS | {
     "endingTimestamp", "maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
     "failOnDataLoss", "minPartitions", "group", "commitOffsets", "fetchMaxBytes", "fetchTimeoutMs",
 }
-_SPELLING = {name.lower(): name for name in SOURCE_OPTIONS}
-_IGNORED = {"path"}  # Spark may pass these itself
+SINK_OPTIONS = SECURITY_OPTIONS | {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId",
+                                   "transactionTimeoutMs"}
+_SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 EARLIEST, LATEST = -2, -1
 
 
 class OptionError(ValueError):
-    """A metaq source option is unknown or has a bad value."""
+    """A metaq source or sink option is unknown or has a bad value."""
 
 
 def is_secret(name: str) -> bool:
@@ -99,6 +103,45 @@ class SourceOptions:
         return f"spark-metaq-{what}"[:180] + f"-{unique}"
 
 
+@dataclass(frozen=True)
+class SinkOptions:
+    zk_connect: str
+    zk_root: str = "/meta"
+    topic: Optional[str] = None
+    exactly_once: bool = True
+    sink_id: Optional[str] = None
+    timeout_ms: int = 0  # BeginTransaction's timeout_ms; 0: the broker's transactionTimeout
+    checkpoint: Optional[str] = None
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+
+
+def _by_name(options, known: set, given_by_spark: set, what: str) -> tuple:
+    """(the options by their documented spelling, the ones Spark passes itself by lower-case name); an
+    unknown option is an OptionError naming it and the known ones."""
+    spelling = {name.lower(): name for name in known}
+    opts, given = {}, {}
+    for key, value in dict(options).items():
+        name = spelling.get(key.lower())
+        if name is not None:
+            opts[name] = value
+        elif key.lower() in given_by_spark:
+            given[key.lower()] = value
+        else:
+            raise OptionError(f"unknown option {key!r} for the metaq {what}; known options: "
+                              f"{', '.join(sorted(known))}")
+    return opts, given
+
+
+def _zookeeper(opts: dict) -> tuple:
+    """(metaq.zk.connect, metaq.zk.root), both checked."""
+    if not opts.get("metaq.zk.connect"):
+        raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
+    root = opts.get("metaq.zk.root", "/meta")
+    if not root.startswith("/"):
+        raise OptionError(f"option metaq.zk.root: {root!r} must start with '/'")
+    return opts["metaq.zk.connect"], root
+
+
 def security_option(opts: dict) -> ClientSecurity:
     """The client security the ``metaq.security.*``, ``metaq.ssl.*``, ``metaq.sasl.*`` and ``metaq.zk.auth`` options
     give (source and sink); OptionError naming the option otherwise (never showing a password)."""
@@ -159,23 +202,11 @@ def _offset_json(name: str, raw: str, allow_latest: bool = True) -> dict:
 
 
 def parse(options, streaming: bool) -> SourceOptions:
-    opts = {}
-    for key, value in dict(options).items():
-        name = _SPELLING.get(key.lower())
-        if name is None:
-            if key.lower() in _IGNORED:
-                continue
-            raise OptionError(f"unknown option {key!r} for the metaq source; known options: "
-                              f"{', '.join(sorted(SOURCE_OPTIONS))}")
-        opts[name] = value
-    if not opts.get("metaq.zk.connect"):
-        raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
-    o = SourceOptions(zk_connect=opts["metaq.zk.connect"], security=security_option(opts),
+    """The source's options; unknown ones are errors naming them (the sink's options are not source options)."""
+    opts, _ = _by_name(options, SOURCE_OPTIONS, {"path"}, "source")
+    zk_connect, zk_root = _zookeeper(opts)
+    o = SourceOptions(zk_connect=zk_connect, zk_root=zk_root, security=security_option(opts),
                       raw={k: v for k, v in opts.items() if not is_secret(k)})
-    if "metaq.zk.root" in opts:
-        o.zk_root = opts["metaq.zk.root"]
-        if not o.zk_root.startswith("/"):
-            raise OptionError(f"option metaq.zk.root: {o.zk_root!r} must start with '/'")
 
     chosen = [k for k in ("subscribe", "subscribePattern", "assign") if k in opts]
     if len(chosen) != 1:
@@ -246,8 +277,8 @@ def parse(options, streaming: bool) -> SourceOptions:
             raise OptionError("give at most one of endingOffsets, endingTimestamp")
         o.ending_timestamp = integer_option("endingTimestamp", opts["endingTimestamp"])
 
-    batch_only = ("maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay")
-    for name in batch_only:
+    streaming_only = ("maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay")
+    for name in streaming_only:
         if name in opts and not streaming:
             raise OptionError(f"option {name} is only for streaming queries")
     if "maxOffsetsPerTrigger" in opts:
@@ -278,3 +309,30 @@ def parse(options, streaming: bool) -> SourceOptions:
         raise OptionError("option startingOffsets=group needs the option group: a query that names no group "
                           "gets a new one of its own, which has no offsets yet")
     return o
+
+
+def parse_sink(options, streaming: bool = False) -> SinkOptions:
+    """The sink's options; unknown ones are errors naming them (the source's options are not sink options)."""
+    opts, given = _by_name(options, SINK_OPTIONS, {"checkpointlocation", "path"}, "sink")
+    zk_connect, root = _zookeeper(opts)
+    topic = opts.get("topic")
+    if topic is not None:
+        try:
+            check_component("topic", topic)
+        except ValueError as e:
+            raise OptionError(f"option topic: {e}") from None
+    guarantee = opts.get("deliveryGuarantee", "exactly-once").strip().lower()
+    if guarantee not in ("exactly-once", "at-least-once"):
+        raise OptionError(f"option deliveryGuarantee: expected exactly-once or at-least-once, "
+                          f"got {opts['deliveryGuarantee']!r}")
+    sink_id = opts.get("sinkId")
+    if sink_id is not None and not _SINK_ID.fullmatch(sink_id):
+        raise OptionError(f"option sinkId: {sink_id!r} must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_', '-'")
+    if sink_id in (".", ".."):
+        raise OptionError(f"option sinkId: {sink_id!r} is reserved")
+    timeout = integer_option("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
+    if streaming and sink_id and sink_id.startswith(BATCH_WRITE_PREFIX):
+        raise OptionError(f"option sinkId: {sink_id!r}: names starting with {BATCH_WRITE_PREFIX!r} are "
+                          f"reserved for batch writes")
+    return SinkOptions(zk_connect, root, topic, guarantee == "exactly-once", sink_id, timeout,
+                       given.get("checkpointlocation"), security_option(opts))

@@ -26,7 +26,6 @@ from metaq_broker.client.dataconn import DataConnectionPool
 from metaq_broker.client.fetcher import PartitionFetcher
 from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
-from metaq_broker.protocol.services import COMMIT_OFFSETS
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
 from metaq_spark.group_commit import IDENTITIES, MARKER, RECORDER, RESTARTS, identities_in, mark, unmark
 from metaq_spark.options import LATEST, SourceOptions
@@ -366,12 +365,11 @@ class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAv
         if not self.opts.commit_offsets:
             return
         group, offsets, ids = self._group_of(end), unmark(end), identities_in(end)
-        if self.planner.consumer.group_offsets_via_broker:
+        consumer = self.planner.consumer
+        if consumer.group_offsets_via_broker:
             try:
                 for topic, parts in offsets.items():
-                    self.planner.consumer.broker_group_call(COMMIT_OFFSETS, {
-                        "group": group, "topic": topic, "offsets": {p: int(o) for p, o in parts.items()},
-                        "forward_only": True, "identities": ids.get(topic, {})})
+                    consumer.commit(topic, parts, forward_only=True, identities=ids.get(topic, {}), group=group)
             except Exception as e:  # noqa: BLE001 - reported, never fatal (as RECORDER.record)
                 log.warning("could not record offsets of group %s through the brokers: %s", group, e)
             return

@@ -17,22 +17,23 @@ Spark creates a new writer for every micro-batch and again, from scratch, for th
 abort, so nothing is kept in memory: the run id and the record's path travel in the commit messages.
 The sink id is the ``sinkId`` option, else ``<last component of checkpointLocation>-<query id>``: Spark
 keeps the query id in the checkpoint, so a restarted query keeps its sink id and a fresh checkpoint at the
-same path gets a new one. Rows go to brokers as Arrow columns (``Producer.encode_batches``): no Python loop per row."""
+same path gets a new one. Rows go to brokers as Arrow columns (``Producer.encode_batches``): no Python loop per row.
+
+This module holds the writers: each task's write on an executor, the driver's decision and clean-up. The
+options are ``options.parse_sink``'s, the sending thread is ``pipeline``'s, and the records are kept by
+``client.decisions`` with the rules and housekeeping of ``zk.decisions``."""
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import logging
-import posixpath
 import re
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
@@ -40,25 +41,16 @@ from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, Stri
 from metaq_broker.client.decisions import SinkDecisions
 from metaq_broker.client.producer import PipelinedSender, Producer
 from metaq_broker.client.settle import COMMIT, rollback_quietly, settle
-from metaq_broker.errors import InvalidMessageError
-from metaq_broker.security.settings import ClientSecurity
 from metaq_broker.zk import decisions as txn_decisions
 from metaq_broker.zk.decisions import BATCH_WRITE_PREFIX
-from metaq_broker.zk.paths import ZkPaths, check_component
-from metaq_spark.options import SECURITY_OPTIONS, OptionError, integer_option, security_option
+from metaq_broker.zk.paths import ZkPaths
+from metaq_spark.options import OptionError, SinkOptions, parse_sink
+from metaq_spark.pipeline import send_all
 
 log = logging.getLogger(__name__)
 
-SINK_OPTIONS = SECURITY_OPTIONS | {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId",
-                                   "transactionTimeoutMs"}
-_SPELLING = {name.lower(): name for name in SINK_OPTIONS}
-_GIVEN_BY_SPARK = {"checkpointlocation", "path"}
-_SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 BATCH_RECORD_HORIZON_S = 7 * 86_400  # leftover decision records of crashed batch writes older than this go
 SETTLE_WAIT_S = 120.0  # how long the driver waits for a broker that is down to take a commit
-MAX_PUT_BYTES = 16 << 20  # Arrow batches larger than this go to the brokers in slices
-PUT_BYTES = 4 << 20  # smaller Arrow batches queued together go in one Put up to this size
-MAX_QUEUED_BYTES = 16 << 20  # Arrow batches read from Spark ahead of the sending thread
 
 COLUMNS = {  # column -> (allowed Spark types, how the message uses it)
     "value": ((BinaryType, StringType), "binary or string, required"),
@@ -77,56 +69,6 @@ class SinkIdConflictError(RuntimeError):
 
 class SinkSchemaError(ValueError):
     """The DataFrame written to metaq has a column the sink does not take, or one of the wrong type."""
-
-
-@dataclass(frozen=True)
-class SinkOptions:
-    zk_connect: str
-    zk_root: str = "/meta"
-    topic: Optional[str] = None
-    exactly_once: bool = True
-    sink_id: Optional[str] = None
-    timeout_ms: int = 0  # BeginTransaction's timeout_ms; 0: the broker's transactionTimeout
-    checkpoint: Optional[str] = None
-    security: ClientSecurity = field(default_factory=ClientSecurity)
-
-
-def parse_sink(options) -> SinkOptions:
-    """The sink's options; unknown ones are errors naming them (the source's options are not sink options)."""
-    opts, checkpoint = {}, None
-    for key, value in dict(options).items():
-        name = _SPELLING.get(key.lower())
-        if name is None:
-            if key.lower() == "checkpointlocation":
-                checkpoint = value
-            elif key.lower() not in _GIVEN_BY_SPARK:
-                raise OptionError(f"unknown option {key!r} for the metaq sink; known options: "
-                                  f"{', '.join(sorted(SINK_OPTIONS))}")
-            continue
-        opts[name] = value
-    if not opts.get("metaq.zk.connect"):
-        raise OptionError("option metaq.zk.connect is required (the ZooKeeper connect string, e.g. 'localhost:2181')")
-    root = opts.get("metaq.zk.root", "/meta")
-    if not root.startswith("/"):
-        raise OptionError(f"option metaq.zk.root: {root!r} must start with '/'")
-    topic = opts.get("topic")
-    if topic is not None:
-        try:
-            check_component("topic", topic)
-        except ValueError as e:
-            raise OptionError(f"option topic: {e}") from None
-    guarantee = opts.get("deliveryGuarantee", "exactly-once").strip().lower()
-    if guarantee not in ("exactly-once", "at-least-once"):
-        raise OptionError(f"option deliveryGuarantee: expected exactly-once or at-least-once, "
-                          f"got {opts['deliveryGuarantee']!r}")
-    sink_id = opts.get("sinkId")
-    if sink_id is not None and not _SINK_ID.fullmatch(sink_id):
-        raise OptionError(f"option sinkId: {sink_id!r} must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_', '-'")
-    if sink_id in (".", ".."):
-        raise OptionError(f"option sinkId: {sink_id!r} is reserved")
-    timeout = integer_option("transactionTimeoutMs", opts.get("transactionTimeoutMs", 0))
-    return SinkOptions(opts["metaq.zk.connect"], root, topic, guarantee == "exactly-once", sink_id, timeout, checkpoint,
-                       security_option(opts))
 
 
 def check_schema(schema: StructType, opts: SinkOptions) -> dict:
@@ -193,121 +135,6 @@ def _decisions(opts: SinkOptions) -> SinkDecisions:
     return SinkDecisions(_producer(opts))
 
 
-# -- executors -----------------------------------------------------------------------------------------
-
-def _slices(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
-    pieces = -(-batch.nbytes // MAX_PUT_BYTES)
-    if pieces <= 1:
-        yield batch
-        return
-    step = -(-batch.num_rows // pieces)
-    for start in range(0, batch.num_rows, step):
-        yield batch.slice(start, step)
-
-
-def send_arrow(send, batch, index: dict, default_topic: Optional[str]) -> int:
-    """Send one Arrow batch or table with ``send(topic, values, keys, attributes, flags, partition=...)``,
-    one call per topic present (a ``topic`` column is split with Arrow kernels). Returns the rows sent."""
-    if not batch.num_rows:
-        return 0
-    col = {name: batch.column(i) for name, i in index.items()}
-    topics = col.get("topic")
-    if topics is None:
-        groups = [(default_topic, None)]
-    else:
-        if topics.null_count:
-            if default_topic is None:
-                raise InvalidMessageError("the topic column has nulls and there is no topic option for them")
-            topics = pc.fill_null(topics, default_topic)
-        names = pc.unique(topics).to_pylist()
-        groups = [(names[0], None)] if len(names) == 1 else [(t, pc.equal(topics, t)) for t in names]
-    for topic, mask in groups:
-        cols = col if mask is None else {k: pc.filter(v, mask) for k, v in col.items()}
-        flags = cols.get("flag")
-        if flags is not None and flags.null_count:
-            flags = pc.fill_null(flags, 0)
-        send(topic, cols["value"], cols.get("key"), cols.get("attribute"), flags, partition=cols.get("partition"))
-    return batch.num_rows
-
-
-class Pipeline:
-    """Sends Arrow batches from one background thread, in order: reading the next batches from Spark
-    overlaps with encoding and the broker's work on the previous ones. The batches that queued up while a
-    send was under way go in the next one as one Arrow table of up to ``PUT_BYTES`` (its chunks are not
-    copied together), so a broker slower than Spark gets fewer, larger Puts: fewer round trips, fsync
-    waits and per-call costs. A partition still receives its messages in the order Spark produced them.
-    ``submit`` blocks while ``MAX_QUEUED_BYTES`` wait. ``flush`` (``PipelinedSender.flush``) runs in the
-    sending thread after the last send."""
-
-    def __init__(self, send, index: dict, topic: Optional[str], flush=None):
-        self._send = lambda batch: send_arrow(send, batch, index, topic)
-        self._flush = flush
-        self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._queued = 0  # bytes in _queue
-        self._closing = False
-        self._error: Optional[BaseException] = None
-        self._skip = False
-        self.rows = 0
-        self._thread = threading.Thread(target=self._run, name="metaq-sink-sender", daemon=True)
-        self._thread.start()
-
-    def _take(self) -> list:
-        """The batches queued, up to PUT_BYTES (one whatever its size); [] once closing with none left."""
-        with self._cond:
-            while not self._queue and not self._closing:
-                self._cond.wait()
-            taken, size = [], 0
-            while self._queue and (not taken or size + self._queue[0].nbytes <= PUT_BYTES):
-                taken.append(self._queue.popleft())
-                size += taken[-1].nbytes
-            self._queued -= size
-            self._cond.notify_all()
-            return taken
-
-    def _fail(self, e: BaseException) -> None:
-        with self._cond:
-            self._error = e
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while taken := self._take():
-            if self._error is None and not self._skip:
-                try:
-                    self._send(taken[0] if len(taken) == 1 else pa.Table.from_batches(taken))
-                except BaseException as e:  # noqa: BLE001 - raised in the task's thread
-                    self._fail(e)
-        if self._flush is not None and self._error is None and not self._skip:
-            try:
-                self._flush()
-            except BaseException as e:  # noqa: BLE001 - raised in the task's thread
-                self._fail(e)
-
-    def submit(self, batch: pa.RecordBatch) -> None:
-        for piece in _slices(batch):
-            with self._cond:
-                while self._queued >= MAX_QUEUED_BYTES and self._error is None:
-                    self._cond.wait()
-                if self._error is not None:
-                    raise self._error
-                self._queue.append(piece)
-                self._queued += piece.nbytes
-                self._cond.notify_all()
-            self.rows += piece.num_rows
-
-    def __enter__(self) -> "Pipeline":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        with self._cond:
-            self._skip = kind is not None  # failing: what is queued is not sent
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join()
-        if kind is None and self._error is not None:
-            raise self._error
-
-
 class _Writer:
     """What the batch and the streaming writer share: the options, the columns, the run id."""
 
@@ -339,12 +166,10 @@ class _Writer:
         if not self.opts.exactly_once:  # Puts pipelined: one in flight per partition
             sender = PipelinedSender(producer)
             try:
-                with Pipeline(sender.send_batch, self.index, self.opts.topic, sender.flush) as pipe:
-                    for batch in iterator:
-                        pipe.submit(batch)
+                rows = send_all(sender, iterator, self.index, self.opts.topic)
             finally:
                 sender.close()
-            return SinkCommitMessage(self.run, "", {}, [], pipe.rows)
+            return SinkCommitMessage(self.run, "", {}, [], rows)
         sink_id, batch_id, owner, ctx = self._where()
         path = ZkPaths(self.opts.zk_root).sink_batch(sink_id, batch_id)
         # taskAttemptId is unique in the application, also across stage re-attempts; the run keeps
@@ -353,16 +178,14 @@ class _Writer:
         txn = producer.transaction(prefix, self.opts.timeout_ms, json.dumps({"path": path, "run": self.run}))
         sender = PipelinedSender(producer, transaction=txn)  # one Put in flight per partition, as above
         try:
-            with Pipeline(sender.send_batch, self.index, self.opts.topic, sender.flush) as pipe:
-                for batch in iterator:
-                    pipe.submit(batch)
+            rows = send_all(sender, iterator, self.index, self.opts.topic)
             xids = txn.prepare()
         except BaseException:
             sender.close()
             for bid, xid in list(txn.xids.items()):  # Spark retries the task under new xids
                 rollback_quietly(producer, bid, xid)
             raise
-        return SinkCommitMessage(self.run, path, owner, xids, pipe.rows, sink_id)
+        return SinkCommitMessage(self.run, path, owner, xids, rows, sink_id)
 
     # -- driver side -----------------------------------------------------------------------------------
     def _commit(self, messages: List[Optional[SinkCommitMessage]], batch_id: int) -> None:
@@ -385,11 +208,11 @@ class _Writer:
                 f"the brokers refuse more than their transactionMaxTimeout (default 900000 ms)") from None
         if decision.run != run and _other_query(decision.owner, owner):
             raise SinkIdConflictError(
-                f"sink id {path.split('/')[-3]!r}: batch {batch_id} was already committed by another query "
+                f"sink id {sink!r}: batch {batch_id} was already committed by another query "
                 f"(id {decision.owner.get('query')}, checkpoint {decision.owner.get('checkpoint') or 'unknown'}); "
                 f"this query (id {owner.get('query')}, checkpoint {owner.get('checkpoint') or 'unknown'}) would "
                 f"drop its batch. Give this query its own sinkId option, or delete that sink's decision records "
-                f"({posixpath.dirname(path)}) if that query is gone for good")
+                f"({records.paths.sink_batches(sink)}) if that query is gone for good")
         settle(producer, decision.xids, COMMIT, SETTLE_WAIT_S)
         if decision.run != run:
             log.info("batch %d was committed by an earlier run (%s); dropping this run's %d transactions",
@@ -470,8 +293,5 @@ class MetaqBatchWriter(_Writer, DataSourceArrowWriter):
 
 
 def writer(options, schema: StructType, streaming: bool):
-    opts = parse_sink(options)
-    if streaming and opts.sink_id and opts.sink_id.startswith(BATCH_WRITE_PREFIX):
-        raise OptionError(f"option sinkId: {opts.sink_id!r}: names starting with {BATCH_WRITE_PREFIX!r} are "
-                          f"reserved for batch writes")
+    opts = parse_sink(options, streaming)
     return (MetaqStreamWriter if streaming else MetaqBatchWriter)(opts, schema)

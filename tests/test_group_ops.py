@@ -1,6 +1,7 @@
 """Consumer-group operations of the command line against a real ZooKeeper and broker: ``metaq groups
 reset-offsets`` (each target, a partition subset, the dry run, refusal while members are live),
-``metaq groups delete``, ``metaq consume --group`` joining the group and committing, and the errors."""
+``metaq groups delete``, ``metaq consume --group`` joining the group and committing (the client's
+``GroupMember``, which rebalances), and the errors."""
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from conftest import wait_until
 
 from metaq_broker.client.admin import Admin
-from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.consumer import Consumer, GroupMember
 from metaq_broker.client.producer import Producer
 from metaq_broker.zk.group_offsets import GroupStore
 
@@ -182,3 +183,39 @@ def test_two_group_members_share_the_partitions(running):
         outs = [f.communicate(timeout=30)[0] for f in followers]
     assert sorted(b"".join(outs).split()) == sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(5)]
                                                     + [b"c%d" % i for i in range(10)])
+
+
+def test_a_group_member_commits_what_it_read_before_it_hands_a_partition_over(running, clock):
+    """``GroupMember`` (what ``consume --group --follow`` runs): a second member gets a partition only
+    after the first one's rebalance, which commits first, so the second reads on from where the first
+    stopped: nothing read twice, nothing skipped."""
+    with running.client(Consumer, group="gm") as a, running.client(Consumer, group="gm") as b:
+        first = GroupMember(a, TOPIC, clock=clock, interval=5)
+        assert first.partitions == ["1-0", "1-1"] and first.positions == {"1-0": 0, "1-1": 0}
+        first.positions.update({"1-0": 7, "1-1": 3})  # what it read
+        second = GroupMember(b, TOPIC, clock=clock, interval=5)
+        assert second.partitions == [] and second.positions == {}  # the first still owns both
+        clock.advance(4.9)
+        assert not first.rebalance_if_due() and first.partitions == ["1-0", "1-1"]
+        assert committed(running, "gm") == {}
+        clock.advance(0.1)
+        assert first.rebalance_if_due() and len(first.partitions) == 1
+        assert committed(running, "gm") == {"1-0": 7, "1-1": 3}  # before the partition was let go
+        assert second.rebalance_if_due()
+        assert sorted(first.partitions + second.partitions) == ["1-0", "1-1"]
+        assert {**first.positions, **second.positions} == {"1-0": 7, "1-1": 3}
+        second.positions.update({p: o + 1 for p, o in second.positions.items()})
+        second.commit()
+        assert committed(running, "gm") == {**{"1-0": 7, "1-1": 3}, **second.positions}
+
+    with running.client(Consumer, group="starts") as c:
+        assert GroupMember(c, TOPIC, start=5).positions == {"1-0": 5, "1-1": 5}
+        assert GroupMember(c, TOPIC, start="latest").positions == {"1-0": 20, "1-1": 5}
+        assert GroupMember(c, TOPIC, start="earliest").positions == {"1-0": 0, "1-1": 0}
+        with pytest.raises(ValueError, match="start must be None, 'earliest', 'latest' or an offset, got 'soon'"):
+            GroupMember(c, TOPIC, start="soon")
+    with running.client(Consumer) as plain:  # no group of its own: commits for the one it names
+        assert plain.commit(TOPIC, {"1-0": 4}, group="named") == {"1-0": 4}
+        with pytest.raises(ValueError, match="this consumer has no group"):
+            plain.commit(TOPIC, {"1-0": 4})
+    assert committed(running, "named") == {"1-0": 4}

@@ -166,12 +166,12 @@ def test_gaps_and_old_epochs_are_refused_by_name(broker):
         body = records.encode_body([b"gap"])
         with pytest.raises(RemoteOutOfOrderSequenceError,
                            match=rf"producer {pid} \(epoch {epoch}\) in partition t-0: got sequences 5-5, expected 1"):
-            producer._start_put_once("t", "1-0", body, "", (pid, epoch, 5)).result()
+            producer.put_once("t", "1-0", body, "", (pid, epoch, 5)).result()
         bumped = producer.call(1, "InitProducerId", pb.InitProducerIdRequest(producer_id=pid, producer_epoch=epoch))
         assert (bumped.producer_id, bumped.producer_epoch) == (pid, epoch + 1)
-        producer._start_put_once("t", "1-0", records.encode_body([b"new epoch"]), "", (pid, epoch + 1, 0)).result()
+        producer.put_once("t", "1-0", records.encode_body([b"new epoch"]), "", (pid, epoch + 1, 0)).result()
         with pytest.raises(RemoteProducerFencedError, match=rf"producer {pid} \(epoch {epoch}\).*fenced"):
-            producer._start_put_once("t", "1-0", records.encode_body([b"old"]), "", (pid, epoch, 1)).result()
+            producer.put_once("t", "1-0", records.encode_body([b"old"]), "", (pid, epoch, 1)).result()
         other = producer.call(1, "InitProducerId", pb.InitProducerIdRequest())
         assert other.producer_id != pid and other.producer_epoch == 0
     assert read_values(broker.address) == [b"a", b"new epoch"]

@@ -25,8 +25,8 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.zk import decisions as txn_decisions
-from metaq_spark.options import OptionError
-from metaq_spark.sink import SinkOptions, SinkSchemaError, check_schema, parse_sink
+from metaq_spark.options import OptionError, SinkOptions, parse_sink
+from metaq_spark.sink import SinkSchemaError, check_schema
 
 PER_PARTITION = 200
 
@@ -589,7 +589,7 @@ def test_small_arrow_batches_sent_together_keep_keys_topics_and_order(spark, clu
     import pyarrow as pa
 
     from metaq_broker.client.partitioner import partitions_for_keys
-    from metaq_spark.sink import send_arrow
+    from metaq_spark.pipeline import send_arrow
     cluster.start_broker(1, topics={"p": {"numPartitions": 2}, "q": {"numPartitions": 3}})
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "5")
     try:

@@ -182,7 +182,7 @@ class ClientBase:
     def group_offsets_via_broker(self) -> bool:
         """Whether this client keeps group offsets and the exactly-once sink's decision records through a
         broker, which checks the group's or sink's ACL and writes ZooKeeper with its own identity
-        (server/groups.py, server/sinks.py): a secured client (SSL, SASL_SSL) always, so that its ACLs
+        (server/group_offsets_service.py, server/sinks.py): a secured client (SSL, SASL_SSL) always, so that its ACLs
         hold; a PLAINTEXT one when it holds no ZooKeeper identity and the brokers protect ZooKeeper
         (zk.auth). Otherwise it writes ZooKeeper itself (an open ZooKeeper, or the clients' identity)."""
         if self.security.protocol != "PLAINTEXT":

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import pyarrow as pa
 
@@ -98,23 +99,24 @@ class Consumer(ClientBase):
         if self._groups is None:
             if self.cluster.zk is None:
                 raise RuntimeError("group offsets live in ZooKeeper: create the consumer with zk_connect")
-            if not self.group:
-                raise ValueError("this consumer has no group")
             self._groups = GroupStore(self.cluster.zk, self.cluster.root)
         return self._groups
 
-    def commit(self, topic: str, offsets: dict, forward_only: bool = False, identities: Optional[dict] = None) -> dict:
+    def commit(self, topic: str, offsets: dict, forward_only: bool = False, identities: Optional[dict] = None,
+               group: Optional[str] = None) -> dict:
         """Record ``{partition: next offset}`` as the group's position in ZooKeeper (``forward_only``: never
         lower a recorded offset, see ``GroupStore.commit``), through a broker when this client is secured
         (``group_offsets_via_broker``); returns what was written. ``identities``: ``{partition: identity}``
-        of the logs the offsets are for (default: as this client last saw them, ``offset_bounds``)."""
+        of the logs the offsets are for (default: as this client last saw them, ``offset_bounds``).
+        ``group``: another group's than this consumer's own (a Spark query's, chosen by the query)."""
         offsets = {p: int(o) for p, o in offsets.items()}
         identities = self._identities_of(topic, offsets) if identities is None else identities
         if self.group_offsets_via_broker:
-            return self.broker_group_call(COMMIT_OFFSETS, {"group": self._group_name(), "topic": topic,
+            return self.broker_group_call(COMMIT_OFFSETS, {"group": self._group_name(group), "topic": topic,
                                                             "offsets": offsets, "forward_only": forward_only,
                                                             "identities": identities})
-        return self._group_store().commit(self.group, topic, offsets, forward_only=forward_only, identities=identities)
+        return self._group_store().commit(self._group_name(group), topic, offsets, forward_only=forward_only,
+                                          identities=identities)
 
     def committed(self, topic: str, identities: Optional[dict] = None) -> dict:
         """The group's committed offsets of ``topic``, leaving out those recorded for another log of their
@@ -123,15 +125,16 @@ class Consumer(ClientBase):
         if self.group_offsets_via_broker:
             return self.broker_group_call(FETCH_OFFSETS, {"group": self._group_name(), "topic": topic,
                                                            "identities": identities})
-        return self._group_store().fetch(self.group, topic, identities=identities)
+        return self._group_store().fetch(self._group_name(), topic, identities=identities)
 
     def _identities_of(self, topic: str, partitions=None) -> dict:
         return {p: i for (t, p), i in self.identities.items() if t == topic and i and (partitions is None or p in partitions)}
 
-    def _group_name(self) -> str:
-        if not self.group:
+    def _group_name(self, group: Optional[str] = None) -> str:
+        """``group``, else this consumer's; ValueError if neither names one."""
+        if not (group or self.group):
             raise ValueError("this consumer has no group")
-        return self.group
+        return group or self.group
 
     # -- balanced group consumption -------------------------------------------------------------------
     def subscribe(self, topic: str, start: str = "committed") -> list:
@@ -146,6 +149,7 @@ class Consumer(ClientBase):
                 f"brokers protect (zk.auth): give this client the clients' ZooKeeper identity, zk.auth set to the "
                 f"brokers' zk.client.auth; or assign partitions and commit offsets (through the brokers) instead")
         groups = self._group_store()
+        self._group_name()  # ValueError without a group
         self._owned.setdefault(topic, [])
         groups.join(self.group, self.consumer_id, sorted(self._owned))  # every topic this member follows
         share = groups.assign(self.group, self.consumer_id, topic, self.partitions(topic))
@@ -180,9 +184,49 @@ class Consumer(ClientBase):
             self.commit(topic, {p: self.positions[(topic, p)] for p in owned})
 
     def close(self) -> None:
-        if self._groups is not None:
+        if self._owned:  # joined the group (subscribe): leave it
             for topic, parts in self._owned.items():
                 for p in parts:
                     self._groups.release(self.group, topic, p, self.consumer_id)
             self._groups.leave(self.group, self.consumer_id)
         super().close()
+
+
+class GroupMember:
+    """A consumer's share of its group's partitions of one topic (``Consumer.subscribe``), kept as members
+    come and go: ``partitions`` it owns and ``positions`` ``{partition: next offset}`` that the caller
+    reads from and advances. ``rebalance_if_due`` (every ``interval`` seconds) commits the positions
+    first, so that no partition passes to another member behind what this one read, then takes the share
+    again with positions from the group's committed offsets. ``commit`` records the positions.
+
+    ``start``: None for the group's committed offsets (earliest where it has none), ``"earliest"``,
+    ``"latest"``, or an offset to read every owned partition from (the first share only)."""
+
+    REBALANCE_S = 5.0
+
+    def __init__(self, consumer: Consumer, topic: str, start: Union[None, str, int] = None,
+                 interval: float = REBALANCE_S, clock: Callable[[], float] = time.monotonic):
+        if start is not None and start not in ("earliest", "latest") and not isinstance(start, int):
+            raise ValueError(f"start must be None, 'earliest', 'latest' or an offset, got {start!r}")
+        self.consumer, self.topic, self.interval, self._clock = consumer, topic, interval, clock
+        self.partitions, self.positions = self._join(start)
+
+    def _join(self, start) -> tuple:
+        for key in [k for k in self.consumer.positions if k[0] == self.topic]:
+            del self.consumer.positions[key]  # taken again from the group's committed offsets
+        owned = self.consumer.subscribe(self.topic, start if start in ("earliest", "latest") else "committed")
+        self._due = self._clock() + self.interval
+        return owned, {p: start if isinstance(start, int) else self.consumer.positions[(self.topic, p)]
+                       for p in owned}
+
+    def commit(self) -> None:
+        self.consumer.commit(self.topic, self.positions)
+
+    def rebalance_if_due(self) -> bool:
+        """Commit, then take the share again, once ``interval`` has passed since the last time; True if it
+        did (``partitions`` and ``positions`` are new objects then)."""
+        if self._clock() < self._due:
+            return False
+        self.commit()
+        self.partitions, self.positions = self._join(None)
+        return True

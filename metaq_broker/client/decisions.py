@@ -4,7 +4,6 @@
 no ZooKeeper identity at all. ``ClientBase.group_offsets_via_broker`` chooses, as for group offsets."""
 from __future__ import annotations
 
-import posixpath
 from typing import Optional
 
 from metaq_broker.client.base import ClientBase
@@ -56,13 +55,13 @@ class SinkDecisions:
     def forget_below(self, sink: str, batch: int) -> int:
         """Delete the sink's records of batches below ``batch``."""
         if not self.via_broker:
-            return decisions.forget_below(self.client.cluster.zk, self.paths.sink_batches(sink), batch)
+            return decisions.forget_below(self.client.cluster.zk, self.paths, sink, batch)
         return self._call(FORGET_DECISIONS, {"sink": sink, "below": batch})["forgotten"]
 
     def forget_sink(self, sink: str) -> None:
         """Delete the sink's node with every record (a batch write's, once settled)."""
         if not self.via_broker:
-            decisions.forget_sink(self.client.cluster.zk, posixpath.dirname(self.paths.sink_batches(sink)))
+            decisions.forget_sink(self.client.cluster.zk, self.paths, sink)
         else:
             self._call(FORGET_DECISIONS, {"sink": sink})
 
@@ -71,9 +70,4 @@ class SinkDecisions:
         (through a broker: of the sinks this client may Write); returns their sink ids."""
         if self.via_broker:
             return self._call(SWEEP_BATCH_WRITES, {"older_than_s": horizon_s})["forgotten"]
-        zk = self.client.cluster.zk
-        gone = []
-        for sink in decisions.stale_batch_writes(zk, self.paths.sinks(), horizon_s):
-            decisions.forget_sink(zk, sink)
-            gone.append(posixpath.basename(sink))
-        return gone
+        return decisions.sweep_batch_writes(self.client.cluster.zk, self.paths, horizon_s)

@@ -125,14 +125,16 @@ class _DataPortPut:
 class _ResendingPut:
     """A put that is sent again while the group answers a refusal that stored nothing (``not master:``
     during a failover, ``not enough in-sync replicas``), until the producer's timeout. An idempotent
-    producer's put (``producer``: its id, epoch and sequence) is also sent again when it may have been
-    stored (a lost connection, ``not acknowledged:``, no answer in time): the broker answers a batch it has
-    with its first offsets. Without one, such a put is never sent again."""
+    producer's put (``producer.sequences``: its id, epoch and sequence) is also sent again when it may have
+    been stored (a lost connection, ``not acknowledged:``, no answer in time): the broker answers a batch
+    it has with its first offsets. Without one, such a put is never sent again. It uses the producer
+    through ``put_once``, ``sequences``, ``cluster`` and ``pool`` only."""
 
     def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str,
                  idempotent: bool = False):
         self.producer, self.topic, self.name, self.body, self.xid = producer, topic, name, body, xid
-        self.stamp = producer._stamp(self) if idempotent else None  # (producer id, epoch, base sequence)
+        self.sequences = producer.sequences if idempotent else None
+        self.stamp = self.sequences.stamp(self) if idempotent else None  # (producer id, epoch, base sequence)
         self.deadline = time.monotonic() + producer.pool.timeout
         try:
             self._put = self._start()
@@ -145,7 +147,7 @@ class _ResendingPut:
         """Send it; while its broker group has no master registered (a failover), wait for one."""
         while True:
             try:
-                return self.producer._start_put_once(self.topic, self.name, self.body, self.xid, self.stamp)
+                return self.producer.put_once(self.topic, self.name, self.body, self.xid, self.stamp)
             except InvalidPartitionError:
                 known = self.producer.cluster.known(parse_partition_name(self.name)[0])
                 if not known or time.monotonic() + RESEND_WAIT > self.deadline:
@@ -165,7 +167,7 @@ class _ResendingPut:
                     log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
                 except (BrokerUnavailableError, OutOfOrderSequenceError) as e:
                     if self.stamp is None or time.monotonic() + RESEND_WAIT > self.deadline or (
-                            isinstance(e, OutOfOrderSequenceError) and not self.producer._earlier_in_flight(self)):
+                            isinstance(e, OutOfOrderSequenceError) and not self.sequences.earlier_in_flight(self)):
                         raise
                     log.info("idempotent put to %s of %r (sequence %d) got %s; sending it again", self.name,
                              self.topic, self.stamp[2], e)
@@ -177,11 +179,80 @@ class _ResendingPut:
 
     def _done(self, failed: bool) -> None:
         if self.stamp is not None:
-            self.producer._put_done(self, failed)
+            self.sequences.done(self, failed)
 
     def cancel(self) -> None:
         self._put.cancel()
         self._done(failed=True)
+
+
+class Sequences:
+    """An idempotent producer's id and epoch (from ``InitProducerId``), each partition's next sequence, and
+    the sequences in flight (an out-of-order answer while an earlier one is still in flight is sent
+    again). A put that finally fails leaves the sequences unknown: the epoch is then bumped and every
+    partition starts again at sequence 0 (Kafka's KIP-360). ``_lock`` guards every field; ``ensure_id``
+    holds it across its ``InitProducerId`` call, so one put at a time asks for an id."""
+
+    def __init__(self):
+        self.producer_id: Optional[int] = None
+        self.epoch: Optional[int] = None
+        self._lock = threading.Lock()
+        self._next: dict = {}  # (topic, partition name) -> next sequence
+        self._in_flight: dict = {}  # (topic, partition name) -> {put: sequence}
+        self._stale = False
+
+    def ensure_id(self, call, broker_id: int, timeout: float) -> bool:
+        """Take a producer id (or bump the epoch after a failed put) from ``broker_id``'s group with
+        ``call`` (``ClientBase.call``), waiting up to ``timeout`` while ZooKeeper is away; False if the
+        broker does not know ``InitProducerId`` (an older metaq)."""
+        with self._lock:
+            if self.producer_id is not None and not self._stale:
+                return True
+            bump = self.producer_id is not None
+            request = pb.InitProducerIdRequest(producer_id=self.producer_id, producer_epoch=self.epoch) \
+                if bump else pb.InitProducerIdRequest()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    r = call(broker_id, "InitProducerId", request, retries=3)
+                    break
+                except BrokerUnavailableError:  # ZooKeeper away for a moment: ids cannot be given out
+                    if time.monotonic() + RESEND_WAIT > deadline:
+                        raise
+                    time.sleep(RESEND_WAIT)
+                except BrokerError as e:
+                    if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    return False
+            if bump:
+                log.info("producer %d: epoch %d -> %d after a failed put; sequences start again at 0",
+                         r.producer_id, self.epoch, r.producer_epoch)
+            self.producer_id, self.epoch = r.producer_id, r.producer_epoch
+            self._next.clear()
+            self._stale = False
+            return True
+
+    def stamp(self, put: _ResendingPut) -> tuple:
+        """(producer id, epoch, the partition's next sequence) for ``put``, now in flight."""
+        with self._lock:
+            key = (put.topic, put.name)
+            seq = self._next.get(key, 0)
+            self._next[key] = (seq + put.body.count) % (1 << 31)
+            self._in_flight.setdefault(key, {})[put] = seq
+            return self.producer_id, self.epoch, seq
+
+    def earlier_in_flight(self, put: _ResendingPut) -> bool:
+        """Is a put with an earlier sequence to the same partition still unanswered?"""
+        with self._lock:
+            mine = put.stamp[2]
+            return any(p is not put and p.stamp[1] == put.stamp[1] and 0 < (mine - s) % (1 << 31) < 1 << 30
+                       for p, s in self._in_flight.get((put.topic, put.name), {}).items())
+
+    def done(self, put: _ResendingPut, failed: bool) -> None:
+        with self._lock:
+            waiting = self._in_flight.get((put.topic, put.name), {})
+            if waiting.pop(put, None) is not None and failed and put.stamp[1] == self.epoch:
+                self._stale = True  # its sequence may or may not be stored: start over in a new epoch
 
 
 class Producer(ClientBase):
@@ -192,17 +263,8 @@ class Producer(ClientBase):
             raise ValueError(f"partitioner must be 'hash' or 'round_robin', got {partitioner!r}")
         rawput.acks_code(acks)  # ValueError naming the choices
         self.acks = acks  # "all": every in-sync member has it (durable by the flush policy); "1": the master
-        # Idempotence: the producer id and epoch (from the first put's broker), each partition's next
-        # sequence, and the sequences in flight (an out-of-order answer while an earlier one is still in
-        # flight is sent again). A put that finally fails leaves the sequences unknown: the epoch is then
-        # bumped and every partition starts again at sequence 0 (Kafka's KIP-360).
         self.idempotent = idempotent
-        self.producer_id: Optional[int] = None
-        self.producer_epoch: Optional[int] = None
-        self._seq_lock = threading.Lock()
-        self._next_seq: dict = {}  # (topic, partition name) -> next sequence
-        self._in_flight: dict = {}  # (topic, partition name) -> {put: sequence}
-        self._stale_epoch = False
+        self.sequences = Sequences()  # the producer id and epoch from the first put's broker
         super().__init__(zk_connect, zk_root, brokers, timeout, security)
         self.data_pool = DataConnectionPool(timeout, self.security)  # puts to brokers with a data port
         # A put waiting on a master that then froze ends when the group's master moves, as gRPC calls do.
@@ -297,64 +359,25 @@ class Producer(ClientBase):
         return _ResendingPut(self, topic, name, body, xid, idempotent=self.idempotent and not xid)
 
     # -- idempotence ----------------------------------------------------------------------------------
+    @property
+    def producer_id(self) -> Optional[int]:
+        return self.sequences.producer_id
+
+    @property
+    def producer_epoch(self) -> Optional[int]:
+        return self.sequences.epoch
+
     def _ensure_producer_id(self, broker_id: int) -> None:
-        """Take a producer id (or bump the epoch after a failed put) from ``broker_id``'s group. A broker
-        that does not know ``InitProducerId`` (an older metaq) makes this producer a plain one, with a
-        warning: it would store a batch sent again twice."""
-        with self._seq_lock:
-            if self.producer_id is not None and not self._stale_epoch:
-                return
-            bump = self.producer_id is not None
-            request = pb.InitProducerIdRequest(producer_id=self.producer_id, producer_epoch=self.producer_epoch) \
-                if bump else pb.InitProducerIdRequest()
-            deadline, r = time.monotonic() + self.pool.timeout, None
-            while r is None:
-                try:
-                    r = self.call(broker_id, "InitProducerId", request, retries=3)
-                except BrokerUnavailableError:  # ZooKeeper away for a moment: ids cannot be given out
-                    if time.monotonic() + RESEND_WAIT > deadline:
-                        raise
-                    time.sleep(RESEND_WAIT)
-                except BrokerError as e:
-                    if e.code != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    break
-            if r is None:
-                log.warning("broker %d does not give out producer ids (an older metaq): this producer is not "
-                            "idempotent, and puts that may have been stored are not sent again", broker_id)
-                self.idempotent = False
-                return
-            if bump:
-                log.info("producer %d: epoch %d -> %d after a failed put; sequences start again at 0",
-                         r.producer_id, self.producer_epoch, r.producer_epoch)
-            self.producer_id, self.producer_epoch = r.producer_id, r.producer_epoch
-            self._next_seq.clear()
-            self._stale_epoch = False
+        """A broker that does not give out producer ids (an older metaq) makes this producer a plain one,
+        with a warning: it would store a batch sent again twice."""
+        if not self.sequences.ensure_id(self.call, broker_id, self.pool.timeout):
+            log.warning("broker %d does not give out producer ids (an older metaq): this producer is not "
+                        "idempotent, and puts that may have been stored are not sent again", broker_id)
+            self.idempotent = False
 
-    def _stamp(self, put: _ResendingPut) -> tuple:
-        """(producer id, epoch, the partition's next sequence) for ``put``, now in flight."""
-        with self._seq_lock:
-            key = (put.topic, put.name)
-            seq = self._next_seq.get(key, 0)
-            self._next_seq[key] = (seq + put.body.count) % (1 << 31)
-            self._in_flight.setdefault(key, {})[put] = seq
-            return self.producer_id, self.producer_epoch, seq
-
-    def _earlier_in_flight(self, put: _ResendingPut) -> bool:
-        """Is a put with an earlier sequence to the same partition still unanswered?"""
-        with self._seq_lock:
-            mine = put.stamp[2]
-            return any(p is not put and p.stamp[1] == put.stamp[1] and 0 < (mine - s) % (1 << 31) < 1 << 30
-                       for p, s in self._in_flight.get((put.topic, put.name), {}).items())
-
-    def _put_done(self, put: _ResendingPut, failed: bool) -> None:
-        with self._seq_lock:
-            waiting = self._in_flight.get((put.topic, put.name), {})
-            if waiting.pop(put, None) is not None and failed and put.stamp[1] == self.producer_epoch:
-                self._stale_epoch = True  # its sequence may or may not be stored: start over in a new epoch
-
-    def _start_put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str,
-                        stamp: Optional[tuple] = None):
+    def put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str = "", stamp: Optional[tuple] = None):
+        """Send one encoded batch once, never again (``start_put`` resends): ``stamp`` is an idempotent
+        put's (producer id, epoch, base sequence). Returns the put in flight."""
         conn, number = self.route(name)
         parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts,
                                   acks=self.acks, producer=stamp)
@@ -401,17 +424,9 @@ class Producer(ClientBase):
         Kafka record headers, a list of (str key, bytes value) pairs."""
         if self._closed:
             raise RuntimeError("producer is closed")
-        if partition is None:
-            if key is not None and self.partitioner == "hash":
-                kb = key.encode() if isinstance(key, str) else key
-                names = self.registered_partitions(topic)
-                partition = names[int(partitions_for_keys(pa.array([kb], pa.binary()), len(names))[0])]
-                self._await_live(topic, [partition])
-            else:
-                names = self.partitions(topic)
-                partition = names[self._rr.next(len(names))]
-        else:
-            self.route(partition)
+        keys = None if key is None else pa.array([key.encode() if isinstance(key, str) else key], pa.binary())
+        names, which = self._assign(topic, 1, keys, partition)  # as send_batch chooses
+        partition = names[int(which[0])]
         fut: Future = Future()
         with self._cond:
             q = self._pending.setdefault((topic, partition), [])

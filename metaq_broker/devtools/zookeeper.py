@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 def pyspark_jars() -> Path:
     """The jars directory of the installed pyspark wheel (holds zookeeper-*.jar and its dependencies)."""
     try:
-        import pyspark  # lazy: only the local ZooKeeper needs the wheel's jars
+        # lazy: a third of a second to import, and every `metaq` command imports this module (cli.py) while
+        # only the ones that start a ZooKeeper need the wheel's jars
+        import pyspark
     except ImportError:
         raise RuntimeError("pyspark is not installed; its wheel provides the ZooKeeper jars") from None
     jars = Path(pyspark.__file__).parent / "jars"

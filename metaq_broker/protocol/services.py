@@ -3,7 +3,7 @@ metadata key that carries a SASL session: names the broker serves and clients ca
 
 AUTH_SERVICE, AUTHENTICATE = "metaq.v1.Auth", "Authenticate"  # SASL logins (server/auth.py)
 AUTH_PATH = f"/{AUTH_SERVICE}/{AUTHENTICATE}"
-GROUPS_SERVICE = "metaq.v1.Groups"  # group offsets of secured clients (server/groups.py)
+GROUPS_SERVICE = "metaq.v1.Groups"  # group offsets of secured clients (server/group_offsets_service.py)
 COMMIT_OFFSETS, FETCH_OFFSETS = "CommitOffsets", "FetchOffsets"
 DESCRIBE_GROUPS = "DescribeGroups"  # the groups a principal may see (server/group_listing.py)
 SINKS_SERVICE = "metaq.v1.Sinks"  # the exactly-once sinks' decision records (server/sinks.py)

@@ -27,11 +27,11 @@ from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer
 from metaq_broker.server.disk import DiskState
-from metaq_broker.server.group import MASTER, GroupMember
 from metaq_broker.server.group_listing import GroupListingService
-from metaq_broker.server.groups import GroupOffsetsService
+from metaq_broker.server.group_offsets_service import GroupOffsetsService
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
+from metaq_broker.server.member_role import MASTER, GroupMember
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration

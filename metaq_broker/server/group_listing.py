@@ -2,7 +2,7 @@
 JSON): every group it may ``Describe``, with its live members and, for each topic it may ``Describe``,
 the committed offsets and owning members. The web console shows a logged-in user's groups from this, so
 that the ACLs decide what each person sees; group names and offsets never come from ZooKeeper, which
-keeps them readable by the brokers' identity only. A handler of its own beside server/groups.py's, on
+keeps them readable by the brokers' identity only. A handler of its own beside server/group_offsets_service.py's, on
 the same service."""
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     # log); it reads GRPC_VERBOSITY once, when grpc is imported, hence the lazy import of the broker below.
     # An operator's own setting wins.
     os.environ.setdefault("GRPC_VERBOSITY", "INFO" if args.log_level == "DEBUG" else "ERROR")
-    from metaq_broker.server.broker import Broker  # noqa: PLC0415 - after GRPC_VERBOSITY, see above
+    from metaq_broker.server.broker import Broker  # noqa: PLC0415 - lazy: after GRPC_VERBOSITY, see above
     broker, started = None, False
 
     def on_signal(signum, frame):

@@ -33,7 +33,7 @@ from metaq_broker.errors import AuthenticationError, ConfigError, MetaqError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.security import tls
 from metaq_broker.server.disk import free_space
-from metaq_broker.server.group import ELECTING, MASTER, REPLICA
+from metaq_broker.server.member_role import ELECTING, MASTER, REPLICA
 from metaq_broker.zk.group_offsets import GroupOffsetWatcher
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ class BrokerRegistration:
         self.paths = ZkPaths(root)
         self.broker_id = broker_id
         # In a replicated group the node is the member's (``groups/<b>/members/<r>``); ``/brokers/ids/<b>`` is
-        # the master's, created by the election (``server/group.py``), and only the master publishes topics.
+        # the master's, created by the election (``server/member_role.py``), and only the master publishes topics.
         self.replica_id = replica_id
         self.publish_topics = replica_id is None
         self._on_registered = on_registered

@@ -74,7 +74,7 @@ class BrokerService(pb_grpc.BrokerServicer):
                  paths: ZkPaths = ZkPaths(), group=None, replicas=None, producer_ids=None):
         self.store = store
         self.producer_ids = producer_ids  # server.producer_ids.ProducerIds: InitProducerId
-        self.group = group  # server.group.GroupMember: only the master serves clients (None: no ZooKeeper)
+        self.group = group  # server.member_role.GroupMember: only the master serves clients (None: no ZooKeeper)
         self.replicas = replicas  # server.replica_manager.ReplicaManager: acknowledgements wait for it
         self.auth = auth  # server.auth.BrokerAuth, or None: every caller may do everything
         self.paths = paths  # where transactions' coordinators (the sinks' decision records) lie

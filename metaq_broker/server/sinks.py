@@ -13,7 +13,7 @@ cannot name another node. Methods (zk/decisions.py has the rules):
   driver died after the decision, among the sinks the caller may ``Write``."""
 from __future__ import annotations
 
-import posixpath
+import functools
 from typing import Callable
 
 import grpc
@@ -73,24 +73,17 @@ class SinkDecisionsService:
 
     def forget(self, principal: str, m: dict) -> dict:
         zk = self._zk_for(principal, "Write", m["sink"])
-        batches = self.paths.sink_batches(m["sink"])
         if "below" in m:
             below = m["below"]
             if isinstance(below, bool) or not isinstance(below, int):
                 raise TypeError("below must be an integer")
-            return {"forgotten": decisions.forget_below(zk, batches, below)}
-        decisions.forget_sink(zk, posixpath.dirname(batches))
+            return {"forgotten": decisions.forget_below(zk, self.paths, m["sink"], below)}
+        decisions.forget_sink(zk, self.paths, m["sink"])
         return {"forgotten": 1}
 
     def sweep(self, principal: str, m: dict) -> dict:
         horizon = m["older_than_s"]
         if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or horizon < 3600:
             raise ValueError("older_than_s must be a number of seconds, at least 3600")
-        zk = connected(self._zk)
-        gone = []
-        for sink in decisions.stale_batch_writes(zk, self.paths.sinks(), horizon):
-            name = posixpath.basename(sink)
-            if self.auth.allows(principal, "Write", "sink", name):
-                decisions.forget_sink(zk, sink)
-                gone.append(name)
-        return {"forgotten": gone}
+        may_write = functools.partial(self.auth.allows, principal, "Write", "sink")
+        return {"forgotten": decisions.sweep_batch_writes(connected(self._zk), self.paths, horizon, may=may_write)}

@@ -18,7 +18,7 @@ from kazoo.exceptions import KazooException, NoAuthError
 
 from metaq_broker import __version__
 from metaq_broker.client.admin import Admin
-from metaq_broker.client.consumer import Consumer
+from metaq_broker.client.consumer import Consumer, GroupMember
 from metaq_broker.client.producer import Producer
 from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
@@ -29,6 +29,7 @@ from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_prop
 from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
 from metaq_broker.store.partition import PartitionLog
+from metaq_broker.tools.progress import progressbar
 from metaq_broker.tools.quickstart import run as run_quickstart
 from metaq_broker.zk import acls as zk_acls
 from metaq_broker.zk import users as zk_users
@@ -238,12 +239,7 @@ def produce(obj, topic, path, count, size, key, partition, batch, progress):
         sent = 0
         if count is not None:
             show = sys.stderr.isatty() if progress is None else progress
-            bar = click.progressbar(length=count, label=f"producing to {topic}",
-                                    file=sys.stderr if show else io.StringIO())
-            if show:  # --progress: draw the bar even when stderr is not a terminal (click would not)
-                bar._is_atty = True  # click >= 8.2
-                bar.is_hidden = False  # click 8.1
-            with bar:
+            with progressbar(show, length=count, label=f"producing to {topic}") as bar:
                 while sent < count:
                     n = send([(b"%012d " % (sent + i)).ljust(size, b".")[:size]
                               for i in range(min(batch, count - sent))])
@@ -281,6 +277,7 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
         raise click.UsageError("--group and --partition cannot be combined: a group member reads the share of "
                                "the partitions the group assigns it")
     with _client(Consumer, obj, group=group) as consumer:
+        member = None
         if group is None:
             parts = list(partitions) or _run(consumer.partitions, topic)
             ranges = _run(consumer.offsets, topic, parts)
@@ -288,10 +285,10 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
             pos = {p: ranges[p][0] if start == "earliest" else ranges[p][1] if start == "latest" else int(start)
                    for p in parts}
         else:
-            parts, pos = _join_group(consumer, topic, start)
+            member = _run(GroupMember, consumer, topic, start if start in (None, "earliest", "latest") else int(start))
+            parts, pos = _share(member)
         printed = 0
         out = click.get_binary_stream("stdout")
-        rebalance_at = time.monotonic() + GROUP_REBALANCE_S
         try:
             while max_messages is None or printed < max_messages:
                 moved = False  # by offsets: a fetch of transaction markers or aborted messages prints nothing
@@ -318,35 +315,26 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
                                 "attribute": m.attribute}).encode() + b"\n")
                     printed += len(messages)
                 out.flush()
-                if group is not None and moved:
-                    _run(consumer.commit, topic, pos)
+                if member is not None and moved:
+                    _run(member.commit)
                 if not moved and not follow:
                     break
-                if group is not None and follow and time.monotonic() >= rebalance_at:
-                    _run(consumer.commit, topic, pos)  # before any partition is handed to another member
-                    parts, pos = _join_group(consumer, topic, None)
-                    rebalance_at = time.monotonic() + GROUP_REBALANCE_S
+                if member is not None and follow and _run(member.rebalance_if_due):  # members come and go
+                    parts, pos = _share(member)
         finally:
-            if group is not None:
+            if member is not None:
                 out.flush()
-                _run(consumer.commit, topic, pos)
+                _run(member.commit)
 
 
-GROUP_REBALANCE_S = 5.0  # how often `consume --group --follow` re-takes its share (members come and go)
-
-
-def _join_group(consumer, topic: str, start):
-    """Join the consumer's group for ``topic`` (a member node under ``ids``, as every group consumer does)
-    and take this member's share; returns (partitions, {partition: offset to read from})."""
-    consumer.positions.clear()  # taken again from the group's committed offsets
-    mode = start if start in ("earliest", "latest") else "committed"
-    owned = _run(consumer.subscribe, topic, mode)
-    pos = {p: consumer.positions[(topic, p)] if start in (None, "earliest", "latest") else int(start) for p in owned}
-    missing = sorted(set(_run(consumer.partitions, topic)) - set(owned))
+def _share(member: GroupMember) -> tuple:
+    """(partitions, {partition: offset to read from}) of the member's share, said on stderr when other
+    members hold some of the topic's partitions."""
+    missing = sorted(set(_run(member.consumer.partitions, member.topic)) - set(member.partitions))
     if missing:
-        click.echo(f"group {consumer.group}: partitions {','.join(missing)} of {topic} belong to other members now; "
-                   f"reading {','.join(owned) or 'none'}", err=True)
-    return owned, pos
+        click.echo(f"group {member.consumer.group}: partitions {','.join(missing)} of {member.topic} belong to "
+                   f"other members now; reading {','.join(member.partitions) or 'none'}", err=True)
+    return member.partitions, member.positions
 
 
 @main.command()

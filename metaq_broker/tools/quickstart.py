@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -125,8 +126,6 @@ def _start_console(zk_connect: str, port: int) -> Console:
 def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -> int:
     """Spark reads the topic as a stream, upper-cases each value and writes it to a second topic through
     the exactly-once metaq sink (broker transactions, decision records in ZooKeeper)."""
-    import sys
-
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     # lazy: pyspark is heavy (a JVM), and only this step of the quickstart needs it
@@ -182,7 +181,7 @@ def _spark_pipeline(zk_connect: str, workdir: Path, admin, producer, consumer) -
 def _stop_spark(spark, timeout: float = 30.0) -> None:
     """Stop the session and the JVM this run launched, returning once the JVM and its Python workers have
     exited (``spark.stop()`` alone leaves the JVM up until the interpreter exits); killed past ``timeout``."""
-    from pyspark import SparkContext
+    from pyspark import SparkContext  # lazy: as in _spark_pipeline, the one caller
     spark.stop()
     gateway = SparkContext._gateway
     proc = getattr(gateway, "proc", None)  # the JVM: spark-submit execs it

@@ -18,18 +18,19 @@ the commit decision does not, and after the timeout records abort(R) itself befo
 
 Writers reach the records directly (a session with ZooKeeper rights on them) or through a broker's
 ``metaq.v1.Sinks`` service (server/sinks.py), which checks the sink's ACL; both use the functions here,
-the housekeeping of old records (``forget_below``, ``stale_batch_writes``) included."""
+the housekeeping of old records (``forget_below``, ``forget_sink``, ``sweep_batch_writes``) included."""
 from __future__ import annotations
 
 import json
 import posixpath
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 
 from metaq_broker.errors import MetaqError, TransactionError
+from metaq_broker.zk.paths import ZkPaths
 
 BATCH_WRITE_PREFIX = "write."  # the sink node of a batch write: write.<sinkId>, or write.<random run>
 
@@ -114,11 +115,11 @@ def decide_abort(zk, path: str, run: str) -> Decision:
     return decide(zk, path, run, None)
 
 
-# -- housekeeping ---------------------------------------------------------------------------------------
-def forget_below(zk, batches: str, batch_id: int) -> int:
-    """Delete the records of batches below ``batch_id`` under ``batches`` (``<sink>/batches``; a streaming
-    sink keeps its last two, the only ones a replay may ask for); returns how many."""
-    gone = 0
+# -- housekeeping: old records go, by sink id (paths from ``ZkPaths``) ---------------------------------
+def forget_below(zk, paths: ZkPaths, sink: str, batch_id: int) -> int:
+    """Delete the sink's records of batches below ``batch_id`` (a streaming sink keeps its last two, the
+    only ones a replay may ask for); returns how many."""
+    batches, gone = paths.sink_batches(sink), 0
     for child in zk.get_children(batches) if zk.exists(batches) else []:
         if child.isdigit() and int(child) < batch_id:
             try:
@@ -129,33 +130,38 @@ def forget_below(zk, batches: str, batch_id: int) -> int:
     return gone
 
 
-def forget_sink(zk, sink: str) -> None:
+def forget_sink(zk, paths: ZkPaths, sink: str) -> None:
     """Delete a sink's node and its records (a batch write's, once settled)."""
     try:
-        zk.delete(sink, recursive=True)
+        zk.delete(paths.sink(sink), recursive=True)
     except (NoNodeError, NotEmptyError):
         pass  # gone, or a broker is recreating a record meanwhile: the next sweep takes it
 
 
-def stale_batch_writes(zk, sinks: str, horizon_s: float) -> list:
-    """The sink nodes under ``sinks`` of batch writes whose driver died after the decision, older than
-    ``horizon_s`` (by then their brokers have long settled): batch 0 only, no streaming owner."""
-    out = []
-    for child in zk.get_children(sinks) if zk.exists(sinks) else []:
-        sink = posixpath.join(sinks, child)
-        if child.startswith(BATCH_WRITE_PREFIX) and _old_batch_write(zk, sink, horizon_s):
-            out.append(sink)
-    return out
+def sweep_batch_writes(zk, paths: ZkPaths, horizon_s: float, may: Callable[[str], bool] = lambda sink: True,
+                       clock: Callable[[], float] = time.time) -> list:
+    """Delete the sinks of batch writes whose driver died after the decision, older than ``horizon_s``
+    (by then their brokers have long settled) and that ``may(sink id)`` allows; returns their sink ids.
+    A batch write's sink has batch 0 only and no streaming owner: a streaming sink is never swept."""
+    sinks = paths.sinks()
+    gone = []
+    for sink in zk.get_children(sinks) if zk.exists(sinks) else []:
+        if sink.startswith(BATCH_WRITE_PREFIX) and _old_batch_write(zk, paths, sink, horizon_s, clock()) \
+                and may(sink):
+            forget_sink(zk, paths, sink)
+            gone.append(sink)
+    return gone
 
 
-def _old_batch_write(zk, sink: str, horizon_s: float) -> bool:
-    batches = zk.get_children(f"{sink}/batches") if zk.exists(f"{sink}/batches") else []
-    if batches not in ([], [f"{0:020d}"]):
+def _old_batch_write(zk, paths: ZkPaths, sink: str, horizon_s: float, now: float) -> bool:
+    batches = zk.get_children(paths.sink_batches(sink)) if zk.exists(paths.sink_batches(sink)) else []
+    first = paths.sink_batch(sink, 0)
+    if batches not in ([], [posixpath.basename(first)]):
         return False
-    stat = zk.exists(sink)
-    if stat is None or time.time() - stat.ctime / 1000 <= horizon_s:
+    stat = zk.exists(paths.sink(sink))
+    if stat is None or now - stat.ctime / 1000 <= horizon_s:
         return False
-    decision = read(zk, f"{sink}/batches/{0:020d}")[0] if batches else None
+    decision = read(zk, first)[0] if batches else None
     return decision is None or not decision.owner
 
 

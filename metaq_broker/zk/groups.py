@@ -4,7 +4,7 @@
 versioned writes, so of two members acting on the same state exactly one succeeds. An election is one
 multi-op that also creates the ephemeral ``/brokers/ids/<b>`` clients route by: the epoch bump and the
 master's node appear together or not at all. ``members/<r>`` are the live members' ephemeral nodes.
-The broker's group logic (server/group.py) decides who may stand; this module only reads and writes."""
+The broker's group logic (server/member_role.py) decides who may stand; this module only reads and writes."""
 from __future__ import annotations
 
 import dataclasses

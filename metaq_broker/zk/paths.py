@@ -182,8 +182,11 @@ class ZkPaths:
     def sinks(self) -> str:
         return f"{self.root}/sinks"
 
+    def sink(self, sink_id: str) -> str:
+        return f"{self.sinks()}/{check_component('sink id', sink_id)}"
+
     def sink_batches(self, sink_id: str) -> str:
-        return f"{self.sinks()}/{check_component('sink id', sink_id)}/batches"
+        return f"{self.sink(sink_id)}/batches"
 
     def sink_batch(self, sink_id: str, batch_id: int) -> str:
         """Zero-padded to 20 digits (any int64 fits) so ZooKeeper's string order is numeric order."""
