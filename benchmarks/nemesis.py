@@ -78,7 +78,7 @@ from metaq_broker.client.consumer import Consumer  # noqa: E402
 from metaq_broker.devtools import netns  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
-from metaq_broker.server.group import BOOTSTRAP_GRACE_S  # noqa: E402
+from metaq_broker.server.member_role import BOOTSTRAP_GRACE_S  # noqa: E402
 
 TOPIC, RET_TOPIC = "nem", "nem-ret"
 TOPICS = {TOPIC: {"numPartitions": 2},
