@@ -138,9 +138,10 @@ def test_putraw_acks_flag_round_trip():
     assert r.acks == rawput.ACKS_ONE == pb.PutRequest(acks=1).acks
     assert (r.topic, r.partition, r.xid, bytes(r.batch.body)) == ("t", 0, "", b"".join(bytes(p) for p in body.parts))
     assert b"".join(rawput.pack_parts(*args, acks=1)) == one
-    # other flag bits are ignored, as they were before acks
-    assert rawput.unpack(default[:4] + (0xFFFE).to_bytes(4, "little") + default[8:]).acks == rawput.ACKS_ALL
-    assert rawput.unpack(default[:4] + (0xFFFF).to_bytes(4, "little") + default[8:]).acks == rawput.ACKS_ONE
+    # unknown flag bits are ignored, as they were before acks (bit 1, FLAG_PRODUCER, announces a producer block)
+    unknown = 0xFFFF & ~(rawput.FLAG_ACKS_ONE | rawput.FLAG_PRODUCER)
+    assert rawput.unpack(default[:4] + unknown.to_bytes(4, "little") + default[8:]).acks == rawput.ACKS_ALL
+    assert rawput.unpack(default[:4] + (unknown | 1).to_bytes(4, "little") + default[8:]).acks == rawput.ACKS_ONE
     for bad in ("0", 0, 2, "one", True, None):
         with pytest.raises(ValueError, match="acks"):
             rawput.pack(*args, acks=bad)
