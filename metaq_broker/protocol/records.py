@@ -72,6 +72,7 @@ COLUMN_BITS = (0, HAS_KEYS, HAS_ATTRIBUTES, HAS_HEADERS, HAS_HEADERS, HAS_HEADER
 LAYOUT_SHIFT = 16
 MAX_TIMESTAMP = 1 << 62  # create times are ms in [0, MAX_TIMESTAMP): a base and a delta add up within i64
 CREATE_TIME, LOG_APPEND_TIME = 0, 1  # a message's timestampType, as Kafka's and Spark's Kafka source's
+TIMESTAMP_TYPE_NAMES = ("CreateTime", "LogAppendTime")  # Kafka's names of them
 ABORT_MARKER, COMMIT_MARKER = b"\x00", b"\x01"  # a marker's value
 EPOCH_MARKER = struct.Struct("<BII")  # an epoch marker's value: 0x02, the epoch, the master's replica id
 EPOCH_MARKER_TAG = 2

@@ -379,10 +379,11 @@ class PartitionLog:
 
     # -- appending ------------------------------------------------------------------------------------
     def append(self, values, keys=None, attributes=None, flags=None, headers=None,
-               producer: Optional[tuple] = None) -> AppendResult:
-        """Append one batch; returns its offsets and message ids once the topic's flush policy is met
-        (group commit: after an fsync covering it). ``producer``: see ``append_body``."""
-        return self.append_body(records.encode_body(values, keys, attributes, flags, headers), producer)
+               producer: Optional[tuple] = None, timestamps=None) -> AppendResult:
+        """Append one batch (columns as ``records.encode_body`` takes them); returns its offsets and message
+        ids once the topic's flush policy is met (group commit: after an fsync covering it). ``producer``:
+        see ``append_body``."""
+        return self.append_body(records.encode_body(values, keys, attributes, flags, headers, timestamps), producer)
 
     def append_body(self, body: records.EncodedBody, producer: Optional[tuple] = None) -> AppendResult:
         """``producer``: (id, epoch, base sequence) of an idempotent producer's batch. A batch it already
