@@ -121,3 +121,22 @@ def test_spark_reads_and_writes_tombstones_and_says_the_timestamp_type(spark, br
      .option("topic", "t").mode("append").save())
     tail = reader(spark, broker, subscribe="t").where("offset >= 4").select("key", "value").collect()
     assert sorted((r.key, r.value) for r in tail) == [(b"k1", None), (b"k2", b"v")]
+
+
+def test_the_metaq_stream_goes_on_past_a_reset_after_null_values(tmp_path):
+    """docs/storage-format.md 3.5: where the stream continues from a segment's start (a replica's reset), it
+    starts past every position before it, also after messages whose MetaQ size is many times their log size
+    (a null value: a 20-byte head in MetaQ's layout, a 1-byte length in the log)."""
+    log = PartitionLog(tmp_path, "t", 0, TopicConfig())
+    for _ in range(20):
+        log.append([None] * 1000)
+    before = log.metaq_end
+    assert before == 20 * 1000 * records.METAQ_MESSAGE_HEAD
+    log.reset_to(log.log_end_offset)
+    assert log.metaq_end > before
+    log.append([b"x"])
+    after = log.metaq_end
+    log.close()
+    log = PartitionLog(tmp_path, "t", 0, TopicConfig())
+    assert log.metaq_end == after
+    log.close()

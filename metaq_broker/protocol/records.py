@@ -44,6 +44,10 @@ NO_PRODUCER = -1  # producer id, epoch and sequence of a batch no idempotent pro
 # unit of MetaQ byte offsets (docs/storage-format.md, section 3.5)
 METAQ_MESSAGE_HEAD = 20
 METAQ_ATTRIBUTE_HEAD = 4
+# Where the stream continues at a segment without a position to go on from (version 2 batches, a replica's
+# reset): this times the segment's logical start. A message takes at most 20 times its log bytes in MetaQ's
+# layout (a null value: a 20-byte head against a 1-byte length), so positions stay below the next segment's.
+METAQ_ANCHOR = 20
 
 # Batch attribute bits. Those of BODY_ATTRIBUTE_BITS describe the body (a producer sets them); two are the
 # broker's: TRANSACTIONAL marks the batch of an unsettled-at-append transaction (its number in ``txn``),
