@@ -13,6 +13,7 @@ Every checksum is CRC-32C and goes through ``crc``.
 """
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from dataclasses import dataclass
@@ -413,9 +414,10 @@ def metaq_sizes(value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> np.nda
     return sizes
 
 
-def _metaq_total(n: int, value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> int:
-    """``metaq_sizes(...).sum()`` without building the per-message array (the produce path's cost)."""
-    total = METAQ_MESSAGE_HEAD * n + int(value_len.sum(dtype=np.int64, where=value_len > 0))
+def _metaq_total(n: int, value_bytes: int, attr_len: Optional[np.ndarray]) -> int:
+    """``metaq_sizes(...).sum()`` without building the per-message array (the produce path's cost), from
+    the batch's value bytes."""
+    total = METAQ_MESSAGE_HEAD * n + value_bytes
     if attr_len is not None:
         present = attr_len >= 0
         total += int(attr_len.sum(dtype=np.int64, where=present)) + METAQ_ATTRIBUTE_HEAD * int(np.count_nonzero(present))
@@ -456,7 +458,7 @@ def encode_body(
     if flag_col is not None:
         columns.append(flag_col.tobytes())
         column_bytes += 4
-    sizes = np.zeros(n, np.int64)  # each message's data bytes
+    sizes = None  # each message's data bytes
     attr_len = None
     for field, bit, arr in ((VALUE_LEN, 0, value_arr), (KEY_LEN, HAS_KEYS, key_arr),
                             (ATTRIBUTE_LEN, HAS_ATTRIBUTES, attr_arr)):
@@ -467,9 +469,10 @@ def encode_body(
         columns.append(col)
         bits, layout, column_bytes = bits | bit, layout | col_layout, column_bytes + width
         data_parts.extend(data)
-        sizes += np.maximum(lengths, 0)
+        nonnegative = np.maximum(lengths, 0) if arr.null_count else lengths
+        sizes = nonnegative.astype(np.int64) if sizes is None else sizes + nonnegative
         if field == VALUE_LEN:
-            value_len = lengths
+            value_bytes = int(sizes.sum())
         elif field == ATTRIBUTE_LEN:
             attr_len = lengths
     header_parts = []
@@ -499,26 +502,33 @@ def encode_body(
     for p in parts:
         body_crc = crc(p, body_crc)
     return EncodedBody(n, bits | layout << LAYOUT_SHIFT, parts, size, body_crc, sizes.astype(np.uint32),
-                       max_message_size, _metaq_total(n, value_len, attr_len))
+                       max_message_size, _metaq_total(n, value_bytes, attr_len))
 
 
-def _widths(layout, field: int):
-    """Bytes per entry of column ``field`` (int or vectorised)."""
-    return WIDTHS[(layout >> (2 * field)) & 3]
+# A body's integer columns, one row each, in their order: flag, value length, key length, attribute length,
+# header count, create time. Per row: the attribute bit that says it is there (the flag column: that it is
+# not; the value column: always), where its width code lies in the layout (the flag column: bits 14-15,
+# which are 0: i32), and the bytes before its entries (the create times' base).
+_COLUMN_BIT = np.array([[NO_FLAGS], [0], [HAS_KEYS], [HAS_ATTRIBUTES], [HAS_HEADERS], [HAS_TIMESTAMPS]])
+_COLUMN_ABSENT_BIT = np.array([[True], [True], [False], [False], [False], [False]])
+_COLUMN_SHIFT = np.array([[14], [2 * VALUE_LEN], [2 * KEY_LEN], [2 * ATTRIBUTE_LEN], [2 * HEADER_COUNT],
+                          [2 * TIME_DELTA]])
+_COLUMN_BASE = np.array([[0], [0], [0], [0], [0], [8]])
+FLAG_COL, VALUE_COL, KEY_COL, ATTRIBUTE_COL, HEADER_COUNT_COL, TIME_COL = range(6)
 
 
-def _column_bytes(attributes, layout):
-    """Each message's bytes in the integer columns of a body with these attribute bits and layout (int or
-    vectorised); a create-time column's 8-byte base is the batch's, not counted here."""
-    has = [(attributes & bit) != 0 for bit in COLUMN_BITS[1:4]] + [(attributes & HAS_TIMESTAMPS) != 0]
-    return (4 * ((attributes & NO_FLAGS) == 0) + _widths(layout, VALUE_LEN) + has[0] * _widths(layout, KEY_LEN)
-            + has[1] * _widths(layout, ATTRIBUTE_LEN) + has[2] * _widths(layout, HEADER_COUNT)
-            + has[3] * _widths(layout, TIME_DELTA))
+def _columns(attributes: np.ndarray, layout: np.ndarray) -> tuple:
+    """(present, width code, bytes) of each integer column (rows) of each body (columns) with these
+    attribute bits and layouts; bytes: its entries' (one per message) and, for create times, its base's."""
+    present = ((attributes & _COLUMN_BIT) != 0) ^ _COLUMN_ABSENT_BIT
+    code = (layout >> _COLUMN_SHIFT) & 3
+    return present, code, present * WIDTHS[code], present * _COLUMN_BASE
 
 
-def _fixed_size(attributes, layout, count):
-    """Bytes of a body's integer columns (int or vectorised): where its data starts."""
-    return _column_bytes(attributes, layout) * count + 8 * ((attributes & HAS_TIMESTAMPS) != 0)
+def _fixed_size(attributes: np.ndarray, layout: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Bytes of each body's integer columns: where its data starts."""
+    _, _, entry, base = _columns(attributes, layout)
+    return (entry * counts + base).sum(axis=0)
 
 
 def _bad_layout(attributes: np.ndarray, layout: np.ndarray) -> np.ndarray:
@@ -534,39 +544,91 @@ def _bad_layout(attributes: np.ndarray, layout: np.ndarray) -> np.ndarray:
     return bad
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(attributes: int, layout: int) -> Optional[tuple]:
+    """One body's integer columns (the rows of ``_columns``) in Python ints: (present, width code, entry
+    bytes, base bytes) each; None when the layout is impossible with these bits. Cached: producers send few
+    kinds of body."""
+    a, lay = np.array([attributes]), np.array([layout])
+    if _bad_layout(a, lay)[0]:
+        return None
+    return tuple(zip(*(x[:, 0].tolist() for x in _columns(a, lay))))
+
+
 def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
     """Check a batch body that a producer encoded (``encode_body``) and sent over the network: checksum,
     layout, column lengths, padding, UTF-8 attributes and header keys, create times, all vectorised.
-    ``attributes``: as ``EncodedBody.attributes`` (bits and layout). Raises RecordFormatError."""
+    ``attributes``: as ``EncodedBody.attributes`` (bits and layout). Raises RecordFormatError.
+
+    The checks are ``_Layout``'s, for one body: its column arithmetic in Python ints (``_plan``) and a few
+    numpy calls over its messages, where ``_Layout``'s per-batch arrays would cost a Put ~50 us more."""
     body = memoryview(body).cast("B")
-    bits, layout = attributes & 0xFFFF, attributes >> LAYOUT_SHIFT
+    bits, layout, size = attributes & 0xFFFF, attributes >> LAYOUT_SHIFT, len(body)
     if count < 1:
         raise RecordFormatError(f"batch count must be at least 1, got {count}", 0)
     if bits & ~BODY_ATTRIBUTE_BITS:
         raise RecordFormatError(f"unknown batch attributes {bits:#x}", 0)
-    if _bad_layout(np.int64(bits), np.int64(layout)):
+    plan = _plan(bits, layout)
+    if plan is None:
         raise RecordFormatError(f"batch layout {layout:#x} is impossible with attributes {bits:#x}", 0)
-    if len(body) % ALIGN or HEADER_SIZE + len(body) > MAX_BATCH_BYTES:
-        raise RecordFormatError(f"batch body of {len(body)} bytes is not a multiple of {ALIGN} or too large", 0)
+    if size % ALIGN or HEADER_SIZE + size > MAX_BATCH_BYTES:
+        raise RecordFormatError(f"batch body of {size} bytes is not a multiple of {ALIGN} or too large", 0)
     if crc(body) != body_crc:
         raise RecordFormatError("batch body checksum mismatch (damaged in transit?)", 0)
-    one = np.ones(1, np.int64)
-    layout_of = _Layout(np.frombuffer(body, np.uint8), 0 * one, len(body) * one, count * one, bits * one,
-                        layout * one, one == 0, 0, "batch body")
-    end = int(layout_of.data_end[0])
-    if end + _padding(end) != len(body):
-        raise RecordFormatError(f"batch body lengths add up to {end} bytes, the body has {len(body)}", 0)
-    if bits & HAS_ATTRIBUTES:
-        offsets, region, totals = layout_of.regions[2]
-        _check_utf8(body, int(region[0]), np.maximum(layout_of.lengths[2], 0), "an attribute")
-    if bits & HAS_HEADERS:
-        hs = layout_of.headers()
-        if len(hs["klen"]):
-            _check_utf8(body, int(hs["keys_at"][0]), hs["klen"], "a header key")
-    data_sizes = layout_of.data_sizes()
-    return EncodedBody(count, attributes, [body], len(body), body_crc,
-                       (data_sizes + int(layout_of.column_bytes[0])).astype(np.uint32), int(data_sizes.max()),
-                       int(layout_of.metaq_bytes()[0]))
+    columns, pos, time_base = [], 0, 0
+    for present, code, entry, base in plan:
+        columns.append(None)
+        if not present:
+            continue
+        if pos + base + entry * count > size:
+            raise RecordFormatError(f"integer columns overrun the batch body of {size} bytes", 0)
+        if base:
+            time_base = struct.unpack_from("<q", body, pos)[0]
+        columns[-1] = np.frombuffer(body, INT_DTYPES[code], count, pos + base).astype(np.int64)
+        pos += base + entry * count
+    _, value, key, attr, header_counts, deltas = columns
+    if value.min() < NULL_LENGTH or any(c is not None and c.min() < NULL_LENGTH for c in (key, attr)) \
+            or (header_counts is not None and header_counts.min() < 0):
+        raise RecordFormatError("negative message length in the batch body", 0)
+    if deltas is not None and not (0 <= time_base < MAX_TIMESTAMP and 0 <= deltas.min() and deltas.max() < MAX_TIMESTAMP):
+        raise RecordFormatError("create time out of range in the batch body", 0)
+    data = [np.maximum(c, 0) for c in (value, key, attr) if c is not None]
+    value_bytes = int(data[0].sum())
+    sizes = sum(data)
+    end = pos + int(sizes.sum())
+    if end > size:
+        raise RecordFormatError(f"message lengths overrun the batch body of {size} bytes", 0)
+    if attr is not None:
+        _check_utf8(body, end - int(data[-1].sum()), data[-1], "an attribute")
+    if header_counts is not None:
+        end, header_bytes = _check_headers(body, end, header_counts, layout)
+        sizes = sizes + header_bytes
+    if end + _padding(end) != size:
+        raise RecordFormatError(f"batch body lengths add up to {end} bytes, the body has {size}", 0)
+    column_bytes = sum(entry for _, _, entry, _ in plan)
+    return EncodedBody(count, attributes, [body], size, body_crc, (sizes + column_bytes).astype(np.uint32),
+                       int(sizes.max()), _metaq_total(count, value_bytes, attr))
+
+
+def _check_headers(body, start: int, counts: np.ndarray, layout: int) -> tuple:
+    """Check a body's headers section at ``start`` for per-message ``counts``; returns (its end, each
+    message's header bytes)."""
+    total = int(counts.sum())
+    key_code, value_code = (layout >> (2 * HEADER_KEY_LEN)) & 3, (layout >> (2 * HEADER_VALUE_LEN)) & 3
+    key_width, value_width = int(WIDTHS[key_code]), int(WIDTHS[value_code])
+    keys_at = start + (key_width + value_width) * total
+    if keys_at > len(body):
+        raise RecordFormatError(f"the headers section overruns the batch body of {len(body)} bytes", 0)
+    klen = np.frombuffer(body, INT_DTYPES[key_code], total, start).astype(np.int64)
+    vlen = np.frombuffer(body, INT_DTYPES[value_code], total, start + key_width * total).astype(np.int64)
+    if total and (klen.min() < 0 or vlen.min() < NULL_LENGTH):
+        raise RecordFormatError("negative header length in the batch body", 0)
+    vlen = np.maximum(vlen, 0)
+    end = keys_at + int(klen.sum()) + int(vlen.sum())
+    if end > len(body):
+        raise RecordFormatError(f"the headers section overruns the batch body of {len(body)} bytes", 0)
+    _check_utf8(body, keys_at, klen, "a header key")
+    return end, _per_group(klen + vlen + key_width + value_width, counts)
 
 
 def _check_utf8(body, start: int, lengths: np.ndarray, what: str) -> None:
@@ -627,7 +689,8 @@ def parse_header(buf, pos: int = 0) -> BatchHeader:
     if _bad_layout(np.int64(h.attributes), np.int64(h.layout)):
         raise RecordFormatError(f"batch at byte {pos} has layout {h.layout:#x}, impossible with attributes "
                                 f"{h.attributes:#x}", pos)
-    if h.count < 1 or h.batch_len < size + _fixed_size(h.attributes, h.layout, h.count) or h.batch_len % ALIGN:
+    if h.count < 1 or h.batch_len % ALIGN or h.batch_len < size + int(
+            _fixed_size(np.array([h.attributes]), np.array([h.layout]), np.array([h.count]))[0]):
         raise RecordFormatError(f"batch at byte {pos} has impossible length {h.batch_len} for {h.count} messages", pos)
     return h
 
@@ -691,12 +754,24 @@ def v3_fields(u8: np.ndarray, positions: np.ndarray, h: Optional[np.ndarray] = N
     return out
 
 
+_LAYOUT_AT = BASE_HEADER_SIZE + 10  # the layout field's bytes in a version 3 header
+
+
+def layouts(u8: np.ndarray, positions: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Each batch's layout (version 2: 0, every column i32): two bytes read per batch."""
+    out = np.zeros(len(positions), np.int64)
+    v3 = h["version"] >= 3
+    if v3.any():
+        at = positions[v3] + _LAYOUT_AT
+        out[v3] = u8[at].astype(np.int64) | u8[at + 1].astype(np.int64) << 8
+    return out
+
+
 def data_starts(u8: np.ndarray, positions: np.ndarray, h: Optional[np.ndarray] = None) -> np.ndarray:
     """Where each batch's variable-width data starts, after its header and integer columns: its first
     value's first byte (a marker's value)."""
     h = headers_at(u8, positions) if h is None else h
-    layout = v3_fields(u8, positions, h)["layout"].astype(np.int64)
-    return positions + header_sizes(h) + _fixed_size(h["attributes"].astype(np.int64), layout,
+    return positions + header_sizes(h) + _fixed_size(h["attributes"].astype(np.int64), layouts(u8, positions, h),
                                                      h["count"].astype(np.int64))
 
 
@@ -726,48 +801,44 @@ class _Layout:
         may not be null; ``position`` and ``label``: what errors name."""
         self.u8, self.ends, self.position, self.label = u8, ends, position, label
         self.counts = counts = counts.astype(np.int64)
-        self.attributes = attributes = attributes.astype(np.int64)
         self.layout = layout = layout.astype(np.int64)
         self.n = int(counts.sum())
         self.first_msg = first_msg = np.cumsum(counts) - counts
-        self.column_bytes = _column_bytes(attributes, layout)
-        if (starts + _fixed_size(attributes, layout, counts) > ends).any():
+        # the integer columns (rows) of each batch: where their entries start, and the data after them
+        present, code, entry, base = _columns(attributes.astype(np.int64), layout)
+        size = entry * counts + base
+        at = starts + np.cumsum(size, axis=0) - size + base
+        pos = starts + size.sum(axis=0)
+        if (pos > ends).any():
             raise self._error("integer columns overrun their batch")
+        self.column_bytes = entry.sum(axis=0)  # per message
+        self.present = present
+        some, uniform = present.any(axis=1).tolist(), (present.all(axis=1) & (code == code[:, :1]).all(axis=1)).tolist()
 
-        def has(bit):
-            return (attributes & bit) != 0
-
-        # The integer columns, in their order: (batches that have it, where its entries start, width code)
-        pos, cols = starts.astype(np.int64), {}
-        for name, present, field, base in (("flag", ~has(NO_FLAGS), None, 0), ("value", counts > 0, VALUE_LEN, 0),
-                                           ("key", has(HAS_KEYS), KEY_LEN, 0),
-                                           ("attribute", has(HAS_ATTRIBUTES), ATTRIBUTE_LEN, 0),
-                                           ("header count", has(HAS_HEADERS), HEADER_COUNT, 0),
-                                           ("time", has(HAS_TIMESTAMPS), TIME_DELTA, 8)):  # 8: an i64 base first
-            code = (layout >> (2 * field)) & 3 if field is not None else np.zeros(len(counts), np.int64)
-            cols[name] = (present, pos + base, code)
-            pos = pos + np.where(present, base + WIDTHS[code] * counts, 0)
-        self.flags = self._ints(*cols["flag"], counts, 0)  # None: every flag is 0
+        def column(row: int, fill: int) -> Optional[np.ndarray]:
+            if not some[row]:
+                return None
+            return self._ints(present[row], at[row], code[row], counts, fill, uniform[row])
+        self.flags = column(FLAG_COL, 0)  # None: every flag is 0
         # value, key and attribute lengths (-1: null; None: all null)
-        self.lengths = [self._ints(*cols[name], counts, NULL_LENGTH) for name in ("value", "key", "attribute")]
-        self.header_counts = self._ints(*cols["header count"], counts, 0)
+        self.lengths = [column(row, NULL_LENGTH) for row in (VALUE_COL, KEY_COL, ATTRIBUTE_COL)]
+        self.header_counts = column(HEADER_COUNT_COL, 0)
         value = self.lengths[0]
-        if (value < NULL_LENGTH).any() or (version2.any() and (value[np.repeat(version2, counts)] < 0).any()) \
-                or any(x is not None and (x < NULL_LENGTH).any() for x in self.lengths[1:]) \
-                or (self.header_counts is not None and (self.header_counts < 0).any()):
+        if value.min() < NULL_LENGTH or (version2.any() and (value[np.repeat(version2, counts)] < 0).any()) \
+                or any(x is not None and x.min() < NULL_LENGTH for x in self.lengths[1:]) \
+                or (self.header_counts is not None and self.header_counts.min() < 0):
             raise self._error("negative message length")
-        self.has_times, self.time_base, self.time_deltas = cols["time"][0], None, None
-        if self.has_times.any():  # create times: an i64 base per batch, a delta per message
-            present, at = self.has_times, cols["time"][1]
+        self.has_times, self.time_base, self.time_deltas = present[TIME_COL], None, None
+        if some[TIME_COL]:  # create times: an i64 base per batch, a delta per message
             self.time_base = np.zeros(len(counts), np.int64)
-            self.time_base[present] = _gather(u8, at[present] - 8, np.full(int(present.sum()), 8)).view("<i8")
-            self.time_deltas = self._ints(*cols["time"], counts, 0)
-            if ((self.time_base < 0) | (self.time_base >= MAX_TIMESTAMP)).any() \
-                    or ((self.time_deltas < 0) | (self.time_deltas >= MAX_TIMESTAMP)).any():
+            bases = at[TIME_COL][self.has_times] - 8
+            self.time_base[self.has_times] = _gather(u8, bases, np.full(len(bases), 8)).view("<i8")
+            self.time_deltas = column(TIME_COL, 0)
+            if self.time_base.min() < 0 or self.time_base.max() >= MAX_TIMESTAMP \
+                    or self.time_deltas.min() < 0 or self.time_deltas.max() >= MAX_TIMESTAMP:
                 raise self._error("create time out of range")
 
-        region = pos  # the variable-width data, each column's back to back
-        self.regions = []
+        self.regions = []  # the variable-width data, each column's back to back
         for lengths in self.lengths:
             if lengths is None:
                 self.regions.append(None)
@@ -775,30 +846,28 @@ class _Layout:
             offsets = np.zeros(self.n + 1, dtype=np.int64)
             np.cumsum(np.maximum(lengths, 0), out=offsets[1:])
             totals = offsets[first_msg + counts] - offsets[first_msg]
-            self.regions.append((offsets, region, totals))
-            region = region + totals
-        self.section = region  # the headers section
+            self.regions.append((offsets, pos, totals))
+            pos = pos + totals
+        self.section = pos  # the headers section
         self._header_section = None
         if self.header_counts is not None:
-            region = np.where(has(HAS_HEADERS), self.headers()["end"], region)
-        if (region > ends).any():
+            pos = np.where(present[HEADER_COUNT_COL], self.headers()["end"], pos)
+        if (pos > ends).any():
             raise self._error("message lengths overrun their batch")
-        self.data_end = region
+        self.data_end = pos
 
     def _error(self, problem: str) -> "RecordFormatError":
         return RecordFormatError(f"{problem} ({self.label})", self.position)
 
-    def _ints(self, present: np.ndarray, at: np.ndarray, code: np.ndarray, counts: np.ndarray,
-              fill: int) -> Optional[np.ndarray]:
+    def _ints(self, present: np.ndarray, at: np.ndarray, code: np.ndarray, counts: np.ndarray, fill: int,
+              uniform: bool) -> np.ndarray:
         """An integer column as int64, ``counts[b]`` entries of batch b from ``at[b]`` in width ``code[b]``;
-        ``fill`` for the batches without it (``present``); None when no batch has it."""
-        if not present.any():
-            return None
-        codes = np.unique(code[present]).tolist()
-        if len(codes) == 1 and present.all():
-            return _gather(self.u8, at, counts * WIDTHS[codes[0]]).view(INT_DTYPES[codes[0]]).astype(np.int64)
+        ``fill`` for the batches without it (``present``). ``uniform``: every batch has it, in one width."""
+        if uniform:
+            c = int(code[0])
+            return _gather(self.u8, at, counts * WIDTHS[c]).view(INT_DTYPES[c]).astype(np.int64)
         out = np.full(int(counts.sum()), fill, np.int64)
-        for c in codes:
+        for c in np.unique(code[present]).tolist():
             sel = present & (code == c)
             out[np.repeat(sel, counts)] = _gather(self.u8, at[sel], counts[sel] * WIDTHS[c]).view(INT_DTYPES[c])
         return out
@@ -807,7 +876,7 @@ class _Layout:
         """The headers sections of the batches that have one: lengths of every header's key and value, the
         bytes of its two length entries, and where each batch's key and value bytes lie."""
         if self._header_section is None:
-            hb = (self.attributes & HAS_HEADERS) != 0
+            hb = self.present[HEADER_COUNT_COL]
             per_batch = _per_group(self.header_counts, self.counts)[hb]
             sec, key_code = self.section[hb], (self.layout[hb] >> (2 * HEADER_KEY_LEN)) & 3
             value_code = (self.layout[hb] >> (2 * HEADER_VALUE_LEN)) & 3
@@ -816,8 +885,9 @@ class _Layout:
             if (keys_at > self.ends[hb]).any():
                 raise self._error("a headers section overruns its batch")
             everywhere = np.ones(len(sec), bool)
-            klen = self._ints(everywhere, sec, key_code, per_batch, 0)
-            vlen = self._ints(everywhere, sec + key_width * per_batch, value_code, per_batch, 0)
+            klen = self._ints(everywhere, sec, key_code, per_batch, 0, (key_code == key_code[0]).all())
+            vlen = self._ints(everywhere, sec + key_width * per_batch, value_code, per_batch, 0,
+                              (value_code == value_code[0]).all())
             if (klen < 0).any() or (vlen < NULL_LENGTH).any():
                 raise self._error("negative header length")
             key_totals = _per_group(klen, per_batch)
@@ -890,11 +960,10 @@ class _Layout:
 
 def _batch_layout(u8: np.ndarray, positions: np.ndarray) -> _Layout:
     """The ``_Layout`` of the whole batches at ``positions``, their header fields checked vectorised (a
-    bad one is re-read by ``parse_header`` to say exactly what is wrong); ``h`` and ``v3`` hold the
-    headers' fields."""
+    bad one is re-read by ``parse_header`` to say exactly what is wrong); ``h`` holds the headers' fields
+    every version has."""
     h = headers_at(u8, positions)
-    v3f = v3_fields(u8, positions, h)
-    attrs, layout = h["attributes"].astype(np.int64), v3f["layout"].astype(np.int64)
+    attrs, layout = h["attributes"].astype(np.int64), layouts(u8, positions, h)
     counts = h["count"].astype(np.int64)
     v3 = h["version"] == 3
     hsize = header_sizes(h)
@@ -909,7 +978,7 @@ def _batch_layout(u8: np.ndarray, positions: np.ndarray) -> _Layout:
     first = int(positions[0])
     layout_of = _Layout(u8, positions + hsize, positions + h["batch_len"].astype(np.int64), counts, attrs, layout,
                         ~v3, first, f"batches from byte {first}")
-    layout_of.h, layout_of.v3, layout_of.positions = h, v3f, positions
+    layout_of.h, layout_of.positions = h, positions
     return layout_of
 
 
@@ -960,7 +1029,7 @@ def index_columns(u8: np.ndarray, positions: np.ndarray):
     the MetaQ stream, each batch's MetaQ bytes and ``byte_base`` (-1 in version 2)."""
     layout = _batch_layout(u8, np.asarray(positions, dtype=np.int64))
     return (layout.message_sizes(), layout.counts, layout.h["timestamp"], layout.h["batch_len"],
-            layout.metaq_bytes(), layout.v3["byte_base"])
+            layout.metaq_bytes(), v3_fields(u8, layout.positions, layout.h)["byte_base"])
 
 
 def stream_ends(byte_base: np.ndarray, metaq_bytes: np.ndarray, anchor: int) -> np.ndarray:
