@@ -288,3 +288,35 @@ def test_any_batches_decode_to_the_model(batches):
     assert rows(buf) == want
     assert records.decode(buf, headers=True).column("headers").to_pylist() == headers_want
     assert records.decode(buf).column("msgId").to_pylist() == list(range(base))
+
+
+SAMPLES = [
+    dict(values=[b"abc", None, b""]),
+    dict(values=[b"v" * 200, b"w"], keys=[None, b"k"], attributes=["a", None], flags=[0, 3]),
+    dict(values=[b"x"], headers=[[("h", b"v"), ("i", None)]], timestamps=[7]),
+    dict(values=[None] * 3, keys=[b"k"] * 3, timestamps=[1, 1 << 40, 2], headers=[None, [("k", b"")], None]),
+]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sample=st.sampled_from(SAMPLES), flips=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(1, 255)),
+                                                         max_size=3),
+       attribute_flip=st.sampled_from([0, 0, 0] + [1 << b for b in range(32)]), count_delta=st.integers(-1, 1))
+def test_a_put_body_parse_body_accepts_is_one_every_reader_reads_alike(sample, flips, attribute_flip, count_delta):
+    """The attacker's Put: a body, count and attributes of its own making. Whatever ``parse_body`` (the
+    broker's check) accepts, the readers (``_Layout``: decode, the index's sizes) read without error and
+    agree with it; whatever it refuses is a RecordFormatError."""
+    body = records.encode_body(**sample)
+    raw = bytearray(body_bytes(body))
+    for at, x in flips:
+        raw[at % len(raw)] ^= x
+    count, attributes = body.count + count_delta, body.attributes ^ attribute_flip
+    try:
+        parsed = records.parse_body(count, attributes, bytes(raw), records.crc(bytes(raw)))
+    except records.RecordFormatError:
+        return
+    buf = records.encode_header(parsed, 0, 1, STORE_TIME) + bytes(raw)
+    decoded = records.decode(buf, headers=True, timestamp_type=True)
+    assert decoded.num_rows == count
+    sizes, counts, _, _, metaq, _ = records.index_columns(np.frombuffer(buf, np.uint8), np.array([0]))
+    assert sizes.tolist() == parsed.message_sizes.tolist() and metaq.tolist() == [parsed.metaq_bytes]

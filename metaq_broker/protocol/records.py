@@ -581,7 +581,8 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
         if not present:
             continue
         if pos + base + entry * count > size:
-            raise RecordFormatError(f"integer columns overrun the batch body of {size} bytes", 0)
+            raise RecordFormatError(f"batch body of {size} bytes is too short for the integer columns of {count} "
+                                    f"messages", 0)
         if base:
             time_base = struct.unpack_from("<q", body, pos)[0]
         columns[-1] = np.frombuffer(body, INT_DTYPES[code], count, pos + base).astype(np.int64)
