@@ -531,17 +531,19 @@ def _fixed_size(attributes: np.ndarray, layout: np.ndarray, counts: np.ndarray) 
     return (entry * counts + base).sum(axis=0)
 
 
+# Per layout field (rows, bits 2f..2f+1): the attribute bit of its column (0: always there), and whether
+# its code may be 3 (i64)
+_FIELD_BIT = np.array([[bit] for bit in COLUMN_BITS])
+_FIELD_SHIFT = np.arange(0, 14, 2)[:, None]
+_FIELD_I64 = (np.arange(7) == TIME_DELTA)[:, None]
+
+
 def _bad_layout(attributes: np.ndarray, layout: np.ndarray) -> np.ndarray:
-    """Layouts that are not possible with these attribute bits: a code for an absent column, i64 for a
-    length or count, bits 14-15 set."""
-    bad = (layout >> 14) != 0
-    for field, bit in enumerate(COLUMN_BITS):
-        code = (layout >> (2 * field)) & 3
-        if bit:
-            bad |= ((attributes & bit) == 0) & (code != 0)
-        if field != TIME_DELTA:
-            bad |= code == 3
-    return bad
+    """Layouts that are not possible with these attribute bits (vectorised over bodies): a code for an
+    absent column, i64 for a length or count, bits 14-15 set."""
+    code = (layout >> _FIELD_SHIFT) & 3
+    absent = ((attributes & _FIELD_BIT) == 0) & (_FIELD_BIT != 0)
+    return ((absent & (code != 0)) | (~_FIELD_I64 & (code == 3))).any(axis=0) | ((layout >> 14) != 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -970,8 +972,7 @@ def _batch_layout(u8: np.ndarray, positions: np.ndarray) -> _Layout:
     hsize = header_sizes(h)
     unknown = np.where(v3, 0xFF ^ KNOWN_ATTRIBUTE_BITS, 0xFF ^ (KNOWN_ATTRIBUTE_BITS & ~V3_ATTRIBUTE_BITS))
     bad = ((h["magic"] != MAGIC) | ~(v3 | (h["version"] == 2)) | ((attrs & unknown) != 0) | (counts < 1)
-           | (h["batch_len"] % ALIGN != 0) | _bad_layout(attrs, layout)
-           | (h["batch_len"] < hsize + _fixed_size(attrs, layout, counts)))
+           | (h["batch_len"] % ALIGN != 0) | _bad_layout(attrs, layout))  # too short for its columns: _Layout
     if bad.any():
         at = int(positions[np.argmax(bad)])
         parse_header(u8, at)  # raises, naming the field
