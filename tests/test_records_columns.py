@@ -175,7 +175,7 @@ def test_create_times_from_datetimes_numpy_and_arrow_and_a_missing_one_stamped_n
 @pytest.mark.parametrize("timestamps,match", [
     ([-1], "timestamp of message 0 is -1"),
     ([1, 1 << 62], "timestamp of message 1"),
-    (np.array([1 << 63], np.uint64), "timestamp of message 0"),
+    (np.array([1 << 63], np.uint64), "timestamp of message 0 is 4611686018427387904"),
     ([1, 2], "timestamps column has 2 entries but value has 1"),
     (5, "timestamps: expected a sequence"),
     (["soon"], "timestamps: expected ms since the epoch"),

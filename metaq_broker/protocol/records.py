@@ -272,11 +272,10 @@ def timestamps_column(timestamps, n: int) -> Optional[np.ndarray]:
         raise MessageValueError(f"timestamps: expected a sequence with one entry per message, got a single "
                                 f"{type(timestamps).__name__}")
     if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind in "iuM":
+        if timestamps.dtype.kind == "u" and timestamps.size and timestamps.max() >= MAX_TIMESTAMP:
+            timestamps = np.minimum(timestamps, MAX_TIMESTAMP)  # not to wrap to a negative int64: refused below
         ms = timestamps.astype("datetime64[ms]").astype(np.int64) if timestamps.dtype.kind == "M" \
             else timestamps.astype(np.int64)
-        if timestamps.dtype.kind == "u" and timestamps.size and timestamps.max() >= MAX_TIMESTAMP:
-            ms = np.full(len(ms), -1, np.int64)  # wrapped: refused below
-        arr = None
     else:
         arr = timestamps
         if isinstance(arr, pa.ChunkedArray):
