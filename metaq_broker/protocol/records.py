@@ -761,11 +761,10 @@ _LAYOUT_AT = BASE_HEADER_SIZE + 10  # the layout field's bytes in a version 3 he
 
 def layouts(u8: np.ndarray, positions: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Each batch's layout (version 2: 0, every column i32): two bytes read per batch."""
-    out = np.zeros(len(positions), np.int64)
     v3 = h["version"] >= 3
-    if v3.any():
-        at = positions[v3] + _LAYOUT_AT
-        out[v3] = u8[at].astype(np.int64) | u8[at + 1].astype(np.int64) << 8
+    out = np.zeros(len(positions), np.int64)
+    if v3.any():  # version 2 headers are shorter: only version 3 ones are read
+        out[v3] = u8[(positions[v3] + _LAYOUT_AT)[:, None] + np.arange(2)].reshape(-1).view("<u2")
     return out
 
 
@@ -960,12 +959,13 @@ class _Layout:
         return pa.ListArray.from_arrays(pa.array(list_offsets.astype(np.int32)), struct_arr, type=HEADERS_TYPE)
 
 
-def _batch_layout(u8: np.ndarray, positions: np.ndarray) -> _Layout:
+def _batch_layout(u8: np.ndarray, positions: np.ndarray, v3: Optional[np.ndarray] = None) -> _Layout:
     """The ``_Layout`` of the whole batches at ``positions``, their header fields checked vectorised (a
     bad one is re-read by ``parse_header`` to say exactly what is wrong); ``h`` holds the headers' fields
-    every version has."""
+    every version has. ``v3``: their ``v3_fields``, when the caller has them."""
     h = headers_at(u8, positions)
-    attrs, layout = h["attributes"].astype(np.int64), layouts(u8, positions, h)
+    attrs = h["attributes"].astype(np.int64)
+    layout = layouts(u8, positions, h) if v3 is None else v3["layout"].astype(np.int64)
     counts = h["count"].astype(np.int64)
     v3 = h["version"] == 3
     hsize = header_sizes(h)
@@ -1028,9 +1028,11 @@ def _batch_positions(u8: np.ndarray, verify: bool) -> np.ndarray:
 def index_columns(u8: np.ndarray, positions: np.ndarray):
     """For the offset index: each message's encoded size, and each batch's count, time and length; and for
     the MetaQ stream, each batch's MetaQ bytes and ``byte_base`` (-1 in version 2)."""
-    layout = _batch_layout(u8, np.asarray(positions, dtype=np.int64))
+    positions = np.asarray(positions, dtype=np.int64)
+    v3 = v3_fields(u8, positions)
+    layout = _batch_layout(u8, positions, v3)
     return (layout.message_sizes(), layout.counts, layout.h["timestamp"], layout.h["batch_len"],
-            layout.metaq_bytes(), v3_fields(u8, layout.positions, layout.h)["byte_base"])
+            layout.metaq_bytes(), v3["byte_base"])
 
 
 def stream_ends(byte_base: np.ndarray, metaq_bytes: np.ndarray, anchor: int) -> np.ndarray:
