@@ -505,11 +505,12 @@ def encode_body(
 
 
 # A body's integer columns, one row each, in their order: flag, value length, key length, attribute length,
-# header count, create time. Per row: the attribute bit that says it is there (the flag column: that it is
-# not; the value column: always), where its width code lies in the layout (the flag column: bits 14-15,
-# which are 0: i32), and the bytes before its entries (the create times' base).
+# header count, create time. Per row: the attribute bit that says it is there, or with _COLUMN_INVERT that
+# it is not (the flag column; the value column, with no bit, is always there), where its width code lies in
+# the layout (the flag column: bits 14-15, which are 0: i32), and the bytes before its entries (the create
+# times' base).
 _COLUMN_BIT = np.array([[NO_FLAGS], [0], [HAS_KEYS], [HAS_ATTRIBUTES], [HAS_HEADERS], [HAS_TIMESTAMPS]])
-_COLUMN_ABSENT_BIT = np.array([[True], [True], [False], [False], [False], [False]])
+_COLUMN_INVERT = np.array([[True], [True], [False], [False], [False], [False]])
 _COLUMN_SHIFT = np.array([[14], [2 * VALUE_LEN], [2 * KEY_LEN], [2 * ATTRIBUTE_LEN], [2 * HEADER_COUNT],
                           [2 * TIME_DELTA]])
 _COLUMN_BASE = np.array([[0], [0], [0], [0], [0], [8]])
@@ -519,7 +520,7 @@ FLAG_COL, VALUE_COL, KEY_COL, ATTRIBUTE_COL, HEADER_COUNT_COL, TIME_COL = range(
 def _columns(attributes: np.ndarray, layout: np.ndarray) -> tuple:
     """(present, width code, bytes) of each integer column (rows) of each body (columns) with these
     attribute bits and layouts; bytes: its entries' (one per message) and, for create times, its base's."""
-    present = ((attributes & _COLUMN_BIT) != 0) ^ _COLUMN_ABSENT_BIT
+    present = ((attributes & _COLUMN_BIT) != 0) ^ _COLUMN_INVERT
     code = (layout >> _COLUMN_SHIFT) & 3
     return present, code, present * WIDTHS[code], present * _COLUMN_BASE
 
@@ -592,7 +593,8 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
     if value.min() < NULL_LENGTH or any(c is not None and c.min() < NULL_LENGTH for c in (key, attr)) \
             or (header_counts is not None and header_counts.min() < 0):
         raise RecordFormatError("negative message length in the batch body", 0)
-    if deltas is not None and not (0 <= time_base < MAX_TIMESTAMP and 0 <= deltas.min() and deltas.max() < MAX_TIMESTAMP):
+    if deltas is not None and not (0 <= time_base < MAX_TIMESTAMP and 0 <= deltas.min()
+                                   and deltas.max() < MAX_TIMESTAMP):
         raise RecordFormatError("create time out of range in the batch body", 0)
     data = [np.maximum(c, 0) for c in (value, key, attr) if c is not None]
     value_bytes = int(data[0].sum())
@@ -682,7 +684,8 @@ def parse_header(buf, pos: int = 0) -> BatchHeader:
         raise RecordFormatError(f"unknown batch magic/version {magic:#x}/{version} at byte {pos}", pos)
     extra = ()
     if version >= 3:
-        producer_id, producer_epoch, layout, base_sequence, byte_base = HEADER_V3.unpack_from(buf, pos + BASE_HEADER_SIZE)
+        producer_id, producer_epoch, layout, base_sequence, byte_base = HEADER_V3.unpack_from(
+            buf, pos + BASE_HEADER_SIZE)
         extra = (producer_id, producer_epoch, base_sequence, byte_base, layout)
     h = BatchHeader(*fields, *extra)
     known = KNOWN_ATTRIBUTE_BITS if version >= 3 else KNOWN_ATTRIBUTE_BITS & ~V3_ATTRIBUTE_BITS
