@@ -433,11 +433,8 @@ class Producer(ClientBase):
     def _send_items(self, topic: str, partition: str, items: list) -> None:
         try:
             values, keys, attrs, flags, headers, timestamps, futs = zip(*items)
-
-            def given(column):
-                return None if all(x is None for x in column) else list(column)
-            result = self.send_batch(topic, list(values), given(keys), given(attrs), list(flags), partition=partition,
-                                     headers=given(headers), timestamps=given(timestamps))[0]
+            result = self.send_batch(topic, list(values), _given(keys), _given(attrs), list(flags),
+                                     partition=partition, headers=_given(headers), timestamps=_given(timestamps))[0]
         except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
             for item in items:
                 item[-1].set_exception(e)
@@ -546,6 +543,11 @@ class Transaction:
 
     def rollback(self) -> None:
         settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
+
+
+def _given(column: tuple) -> Optional[list]:
+    """A column of queued messages (``send``), or None when no message gave one."""
+    return None if all(x is None for x in column) else list(column)
 
 
 def _columns(values, keys, attributes, flags, headers=None, timestamps=None) -> dict:
