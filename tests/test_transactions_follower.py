@@ -49,7 +49,8 @@ def copy_batches(src, dst, limit=None) -> int:
         h = records.parse_header(data, 0)
         assert h.base_offset == written_end(dst)
         if h.attributes & records.CONTROL:
-            dst.append_marker(h.txn, bytes(data[56:57]) == records.COMMIT_MARKER)
+            value = data[records.HEADER_SIZE + 8]  # a marker's body: flag and length columns, then its value
+            dst.append_marker(h.txn, value == records.COMMIT_MARKER[0])
         else:
             b = records.parse_body(h.count, h.attributes & records.BODY_ATTRIBUTE_BITS,
                                    data[records.HEADER_SIZE:h.batch_len], h.body_crc)
