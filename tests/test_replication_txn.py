@@ -17,7 +17,8 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.errors import TransactionError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.store.journal_frames import split
-from metaq_broker.store.transactions import COMMIT, KINDS, PROMOTION_SEQ_GAP
+from metaq_broker.store.transactions import PROMOTION_SEQ_GAP
+from metaq_broker.store.txn_journal import COMMIT, KINDS
 from metaq_broker.zk import decisions as txn_decisions
 from conftest import wait_until
 from test_replication_basic import log_bytes, read_all

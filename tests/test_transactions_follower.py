@@ -9,10 +9,10 @@ import pytest
 
 from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
-from metaq_broker.store import transactions as txmod
+from metaq_broker.store import txn_journal
 from metaq_broker.store.journal_frames import frame, split
-from metaq_broker.store.transactions import (COMMIT, DONE, FINISHED, PREPARE, TransactionError,
-                                             TransactionManager)
+from metaq_broker.store.transactions import TransactionError, TransactionManager
+from metaq_broker.store.txn_journal import COMMIT, DONE, FINISHED, PREPARE
 
 PARTS = 3
 
@@ -85,11 +85,11 @@ def kept_state(tx):
     live = {x: (t.state, t.number, sorted(t.partitions.items()), t.messages, t.coordinator, t.prepared_at,
                 t.timeout_s, t.seq, t.decision_seq)
             for x, t in tx._live.items() if t.state != "open"}
-    return live, dict(tx._finished), dict(tx._decided), tx._forgot_commits
+    return live, dict(tx._outcomes.finished), dict(tx._outcomes.decided), tx._outcomes.forgot_commits
 
 
 def seqs_of(frames):
-    return [(kind, json.loads(payload)["seq"]) for kind, payload, _ in split(frames, txmod.KINDS)]
+    return [(kind, json.loads(payload)["seq"]) for kind, payload, _ in split(frames, txn_journal.KINDS)]
 
 
 def values(store, p):
@@ -126,7 +126,7 @@ def test_seqs_memory_tail_snapshot_and_compaction(tmp_path, monkeypatch):
     tx.commit("x2")
     assert seqs_of(tx.records_since(4)[2]) == [(COMMIT, 5), (DONE, 6)]
     # The tail keeps about TAIL_BYTES: a follower further behind gets a snapshot.
-    monkeypatch.setattr(txmod, "TAIL_BYTES", 400)
+    monkeypatch.setattr(txn_journal, "TAIL_BYTES", 400)
     for i in range(6):
         tx.begin(f"y{i}")
         tx.rollback(f"y{i}")
@@ -142,7 +142,7 @@ def test_old_journal_without_seqs_loads(tmp_path):
     old = (frame(FINISHED, json.dumps({"finished": [["a", "committed"]], "decided": [], "forgot_commits": False,
                                        "next_number": 5}).encode())
            + frame(DONE, json.dumps({"xid": "b", "number": 6, "outcome": "rolled_back", "path": ""}).encode()))
-    (tmp_path / "data" / "transactions" / txmod.JOURNAL).write_bytes(old)
+    (tmp_path / "data" / "transactions" / txn_journal.JOURNAL).write_bytes(old)
     tx = open_tx(store, tmp_path)
     assert tx.journal_seq == 2 and tx.state("a") == "committed" and tx.state("b") == "rolled_back"
     assert tx.begin("c").number == 7
@@ -170,7 +170,7 @@ def test_follower_gates_prepare_on_durable_data_and_done_on_markers(tmp_path):
     assert ship(master, follower) == 2  # COMMIT applied; DONE waits for the markers
     assert follower.state("x") == "committing"
     assert ship(master, follower) == 2  # resent: ignored, still waiting
-    assert len(follower._pending) == 1
+    assert len(follower._follower.pending) == 1
     copy_all(ms, rs)
     assert follower.apply_pending() == 3 and follower.state("x") == "committed"
     assert follower.path.read_bytes().endswith(master.records_since(1)[2])  # byte for byte

@@ -142,7 +142,8 @@ CRASH = textwrap.dedent("""
     from pathlib import Path
     from metaq_broker.protocol import records
     from metaq_broker.store import MessageStore, TopicConfig
-    from metaq_broker.store.transactions import COMMIT, TransactionManager
+    from metaq_broker.store.transactions import TransactionManager
+    from metaq_broker.store.txn_journal import COMMIT
     path, step = Path(sys.argv[1]), sys.argv[2]
     store = MessageStore(path / "data", {"t": TopicConfig(num_partitions=2)}, background_interval=None)
     tx = TransactionManager(store, path / "data" / "transactions", default_timeout_s=5)
@@ -157,7 +158,7 @@ CRASH = textwrap.dedent("""
     elif step in ("prepared", "commit"):
         tx.prepare("k")
     if step == "commit":  # the decision journalled, one partition's marker written, the other's not
-        tx._write(COMMIT, {"xid": "k", "number": t.number}, fsync=True)
+        tx.journal.append(COMMIT, {"xid": "k", "number": t.number}, fsync=True)
         store.partition("t", 0).append_marker(t.number, commit=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
