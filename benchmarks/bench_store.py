@@ -196,7 +196,7 @@ def run(root, quick):
             n = max(volume // (batch * size), 4) if batch > 1 else small_n
             for mode, cfg in MODES.items():  # modes back to back, so drift in the disk's speed hits both alike
                 name = f"append {mode} {size}B b{batch} t{threads}"
-                log = logs[mode, size, batch, threads] = PartitionLog(root / name.replace(" ", "_"), "bench", 0, cfg)
+                log = logs[mode, size, batch, threads] = PartitionLog.open(root / name.replace(" ", "_"), "bench", 0, cfg)
                 with counting_fsyncs() as fsyncs:
                     msgs, calls, secs = timed(lambda i: log.append(src[i % len(src)]).count, n, limit, threads)
                 record(name, msgs, size, secs, calls, len(fsyncs))
@@ -241,7 +241,7 @@ def key_index_rates(root, volume, small_n, limit, rng) -> list:
         best, append_secs, add_secs = {}, [], []
         for rnd in range(6):
             on = rnd % 2 == 1
-            log = PartitionLog(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
+            log = PartitionLog.open(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
             index = KeyIndex(0, 0)
 
             def op(i):

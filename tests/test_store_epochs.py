@@ -175,7 +175,7 @@ def test_an_epoch_marker_is_invisible_to_readers_and_to_transactions(tmp_path):
 
 
 def open_partition(path):
-    return PartitionLog(path, "t", 0, TopicConfig())
+    return PartitionLog.open(path, "t", 0, TopicConfig())
 
 
 def test_crash_between_the_marker_and_the_epochs_file(tmp_path):

@@ -205,7 +205,7 @@ def test_the_table_grows_and_chains_stay_short(monkeypatch):
 
 def keyed_log(directory: Path, clock: FakeClock):
     """A partition with keyed batches, a transaction (aborted) and its marker, and segment rolls."""
-    p = PartitionLog(directory, "t", 0, TopicConfig(max_segment_size=4096), clock=clock)
+    p = PartitionLog.open(directory, "t", 0, TopicConfig(max_segment_size=4096), clock=clock)
     for i in range(40):
         clock.advance(1)
         p.append([b"v" * 50] * 3, keys=[b"order-%d" % (i % 7), None, b"order-%d" % (i % 3)])

@@ -14,7 +14,7 @@ from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
 
 def open_log(path, config=TopicConfig(), **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def test_segments_are_named_by_start_position_contiguous_and_roll_at_max_size(tmp_path):

@@ -18,7 +18,7 @@ from metaq_broker.store.segment import LOG_SUFFIX
 
 def open_log(path, clock=None, **config):
     kw = {"clock": clock} if clock else {}
-    return PartitionLog(path, "t", 0, TopicConfig(**config), **kw)
+    return PartitionLog.open(path, "t", 0, TopicConfig(**config), **kw)
 
 
 def body(*values):

@@ -17,7 +17,7 @@ SMALL = TopicConfig(max_segment_size=4096)
 
 
 def open_log(path, config=SMALL, **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def fill(path, batches, per_batch=3, config=SMALL):
@@ -251,7 +251,7 @@ def test_unclosed_log_recovers_the_tail_index(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     from metaq_broker.store import PartitionLog, TopicConfig
-    log = PartitionLog(sys.argv[1], "t", 0, TopicConfig(max_segment_size=64 * 1024))
+    log = PartitionLog.open(sys.argv[1], "t", 0, TopicConfig(max_segment_size=64 * 1024))
     i = 0
     while True:
         r = log.append([b"value-%d" % (i + j) for j in range(5)])

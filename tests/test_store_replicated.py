@@ -17,7 +17,7 @@ SMALL = TopicConfig(max_segment_size=4096)
 
 
 def open_log(path, config=SMALL, **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def body(*values):

@@ -44,23 +44,18 @@ from metaq_broker.store import epochs as epoch_file
 from metaq_broker.store import identity as identity_file
 from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
-from metaq_broker.store.durable import fsync_dir, replace_file
+from metaq_broker.store.durable import fsync_dir
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
 from metaq_broker.store.producer_state import ProducerStates, Stored, last_sequence
-from metaq_broker.store.recovery import (ARCHIVE_DIR, batch_table, last_msg_id, last_timestamp, open_epochs,
-                                         recover, scan_segment, walk_batches)
+from metaq_broker.store.log_loader import LoadedLog, load, read_batches, save_snapshots, stream_columns, stream_end
+from metaq_broker.store.recovery import ARCHIVE_DIR, batch_table, scan_segment, walk_batches
 from metaq_broker.store.retention import archive_segment, removal_reason
-from metaq_broker.store.segment import SEGMENT_HEADER_SIZE, Segment, batch_starts
+from metaq_broker.store.segment import Segment, batch_starts, segment_for
 
 NO_PRODUCER = (records.NO_PRODUCER,) * 3
 
 log = logging.getLogger(__name__)
-
-# Present while the partition acknowledges appends before an fsync covers them (unflushThreshold > 0), and
-# until the first recovery after switching back to group commit: recovery must then not assume that every
-# acknowledged batch was fsynced.
-ACKS_BEFORE_FSYNC = "acks-before-fsync"
 
 
 @dataclass(frozen=True)
@@ -153,13 +148,13 @@ class SegmentInfo:
 class PartitionLog:
     """One topic partition stored as ``<data>/<topic>-<n>/<20-digit start position>.meta`` segments."""
 
-    def __init__(self, directory, topic: str, partition: int, config: TopicConfig,
-                 ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False,
-                 on_written: Optional[Callable[[], None]] = None):
-        self.directory = Path(directory)
+    def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
+                 ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
+        """A log over what ``log_loader.load`` returned; ``open`` loads and constructs."""
+        self.directory = loaded.directory
         self.topic, self.partition, self.config = topic, partition, config
         self.name = f"{topic}-{partition}"
-        self._ids = ids or MessageIdAllocator()
+        self._ids = ids
         self._clock = clock
         self._write_lock = threading.Lock()
         self._flush_cond = threading.Condition()
@@ -171,116 +166,41 @@ class PartitionLog:
         self._on_written = on_written  # told after every append (the store's wait_written)
         self._hw: Optional[int] = None  # readers' cap (replication); None: none
         self._next_epoch: Optional[tuple] = None  # (epoch, replica id) whose marker the next append writes
-        self._epochs_dirty = False  # an epochs save failed: retried before the next roll or close
+        self._epochs_dirty = loaded.epochs_dirty  # an epochs save failed: retried before the next roll or close
         self._truncations = 0  # bumped by truncate_to/reset_to: a group-commit leader's target is stale then
-        self._identity = identity_file.load_or_create(self.directory)  # before the first segment: a new log's
-        acks_before_fsync = not config.group_commit or (self.directory / ACKS_BEFORE_FSYNC).exists()
-        cut = ("repair was asked for: messages after the damage are gone" if repair
-               else None if acks_before_fsync
-               else "under group commit no fsync covered them, so none was acknowledged")
-        segments = recover(self.directory, self.name, cut, config.index_interval_bytes)
-        self._record_flush_mode()
-        self._segments: tuple = tuple(segments)
-        active = segments[-1]
-        self._next_offset = active.next_offset
-        self._last_ts = last_timestamp(segments)
-        self._visible_offset = self._next_offset  # everything recovered is on disk
+        self._identity = loaded.identity
+        self._segments: tuple = loaded.segments
+        self._next_offset = loaded.segments[-1].next_offset
+        self._last_ts = loaded.last_timestamp
+        self._visible_offset = self._next_offset  # everything loaded is on disk
         self._durable_offset = self._next_offset
-        self.txns = PartitionTxns()
-        scan_from = self.txns.load(self.directory)
-        self.producers = ProducerStates(self.name, config.producer_id_expiration_ms)
-        producers_from = self.producers.load(self.directory)
-        self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
-        self._epochs.trim(self.earliest_offset)  # retention's cut may have come before its trim was saved
-        # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
-        # snapshot could not be written yet (a roll always writes one first): transactional batches can
-        # then only be in the active segment, which recovery has just read. Every epoch marker below the
-        # snapshot's offset is in the epochs file (saved in the marker's write-lock hold, or retried
-        # before the snapshot), so the same scan finds those missing after a crash. The producers'
-        # snapshot is written with the transactions' and follows the same rule.
-        found = self._scan_txns(*(active.base_offset if at is None else max(at, self.earliest_offset)
-                                  for at in (scan_from, producers_from)))
-        self._metaq_end = self._stream_end()
-        if epochs_damaged:
-            found = [e for u8, pos in self._batches(self.earliest_offset, self._next_offset)
-                     for e in epoch_file.markers(u8, pos)]
-        try:
-            if self._epochs.add_missing(found) or epochs_damaged:
-                self._epochs.save()
-                log.info("%s: epochs from the log's markers: %s", self.name,
-                         [(e.epoch, e.start) for e in self._epochs.entries])
-        except OSError as e:  # e.g. a full disk: kept in memory, saved again before the next roll
-            log.warning("%s: could not write its epochs file (%s)", self.name, e)
-            self._epochs_dirty = True
-        try:
-            self._save_txns()
-        except OSError as e:  # e.g. a full disk: the next open scans from the older snapshot again
-            log.warning("%s: could not write %s (%s)", self.name, "its transaction snapshot", e)
+        self.txns = loaded.txns
+        self.producers = loaded.producers
+        self._epochs = loaded.epochs
+        self._metaq_end = loaded.metaq_end
         self._unflushed = 0
         self._last_flush = clock()
         self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
-        last_id = last_msg_id(segments)
-        if last_id is not None:
-            self._ids.observe(last_id)
 
-    def _record_flush_mode(self) -> None:
-        """Keep ACKS_BEFORE_FSYNC in step with the flush policy. Recovery has just fsynced the tail, so
-        under group commit every acknowledged batch is durable from here on and the marker can go."""
-        marker = self.directory / ACKS_BEFORE_FSYNC
-        if self.config.group_commit:
-            if marker.exists():
-                marker.unlink()
-                fsync_dir(self.directory)
-        elif not marker.exists():
-            replace_file(marker, b"")
-
-    def _scan_txns(self, from_offset: int, producers_from: int) -> list:
-        """Take in the transactional batches and markers written from ``from_offset`` on, and idempotent
-        producers' batches from ``producers_from`` on (recovery); returns the epoch markers seen."""
-        found = []
-        for u8, positions in self._batches(min(from_offset, producers_from), self._next_offset):
-            base = records.headers_at(u8, positions)["base_offset"]
-            ours = positions[base >= from_offset]
-            self.txns.scan(u8, ours)
-            found += epoch_file.markers(u8, ours)
-            self.producers.scan(u8, positions[base >= producers_from])
-        return found
-
-    def _stream_end(self) -> int:
-        """Where the next batch starts in the MetaQ message stream (docs/storage-format.md, 3.5): the end
-        of the last batch; for a version 2 batch computed over its segment (whose first version 2 batch
-        starts at 3 x the segment's start); 3 x the active segment's start when no batch is before it but
-        one of version 2 in an earlier segment, or none at all (a new log: 0)."""
-        segs = self._segments
-        tail = segs[-1]
-        last = tail if tail.count else segs[-2] if len(segs) > 1 and segs[-2].count else None
-        if last is None:
-            return 3 * tail.start
-        final = last.batch_at(last.next_offset - 1, last.next_offset)
-        _, _, metaq, byte_base = _stream_columns(last.read(final.position, final.length), np.zeros(1, np.int64))
-        if byte_base[0] >= 0:
-            return int(byte_base[0] + metaq[0])
-        if last is not tail:
-            return 3 * tail.start
-        first = tail.start + SEGMENT_HEADER_SIZE
-        u8 = tail.read(first, tail.end - first)
-        _, _, metaq, byte_base = _stream_columns(u8, batch_starts(u8, tail.path))
-        return int(records.stream_ends(byte_base, metaq, 3 * tail.start)[-1])
+    @classmethod
+    def open(cls, directory, topic: str, partition: int, config: TopicConfig,
+             ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False,
+             on_written: Optional[Callable[[], None]] = None) -> "PartitionLog":
+        """Load partition ``topic``-``partition`` from ``directory`` (``log_loader.load``: recovery,
+        transaction and producer state, epochs, identity) and return the log over it. ``repair``: let
+        recovery cut a damaged tail followed by valid batches."""
+        ids = ids or MessageIdAllocator()
+        loaded = load(directory, f"{topic}-{partition}", config, ids, clock, repair)
+        return cls(loaded, topic, partition, config, ids, clock, on_written)
 
     def _batches(self, start: int, stop: int):
-        """(bytes, batch starts in them) of the written batches holding offsets [start, stop), 64 MiB at a
-        time: header scans of recovery, truncation and the first HW."""
-        offset = start
-        while offset < stop:
-            seg, first, length, n = self._plan_read(offset, 64 << 20, None, stop)
-            u8 = seg.read(first, length)
-            yield u8, batch_starts(u8, seg.path)
-            offset += n
+        """``log_loader.read_batches`` over this log's segments."""
+        return read_batches(self._segments, start, stop)
 
     def _save_txns(self) -> None:
         """Write the transaction and the producers' snapshots as of the written end."""
-        self.txns.save(self.directory, self._next_offset, self.earliest_offset)
-        self.producers.save(self.directory, self._next_offset, max(int(self._clock() * 1000), self._last_ts))
+        save_snapshots(self.directory, self.txns, self.producers, self._next_offset, self.earliest_offset,
+                       max(int(self._clock() * 1000), self._last_ts))
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -677,9 +597,8 @@ class PartitionLog:
                                   f"given", what, 0)
         h = records.headers_at(u8, positions)
         ends = positions + h["batch_len"].astype(np.int64)  # where each batch ends in data
-        msg_ends = np.cumsum(h["count"], dtype=np.int64)
         batches = batch_table(u8, positions, 0)
-        _, _, metaq, byte_base = _stream_columns(u8, positions)
+        _, _, metaq, byte_base = stream_columns(u8, positions)
         with self._write_lock:
             self._check_open()
             if int(h["base_offset"][0]) != self._next_offset:
@@ -743,7 +662,7 @@ class PartitionLog:
             self._segments = tuple(segs[:i]) + (tail,)
             fsync_dir(self.directory)
             self._cut_ends(cut)
-            self._metaq_end = self._stream_end()
+            self._metaq_end = stream_end(self._segments)
             log.warning("%s: truncated to offset %d (replication)", self.name, cut)
         return cut
 
@@ -867,10 +786,6 @@ class PartitionLog:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, stable)
         return segs, max(stable, min(offset, log_end))
 
-    @staticmethod
-    def _segment_for(segs, offset: int) -> Segment:
-        return segs[max(bisect.bisect_right([s.base_offset for s in segs], offset) - 1, 0)]
-
     def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int], end: Optional[int] = None):
         """What ``read`` and ``locate`` return: None at the end (the last stable offset unless ``end``),
         else (segment, logical position, length, message count)."""
@@ -882,7 +797,7 @@ class PartitionLog:
         segs, end = self._snapshot(offset, end)
         if offset >= end:
             return None
-        seg = self._segment_for(segs, offset)
+        seg = segment_for(segs, offset)
         first, length, stop = seg.plan(offset, end, int(max_bytes),
                                        end if max_messages is None else min(end, offset + int(max_messages)))
         return seg, first, length, stop - offset
@@ -922,7 +837,7 @@ class PartitionLog:
         try:
             return result.decode(verify=True)
         except records.RecordFormatError as e:
-            seg = self._segment_for(self._segments, offset)
+            seg = segment_for(self._segments, offset)
             file_pos = seg.batch_at(offset, result.end_offset).position - seg.start + e.position
             raise CorruptLogError(f"{seg.path}: damaged batch at byte {file_pos} ({e}; reading offset {offset})",
                                   seg.path, file_pos) from None
@@ -933,7 +848,7 @@ class PartitionLog:
         segs = self._segments
         if not segs[0].base_offset <= offset < end:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
-        return self._segment_for(segs, offset).batch_at(offset, end).timestamp
+        return segment_for(segs, offset).batch_at(offset, end).timestamp
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
@@ -1002,7 +917,7 @@ class PartitionLog:
         visible = self._visible_offset
         if offset >= visible:
             return segs[-1].end
-        return self._segment_for(segs, offset).batch_at(offset, visible).position
+        return segment_for(segs, offset).batch_at(offset, visible).position
 
     def verify(self) -> list:
         """Check every batch of every segment (checksums and offset continuity), that message ids grow with
@@ -1102,7 +1017,3 @@ class PartitionLog:
         with self._data_cond:
             self._data_cond.notify_all()
 
-
-def _stream_columns(u8: np.ndarray, positions: np.ndarray) -> tuple:
-    """(timestamps, lengths, MetaQ bytes, byte_base) of the batches at ``positions``."""
-    return records.index_columns(u8, positions)[2:]

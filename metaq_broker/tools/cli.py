@@ -738,7 +738,7 @@ def _open_partition(directory: Path):
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")
-    return PartitionLog(directory, topic, int(num), TopicConfig())
+    return PartitionLog.open(directory, topic, int(num), TopicConfig())
 
 
 @log_group.command("describe")
