@@ -288,7 +288,7 @@ def test_a_marker_copied_before_its_decision_record_settles_on_promotion(tmp_pat
     ship(master, follower)
     getattr(master, decision)("x")
     copy_batches(ms.partition("t", 0), rs.partition("t", 0))  # the marker of 0 only, no journal record
-    rs.partition("t", 0).make_durable(rs.partition("t", 0).written_end)
+    rs.partition("t", 0).make_durable(rs.partition("t", 0).log_end_offset)
     assert follower.state("x") == "prepared"
     follower.promote()
     outcome = "committed" if decision == "commit" else "rolled_back"

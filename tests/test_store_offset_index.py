@@ -69,7 +69,7 @@ def expected_plan(t: dict, offset: int, end: int, max_bytes: int, max_messages):
 
 
 def check_against(p: PartitionLog, t: dict, rng: np.random.Generator):
-    lo, end = p.earliest_offset, p.latest_offset
+    lo, end = p.earliest_offset, p.last_stable_offset
     assert sorted(o for o in t if o >= lo) == list(range(lo, end))
     sizes = np.array([t[o][4] for o in range(lo, end)], np.int64)
     cum = np.r_[0, np.cumsum(sizes)]
@@ -145,8 +145,8 @@ def test_every_lookup_equals_the_dense_answer(batches, more, interval, segment, 
         p = PartitionLog.open(d, "t", 0, config, clock=clock)  # sealed indexes read from their files
         check_against(p, model.table(d), rng)
         assert p.verify() == []
-        cut_at, t = int(cut * p.log_end_offset), model.table(d)
-        want = min(o for o in t if t[o][1] == t[cut_at][1]) if cut_at < p.log_end_offset else p.log_end_offset
+        cut_at, t = int(cut * p.visible_end), model.table(d)
+        want = min(o for o in t if t[o][1] == t[cut_at][1]) if cut_at < p.visible_end else p.visible_end
         assert p.truncate_to(cut_at) == want  # a replica's cut: to the start of the batch holding cut_at
         t = model.table(d)
         assert max(t, default=-1) == want - 1
@@ -356,7 +356,7 @@ def test_verify_reports_message_ids_that_go_back(tmp_path):
     early.append([b"c"])
     replica = PartitionLog.open(tmp_path / "replica", "t", 0, TopicConfig())
     for source in (late, early):
-        replica.append_replicated(source.read(replica.written_end, 1 << 20, end=source.written_end).data)
+        replica.append_replicated(source.read(replica.log_end_offset, 1 << 20, end=source.log_end_offset).data)
     replica.flush()
     problems = replica.verify()
     assert len(problems) == 1 and "message ids go back at offset 2" in problems[0], problems

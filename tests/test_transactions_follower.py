@@ -30,24 +30,16 @@ def body(*values):
     return records.encode_body([v.encode() for v in values])
 
 
-def written_end(part):
-    end = getattr(part, "written_end", None)
-    return part._next_offset if end is None else end
-
-
-def durable(part):
-    d = getattr(part, "durable_offset", None)
-    return part._durable_offset if d is None else d
 
 
 def copy_batches(src, dst, limit=None) -> int:
     """Copy the batches ``dst`` lacks, oldest first (at most ``limit``): same offsets, txn and kind; not made
     durable (transactional batches), as a replica writes before its group-commit fsync."""
     n = 0
-    while written_end(dst) < written_end(src) and (limit is None or n < limit):
-        data = src.read(written_end(dst), 1, end=written_end(src)).data
+    while dst.log_end_offset < src.log_end_offset and (limit is None or n < limit):
+        data = src.read(dst.log_end_offset, 1, end=src.log_end_offset).data
         h = records.parse_header(data, 0)
-        assert h.base_offset == written_end(dst)
+        assert h.base_offset == dst.log_end_offset
         if h.attributes & records.CONTROL:
             value = data[records.HEADER_SIZE + 8]  # a marker's body: flag and length columns, then its value
             dst.append_marker(h.txn, value == records.COMMIT_MARKER[0])
@@ -64,7 +56,7 @@ def copy_all(src_store, dst_store, make_durable=True):
         src, dst = src_store.partition("t", p), dst_store.partition("t", p)
         copy_batches(src, dst)
         if make_durable:
-            dst.make_durable(written_end(dst))
+            dst.make_durable(dst.log_end_offset)
 
 
 def give(follower, got, snapshot=False) -> int:
@@ -94,9 +86,9 @@ def seqs_of(frames):
 
 def values(store, p):
     part = store.partition("t", p)
-    if part.latest_offset == 0:
+    if part.last_stable_offset == 0:
         return []
-    return [v.as_py().decode() for v in part.read_arrow(0, part.latest_offset).column("value")]
+    return [v.as_py().decode() for v in part.read_arrow(0, part.last_stable_offset).column("value")]
 
 
 def test_seqs_memory_tail_snapshot_and_compaction(tmp_path, monkeypatch):
@@ -162,7 +154,7 @@ def test_follower_gates_prepare_on_durable_data_and_done_on_markers(tmp_path):
     assert ship(master, follower) == -1  # the snapshot's PREPARE waits for its batches to be durable
     assert follower.prepared() == []
     for p in range(2):
-        rs.partition("t", p).make_durable(written_end(rs.partition("t", p)))
+        rs.partition("t", p).make_durable(rs.partition("t", p).log_end_offset)
     assert follower.apply_pending() == 1
     assert [t.xid for t in follower.prepared()] == ["x"]
     assert follower.path.read_bytes() == master.snapshot_records()[2]
@@ -221,11 +213,11 @@ def test_snapshot_for_a_new_follower_then_stream_refusals_gap_restart(tmp_path):
     with pytest.raises(ValueError, match="gap"):
         give(follower, master.records_since(at + 1))
     # A restarted follower keeps its journal, writes no markers, and asks for a snapshot again.
-    ends = [written_end(rs.partition("t", p)) for p in range(PARTS)]
+    ends = [rs.partition("t", p).log_end_offset for p in range(PARTS)]
     follower.close()
     follower = open_tx(rs, tmp_path / "r", follower=True)
     assert follower.applied_seq == -1 and follower.journal_seq == at
-    assert [written_end(rs.partition("t", p)) for p in range(PARTS)] == ends  # x3's batch not aborted here
+    assert [rs.partition("t", p).log_end_offset for p in range(PARTS)] == ends  # x3's batch not aborted here
     assert ship(master, follower) == master.journal_seq and kept_state(follower) == kept_state(master)
     with pytest.raises(TransactionError, match="master"):
         master.apply(b"", 1, 0, False)
@@ -284,8 +276,8 @@ def raw_counts(store):
     for p in range(PARTS):
         part = store.partition("t", p)
         offset = 0
-        while offset < written_end(part):
-            h = records.parse_header(part.read(offset, 1, end=written_end(part)).data, 0)
+        while offset < part.log_end_offset:
+            h = records.parse_header(part.read(offset, 1, end=part.log_end_offset).data, 0)
             if h.attributes & records.TRANSACTIONAL:
                 out[h.txn] = out.get(h.txn, 0) + h.count
             offset = h.next_offset
@@ -308,7 +300,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
     def check():
         for t in follower._live.values():
             for (topic, p), end in t.partitions.items():
-                assert durable(rs.partition(topic, p)) >= end, (t.xid, p)
+                assert rs.partition(topic, p).recovery_point >= end, (t.xid, p)
 
     for _ in range(300):
         live = master._live
@@ -339,7 +331,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
             copy_batches(ms.partition("t", p), rs.partition("t", p), rnd.randint(1, 3))
         elif op < 0.86:
             part = rs.partition("t", rnd.randrange(PARTS))
-            part.make_durable(written_end(part))
+            part.make_durable(part.log_end_offset)
             if rnd.random() < 0.5:
                 follower.apply_pending()
         else:
@@ -364,7 +356,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
             follower.rollback(t.xid)
     for p in range(PARTS):
         part = rs.partition("t", p)
-        assert part.txns.ongoing == {} and part.latest_offset == part.log_end_offset
+        assert part.txns.ongoing == {} and part.last_stable_offset == part.visible_end
     raw = raw_counts(rs)
     visible = {}
     for p in range(PARTS):

@@ -15,8 +15,8 @@ def markers(store, partition):
     log = store.partition("t", partition)
     out = []
     offset = 0
-    while offset < log.log_end_offset:
-        r = log.read(offset, 1 << 20, end=log.log_end_offset)
+    while offset < log.visible_end:
+        r = log.read(offset, 1 << 20, end=log.visible_end)
         data = r.data
         for pos in r.batch_positions.tolist():
             h = records.parse_header(data, pos)
@@ -39,9 +39,9 @@ def body(*values):
 
 def values(store, partition):
     log = store.partition("t", partition)
-    if log.latest_offset == 0:
+    if log.last_stable_offset == 0:
         return []
-    return [v.as_py().decode() for v in log.read_arrow(0, log.latest_offset).column("value")]
+    return [v.as_py().decode() for v in log.read_arrow(0, log.last_stable_offset).column("value")]
 
 
 def test_invisible_until_commit_then_atomic_per_partition(tmp_path):

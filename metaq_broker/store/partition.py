@@ -1,7 +1,7 @@
 """A partition: an append-only log of segments with a sparse offset index (MetaQ's MessageStore).
 
 Concurrency: appends are serialised by one lock; reads take no lock. A reader takes a snapshot (the
-segment tuple and the visible end offset, both replaced whole, never mutated) and reads index entries
+segment tuple and the visible end, both replaced whole, never mutated) and reads index entries
 and bytes below that end, which no writer touches again. Under group commit the visible end moves only
 after an fsync, so a reader never sees a message that was not acknowledged, and never a partial batch.
 
@@ -18,7 +18,7 @@ The log's identity (``identity``) is made with it and copied by replicas.
 
 Replication (docs/design/replication-plan.md) adds: an epoch marker before a master epoch's first append
 (``begin_epoch``, the ``epochs`` file), a verbatim copy of a master's batches (``append_replicated``), cuts
-(``truncate_to``, ``reset_to``), reads up to the written end for replicas (``locate(end=written_end)``),
+(``truncate_to``, ``reset_to``), reads up to the log end offset for replicas (``locate(end=log_end_offset)``),
 and a high watermark capping what readers see (``set_high_watermark``).
 """
 from __future__ import annotations
@@ -148,6 +148,34 @@ class SegmentInfo:
 class PartitionLog:
     """One topic partition stored as ``<data>/<topic>-<n>/<20-digit start position>.meta`` segments."""
 
+    # The offsets, with Kafka's names, from the lowest, and the lock under which each one moves:
+    #
+    #   earliest_offset     the first offset held (Kafka's log start offset): the first segment's base.
+    #                       ``_segments`` is replaced whole under ``_write_lock`` (roll, retention, cuts).
+    #   last_stable_offset  readers read below it (Kafka's LSO): the least of the visible end, the first
+    #                       batch of the oldest unsettled transaction (``txns``, changed under
+    #                       ``_write_lock``) and the high watermark. Derived, no field.
+    #   high_watermark      ``_hw``: a replicated group's cap, what every in-sync member holds; None without
+    #                       replication or while the master alone is in sync. ``_write_lock``.
+    #   visible_end         ``_visible_end``: the end readers may see before the transaction and replication
+    #                       caps, transaction batches and markers included. Kafka has no such offset: it
+    #                       shows a batch once written, MetaQ's group commit only once an fsync covers it
+    #                       (acknowledged then). So it moves with the recovery point under group commit
+    #                       (``_flush_cond``, by the fsync's leader) and with the log end offset under
+    #                       unflushThreshold > 0 (``_write_lock``, by the append).
+    #   recovery_point      ``_recovery_point``: one past the last fsynced batch (Kafka's recovery point:
+    #                       recovery after a crash starts there). ``_flush_cond`` (group commit's leader) or
+    #                       ``_write_lock`` (an fsync of ``flush``, ``make_durable``, unflushThreshold).
+    #   log_end_offset      ``_log_end_offset``: the next offset to be written (Kafka's LEO), fsynced or not;
+    #                       a replica's copy reads up to it. ``_write_lock``.
+    #
+    # earliest <= LSO <= visible end <= LEO, recovery point <= LEO; a cut (``truncate_to``, ``reset_to``)
+    # sets the last four to the cut under both locks. Readers take no lock: they read the ends first, then
+    # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
+    # ``_flush_cond``, then ``_data_cond`` (waiters for data only); a group commit's leader releases
+    # ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock`` too: ``_metaq_end``,
+    # ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``, ``_identity``, ``_closed``.
+
     def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
                  ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
         """A log over what ``log_loader.load`` returned; ``open`` loads and constructs."""
@@ -170,10 +198,10 @@ class PartitionLog:
         self._truncations = 0  # bumped by truncate_to/reset_to: a group-commit leader's target is stale then
         self._identity = loaded.identity
         self._segments: tuple = loaded.segments
-        self._next_offset = loaded.segments[-1].next_offset
+        self._log_end_offset = loaded.segments[-1].next_offset
         self._last_ts = loaded.last_timestamp
-        self._visible_offset = self._next_offset  # everything loaded is on disk
-        self._durable_offset = self._next_offset
+        self._visible_end = self._log_end_offset  # everything loaded is on disk
+        self._recovery_point = self._log_end_offset
         self.txns = loaded.txns
         self.producers = loaded.producers
         self._epochs = loaded.epochs
@@ -198,8 +226,8 @@ class PartitionLog:
         return read_batches(self._segments, start, stop)
 
     def _save_txns(self) -> None:
-        """Write the transaction and the producers' snapshots as of the written end."""
-        save_snapshots(self.directory, self.txns, self.producers, self._next_offset, self.earliest_offset,
+        """Write the transaction and the producers' snapshots as of the log end offset."""
+        save_snapshots(self.directory, self.txns, self.producers, self._log_end_offset, self.earliest_offset,
                        max(int(self._clock() * 1000), self._last_ts))
 
     # -- state ----------------------------------------------------------------------------------------
@@ -235,28 +263,35 @@ class PartitionLog:
         return self._segments[0].base_offset
 
     @property
-    def latest_offset(self) -> int:
-        """The last stable offset: readers read below it (Kafka's LSO, the end a read_committed consumer
-        sees). It stops at the first batch of the oldest unsettled transaction, and at the high watermark
-        when one is set."""
-        visible = self._visible_offset  # read first: every transactional batch below it is in txns by now
+    def last_stable_offset(self) -> int:
+        """Readers read below it (Kafka's LSO, the end a read_committed consumer sees): the visible end,
+        stopped at the first batch of the oldest unsettled transaction, and at the high watermark when one
+        is set."""
+        visible = self._visible_end  # read first: every transactional batch below it is in txns by now
         first, hw = self.txns.first_unstable(), self._hw
         return min(visible, visible if first is None else first, visible if hw is None else hw)
-
-    @property
-    def written_end(self) -> int:
-        """One past the last written batch, fsynced or not: where a replica's copy reads up to."""
-        return self._next_offset
-
-    @property
-    def durable_offset(self) -> int:
-        """One past the last fsynced batch."""
-        return self._durable_offset
 
     @property
     def high_watermark(self) -> Optional[int]:
         """The readers' cap (``set_high_watermark``); None: none."""
         return self._hw
+
+    @property
+    def visible_end(self) -> int:
+        """One past the last published batch, unsettled transactions and markers included: fsynced under
+        group commit, written under unflushThreshold > 0."""
+        return self._visible_end
+
+    @property
+    def recovery_point(self) -> int:
+        """One past the last fsynced batch (Kafka's recovery point)."""
+        return self._recovery_point
+
+    @property
+    def log_end_offset(self) -> int:
+        """The next offset to be written (Kafka's LEO): one past the last written batch, fsynced or not;
+        where a replica's copy reads up to."""
+        return self._log_end_offset
 
     @property
     def epochs(self) -> EpochFile:
@@ -272,11 +307,6 @@ class PartitionLog:
     def epoch_before(self, offset: int) -> int:
         """The epoch of the batch just before ``offset`` (a replica's fetch says it); 0 for none."""
         return self._epochs.epoch_at(offset - 1) if offset > 0 else 0
-
-    @property
-    def log_end_offset(self) -> int:
-        """One past the last written and published message, unsettled transactions and markers included."""
-        return self._visible_offset
 
     def aborted_in(self, start: int, end: int) -> np.ndarray:
         """The aborted transactions with batches in offsets [start, end) (``records.ABORTED_DTYPE``)."""
@@ -339,7 +369,7 @@ class PartitionLog:
             log.debug("%s: a batch sent again (offsets %d-%d): answered with its first offsets", self.name,
                       stored.base_offset, end - 1)
             return [AppendResult(stored.base_offset, stored.count, stored.base_msg_id, stored.timestamp,
-                                 self._durable_offset >= end, duplicate=True)]
+                                 self._recovery_point >= end, duplicate=True)]
         self._written()
         if self.config.group_commit and not transactional:
             self._await_durable(end)
@@ -347,7 +377,7 @@ class PartitionLog:
 
     def _append_locked(self, bodies: list, txn: int, flags: int, commit: bool, producer: Optional[tuple],
                        ts: int) -> tuple:
-        """``append_bodies`` under the write lock: (results, the written end)."""
+        """``append_bodies`` under the write lock: (results, the log end offset)."""
         transactional = bool(flags & records.TRANSACTIONAL)
         results = []
         marker = None if self._next_epoch is None else self._due_epoch_marker()
@@ -363,7 +393,7 @@ class PartitionLog:
                 marker = None
             base, msg_id = placed[-1]
             results.append(AppendResult(base, body.count, msg_id, ts, self.config.group_commit and not transactional))
-        end = self._next_offset
+        end = self._log_end_offset
         self._last_ts = ts
         if not self.config.group_commit:
             self._unflushed += sum(b.count for b in bodies)
@@ -386,7 +416,7 @@ class PartitionLog:
         if seg.count and seg.size + nbytes > self.config.max_segment_size:
             seg = self._roll()
         parts, batches, placed = [], [], []
-        offset, position, metaq_end = self._next_offset, seg.end, self._metaq_end
+        offset, position, metaq_end = self._log_end_offset, seg.end, self._metaq_end
         for body, txn, flags, _, producer in items:
             msg_id = self._ids.allocate(body.count)
             header = records.encode_header(body, offset, msg_id, ts, txn, flags, producer or NO_PRODUCER, metaq_end)
@@ -408,7 +438,7 @@ class PartitionLog:
                 pid, epoch, seq = producer
                 self.producers.on_batch(pid, epoch, Stored(seq, last_sequence(seq, body.count), base, body.count,
                                                            msg_id, ts))
-        self._next_offset, self._metaq_end = offset, metaq_end
+        self._log_end_offset, self._metaq_end = offset, metaq_end
         return placed
 
     def _written(self) -> None:
@@ -462,7 +492,7 @@ class PartitionLog:
             return
         with self._write_lock:
             self._check_open()
-            if self._durable_offset < offset:
+            if self._recovery_point < offset:
                 self._fsync_active_locked()
 
     def check_size(self, body: records.EncodedBody) -> None:
@@ -480,7 +510,8 @@ class PartitionLog:
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
         n = len(old.entries())
-        new = Segment.create(self.directory, old.end, self._next_offset, self.config.index_interval_bytes, n + n // 8)
+        new = Segment.create(self.directory, old.end, self._log_end_offset, self.config.index_interval_bytes,
+                             n + n // 8)
         self._segments = self._segments + (new,)
         self._unflushed = 0
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
@@ -500,18 +531,18 @@ class PartitionLog:
             raise
         self._unflushed = 0
         self._last_flush = self._clock()
-        self._durable_offset = self._next_offset
+        self._recovery_point = self._log_end_offset
 
     def _await_durable(self, offset: int) -> None:
         """Group commit: whoever finds no fsync running becomes the leader and fsyncs everything written
         so far; the others wait for it. One fsync acknowledges every append that was waiting."""
         with self._flush_cond:
-            while self._durable_offset < offset:
+            while self._recovery_point < offset:
                 if self._failed is not None:
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({self._failed}); "
                                            f"the append at offset {offset} was not acknowledged")
-                if offset > self._next_offset:
-                    raise StoreClosedError(f"partition {self.name} was truncated to offset {self._next_offset} "
+                if offset > self._log_end_offset:
+                    raise StoreClosedError(f"partition {self.name} was truncated to offset {self._log_end_offset} "
                                            f"(replication); the append at offset {offset} was not acknowledged")
                 if self._flush_in_progress or self._closing:
                     # While closing, close() itself fsyncs and then releases every waiter.
@@ -522,7 +553,7 @@ class PartitionLog:
                 error = None
                 try:
                     with self._write_lock:
-                        target, seg, cuts = self._next_offset, self._segments[-1], self._truncations
+                        target, seg, cuts = self._log_end_offset, self._segments[-1], self._truncations
                     self._fsync(seg)  # earlier segments were fsynced when they were sealed
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter below
                     error = e
@@ -533,39 +564,39 @@ class PartitionLog:
                     self._failed = error
                     self._flush_cond.notify_all()
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({error})") from error
-                if target > self._durable_offset and cuts == self._truncations:
-                    self._durable_offset = target
+                if target > self._recovery_point and cuts == self._truncations:
+                    self._recovery_point = target
                     self._publish(target)
                 self._flush_cond.notify_all()
 
     def _publish(self, offset: int) -> None:
         """Make messages below ``offset`` visible to readers and wake those waiting for data."""
-        if offset > self._visible_offset:
-            self._visible_offset = offset
+        if offset > self._visible_end:
+            self._visible_end = offset
             with self._data_cond:
                 self._data_cond.notify_all()
 
     def wait_for_data(self, offset: int, timeout: float) -> bool:
         """Block until a message at ``offset`` or later is readable (or ``timeout`` seconds pass, or the
-        partition closes); True when there is data. Lets a consumer at the log end long-poll."""
+        partition closes); True when there is data. Lets a consumer at the last stable offset long-poll."""
         deadline = time.monotonic() + timeout
         with self._data_cond:
-            while self.latest_offset <= offset and not self._closed:
+            while self.last_stable_offset <= offset and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._data_cond.wait(left)
-        return self.latest_offset > offset
+        return self.last_stable_offset > offset
 
     def flush(self) -> None:
         """fsync whatever is written; afterwards every acknowledged message is durable."""
         with self._write_lock:
             self._check_open()
             self._fsync_active_locked()
-            target, cuts = self._next_offset, self._truncations
+            target, cuts = self._log_end_offset, self._truncations
         with self._flush_cond:
             if cuts == self._truncations:
-                self._durable_offset = max(self._durable_offset, target)
+                self._recovery_point = max(self._recovery_point, target)
                 self._publish(target)
             self._flush_cond.notify_all()
 
@@ -583,13 +614,13 @@ class PartitionLog:
     # -- replication: copy, cut, cap ------------------------------------------------------------------
     def append_replicated(self, data, batch_positions: Optional[np.ndarray] = None) -> int:
         """Append a master's batches verbatim (offsets, ids, timestamps, transaction numbers, flags), as
-        its segment file holds them: whole batches from ``written_end`` on. Every batch's checksums and
+        its segment file holds them: whole batches from ``log_end_offset`` on. Every batch's checksums and
         the offsets' continuity are checked first; on any mismatch CorruptLogError and nothing written.
-        Rolls segments as ``append`` does. Not fsynced: the caller's ``make_durable(written_end)`` (or
-        ``flush``) does, and ``durable_offset`` covers the copy then. Returns the new written end."""
+        Rolls segments as ``append`` does. Not fsynced: the caller's ``make_durable(log_end_offset)`` (or
+        ``flush``) does, and ``recovery_point`` covers the copy then. Returns the new log end offset."""
         u8 = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         if not len(u8):
-            return self._next_offset
+            return self._log_end_offset
         what = f"{self.name}: replicated data"
         positions, _, _ = walk_batches(u8, 0, None, what, lookahead=False, strict=True)  # CRCs, outside the lock
         if batch_positions is not None and not np.array_equal(positions, batch_positions):
@@ -601,9 +632,9 @@ class PartitionLog:
         _, _, metaq, byte_base = stream_columns(u8, positions)
         with self._write_lock:
             self._check_open()
-            if int(h["base_offset"][0]) != self._next_offset:
+            if int(h["base_offset"][0]) != self._log_end_offset:
                 raise CorruptLogError(f"{what}: begins at offset {int(h['base_offset'][0])}, the log ends at "
-                                      f"{self._next_offset}", what, 0)
+                                      f"{self._log_end_offset}", what, 0)
             found, i = [], 0
             while i < len(positions):  # a step per segment written, not per batch
                 seg = self._segments[-1]
@@ -624,12 +655,12 @@ class PartitionLog:
                 self.txns.scan(u8, positions[i:j])
                 self.producers.scan(u8, positions[i:j])
                 found += epoch_file.markers(u8, positions[i:j])
-                self._next_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
+                self._log_end_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
                 i = j
             self._add_epochs(found)
             self._ids.observe(int(h["base_msg_id"][-1]) + int(h["count"][-1]) - 1)
             self._last_ts = max(self._last_ts, int(h["timestamp"].max()))
-            end = self._next_offset
+            end = self._log_end_offset
             if not self.config.group_commit:
                 self._unflushed += int(batches["count"].sum())
                 self._publish(end)  # as append: visible once written under unflushThreshold > 0
@@ -640,19 +671,19 @@ class PartitionLog:
         """Cut the log back to ``offset``, rounded down to a batch start (a replica whose tail the master
         does not hold: plan section 6). Later segments go, the new tail is cut and fsynced with its
         directory before this returns (a crash cannot bring the tail back), ``epochs`` and transaction
-        state follow, and the visible and durable ends and the HW cap drop to the cut. Transaction state
+        state follow, and the visible end, the recovery point and the HW cap drop to the cut. Transaction state
         is rebuilt by a header scan from the earliest offset (no per-segment snapshot exists yet), saved
         before the cut so that a crash half way leaves a snapshot valid for either log. Returns the new end."""
         self._check_offset(offset)
         with self._write_lock:
             self._check_open()
             segs = list(self._segments)
-            if offset >= self._next_offset:
-                return self._next_offset
+            if offset >= self._log_end_offset:
+                return self._log_end_offset
             offset = max(offset, segs[0].base_offset)
             i = bisect.bisect_right([s.base_offset for s in segs], offset) - 1
             seg = segs[i]
-            cut = seg.batch_at(offset, self._next_offset).offset
+            cut = seg.batch_at(offset, self._log_end_offset).offset
             self._rebuild_txns(cut, producers=True)
             self._epochs.truncate(cut)
             for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
@@ -720,13 +751,13 @@ class PartitionLog:
         """After a cut (write lock held): every end is ``end``, all below it fsynced (sealed segments, and
         the tail by the cut); group-commit leaders of the old log find their target stale
         (``_truncations``), waiters of cut appends fail."""
-        self._next_offset = end
+        self._log_end_offset = end
         self._unflushed = 0
         if self._hw is not None:
             self._hw = min(self._hw, end)
         with self._flush_cond:
             self._truncations += 1
-            self._durable_offset = self._visible_offset = end
+            self._recovery_point = self._visible_end = end
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
@@ -746,10 +777,10 @@ class PartitionLog:
     def cap_at_visible(self) -> int:
         """Cap readers exactly where they are now and return that offset: the switch from no cap (a group
         whose only in-sync member is its master) to an explicit one, with no publish in between, so the
-        latest offset readers see never moves down."""
+        last stable offset readers see never moves down."""
         with self._write_lock:
             with self._flush_cond:  # publishes happen under this (group commit) or the write lock
-                visible = self._visible_offset
+                visible = self._visible_end
                 self._set_hw_locked(visible if self._hw is None else max(self._hw, visible))
                 return self._hw
 
@@ -758,9 +789,9 @@ class PartitionLog:
             return
         start = max(self.earliest_offset, hw or 0)
         if hw is not None and self._hw is None and any(
-                has_markers(u8, pos) for u8, pos in self._batches(start, self._next_offset)):
+                has_markers(u8, pos) for u8, pos in self._batches(start, self._log_end_offset)):
             self._hw = hw
-            self._rebuild_txns(self._next_offset)
+            self._rebuild_txns(self._log_end_offset)
         else:
             self.txns.advance(hw)
             self._hw = hw
@@ -774,17 +805,17 @@ class PartitionLog:
             raise InvalidOffsetError(f"offset {offset} is negative")
 
     def _snapshot(self, offset: int, end: Optional[int] = None):
-        """(segments, end readable): end is the last stable offset unless given (then at most the written
-        end). An offset between it and the log end is valid (a reader waiting for a transaction to settle)
+        """(segments, end readable): end is the last stable offset unless given (then at most the log end
+        offset). An offset between it and the visible end is valid (a reader waiting for a transaction to settle)
         and reads nothing. The ends are read before the segments, which then hold every offset below them."""
-        log_end = self._visible_offset
-        stable = self.latest_offset if end is None else min(end, self._next_offset)
+        visible = self._visible_end
+        stable = self.last_stable_offset if end is None else min(end, self._log_end_offset)
         segs = self._segments
         if segs[0].closed:
             raise StoreClosedError(f"partition {self.name} is closed")
-        if offset < segs[0].base_offset or offset > max(log_end, stable):
+        if offset < segs[0].base_offset or offset > max(visible, stable):
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, stable)
-        return segs, max(stable, min(offset, log_end))
+        return segs, max(stable, min(offset, visible))
 
     def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int], end: Optional[int] = None):
         """What ``read`` and ``locate`` return: None at the end (the last stable offset unless ``end``),
@@ -805,8 +836,8 @@ class PartitionLog:
     def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
              end: Optional[int] = None) -> FetchResult:
         """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
-        so a consumer always progresses) and ``max_messages``. Empty at the log end. ``end`` (at most
-        ``written_end``) replaces the last stable offset as the end: a replica's copy reads written batches
+        so a consumer always progresses) and ``max_messages``. Empty at the last stable offset. ``end`` (at most
+        ``log_end_offset``) replaces the last stable offset as the end: a replica's copy reads written batches
         not yet fsynced or visible, whole ones only."""
         plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
@@ -844,15 +875,15 @@ class PartitionLog:
 
     def timestamp_at(self, offset: int) -> int:
         """Store time (ms) of the message at ``offset``: its batch's header, found through the index."""
-        end = self.latest_offset
+        end = self.last_stable_offset
         segs = self._segments
         if not segs[0].base_offset <= offset < end:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
         return segment_for(segs, offset).batch_at(offset, end).timestamp
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
-        """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
-        end = self.latest_offset
+        """The first offset stored at or after ``timestamp_ms``; the last stable offset if there is none."""
+        end = self.last_stable_offset
         for seg in self._segments:
             if seg.base_offset >= end:
                 break
@@ -866,7 +897,7 @@ class PartitionLog:
     def _ranges(self, start: int, stop: int):
         """(segment, first, end, the snapshot's end) for the segments holding offsets [start, stop)."""
         segs, end = self._snapshot(start)
-        end = max(end, self._visible_offset)  # sizes of unsettled messages are known too
+        end = max(end, self._visible_end)  # sizes of unsettled messages are known too
         if stop > end:
             raise OffsetOutOfRangeError(self.name, stop, segs[0].base_offset, end)
         for seg in segs:
@@ -889,7 +920,7 @@ class PartitionLog:
             self._check_offset(stop)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
             raise InvalidOffsetError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
-        stop = self.latest_offset if stop is None else stop
+        stop = self.last_stable_offset if stop is None else stop
         taken, offset = 0, start
         for seg, lo, hi, end in self._ranges(start, max(start, stop)):
             before = seg.bytes_before(lo, end)
@@ -904,17 +935,17 @@ class PartitionLog:
         otherwise (exactly one answer or none: ids are unique in a partition)."""
         if isinstance(msg_id, bool) or not isinstance(msg_id, (int, np.integer)):
             raise InvalidOffsetError(f"a message id must be an integer, got {msg_id!r}")
-        end = self.latest_offset
+        end = self.last_stable_offset
         for seg in self._segments:
             if seg.count and seg.first_msg_id <= msg_id <= seg.last_msg_id:
                 return seg.offset_for_msg_id(int(msg_id), end)
         return None
 
     def position(self, offset: int) -> int:
-        """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
+        """Logical byte position of the batch holding ``offset`` (the segments' end from the visible end on)."""
         self._check_offset(offset)
         segs, _ = self._snapshot(offset)
-        visible = self._visible_offset
+        visible = self._visible_end
         if offset >= visible:
             return segs[-1].end
         return segment_for(segs, offset).batch_at(offset, visible).position
@@ -959,7 +990,7 @@ class PartitionLog:
             segs = list(self._segments)
             total = sum(s.size for s in segs)
             # Never a segment holding an unsettled transaction's batches: its outcome may still be commit.
-            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self.latest_offset:
+            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self.last_stable_offset:
                 seg = segs[0]
                 reason = removal_reason(seg, total, self.config, now_ms)
                 if reason is None:
@@ -1008,10 +1039,10 @@ class PartitionLog:
                 except OSError as e:
                     log.exception("%s: could not fsync %s while closing", self.name, seg.path)
                     self._failed = e
-            written = self._next_offset
+            written = self._log_end_offset
         with self._flush_cond:
             if self._failed is None:
-                self._durable_offset = written
+                self._recovery_point = written
                 self._publish(written)
             self._flush_cond.notify_all()
         with self._data_cond:

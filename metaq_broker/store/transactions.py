@@ -430,7 +430,7 @@ class TransactionManager:
                         f"(never prepared #{number})", ABORTING, self.default_timeout_s, number)
                     log.info("%s: transaction %d was never prepared (open at a crash): rolling it back",
                              part.name, number)
-                t.partitions.setdefault((part.topic, part.partition), part.log_end_offset)
+                t.partitions.setdefault((part.topic, part.partition), part.visible_end)
         self._next_number = max(self._next_number, highest % MAX_NUMBER + 1)
         for t in [t for t in self._live.values() if t.settling]:
             self._try_settle(t, "retrying every second")

@@ -98,7 +98,7 @@ class JournalFollower:
                     part = self.store.partition(topic, p)
                 except (UnknownTopicError, InvalidPartitionError):  # not created here yet
                     return False
-                if part.durable_offset < end:
+                if part.recovery_point < end:
                     return False
         elif kind == DONE:
             t = self._get(m["xid"])

@@ -748,7 +748,7 @@ def describe(partition_dir: Path):
     p = _run(_open_partition, partition_dir)
     try:
         click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.log_end_offset} (next), last stable offset "
-                   f"{p.latest_offset}, {p.size_bytes} bytes")
+                   f"{p.last_stable_offset}, {p.size_bytes} bytes")
         unsettled = sorted(p.txns.ongoing.items(), key=lambda x: x[1])
         aborted = p.aborted_in(p.earliest_offset, p.log_end_offset)
         click.echo(f"  transactions: {len(unsettled)} unsettled"
