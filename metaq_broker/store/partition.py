@@ -169,8 +169,9 @@ class PartitionLog:
     #   log_end_offset      ``_log_end_offset``: the next offset to be written (Kafka's LEO), fsynced or not;
     #                       a replica's copy reads up to it. ``_write_lock``.
     #
-    # earliest <= LSO <= visible end <= LEO, recovery point <= LEO; a cut (``truncate_to``, ``reset_to``)
-    # sets the last four to the cut under both locks. Readers take no lock: they read the ends first, then
+    # earliest <= LSO <= visible end <= LEO, recovery point <= LEO. A cut (``truncate_to``, ``reset_to``)
+    # brings the LEO, the recovery point, the visible end and a high watermark above it down to the cut,
+    # under ``_write_lock`` (and ``_flush_cond``). Readers take no lock: they read the ends first, then
     # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
     # ``_flush_cond``, then ``_data_cond`` (waiters for data only); a group commit's leader releases
     # ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock`` too: ``_metaq_end``,
