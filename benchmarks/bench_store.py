@@ -159,7 +159,7 @@ def counting_fsyncs():
 
 def read_all(log):
     """One pass over the partition with read() + decode(verify=True); returns the messages decoded."""
-    offset, end, n = log.earliest_offset, log.latest_offset, 0
+    offset, end, n = log.earliest_offset, log.last_stable_offset, 0
     while offset < end:
         batch = log.read(offset).decode(verify=True)
         if batch.num_rows == 0 or batch.column("offset")[0].as_py() != offset:
@@ -197,7 +197,7 @@ def run(root, quick):
             n = max(volume // (batch * size), 4) if batch > 1 else small_n
             for mode, cfg in MODES.items():  # modes back to back, so drift in the disk's speed hits both alike
                 name = f"append {mode} {size}B b{batch} t{threads}"
-                log = logs[mode, size, batch, threads] = PartitionLog(root / name.replace(" ", "_"), "bench", 0, cfg)
+                log = logs[mode, size, batch, threads] = PartitionLog.open(root / name.replace(" ", "_"), "bench", 0, cfg)
                 with counting_fsyncs() as fsyncs:
                     msgs, calls, secs = timed(lambda i: log.append(src[i % len(src)]).count, n, limit, threads)
                 record(name, msgs, size, secs, calls, len(fsyncs))
@@ -210,7 +210,7 @@ def run(root, quick):
     for batch in (1000, 1):
         lookups += lookup_rates(logs["unflush1000", 100, batch, 1], f"100B b{batch}", limit, rng)
     keyed = key_index_rates(root, volume, small_n, limit, rng)
-    counts = {key: log.latest_offset for key, log in logs.items()}
+    counts = {key: log.last_stable_offset for key, log in logs.items()}
     for log in logs.values():
         log.close()
     stored = [stored_bytes(logs[key].directory, counts[key], key) for key in logs]
@@ -242,7 +242,7 @@ def key_index_rates(root, volume, small_n, limit, rng) -> list:
         best, append_secs, add_secs = {}, [], []
         for rnd in range(6):
             on = rnd % 2 == 1
-            log = PartitionLog(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
+            log = PartitionLog.open(root / f"keyed-{mode}-{batch}-{rnd}", "bench", 0, MODES[mode])
             index = KeyIndex(0, 0)
 
             def op(i):
@@ -273,7 +273,7 @@ def key_index_rates(root, volume, small_n, limit, rng) -> list:
 
 def lookup_rates(log, data: str, limit: float, rng) -> list:
     """Calls per second of each index lookup at random offsets (or times) of ``log``'s data."""
-    lo, hi = log.earliest_offset, log.latest_offset
+    lo, hi = log.earliest_offset, log.last_stable_offset
     offsets = rng.integers(lo, hi, 4096).tolist()
     t0, t1 = log.timestamp_at(lo), log.timestamp_at(hi - 1)
     stamps = rng.integers(t0, t1 + 1, 4096).tolist()

@@ -30,12 +30,13 @@ class InvalidQueryError(MetaqError, ValueError):
 
 
 class OffsetOutOfRangeError(MetaqError, LookupError):
-    """An offset outside the stored log; carries the valid range."""
+    """An offset outside the stored log; carries the valid range. ``latest`` is where reading stops: the
+    partition's last stable offset (Kafka's ``latest`` for a read_committed consumer), not its log end."""
 
     def __init__(self, what: str, offset: int, earliest: int, latest: int):
         super().__init__(
             f"offset {offset} is out of range for {what}: valid offsets are {earliest} (earliest) "
-            f"to {latest} (latest, the next to be written)"
+            f"to {latest} (latest, where reading stops)"
         )
         self.offset, self.earliest, self.latest = offset, earliest, latest
 

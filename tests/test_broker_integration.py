@@ -247,7 +247,7 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
     assert b.stop() == 0
     from metaq_broker.store import PartitionLog, TopicConfig
     for p in (0, 1):
-        log = PartitionLog(b.workdir / "data" / f"t-{p}", "t", p, TopicConfig())
+        log = PartitionLog.open(b.workdir / "data" / f"t-{p}", "t", p, TopicConfig())
         assert log.verify() == []
         log.close()
     assert not (b.workdir / "data" / "..").joinpath("evil-0").exists()

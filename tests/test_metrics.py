@@ -77,7 +77,7 @@ def test_traffic_storage_latency_and_zookeeper_are_exported(tmp_path, zookeeper,
                 producer.send_batch("orders", [b"y" * 2000], partition="1-0")
             puts = len(batches) + 2
 
-            fetches, offset, latest = 0, 0, broker.store.partition("orders", 0).latest_offset
+            fetches, offset, latest = 0, 0, broker.store.partition("orders", 0).last_stable_offset
             while offset < latest:
                 offset = consumer.fetch("orders", "1-0", offset).next_offset
                 fetches += 1

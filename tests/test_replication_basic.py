@@ -31,7 +31,7 @@ def log_bytes(data_path, topic="orders", partitions=2) -> list:
         for p in range(partitions):
             part = store.partition(topic, p)
             chunks, offset = [], part.earliest_offset
-            while offset < part.log_end_offset:
+            while offset < part.visible_end:
                 r = part.read(offset, 8 << 20)
                 chunks.append(r.data.tobytes())
                 offset = r.end_offset

@@ -215,12 +215,12 @@ def test_a_paused_fetcher_applies_nothing_more(tmp_path, zookeeper, zk_root):
                                          on_fenced=lambda e: None, fetch_timeout_s=3.0)
                 try:
                     fetcher.follow(epoch, master)
-                    wait_until(lambda: sum(p.written_end for p in store.all_partitions()) > 2000,
+                    wait_until(lambda: sum(p.log_end_offset for p in store.all_partitions()) > 2000,
                                what="the fetcher copying")
                     fetcher.pause()
-                    end = [p.written_end for p in store.all_partitions()]
+                    end = [p.log_end_offset for p in store.all_partitions()]
                     fetcher.stop()  # joins its thread: a reply it was still waiting for is in, or not, by now
-                    assert [p.written_end for p in store.all_partitions()] == end, f"round {round_}"
+                    assert [p.log_end_offset for p in store.all_partitions()] == end, f"round {round_}"
                 finally:
                     fetcher.stop()
                     store.close()

@@ -17,7 +17,8 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.errors import TransactionError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.store.journal_frames import split
-from metaq_broker.store.transactions import COMMIT, KINDS, PROMOTION_SEQ_GAP
+from metaq_broker.store.transactions import PROMOTION_SEQ_GAP
+from metaq_broker.store.txn_journal import COMMIT, KINDS
 from metaq_broker.zk import decisions as txn_decisions
 from conftest import wait_until
 from test_replication_basic import log_bytes, read_all
@@ -287,7 +288,7 @@ def test_a_marker_copied_before_its_decision_record_settles_on_promotion(tmp_pat
     ship(master, follower)
     getattr(master, decision)("x")
     copy_batches(ms.partition("t", 0), rs.partition("t", 0))  # the marker of 0 only, no journal record
-    rs.partition("t", 0).make_durable(rs.partition("t", 0).written_end)
+    rs.partition("t", 0).make_durable(rs.partition("t", 0).log_end_offset)
     assert follower.state("x") == "prepared"
     follower.promote()
     outcome = "committed" if decision == "commit" else "rolled_back"

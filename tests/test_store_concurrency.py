@@ -64,7 +64,7 @@ def make_writer(p, tid, batches, start, results, pad=0, max_k=5):
             k = rng.randint(1, max_k)
             vals = [value(tid, b, i, k, pad) for i in range(k)]
             r = p.append(vals, keys=[b"%d" % tid] * k, attributes=[f"t{tid}"] * k, flags=[tid * 1000 + b] * k)
-            visible = p.latest_offset  # an acknowledged append is readable at once
+            visible = p.last_stable_offset  # an acknowledged append is readable at once
             got = p.read_arrow(r.base_offset, r.base_offset + r.count).column("value").to_pylist()
             results.append((tid, b, vals, r, visible, got))
     return write
@@ -72,7 +72,7 @@ def make_writer(p, tid, batches, start, results, pad=0, max_k=5):
 
 def read_all(p, latest=None):
     """Every message in [earliest, latest) as (offset, value, msgId), batch run by batch run."""
-    latest = p.latest_offset if latest is None else latest
+    latest = p.last_stable_offset if latest is None else latest
     out, off = [], p.earliest_offset
     while off < latest:
         res = p.read(off, max_bytes=1 << 16, max_messages=latest - off)
@@ -88,7 +88,7 @@ def read_all(p, latest=None):
 def check_final_log(p, results, threads, batches):
     n = sum(r.count for (_, _, _, r, _, _) in results)
     assert len(results) == threads * batches
-    assert p.latest_offset == n
+    assert p.last_stable_offset == n
     final = read_all(p)
     offsets = [o for o, _, _ in final]
     assert offsets == list(range(n))  # no gaps, no duplicates
@@ -129,12 +129,12 @@ def test_concurrent_appends_give_a_dense_log_with_each_value_once(tmp_path, cloc
         n = len(final)
     with MessageStore(tmp_path, {"t": TopicConfig(**MODES[mode])}, background_interval=None, clock=clock) as s:
         assert read_all(s.partition("t", 0)) == final  # and all of it was on disk at close
-        assert s.partition("t", 0).latest_offset == n
+        assert s.partition("t", 0).last_stable_offset == n
 
 
 def read_columns(p):
     rows, off = [], 0
-    while off < p.latest_offset:
+    while off < p.last_stable_offset:
         res = p.read(off)
         rows += res.decode().to_pylist()
         off = res.end_offset
@@ -146,7 +146,7 @@ def make_reader(p, stop, passes):
         last_latest = 0
         while True:
             done = stop.is_set()
-            latest = p.latest_offset
+            latest = p.last_stable_offset
             assert latest >= last_latest  # the visible end never moves back
             last_latest = latest
             seen = read_all(p, latest)

@@ -158,7 +158,7 @@ def test_an_epoch_marker_is_invisible_to_readers_and_to_transactions(tmp_path):
     tx.begin("x1")
     tx.put("x1", "t", 0, records.encode_body([b"in a transaction"]))
     marker = log.append_bodies([records.encode_body([value])], 0, records.CONTROL)[0].base_offset
-    assert log.latest_offset == 1  # the open transaction still holds readers back: the marker settled nothing
+    assert log.last_stable_offset == 1  # the open transaction still holds readers back: the marker settled nothing
     tx.prepare("x1")
     tx.commit("x1")
     log.append_body(records.encode_body([b"after"]))
@@ -168,14 +168,14 @@ def test_an_epoch_marker_is_invisible_to_readers_and_to_transactions(tmp_path):
     store.close()
     store, tx = open_all()
     log = store.partition("t", 0)
-    assert log.latest_offset == log.log_end_offset == 5
+    assert log.last_stable_offset == log.visible_end == 5
     assert log.read(0, 1 << 20).decode().column("value").to_pylist() == got
     tx.close()
     store.close()
 
 
 def open_partition(path):
-    return PartitionLog(path, "t", 0, TopicConfig())
+    return PartitionLog.open(path, "t", 0, TopicConfig())
 
 
 def test_crash_between_the_marker_and_the_epochs_file(tmp_path):

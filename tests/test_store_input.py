@@ -28,7 +28,7 @@ def raises_exactly(exc_class, call, *patterns):
 def dump(p):
     """Every stored message of a partition as dicts, read batch run by batch run."""
     rows, off = [], p.earliest_offset
-    latest = p.latest_offset
+    latest = p.last_stable_offset
     while off < latest:
         res = p.read(off, max_bytes=1 << 20)
         assert res.end_offset > off
@@ -39,14 +39,14 @@ def dump(p):
 
 def state(p):
     files = {f.name: f.read_bytes() for f in sorted(p.directory.rglob("*")) if f.is_file()}
-    return p.earliest_offset, p.latest_offset, dump(p), files
+    return p.earliest_offset, p.last_stable_offset, dump(p), files
 
 
 def fill(p):
     p.append([b"v0", b"v1", b"v2"], keys=[b"k0", None, b""], attributes=["a0", None, "\u00e9"], flags=[1, 2, 3])
     p.append([b"w0"])
     p.append([b"x" * 90], keys=[b"kk"], attributes=["z" * 8], flags=[-7])
-    assert p.latest_offset == 5
+    assert p.last_stable_offset == 5
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_legal_topic_names_work_and_survive_reopening(tmp_path, clock, name):
         assert s.topics() == sorted(["t", name])
         assert s.topic_config(name).num_partitions == 2
         assert s.partition(name, 1).read_arrow(0).column("value").to_pylist() == [b"hello"]
-        assert s.partition(name, 0).latest_offset == 0
+        assert s.partition(name, 0).last_stable_offset == 0
         assert s.partition("t", 0).read_arrow(0).column("value").to_pylist() == [b"other"]
 
 
@@ -370,7 +370,7 @@ def test_reading_exactly_at_latest_is_empty_not_an_error(store, p):
     assert p.offset_after_bytes(5, 100) == 5
     store.create_topic("fresh", TopicConfig())
     empty = store.partition("fresh", 0)
-    assert (empty.earliest_offset, empty.latest_offset) == (0, 0)
+    assert (empty.earliest_offset, empty.last_stable_offset) == (0, 0)
     assert empty.read(0).decode().num_rows == 0
     e = raises_exactly(OffsetOutOfRangeError, lambda: empty.read(1), r"fresh-0", r"\b0 \(earliest\)", r"\b0 \(latest")
     assert (e.earliest, e.latest) == (0, 0)
@@ -387,7 +387,7 @@ def test_reading_below_earliest_after_retention_names_the_valid_range(tmp_path, 
         assert [(seg.base_offset, seg.count) for seg in p.segments()] == [(0, 3), (3, 3), (6, 3), (9, 4)]
         removed = p.apply_retention()
         assert [info.base_offset for info in removed] == [0, 3, 6]
-        assert (p.earliest_offset, p.latest_offset) == (9, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (9, 13)
         files_before = state(p)
         for bad in (0, 5, 8):
             e = raises_exactly(OffsetOutOfRangeError, lambda: p.read(bad), rf"offset {bad} is out",

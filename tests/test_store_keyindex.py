@@ -205,7 +205,7 @@ def test_the_table_grows_and_chains_stay_short(monkeypatch):
 
 def keyed_log(directory: Path, clock: FakeClock):
     """A partition with keyed batches, a transaction (aborted) and its marker, and segment rolls."""
-    p = PartitionLog(directory, "t", 0, TopicConfig(max_segment_size=4096), clock=clock)
+    p = PartitionLog.open(directory, "t", 0, TopicConfig(max_segment_size=4096), clock=clock)
     for i in range(40):
         clock.advance(1)
         p.append([b"v" * 50] * 3, keys=[b"order-%d" % (i % 7), None, b"order-%d" % (i % 3)])
@@ -256,7 +256,7 @@ def test_time_ranges_through_the_partitions_time_index(tmp_path):
         index.add(offsets, pa.array(keys, pa.binary()), seg.base_offset + seg.count)
         indexes.append(index)
         model.rows += [(o, k) for o, k in zip(offsets, keys) if k is not None]
-    aborted = p.aborted_in(p.earliest_offset, p.log_end_offset)
+    aborted = p.aborted_in(p.earliest_offset, p.visible_end)
     readable = {o for seg in p._segments for o in decoded_keys(p, seg, aborted)[0]}
 
     def read_keys(offsets):  # as a reader sees the log: an aborted transaction's messages are not there
@@ -265,7 +265,7 @@ def test_time_ranges_through_the_partitions_time_index(tmp_path):
     stamps = {o: p.timestamp_at(o) for o, _ in model.rows}
     for since, until in ((None, None), (stamps[9], stamps[40]), (stamps[40], stamps[40]), (None, stamps[3]),
                          (stamps[60], None), (stamps[60] + 1, stamps[60] + 1)):
-        lo, hi = offset_range(since, until, p.offset_for_timestamp, p.earliest_offset, p.latest_offset)
+        lo, hi = offset_range(since, until, p.offset_for_timestamp, p.earliest_offset, p.last_stable_offset)
         for key in (b"order-1", b"order-2", b"order-6"):
             want = [o for o, k in reversed(model.rows) if k == key and o in readable
                     and (since is None or stamps[o] >= since) and (until is None or stamps[o] <= until)]

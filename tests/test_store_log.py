@@ -14,7 +14,7 @@ from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
 
 def open_log(path, config=TopicConfig(), **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def test_segments_are_named_by_start_position_contiguous_and_roll_at_max_size(tmp_path):
@@ -88,7 +88,7 @@ def test_offset_for_timestamp(tmp_path, clock):
     assert log.offset_for_timestamp(stamps[0]) == 0
     assert log.offset_for_timestamp(stamps[0] + 1) == 2
     assert log.offset_for_timestamp(stamps[37]) == 74
-    assert log.offset_for_timestamp(stamps[-1] + 1) == log.latest_offset == 120
+    assert log.offset_for_timestamp(stamps[-1] + 1) == log.last_stable_offset == 120
     assert len(log.segments()) > 1
     log.close()
 
@@ -175,11 +175,11 @@ def test_group_commit_hides_unflushed_messages_from_readers(tmp_path, monkeypatc
     while log.segments()[-1].count < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert log.segments()[-1].count == 2  # written to the file...
-    assert log.latest_offset == 1  # ...but not acknowledged, so not visible
+    assert log.last_stable_offset == 1  # ...but not acknowledged, so not visible
     assert log.read(1).data.size == 0
     spy.gate.set()
     t.join(5)
-    assert log.latest_offset == 2
+    assert log.last_stable_offset == 2
     assert log.read_arrow(1).column("value").to_pylist() == [b"second"]
     log.close()
 
@@ -192,7 +192,7 @@ def test_group_commit_shares_one_fsync_among_waiting_appends(tmp_path, monkeypat
         t.start()
     for t in threads:
         t.join()
-    assert log.latest_offset == 200
+    assert log.last_stable_offset == 200
     assert spy.calls < 100, f"{spy.calls} fsyncs for 200 appends"
     log.close()
 
@@ -202,7 +202,7 @@ def test_unflush_threshold_fsyncs_by_count(tmp_path, monkeypatch, clock):
     spy = FsyncSpy(monkeypatch)
     assert not log.append([b"a"]).fsynced
     assert not log.append([b"b"]).fsynced
-    assert spy.calls == 0 and log.latest_offset == 2  # acknowledged and visible before any fsync
+    assert spy.calls == 0 and log.last_stable_offset == 2  # acknowledged and visible before any fsync
     assert log.append([b"c"]).fsynced  # this append reached the threshold: fsynced before its ack
     assert spy.calls == 1
     log.append([b"d", b"e", b"f"])
@@ -252,7 +252,7 @@ def test_store_opens_topics_found_on_disk_and_keeps_all_partitions(tmp_path):
         assert store.topic_config("orders").num_partitions == 3
         assert store.read("orders", 2, 0).decode().column("value").to_pylist() == [b"o2"]
         assert store.partition("my.topic-x", 0).read_arrow(0).column("value").to_pylist() == [b"x0"]
-        assert store.partition("runtime", 1).latest_offset == 1
+        assert store.partition("runtime", 1).last_stable_offset == 1
 
 
 def test_background_thread_flushes_interval_topics(tmp_path, monkeypatch):

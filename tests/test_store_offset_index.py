@@ -76,7 +76,7 @@ def expected_plan(t: dict, offset: int, end: int, max_bytes: int, max_messages):
 
 
 def check_against(p: PartitionLog, t: dict, rng: np.random.Generator):
-    lo, end = p.earliest_offset, p.latest_offset
+    lo, end = p.earliest_offset, p.last_stable_offset
     assert sorted(o for o in t if o >= lo) == list(range(lo, end))
     sizes = np.array([t[o][4] for o in range(lo, end)], np.int64)
     cum = np.r_[0, np.cumsum(sizes)]
@@ -145,15 +145,15 @@ def test_every_lookup_equals_the_dense_answer(batches, more, interval, segment, 
     clock, model = FakeClock(), Model()
     with tempfile.TemporaryDirectory(prefix="index-test-") as d:
         d = Path(d)
-        p = PartitionLog(d, "t", 0, config, clock=clock)
+        p = PartitionLog.open(d, "t", 0, config, clock=clock)
         append_all(p, model, clock, batches)
         check_against(p, model.table(d), rng)
         p.close()
-        p = PartitionLog(d, "t", 0, config, clock=clock)  # sealed indexes read from their files
+        p = PartitionLog.open(d, "t", 0, config, clock=clock)  # sealed indexes read from their files
         check_against(p, model.table(d), rng)
         assert p.verify() == []
-        cut_at, t = int(cut * p.log_end_offset), model.table(d)
-        want = min(o for o in t if t[o][1] == t[cut_at][1]) if cut_at < p.log_end_offset else p.log_end_offset
+        cut_at, t = int(cut * p.visible_end), model.table(d)
+        want = min(o for o in t if t[o][1] == t[cut_at][1]) if cut_at < p.visible_end else p.visible_end
         assert p.truncate_to(cut_at) == want  # a replica's cut: to the start of the batch holding cut_at
         t = model.table(d)
         assert max(t, default=-1) == want - 1
@@ -177,7 +177,7 @@ def write_dense_index(seg_path: Path, t: dict) -> None:
 def old_data_directory(d: Path, clock: FakeClock, model: Model, config: TopicConfig) -> list:
     """A partition directory as the dense-index version left it: each sealed segment with its dense
     ``.idx``, the active one with an empty one, no ``.index``. Returns the segment files."""
-    p = PartitionLog(d, "t", 0, config, clock=clock)
+    p = PartitionLog.open(d, "t", 0, config, clock=clock)
     append_all(p, model, clock, SAMPLE)
     p.close()
     t = model.table(d)
@@ -192,14 +192,14 @@ def old_data_directory(d: Path, clock: FakeClock, model: Model, config: TopicCon
 
 def test_a_data_directory_of_the_dense_index_version_is_converted_on_open(tmp_path, caplog):
     clock, model, config = FakeClock(), Model(), TopicConfig(max_segment_size=8192)
-    written = PartitionLog(tmp_path / "ref", "t", 0, config, clock=FakeClock())  # the same data, new format
+    written = PartitionLog.open(tmp_path / "ref", "t", 0, config, clock=FakeClock())  # the same data, new format
     append_all(written, Model(), written._clock, SAMPLE)
     written.close()
     segs = old_data_directory(tmp_path / "old", clock, model, config)
     assert len(segs) >= 4
     logs = {s: s.read_bytes() for s in segs}
     with caplog.at_level(logging.INFO):
-        p = PartitionLog(tmp_path / "old", "t", 0, config, clock=clock)
+        p = PartitionLog.open(tmp_path / "old", "t", 0, config, clock=clock)
     assert caplog.text.count("converting the dense index") == len(segs) - 1
     assert "rebuilding" not in caplog.text
     assert not list((tmp_path / "old").glob("*.idx"))  # every dense index is gone, converted first
@@ -223,7 +223,7 @@ def test_a_damaged_dense_index_is_not_converted_but_rebuilt_from_the_log(tmp_pat
     raw[24:32] = (12345).to_bytes(8, "little")  # the second message's batch position: out of order
     dense.write_bytes(bytes(raw))
     with caplog.at_level(logging.INFO):
-        p = PartitionLog(tmp_path, "t", 0, config, clock=clock)
+        p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
     assert f"index of {segs[1].name} is missing; rebuilding it from the log" in caplog.text
     assert caplog.text.count("converting the dense index") == len(segs) - 2
     check_against(p, model.table(tmp_path), np.random.default_rng(2))
@@ -233,10 +233,10 @@ def test_a_damaged_dense_index_is_not_converted_but_rebuilt_from_the_log(tmp_pat
 def test_a_crash_between_conversion_and_removal_keeps_the_sparse_index(tmp_path, caplog):
     clock, model, config = FakeClock(), Model(), TopicConfig(max_segment_size=8192)
     segs = old_data_directory(tmp_path, clock, model, config)
-    PartitionLog(tmp_path, "t", 0, config, clock=clock).close()
+    PartitionLog.open(tmp_path, "t", 0, config, clock=clock).close()
     write_dense_index(segs[0], model.table(tmp_path))  # as if the removal had not happened
     with caplog.at_level(logging.INFO):
-        p = PartitionLog(tmp_path, "t", 0, config, clock=clock)
+        p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
     assert "converting" not in caplog.text and "removing 00000000000000000000.idx" in caplog.text
     assert not segs[0].with_suffix(".idx").exists()
     check_against(p, model.table(tmp_path), np.random.default_rng(3))
@@ -246,7 +246,7 @@ def test_a_crash_between_conversion_and_removal_keeps_the_sparse_index(tmp_path,
 @pytest.mark.parametrize("damage", ["entry", "header", "summary"])
 def test_an_index_that_fails_its_checks_is_rebuilt_equal(tmp_path, caplog, damage):
     clock, model, config = FakeClock(), Model(), TopicConfig(max_segment_size=8192, index_interval_bytes=512)
-    p = PartitionLog(tmp_path, "t", 0, config, clock=clock)
+    p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
     append_all(p, model, clock, [([(300, 5, False)] * 3, 1), ([(10, None, True)], 0)] * 12)
     p.close()
     idx = sorted(tmp_path.glob("*.index"))[0]
@@ -256,7 +256,7 @@ def test_an_index_that_fails_its_checks_is_rebuilt_equal(tmp_path, caplog, damag
     raw[at] ^= 0x10
     idx.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING):
-        p = PartitionLog(tmp_path, "t", 0, config, clock=clock)
+        p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
     assert f"index of {idx.stem}.meta" in caplog.text and "rebuilding it from the log" in caplog.text
     check_against(p, model.table(tmp_path), np.random.default_rng(4))
     p.close()
@@ -265,10 +265,10 @@ def test_an_index_that_fails_its_checks_is_rebuilt_equal(tmp_path, caplog, damag
 
 def test_sealed_segments_keep_their_interval_when_the_setting_changes(tmp_path):
     clock, model = FakeClock(), Model()
-    p = PartitionLog(tmp_path, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=64), clock=clock)
+    p = PartitionLog.open(tmp_path, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=64), clock=clock)
     append_all(p, model, clock, [([(100, None, False)] * 2, 1)] * 60)
     p.close()
-    p = PartitionLog(tmp_path, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=4096), clock=clock)
+    p = PartitionLog.open(tmp_path, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=4096), clock=clock)
     intervals = [s.interval for s in p._segments]
     assert intervals[:-1] == [64] * (len(intervals) - 1) and intervals[-1] == 4096
     append_all(p, model, clock, [([(100, None, False)] * 2, 1)] * 60)
@@ -282,7 +282,7 @@ def test_index_bytes_per_message(tmp_path):
     1000 and even with batches of one."""
     for batch, bound in ((1000, 0.001), (1, 0.01)):
         d = tmp_path / str(batch)
-        p = PartitionLog(d, "t", 0, TopicConfig(max_segment_size=1 << 20))
+        p = PartitionLog.open(d, "t", 0, TopicConfig(max_segment_size=1 << 20))
         for _ in range(4000 // batch):
             p.append([b"x" * 100] * batch)
         p.close()
@@ -292,7 +292,7 @@ def test_index_bytes_per_message(tmp_path):
 
 
 def test_a_damaged_batch_header_under_an_entry_is_named(tmp_path):
-    p = PartitionLog(tmp_path, "t", 0, TopicConfig(index_interval_bytes=1 << 20))  # one entry: walks from 0
+    p = PartitionLog.open(tmp_path, "t", 0, TopicConfig(index_interval_bytes=1 << 20))  # one entry: walks from 0
     for i in range(20):
         p.append([b"v%d" % i])
     positions = [p.position(o) for o in range(20)]
@@ -318,7 +318,7 @@ def metaq_log(*args):
 def test_metaq_log_describe_and_verify_check_the_index(tmp_path):
     part = tmp_path / "t-0"
     clock, model = FakeClock(), Model()
-    p = PartitionLog(part, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=256), clock=clock)
+    p = PartitionLog.open(part, "t", 0, TopicConfig(max_segment_size=8192, index_interval_bytes=256), clock=clock)
     append_all(p, model, clock, SAMPLE)
     entries = [s.index_entries for s in p.segments()]
     p.close()
@@ -356,14 +356,14 @@ def test_verify_reports_message_ids_that_go_back(tmp_path):
     """Lookups by id assume ids grow with offsets (one allocator, or a replica's copy of its master's); a log
     that breaks it (a copy from a master whose ids are lower than ones already there) is reported."""
     from metaq_broker.ids import MessageIdAllocator
-    late = PartitionLog(tmp_path / "late", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 2e9))
-    early = PartitionLog(tmp_path / "early", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 1.7e9))
+    late = PartitionLog.open(tmp_path / "late", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 2e9))
+    early = PartitionLog.open(tmp_path / "early", "t", 0, TopicConfig(), ids=MessageIdAllocator(clock=lambda: 1.7e9))
     late.append([b"a", b"b"])
     early.reset_to(2)
     early.append([b"c"])
-    replica = PartitionLog(tmp_path / "replica", "t", 0, TopicConfig())
+    replica = PartitionLog.open(tmp_path / "replica", "t", 0, TopicConfig())
     for source in (late, early):
-        replica.append_replicated(source.read(replica.written_end, 1 << 20, end=source.written_end).data)
+        replica.append_replicated(source.read(replica.log_end_offset, 1 << 20, end=source.log_end_offset).data)
     replica.flush()
     problems = replica.verify()
     assert len(problems) == 1 and "message ids go back at offset 2" in problems[0], problems

@@ -18,7 +18,7 @@ from metaq_broker.store.segment import LOG_SUFFIX
 
 def open_log(path, clock=None, **config):
     kw = {"clock": clock} if clock else {}
-    return PartitionLog(path, "t", 0, TopicConfig(**config), **kw)
+    return PartitionLog.open(path, "t", 0, TopicConfig(**config), **kw)
 
 
 def body(*values):
@@ -26,7 +26,7 @@ def body(*values):
 
 
 def values(log):
-    return log.read_arrow(log.earliest_offset, log.latest_offset, 1 << 30).column("value").to_pylist()
+    return log.read_arrow(log.earliest_offset, log.last_stable_offset, 1 << 30).column("value").to_pylist()
 
 
 def test_a_batch_sent_again_gets_its_first_offsets_and_is_stored_once(tmp_path):
@@ -37,7 +37,7 @@ def test_a_batch_sent_again_gets_its_first_offsets_and_is_stored_once(tmp_path):
     assert (again.base_offset, again.count, again.base_msg_id, again.timestamp) == \
         (first.base_offset, first.count, first.base_msg_id, first.timestamp)
     assert again.duplicate and again.fsynced and not first.duplicate
-    assert values(log) == [b"a", b"b", b"c"] and log.written_end == 3
+    assert values(log) == [b"a", b"b", b"c"] and log.log_end_offset == 3
     log.close()
 
 
@@ -58,7 +58,7 @@ def test_gaps_old_duplicates_and_fenced_epochs_are_refused_by_name(tmp_path):
     with pytest.raises(ProducerFencedError):
         log.append_body(body(b"x"), (7, 2, 10))  # the old epoch is fenced from now on
     assert log.append_body(body(b"y"), (8, 0, 5)).count == 1  # an unknown producer may start anywhere
-    assert log.written_end == 2 * MAX_BATCHES + 2
+    assert log.log_end_offset == 2 * MAX_BATCHES + 2
     log.close()
 
 
@@ -90,7 +90,7 @@ def test_a_replicas_copy_takes_in_the_producers_and_a_truncation_forgets_the_cut
         master.append_body(body(b"m%d" % seq), (5, 0, seq))
     r = master.read(0, 1 << 20)
     replica.append_replicated(r.data, r.batch_positions)
-    replica.make_durable(replica.written_end)
+    replica.make_durable(replica.log_end_offset)
     assert replica.append_body(body(b"m2"), (5, 0, 2)).duplicate  # the new master answers it
     assert replica.metaq_end == master.metaq_end
     replica.truncate_to(2)
@@ -110,7 +110,7 @@ def test_idle_producers_expire(tmp_path, clock):
 
 
 def _batch_bases(log):
-    r = log.read(0, 1 << 30, end=log.written_end)
+    r = log.read(0, 1 << 30, end=log.log_end_offset)
     return records.v3_fields(r.data, r.batch_positions)["byte_base"].tolist()
 
 
@@ -130,8 +130,8 @@ def test_batches_carry_their_metaq_stream_position(tmp_path):
     assert log.metaq_end == end == expected[-1] + 21
     bases = []
     offset = 0
-    while offset < log.written_end:
-        r = log.read(offset, 1 << 20, end=log.written_end)
+    while offset < log.log_end_offset:
+        r = log.read(offset, 1 << 20, end=log.log_end_offset)
         bases += records.v3_fields(r.data, r.batch_positions)["byte_base"].tolist()
         offset = r.end_offset
     assert bases == expected

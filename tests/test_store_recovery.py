@@ -17,7 +17,7 @@ SMALL = TopicConfig(max_segment_size=4096)
 
 
 def open_log(path, config=SMALL, **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def fill(path, batches, per_batch=3, config=SMALL):
@@ -35,7 +35,7 @@ def fill(path, batches, per_batch=3, config=SMALL):
 
 def all_values(log):
     out, offset = [], log.earliest_offset
-    while offset < log.latest_offset:
+    while offset < log.last_stable_offset:
         batch = log.read_arrow(offset)
         out.extend(batch.column("value").to_pylist())
         offset += batch.num_rows
@@ -71,7 +71,7 @@ def test_truncating_the_tail_at_every_byte_of_the_last_batch(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             log = open_log(tmp_path, TopicConfig())
-        assert log.latest_offset == last_offset
+        assert log.last_stable_offset == last_offset
         assert all_values(log) == values[:last_offset]
         if cut > last_start:
             assert f"truncated {cut - last_start} bytes" in caplog.text
@@ -95,7 +95,7 @@ def test_flipping_bits_in_the_last_batch_drops_only_that_batch(tmp_path):
         damaged[i] ^= 0x10
         seg.write_bytes(bytes(damaged))
         log = open_log(tmp_path, TopicConfig())
-        assert log.latest_offset == last_offset, f"flip at byte {i}"
+        assert log.last_stable_offset == last_offset, f"flip at byte {i}"
         assert all_values(log) == values[:last_offset]
         log.close()
 
@@ -116,7 +116,7 @@ def test_damage_followed_by_valid_batches_under_group_commit_is_cut(tmp_path, ca
     values, second_offset, _, seg, _ = _damage_second_batch(tmp_path, TopicConfig())
     with caplog.at_level(logging.WARNING):
         log = open_log(tmp_path, TopicConfig())
-    assert log.latest_offset == second_offset
+    assert log.last_stable_offset == second_offset
     assert all_values(log) == values[:second_offset]
     assert f"offset {second_offset}" in caplog.text and "no fsync covered them" in caplog.text
     assert log.append([b"next"]).base_offset == second_offset
@@ -135,7 +135,7 @@ def test_damage_followed_by_valid_batches_is_refused_where_acks_preceded_fsync(t
         assert seg.read_bytes() == data  # nothing was cut
     # The operator can choose to cut at the damage.
     log = open_log(tmp_path, TopicConfig(), repair=True)
-    assert log.latest_offset == second_offset
+    assert log.last_stable_offset == second_offset
     assert all_values(log) == values[:second_offset]
     log.close()
 
@@ -232,7 +232,7 @@ def test_recovered_tail_is_fsynced_before_it_is_served(tmp_path, monkeypatch):
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
     log = open_log(tmp_path, TopicConfig())
-    assert log.latest_offset == 1
+    assert log.last_stable_offset == 1
     assert any(path.endswith("00000000000000000000.meta") for path in synced)
     log.close()
 
@@ -251,7 +251,7 @@ def test_unclosed_log_recovers_the_tail_index(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     from metaq_broker.store import PartitionLog, TopicConfig
-    log = PartitionLog(sys.argv[1], "t", 0, TopicConfig(max_segment_size=64 * 1024))
+    log = PartitionLog.open(sys.argv[1], "t", 0, TopicConfig(max_segment_size=64 * 1024))
     i = 0
     while True:
         r = log.append([b"value-%d" % (i + j) for j in range(5)])
@@ -272,7 +272,7 @@ def test_process_killed_while_appending_loses_no_acknowledged_message(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     log = open_log(tmp_path, TopicConfig(max_segment_size=64 * 1024))
-    assert log.latest_offset >= acked
+    assert log.last_stable_offset >= acked
     got = all_values(log)
     assert got == [b"value-%d" % i for i in range(len(got))]
     assert len(segment_files(tmp_path)) > 1

@@ -1,5 +1,5 @@
 """The log operations replication needs (docs/design/replication-plan.md steps 3-9): the lazy epoch marker,
-reads up to the written end, a verbatim copy of a master's batches, truncation and reset (durable before
+reads up to the log end offset, a verbatim copy of a master's batches, truncation and reset (durable before
 they return: checked by reopening a copy of the directory taken without closing), and the high-watermark
 cap with transactions settled only below it."""
 import random
@@ -17,7 +17,7 @@ SMALL = TopicConfig(max_segment_size=4096)
 
 
 def open_log(path, config=SMALL, **kw):
-    return PartitionLog(path, "t", 0, config, **kw)
+    return PartitionLog.open(path, "t", 0, config, **kw)
 
 
 def body(*values):
@@ -31,7 +31,7 @@ def put_txn(log, txn, *values):
 
 def values(log, start=None, end=None):
     start = log.earliest_offset if start is None else start
-    end = log.latest_offset if end is None else end
+    end = log.last_stable_offset if end is None else end
     got, offset = [], start
     while offset < end:
         r = log.read(offset, 1 << 20, end=end)
@@ -42,7 +42,7 @@ def values(log, start=None, end=None):
 
 def decoded(log, column):
     got, offset = [], log.earliest_offset
-    while offset < log.latest_offset:
+    while offset < log.last_stable_offset:
         r = log.read(offset, 1 << 20)
         got += r.decode().column(column).to_pylist()
         offset = r.end_offset
@@ -50,8 +50,8 @@ def decoded(log, column):
 
 
 def raw(log, start=None):
-    """Every batch of the log as stored, from ``start`` (default the earliest offset) to the written end."""
-    end = log.written_end
+    """Every batch of the log as stored, from ``start`` (default the earliest offset) to the log end offset."""
+    end = log.log_end_offset
     parts, offset = [], log.earliest_offset if start is None else start
     while offset < end:
         r = log.read(offset, 1 << 20, end=end)
@@ -61,11 +61,11 @@ def raw(log, start=None):
 
 
 def copy(master, replica, max_bytes=1500):
-    """What a replica fetcher does: read from its written end up to the master's, append verbatim."""
-    while replica.written_end < master.written_end:
-        r = master.read(replica.written_end, max_bytes, end=master.written_end)
+    """What a replica fetcher does: read from its log end offset up to the master's, append verbatim."""
+    while replica.log_end_offset < master.log_end_offset:
+        r = master.read(replica.log_end_offset, max_bytes, end=master.log_end_offset)
         replica.append_replicated(r.data, r.batch_positions)
-    replica.make_durable(replica.written_end)
+    replica.make_durable(replica.log_end_offset)
 
 
 def crash_copy(log, tmp_path, name="crashed"):
@@ -80,16 +80,16 @@ def test_the_epoch_marker_is_written_lazily_with_the_epochs_first_append(tmp_pat
     log = open_log(tmp_path / "p")
     log.append([b"a", b"b"])
     log.begin_epoch(4, 2)
-    assert (log.written_end, log.last_epoch, log.epochs.entries) == (2, 0, [])  # idle: nothing written
+    assert (log.log_end_offset, log.last_epoch, log.epochs.entries) == (2, 0, [])  # idle: nothing written
     r = log.append([b"c"])
-    assert r.base_offset == 3 and log.written_end == 4  # the marker took offset 2
+    assert r.base_offset == 3 and log.log_end_offset == 4  # the marker took offset 2
     assert log.epochs.entries == [Epoch(4, 2, 2)] and log.last_epoch == 4
     assert [log.epoch_before(o) for o in (0, 2, 3, 4)] == [0, 0, 4, 4]
     assert values(log) == [b"a", b"b", b"c"]  # readers skip it
     log.begin_epoch(4, 2)  # the log has this epoch: nothing more
     log.begin_epoch(3, 1)
     log.append([b"d"])
-    assert log.written_end == 5 and EpochFile.load(tmp_path / "p").entries == [Epoch(4, 2, 2)]
+    assert log.log_end_offset == 5 and EpochFile.load(tmp_path / "p").entries == [Epoch(4, 2, 2)]
     log.begin_epoch(5, 0)
     put_txn(log, 1, b"t")  # any append path
     assert log.epochs.entries[-1] == Epoch(5, 0, 5)
@@ -139,26 +139,26 @@ def test_recovery_drops_epochs_past_the_log_end_and_rebuilds_a_damaged_file(tmp_
     log.close()
 
 
-# -- reading up to the written end ----------------------------------------------------------------------
-def test_written_but_unsettled_batches_are_read_to_the_written_end_only(tmp_path):
+# -- reading up to the log end offset ------------------------------------------------------------------------
+def test_written_but_unsettled_batches_are_read_to_the_log_end_offset_only(tmp_path):
     log = open_log(tmp_path / "p", TopicConfig())
     log.append([b"a"])
     put_txn(log, 1, b"t1", b"t2")  # written, not fsynced, behind the last stable offset
-    assert (log.latest_offset, log.written_end) == (1, 3)
+    assert (log.last_stable_offset, log.log_end_offset) == (1, 3)
     assert log.locate(1).length == 0 and log.read(1).end_offset == 1
-    where = log.locate(1, end=log.written_end)
+    where = log.locate(1, end=log.log_end_offset)
     assert (where.start_offset, where.end_offset) == (1, 3) and where.length > 0
-    r = log.read(1, end=log.written_end)
+    r = log.read(1, end=log.log_end_offset)
     assert records.decode(r.data).column("value").to_pylist() == [b"t1", b"t2"]
-    assert log.read(0, end=10**6).end_offset == 3  # an end past the written end is the written end
-    log.make_durable(log.written_end)
-    assert log.durable_offset == 3
+    assert log.read(0, end=10**6).end_offset == 3  # an end past the log end offset is the log end offset
+    log.make_durable(log.log_end_offset)
+    assert log.recovery_point == 3
     log.close()
 
 
-def test_a_reader_at_the_written_end_never_sees_a_partial_batch(tmp_path):
+def test_a_reader_at_the_log_end_offset_never_sees_a_partial_batch(tmp_path):
     """Writers append batches of varied sizes across rolls while a replica-style reader copies from the
-    written end, woken by the store's write counter; the copy is byte-identical at the end."""
+    log end offset, woken by the store's write counter; the copy is byte-identical at the end."""
     store = MessageStore(tmp_path / "m", {"t": TopicConfig(num_partitions=1, max_segment_size=8192)},
                          background_interval=None)
     master = store.partition("t", 0)
@@ -178,15 +178,15 @@ def test_a_reader_at_the_written_end_never_sees_a_partial_batch(tmp_path):
     def reader():
         seen = -1
         try:
-            while not (done.is_set() and replica.written_end == master.written_end):
+            while not (done.is_set() and replica.log_end_offset == master.log_end_offset):
                 seen = store.wait_written(seen, 0.05)
-                end = master.written_end
-                while replica.written_end < end:
-                    r = master.read(replica.written_end, 2000, end=end)
+                end = master.log_end_offset
+                while replica.log_end_offset < end:
+                    r = master.read(replica.log_end_offset, 2000, end=end)
                     assert r.data.size and r.end_offset <= end
                     records.decode(r.data)  # whole, valid batches only: raises otherwise
                     replica.append_replicated(r.data, r.batch_positions)
-                replica.make_durable(replica.written_end)
+                replica.make_durable(replica.log_end_offset)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -242,17 +242,17 @@ def test_a_verbatim_copy_is_byte_identical_with_the_same_state(tmp_path):
     master = busy_master(tmp_path / "m")
     replica = open_log(tmp_path / "r", TopicConfig(max_segment_size=6000))  # other rolls than the master's
     copy(master, replica)
-    assert replica.written_end == master.written_end and replica.durable_offset == master.written_end
+    assert replica.log_end_offset == master.log_end_offset and replica.recovery_point == master.log_end_offset
     assert raw(replica) == raw(master) and len(replica.segments()) > 1 and replica.verify() == []
     assert replica.epochs.entries == master.epochs.entries == [Epoch(1, 0, 0), Epoch(2, 1, 47)]
-    assert replica.latest_offset == master.latest_offset  # held at transaction 3's batch
-    assert replica.txns.ongoing == master.txns.ongoing == {3: master.written_end - 1}
+    assert replica.last_stable_offset == master.last_stable_offset  # held at transaction 3's batch
+    assert replica.txns.ongoing == master.txns.ongoing == {3: master.log_end_offset - 1}
     assert (replica.aborted_in(0, 100) == master.aborted_in(0, 100)).all() and len(master.aborted_in(0, 100)) == 1
     assert values(replica) == values(master) and b"a1" not in values(replica) and b"c2" in values(replica)
     for column in ("offset", "msgId", "timestamp", "value"):  # ids and store times are the master's
         assert decoded(replica, column) == decoded(master, column)
     r = replica.append([b"own"])  # the id allocator moved past every copied id
-    assert r.base_offset == master.written_end
+    assert r.base_offset == master.log_end_offset
     assert r.base_msg_id > max_msg_id(master)
     master.close()
     replica.close()
@@ -264,8 +264,8 @@ def test_a_verbatim_copy_is_byte_identical_with_the_same_state(tmp_path):
 
 def max_msg_id(log):
     offset, best = log.earliest_offset, -1
-    while offset < log.written_end:
-        r = log.read(offset, 1 << 20, end=log.written_end)
+    while offset < log.log_end_offset:
+        r = log.read(offset, 1 << 20, end=log.log_end_offset)
         positions = r.batch_positions
         h = records.headers_at(r.data, positions)
         best = max(best, int((h["base_msg_id"] + h["count"] - 1).max()))
@@ -276,10 +276,10 @@ def max_msg_id(log):
 def test_a_copy_that_does_not_fit_is_refused_whole(tmp_path):
     master = busy_master(tmp_path / "m")
     replica = open_log(tmp_path / "r")
-    first = master.read(0, 2000, end=master.written_end)
+    first = master.read(0, 2000, end=master.log_end_offset)
     data = bytearray(first.data.tobytes())
     with pytest.raises(CorruptLogError, match="begins at offset 1, the log ends at 0"):
-        replica.append_replicated(master.read(2, 2000, end=master.written_end).data)
+        replica.append_replicated(master.read(2, 2000, end=master.log_end_offset).data)
     bad = bytearray(data)
     bad[-3] ^= 1  # the last batch's body
     with pytest.raises(CorruptLogError, match="checksum"):
@@ -288,11 +288,11 @@ def test_a_copy_that_does_not_fit_is_refused_whole(tmp_path):
         replica.append_replicated(bytes(data[:-8]))
     with pytest.raises(CorruptLogError, match="not at the positions given"):
         replica.append_replicated(bytes(data), first.batch_positions[:1])
-    assert replica.written_end == 0 and replica.segments()[0].size == 32  # nothing written
-    gap = master.read(first.end_offset + 2, 2000, end=master.written_end).data.tobytes()
+    assert replica.log_end_offset == 0 and replica.segments()[0].size == 32  # nothing written
+    gap = master.read(first.end_offset + 2, 2000, end=master.log_end_offset).data.tobytes()
     with pytest.raises(CorruptLogError, match="expected"):
         replica.append_replicated(bytes(data) + gap)
-    assert replica.written_end == 0
+    assert replica.log_end_offset == 0
     assert replica.append_replicated(memoryview(data)) == first.end_offset  # bytes-like of any kind
     master.close()
     replica.close()
@@ -310,14 +310,14 @@ def test_truncate_across_segments_and_a_commit_marker_is_durable_at_once(tmp_pat
     log.begin_epoch(2, 0)
     for i in range(40):
         log.append([b"c%d" % i * 60, b"d"])
-    assert len(log.segments()) >= 3 and log.latest_offset == log.written_end
-    end_before = log.written_end
+    assert len(log.segments()) >= 3 and log.last_stable_offset == log.log_end_offset
+    end_before = log.log_end_offset
     cut = log.truncate_to(commit + 3)  # inside epoch 2's second batch (two messages): rounded down
-    assert cut == commit + 2 and log.written_end == log.durable_offset == log.log_end_offset == cut
+    assert cut == commit + 2 and log.log_end_offset == log.recovery_point == log.visible_end == cut
     assert log.epochs.entries == [Epoch(1, 0, 0), Epoch(2, 0, commit + 1)]
     crashed = crash_copy(log, tmp_path)  # no close: what a crash right now would leave
     cut = log.truncate_to(commit)  # the commit marker goes: transaction 5 is unsettled again
-    assert cut == commit and log.latest_offset == txn_first and log.txns.ongoing == {5: txn_first}
+    assert cut == commit and log.last_stable_offset == txn_first and log.txns.ongoing == {5: txn_first}
     assert log.epochs.entries == [Epoch(1, 0, 0)] and len(log.segments()) < 3
     crashed2 = crash_copy(log, tmp_path, "crashed2")
     r = log.append([b"after"])  # appends continue in the cut, un-sealed segment
@@ -328,7 +328,7 @@ def test_truncate_across_segments_and_a_commit_marker_is_durable_at_once(tmp_pat
     assert end_before > commit + 2
     for path, end, ongoing in ((crashed, commit + 2, {}), (crashed2, commit, {5: txn_first})):
         again = open_log(path)
-        assert again.written_end == end and again.txns.ongoing == ongoing and again.verify() == []
+        assert again.log_end_offset == end and again.txns.ongoing == ongoing and again.verify() == []
         assert again.epochs.entries[-1].start < end
         again.close()
     again = open_log(tmp_path / "p")
@@ -344,10 +344,10 @@ def test_truncate_to_a_segment_boundary_and_below_the_earliest(tmp_path):
     assert log.truncate_to(boundary) == boundary and log.segments()[-1].count == 0
     assert log.append([b"y"]).base_offset == boundary
     assert log.truncate_to(10**6) == boundary + 1  # past the end: nothing to cut
-    assert log.truncate_to(0) == 0 and log.written_end == 0 and values(log) == []
+    assert log.truncate_to(0) == 0 and log.log_end_offset == 0 and values(log) == []
     log.close()
     again = open_log(tmp_path / "p")
-    assert again.written_end == 0 and len(again.segments()) == 1
+    assert again.log_end_offset == 0 and len(again.segments()) == 1
     again.close()
 
 
@@ -368,7 +368,7 @@ def test_reset_empties_the_log_at_a_new_base_offset(tmp_path):
         log.append([b"x" * 100])
     put_txn(log, 2, b"open")
     log.reset_to(500)
-    assert (log.earliest_offset, log.written_end, log.latest_offset) == (500, 500, 500)
+    assert (log.earliest_offset, log.log_end_offset, log.last_stable_offset) == (500, 500, 500)
     assert log.epochs.entries == [] and log.txns.ongoing == {} and len(log.segments()) == 1
     with pytest.raises(OffsetOutOfRangeError):
         log.read(0)
@@ -376,7 +376,7 @@ def test_reset_empties_the_log_at_a_new_base_offset(tmp_path):
     assert log.append([b"new"]).base_offset == 500
     log.close()
     again = open_log(crashed)
-    assert (again.earliest_offset, again.written_end, again.epochs.entries) == (500, 500, [])
+    assert (again.earliest_offset, again.log_end_offset, again.epochs.entries) == (500, 500, [])
     again.close()
     again = open_log(tmp_path / "p")
     assert values(again) == [b"new"] and again.earliest_offset == 500 and again.txns.ongoing == {}
@@ -402,16 +402,16 @@ def test_the_hw_caps_readers_and_wakes_those_waiting(tmp_path):
     log = open_log(tmp_path / "p")
     for i in range(10):
         log.append([b"v%d" % i])
-    assert log.high_watermark is None and log.latest_offset == 10
+    assert log.high_watermark is None and log.last_stable_offset == 10
     log.set_high_watermark(4)
-    assert log.latest_offset == 4 and values(log) == [b"v%d" % i for i in range(4)]
+    assert log.last_stable_offset == 4 and values(log) == [b"v%d" % i for i in range(4)]
     log.set_high_watermark(2)  # never down
     assert log.high_watermark == 4
     assert log.read(4).end_offset == 4  # between the HW and the log end: valid, empty
     threading.Timer(0.05, log.set_high_watermark, (8,)).start()
-    assert log.wait_for_data(4, 30) and log.latest_offset == 8
+    assert log.wait_for_data(4, 30) and log.last_stable_offset == 8
     log.set_high_watermark(None)
-    assert log.latest_offset == 10
+    assert log.last_stable_offset == 10
     log.close()
 
 
@@ -427,13 +427,13 @@ def test_a_transaction_settles_only_when_its_marker_is_below_the_hw(tmp_path, co
     assert 7 not in log.txns.ongoing  # settled here: no second marker is ever written
     for hw in (first + 1, marker):
         log.set_high_watermark(hw)
-        assert log.latest_offset == first and len(log.aborted_in(0, 100)) == 0
+        assert log.last_stable_offset == first and len(log.aborted_in(0, 100)) == 0
     log.set_high_watermark(marker + 1)
-    assert log.latest_offset == marker + 1 and len(log.aborted_in(0, 100)) == (0 if commit else 1)
+    assert log.last_stable_offset == marker + 1 and len(log.aborted_in(0, 100)) == (0 if commit else 1)
     assert values(log) == ([b"a", b"t", b"b"] if commit else [b"a", b"b"])
     log.close()
     again = open_log(tmp_path / "p")  # the snapshot holds the state without a cap
-    assert again.latest_offset == again.written_end and len(again.aborted_in(0, 100)) == (0 if commit else 1)
+    assert again.last_stable_offset == again.log_end_offset and len(again.aborted_in(0, 100)) == (0 if commit else 1)
     again.close()
 
 
@@ -445,11 +445,11 @@ def test_the_first_hw_unsettles_transactions_whose_marker_is_above_it(tmp_path):
     marker = log.append_marker(3, commit=False)
     log.close()
     log = open_log(tmp_path / "p")
-    assert log.latest_offset == marker + 1 and len(log.aborted_in(0, 10)) == 1
+    assert log.last_stable_offset == marker + 1 and len(log.aborted_in(0, 10)) == 1
     log.set_high_watermark(marker)
-    assert log.latest_offset == first and len(log.aborted_in(0, 10)) == 0
+    assert log.last_stable_offset == first and len(log.aborted_in(0, 10)) == 0
     log.set_high_watermark(marker + 1)
-    assert log.latest_offset == marker + 1 and len(log.aborted_in(0, 10)) == 1
+    assert log.last_stable_offset == marker + 1 and len(log.aborted_in(0, 10)) == 1
     log.close()
 
 
@@ -459,7 +459,7 @@ def test_truncation_lowers_the_hw_and_reset_moves_it_to_the_new_base(tmp_path):
         log.append([b"v%d" % i])
     log.set_high_watermark(8)
     log.truncate_to(5)
-    assert log.high_watermark == 5 and log.latest_offset == 5
+    assert log.high_watermark == 5 and log.last_stable_offset == 5
     log.reset_to(20)  # an empty log: its only offset
-    assert log.high_watermark == 20 and log.latest_offset == 20
+    assert log.high_watermark == 20 and log.last_stable_offset == 20
     log.close()

@@ -47,7 +47,7 @@ def build(p, clock):
 
 
 def dump(p):
-    rows, off, latest = [], p.earliest_offset, p.latest_offset
+    rows, off, latest = [], p.earliest_offset, p.last_stable_offset
     while off < latest:
         res = p.read(off, max_bytes=1 << 20)
         rows += res.decode().to_pylist()
@@ -84,7 +84,7 @@ def test_delete_removes_exactly_the_sealed_segments_older_than_the_cutoff(tmp_pa
         removed = p.apply_retention(ms(T0 + HOUR + 10 * MIN) + 1)
         assert [(r.base_offset, r.count, r.path, r.size, r.last_timestamp) for r in removed] == [
             (0, 3, segs[0].path, SEALED, ms(T0)), (3, 3, segs[1].path, SEALED, ms(T0 + 10 * MIN))]
-        assert (p.earliest_offset, p.latest_offset) == (6, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (6, 13)
         assert [x.base_offset for x in p.segments()] == [6, 9, 12]
         assert files(p) == seg_files(segs[2:])
         assert dump(p) == before[6:]
@@ -127,7 +127,7 @@ def test_the_active_segment_stays_even_when_everything_is_expired(tmp_path, cloc
         assert [r.base_offset for r in removed] == [0, 3, 6, 9]
         assert [x.base_offset for x in p.segments()] == [12]
         assert files(p) == seg_files(segs[4:])
-        assert (p.earliest_offset, p.latest_offset) == (12, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (12, 13)
         assert p.read_arrow(12).column("value").to_pylist() == [big(12)]
         assert p.apply_retention() == []
         r = p.append([b"more"])
@@ -143,7 +143,7 @@ def test_a_single_segment_partition_is_never_emptied(tmp_path, clock):
         p.append([b"a", b"b"])
         p.append([b"c"])
         assert p.apply_retention(ms(T0 + 1000 * HOUR)) == []
-        assert (p.earliest_offset, p.latest_offset) == (0, 3)
+        assert (p.earliest_offset, p.last_stable_offset) == (0, 3)
         assert values(p) == [b"a", b"b", b"c"]
 
 
@@ -162,7 +162,7 @@ def test_run_retention_covers_every_partition_of_every_topic(tmp_path, clock):
             ("t-0", 0), ("t-0", 3), ("t-1", 0), ("t-1", 3), ("u-0", 0), ("u-0", 3)]
         for name, n in (("t", 0), ("t", 1), ("u", 0)):
             p = s.partition(name, n)
-            assert (p.earliest_offset, p.latest_offset) == (6, 9)
+            assert (p.earliest_offset, p.last_stable_offset) == (6, 9)
             assert values(p) == [big(6), big(7), big(8)]
 
 
@@ -187,7 +187,7 @@ def test_archive_gzips_the_exact_segment_bytes_then_removes_segment_and_index(tm
             assert gzip.decompress((archive / (name + ".gz")).read_bytes()) == data
         assert files(p) == seg_files(segs[2:])
         assert not segs[0].path.exists() and not segs[0].path.with_suffix(".index").exists()
-        assert (p.earliest_offset, p.latest_offset) == (6, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (6, 13)
         assert dump(p) == before[6:]
 
 
@@ -212,7 +212,7 @@ def test_archive_folder_is_ignored_when_reopening_and_later_archives_add_to_it(t
         assert len(archived) == 2
     with open_store(tmp_path, clock, delete_policy="archive,1") as s:
         p = s.partition("t", 0)
-        assert (p.earliest_offset, p.latest_offset) == (6, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (6, 13)
         assert dump(p) == before
         assert {f.name: f.read_bytes() for f in archive.iterdir()} == archived
         assert p.verify() == []
@@ -221,7 +221,7 @@ def test_archive_folder_is_ignored_when_reopening_and_later_archives_add_to_it(t
         assert sorted(f.name for f in archive.iterdir()) == sorted(name + ".gz" for name in list(originals)[:4])
         for name, data in list(originals.items())[:4]:
             assert gzip.decompress((archive / (name + ".gz")).read_bytes()) == data
-        assert (p.earliest_offset, p.latest_offset) == (12, 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (12, 13)
         assert values(p) == [big(12)]
 
 
@@ -254,7 +254,7 @@ def test_size_bound_removes_oldest_segments_while_the_rest_still_reaches_the_bou
             assert p.size_bytes == total
         if kept[0] != 12:  # removing the next segment too would go below the bound
             assert p.size_bytes - SEALED < bound
-        assert (p.earliest_offset, p.latest_offset) == (kept[0], 13)
+        assert (p.earliest_offset, p.last_stable_offset) == (kept[0], 13)
         assert values(p) == [big(i) for i in range(kept[0], 13)]
         assert files(p) == seg_files([x for x in segs if x.base_offset in kept])
 
@@ -302,14 +302,14 @@ def test_reopening_after_retention_gives_the_same_log(tmp_path, clock, policy):
         p = s.partition("t", 0)
         build(p, clock)
         p.apply_retention(ms(T0 + HOUR + 20 * MIN) + 1)
-        state = (p.earliest_offset, p.latest_offset, [(x.path.name, x.base_offset, x.count, x.size, x.last_timestamp)
-                                                      for x in p.segments()], dump(p))
+        state = (p.earliest_offset, p.last_stable_offset,
+                 [(x.path.name, x.base_offset, x.count, x.size, x.last_timestamp) for x in p.segments()], dump(p))
         assert state[:2] == (9, 13)
         last_id = state[3][-1]["msgId"]
     with open_store(tmp_path, clock, delete_policy=policy) as s:
         p = s.partition("t", 0)
-        assert (p.earliest_offset, p.latest_offset, [(x.path.name, x.base_offset, x.count, x.size, x.last_timestamp)
-                                                     for x in p.segments()], dump(p)) == state
+        assert (p.earliest_offset, p.last_stable_offset,
+                [(x.path.name, x.base_offset, x.count, x.size, x.last_timestamp) for x in p.segments()], dump(p)) == state
         r = p.append([b"after"])
         assert r.base_offset == 13 and r.base_msg_id > last_id
         with pytest.raises(OffsetOutOfRangeError, match=r"9 \(earliest\)"):
@@ -319,7 +319,7 @@ def test_reopening_after_retention_gives_the_same_log(tmp_path, clock, policy):
         assert values(p) == [big(12), b"after"]
     with open_store(tmp_path, clock, delete_policy=policy) as s:
         p = s.partition("t", 0)
-        assert (p.earliest_offset, p.latest_offset) == (12, 14)
+        assert (p.earliest_offset, p.last_stable_offset) == (12, 14)
         assert values(p) == [big(12), b"after"]
 
 
@@ -360,7 +360,7 @@ def test_flush_due_fires_once_the_interval_has_passed_with_unflushed_data(tmp_pa
         assert s.flush_due() == 0
         assert s.flush_due(T0 + 5) == 0  # nothing unflushed, however long ago the last flush was
         r = p.append([b"a"])  # acknowledged at once, without an fsync
-        assert p.latest_offset == 1 and r.base_offset == 0
+        assert p.last_stable_offset == 1 and r.base_offset == 0
         assert p.read_arrow(0).column("value").to_pylist() == [b"a"]
         clock.now = T0 + 0.5
         assert s.flush_due() == 0
@@ -412,7 +412,7 @@ def test_reaching_the_threshold_flushes(tmp_path, clock):
         assert s.flush_due(clock() + 0.5) == 0
         clock.advance(1)
         assert s.flush_due() == 1
-        assert p.latest_offset == 1999
+        assert p.last_stable_offset == 1999
 
 
 def test_flush_due_counts_partitions_and_ignores_group_commit_topics(tmp_path, clock):

@@ -34,7 +34,7 @@ def test_the_store_keeps_null_values_and_create_times_across_a_reopen(tmp_path):
     assert len(log.segments()) > 3 and log.verify() == []
     got = []
     offset = 0
-    while offset < log.latest_offset:
+    while offset < log.last_stable_offset:
         r = log.read(offset, 1 << 20)
         d = records.decode(r.data, r.start_offset, r.end_offset, timestamp_type=True)
         got += zip(d.column("value").to_pylist(), d.column("timestamp").cast(pa.int64()).to_pylist(),

@@ -10,10 +10,10 @@ import pytest
 
 from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
-from metaq_broker.store import transactions as txmod
+from metaq_broker.store import txn_journal
 from metaq_broker.store.journal_frames import frame, split
-from metaq_broker.store.transactions import (COMMIT, DONE, FINISHED, PREPARE, TransactionError,
-                                             TransactionManager)
+from metaq_broker.store.transactions import TransactionError, TransactionManager
+from metaq_broker.store.txn_journal import COMMIT, DONE, FINISHED, PREPARE
 
 PARTS = 3
 
@@ -31,24 +31,16 @@ def body(*values):
     return records.encode_body([v.encode() for v in values])
 
 
-def written_end(part):
-    end = getattr(part, "written_end", None)
-    return part._next_offset if end is None else end
-
-
-def durable(part):
-    d = getattr(part, "durable_offset", None)
-    return part._durable_offset if d is None else d
 
 
 def copy_batches(src, dst, limit=None) -> int:
     """Copy the batches ``dst`` lacks, oldest first (at most ``limit``): same offsets, txn and kind; not made
     durable (transactional batches), as a replica writes before its group-commit fsync."""
     n = 0
-    while written_end(dst) < written_end(src) and (limit is None or n < limit):
-        data = src.read(written_end(dst), 1, end=written_end(src)).data
+    while dst.log_end_offset < src.log_end_offset and (limit is None or n < limit):
+        data = src.read(dst.log_end_offset, 1, end=src.log_end_offset).data
         h = records.parse_header(data, 0)
-        assert h.base_offset == written_end(dst)
+        assert h.base_offset == dst.log_end_offset
         if h.attributes & records.CONTROL:
             value_at = int(records.data_starts(data, np.zeros(1, np.int64))[0])
             dst.append_marker(h.txn, bytes(data[value_at:value_at + 1]) == records.COMMIT_MARKER)
@@ -64,7 +56,7 @@ def copy_all(src_store, dst_store, make_durable=True):
         src, dst = src_store.partition("t", p), dst_store.partition("t", p)
         copy_batches(src, dst)
         if make_durable:
-            dst.make_durable(written_end(dst))
+            dst.make_durable(dst.log_end_offset)
 
 
 def give(follower, got, snapshot=False) -> int:
@@ -85,18 +77,18 @@ def kept_state(tx):
     live = {x: (t.state, t.number, sorted(t.partitions.items()), t.messages, t.coordinator, t.prepared_at,
                 t.timeout_s, t.seq, t.decision_seq)
             for x, t in tx._live.items() if t.state != "open"}
-    return live, dict(tx._finished), dict(tx._decided), tx._forgot_commits
+    return live, dict(tx._outcomes.finished), dict(tx._outcomes.decided), tx._outcomes.forgot_commits
 
 
 def seqs_of(frames):
-    return [(kind, json.loads(payload)["seq"]) for kind, payload, _ in split(frames, txmod.KINDS)]
+    return [(kind, json.loads(payload)["seq"]) for kind, payload, _ in split(frames, txn_journal.KINDS)]
 
 
 def values(store, p):
     part = store.partition("t", p)
-    if part.latest_offset == 0:
+    if part.last_stable_offset == 0:
         return []
-    return [v.as_py().decode() for v in part.read_arrow(0, part.latest_offset).column("value")]
+    return [v.as_py().decode() for v in part.read_arrow(0, part.last_stable_offset).column("value")]
 
 
 def test_seqs_memory_tail_snapshot_and_compaction(tmp_path, monkeypatch):
@@ -126,7 +118,7 @@ def test_seqs_memory_tail_snapshot_and_compaction(tmp_path, monkeypatch):
     tx.commit("x2")
     assert seqs_of(tx.records_since(4)[2]) == [(COMMIT, 5), (DONE, 6)]
     # The tail keeps about TAIL_BYTES: a follower further behind gets a snapshot.
-    monkeypatch.setattr(txmod, "TAIL_BYTES", 400)
+    monkeypatch.setattr(txn_journal, "TAIL_BYTES", 400)
     for i in range(6):
         tx.begin(f"y{i}")
         tx.rollback(f"y{i}")
@@ -142,7 +134,7 @@ def test_old_journal_without_seqs_loads(tmp_path):
     old = (frame(FINISHED, json.dumps({"finished": [["a", "committed"]], "decided": [], "forgot_commits": False,
                                        "next_number": 5}).encode())
            + frame(DONE, json.dumps({"xid": "b", "number": 6, "outcome": "rolled_back", "path": ""}).encode()))
-    (tmp_path / "data" / "transactions" / txmod.JOURNAL).write_bytes(old)
+    (tmp_path / "data" / "transactions" / txn_journal.JOURNAL).write_bytes(old)
     tx = open_tx(store, tmp_path)
     assert tx.journal_seq == 2 and tx.state("a") == "committed" and tx.state("b") == "rolled_back"
     assert tx.begin("c").number == 7
@@ -162,7 +154,7 @@ def test_follower_gates_prepare_on_durable_data_and_done_on_markers(tmp_path):
     assert ship(master, follower) == -1  # the snapshot's PREPARE waits for its batches to be durable
     assert follower.prepared() == []
     for p in range(2):
-        rs.partition("t", p).make_durable(written_end(rs.partition("t", p)))
+        rs.partition("t", p).make_durable(rs.partition("t", p).log_end_offset)
     assert follower.apply_pending() == 1
     assert [t.xid for t in follower.prepared()] == ["x"]
     assert follower.path.read_bytes() == master.snapshot_records()[2]
@@ -170,7 +162,7 @@ def test_follower_gates_prepare_on_durable_data_and_done_on_markers(tmp_path):
     assert ship(master, follower) == 2  # COMMIT applied; DONE waits for the markers
     assert follower.state("x") == "committing"
     assert ship(master, follower) == 2  # resent: ignored, still waiting
-    assert len(follower._pending) == 1
+    assert len(follower._follower.pending) == 1
     copy_all(ms, rs)
     assert follower.apply_pending() == 3 and follower.state("x") == "committed"
     assert follower.path.read_bytes().endswith(master.records_since(1)[2])  # byte for byte
@@ -221,11 +213,11 @@ def test_snapshot_for_a_new_follower_then_stream_refusals_gap_restart(tmp_path):
     with pytest.raises(ValueError, match="gap"):
         give(follower, master.records_since(at + 1))
     # A restarted follower keeps its journal, writes no markers, and asks for a snapshot again.
-    ends = [written_end(rs.partition("t", p)) for p in range(PARTS)]
+    ends = [rs.partition("t", p).log_end_offset for p in range(PARTS)]
     follower.close()
     follower = open_tx(rs, tmp_path / "r", follower=True)
     assert follower.applied_seq == -1 and follower.journal_seq == at
-    assert [written_end(rs.partition("t", p)) for p in range(PARTS)] == ends  # x3's batch not aborted here
+    assert [rs.partition("t", p).log_end_offset for p in range(PARTS)] == ends  # x3's batch not aborted here
     assert ship(master, follower) == master.journal_seq and kept_state(follower) == kept_state(master)
     with pytest.raises(TransactionError, match="master"):
         master.apply(b"", 1, 0, False)
@@ -284,8 +276,8 @@ def raw_counts(store):
     for p in range(PARTS):
         part = store.partition("t", p)
         offset = 0
-        while offset < written_end(part):
-            h = records.parse_header(part.read(offset, 1, end=written_end(part)).data, 0)
+        while offset < part.log_end_offset:
+            h = records.parse_header(part.read(offset, 1, end=part.log_end_offset).data, 0)
             if h.attributes & records.TRANSACTIONAL:
                 out[h.txn] = out.get(h.txn, 0) + h.count
             offset = h.next_offset
@@ -308,7 +300,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
     def check():
         for t in follower._live.values():
             for (topic, p), end in t.partitions.items():
-                assert durable(rs.partition(topic, p)) >= end, (t.xid, p)
+                assert rs.partition(topic, p).recovery_point >= end, (t.xid, p)
 
     for _ in range(300):
         live = master._live
@@ -339,7 +331,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
             copy_batches(ms.partition("t", p), rs.partition("t", p), rnd.randint(1, 3))
         elif op < 0.86:
             part = rs.partition("t", rnd.randrange(PARTS))
-            part.make_durable(written_end(part))
+            part.make_durable(part.log_end_offset)
             if rnd.random() < 0.5:
                 follower.apply_pending()
         else:
@@ -364,7 +356,7 @@ def test_random_interleaving_of_log_and_journal(tmp_path, seed):
             follower.rollback(t.xid)
     for p in range(PARTS):
         part = rs.partition("t", p)
-        assert part.txns.ongoing == {} and part.latest_offset == part.log_end_offset
+        assert part.txns.ongoing == {} and part.last_stable_offset == part.visible_end
     raw = raw_counts(rs)
     visible = {}
     for p in range(PARTS):

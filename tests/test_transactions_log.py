@@ -33,7 +33,7 @@ def rows(log, start=0, max_bytes=1 << 20):
     """(offset, value) of every message a reader gets from ``start`` to the last stable offset, fetching
     ``max_bytes`` at a time and advancing by each reply's end offset."""
     out, offset = [], start
-    while offset < log.latest_offset:
+    while offset < log.last_stable_offset:
         r = log.read(offset, max_bytes)
         assert r.end_offset > offset, "a read below the last stable offset must advance"
         b = r.decode()
@@ -77,10 +77,10 @@ def test_interleaved_transactions_some_rolled_back_read_exactly_the_committed(tm
         tx.commit(xid)
     want = sorted(m for ms in expected.values() for m in ms)
     assert len(store.partition("t", 0).segments()) >= 3
-    assert log.latest_offset == log.log_end_offset
+    assert log.last_stable_offset == log.visible_end
     assert rows(log) == want
     assert rows(log, max_bytes=1) == want  # one batch per reply
-    aborted = log.aborted_in(0, log.latest_offset)
+    aborted = log.aborted_in(0, log.last_stable_offset)
     assert len(aborted) > 0
     inside = int(aborted[0]["first"]) + 1  # a reader positioned inside an aborted range
     assert rows(log, inside) == [m for m in want if m[0] >= inside]
@@ -90,7 +90,7 @@ def test_interleaved_transactions_some_rolled_back_read_exactly_the_committed(tm
     store, tx = open_all(tmp_path, max_segment_size=4096)  # the snapshot at rolls + the tail scan
     log = store.partition("t", 0)
     assert rows(log) == want and log.txns.ongoing == {}
-    assert log.aborted_in(0, log.latest_offset).tolist() == aborted.tolist()
+    assert log.aborted_in(0, log.last_stable_offset).tolist() == aborted.tolist()
     tx.close()
     store.close()
 
@@ -103,7 +103,7 @@ def test_an_open_transaction_holds_the_last_stable_offset_until_its_timeout(tmp_
     first = tx.put("stuck", "t", 0, body("never")).base_offset
     log.append([b"after1"])
     log.append([b"after2"])
-    assert (log.latest_offset, log.log_end_offset) == (first, first + 3)
+    assert (log.last_stable_offset, log.visible_end) == (first, first + 3)
     assert [v for _, v in rows(log)] == ["before"]
     assert not log.wait_for_data(first, 0.05)  # a long poll at the stable offset waits
     assert log.read(first + 1).end_offset == first + 1  # between stable offset and log end: nothing yet
@@ -111,7 +111,7 @@ def test_an_open_transaction_holds_the_last_stable_offset_until_its_timeout(tmp_
     assert tx.expire() == []
     clock.now += 2
     assert tx.expire() == ["stuck"]
-    assert log.latest_offset == log.log_end_offset == first + 4  # the abort marker took an offset
+    assert log.last_stable_offset == log.visible_end == first + 4  # the abort marker took an offset
     assert rows(log) == [(0, "before"), (first + 1, "after1"), (first + 2, "after2")]
     with pytest.raises(TransactionError, match="rolled back"):
         tx.prepare("stuck")
@@ -142,7 +142,8 @@ CRASH = textwrap.dedent("""
     from pathlib import Path
     from metaq_broker.protocol import records
     from metaq_broker.store import MessageStore, TopicConfig
-    from metaq_broker.store.transactions import COMMIT, TransactionManager
+    from metaq_broker.store.transactions import TransactionManager
+    from metaq_broker.store.txn_journal import COMMIT
     path, step = Path(sys.argv[1]), sys.argv[2]
     store = MessageStore(path / "data", {"t": TopicConfig(num_partitions=2)}, background_interval=None)
     tx = TransactionManager(store, path / "data" / "transactions", default_timeout_s=5)
@@ -157,7 +158,7 @@ CRASH = textwrap.dedent("""
     elif step in ("prepared", "commit"):
         tx.prepare("k")
     if step == "commit":  # the decision journalled, one partition's marker written, the other's not
-        tx._write(COMMIT, {"xid": "k", "number": t.number}, fsync=True)
+        tx.journal.append(COMMIT, {"xid": "k", "number": t.number}, fsync=True)
         store.partition("t", 0).append_marker(t.number, commit=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
@@ -180,12 +181,12 @@ def test_a_broker_killed_at_each_step_of_a_transaction_settles_it_all_or_nothing
         assert got0 == ["plain", "a0", "a1"] and got1 == ["b0"]
     else:
         assert got0 == ["plain"] and got1 == []
-    assert p0.latest_offset == p0.log_end_offset and p1.latest_offset == p1.log_end_offset
+    assert p0.last_stable_offset == p0.visible_end and p1.last_stable_offset == p1.visible_end
     tx.close()
     store.close()
     store, tx = open_all(tmp_path)  # settled once: a second restart changes nothing
     assert [v for _, v in rows(store.partition("t", 0))] == got0
-    assert store.partition("t", 0).log_end_offset == p0.log_end_offset
+    assert store.partition("t", 0).visible_end == p0.visible_end
     tx.close()
     store.close()
 
@@ -235,14 +236,14 @@ def test_a_commit_that_fails_in_one_partition_finishes_by_itself_all_or_nothing(
         tx.commit("x")
     assert tx.state("x") == "committing"
     p1 = store.partition("t", 1)
-    assert [v for _, v in rows(store.partition("t", 0))] == ["a"] and rows(p1) == [] and p1.latest_offset == 0
+    assert [v for _, v in rows(store.partition("t", 0))] == ["a"] and rows(p1) == [] and p1.last_stable_offset == 0
     tx.expire()  # still full: still committing
     assert tx.state("x") == "committing"
     tx.close()
     store.close()
 
     store, tx = open_all(tmp_path)  # a restart while the disk is full
-    assert tx.state("x") == "committing" and store.partition("t", 1).latest_offset == 0
+    assert tx.state("x") == "committing" and store.partition("t", 1).last_stable_offset == 0
     disk.free()
     tx.expire()
     assert tx.state("x") == "committed"

@@ -6,8 +6,8 @@ import pytest
 from metaq_broker.errors import CorruptLogError, MessageTooLargeError, UnknownTopicError
 from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
-from metaq_broker.store.transactions import (COMMIT, JOURNAL, TransactionError, TransactionManager,
-                                             UnknownTransactionError)
+from metaq_broker.store.transactions import TransactionError, TransactionManager, UnknownTransactionError
+from metaq_broker.store.txn_journal import COMMIT, JOURNAL
 
 
 def markers(store, partition):
@@ -15,8 +15,8 @@ def markers(store, partition):
     log = store.partition("t", partition)
     out = []
     offset = 0
-    while offset < log.log_end_offset:
-        r = log.read(offset, 1 << 20, end=log.log_end_offset)
+    while offset < log.visible_end:
+        r = log.read(offset, 1 << 20, end=log.visible_end)
         data = r.data
         for pos, value_at in zip(r.batch_positions.tolist(), records.data_starts(data, r.batch_positions).tolist()):
             h = records.parse_header(data, pos)
@@ -39,9 +39,9 @@ def body(*values):
 
 def values(store, partition):
     log = store.partition("t", partition)
-    if log.latest_offset == 0:
+    if log.last_stable_offset == 0:
         return []
-    return [v.as_py().decode() for v in log.read_arrow(0, log.latest_offset).column("value")]
+    return [v.as_py().decode() for v in log.read_arrow(0, log.last_stable_offset).column("value")]
 
 
 def test_invisible_until_commit_then_atomic_per_partition(tmp_path):
@@ -135,7 +135,7 @@ def test_commit_cut_short_by_a_crash_is_finished_once(tmp_path):
     tx.prepare("k1")
     # The crash point: decision journalled, partition 0's marker written, partition 1's not, no DONE record.
     number = tx.get("k1").number
-    tx._write(COMMIT, {"xid": "k1", "number": number}, fsync=True)
+    tx.journal.append(COMMIT, {"xid": "k1", "number": number}, fsync=True)
     store.partition("t", 0).append_marker(number, commit=True)
     assert values(store, 0) == ["a"] and values(store, 1) == []
     tx.close()
@@ -210,8 +210,8 @@ def test_outcomes_with_a_decision_record_outlive_the_lru(tmp_path, monkeypatch):
     """A commit decision may be replayed long after: the outcome of a transaction begun with a decision
     record is kept (also across a restart) while the record exists, not only for KEEP_FINISHED later
     transactions; and a rollback of a forgotten xid does not claim it was rolled back."""
-    from metaq_broker.store import transactions
-    monkeypatch.setattr(transactions, "KEEP_FINISHED", 3)
+    from metaq_broker.store import txn_state
+    monkeypatch.setattr(txn_state, "KEEP_FINISHED", 3)
     store, tx = open_all(tmp_path)
     record = '{"path": "/meta/sinks/s/batches/00000000000000000001", "run": "r"}'
     for xid, coordinator in (("decided", record), ("plain", "")):
@@ -253,3 +253,21 @@ def test_a_transactions_own_timeout_governs_its_prepared_life_and_is_capped(tmp_
     assert [(t.xid, t.timeout_s) for t in tx.prepared()] == [("slow", 120)]
     tx.close()
     store.close()
+
+
+def test_a_transaction_moves_only_as_the_transition_table_says():
+    """The state machine's one table: the moves the XA calls, recovery and promotion make, and no other
+    (an illegal move raises naming both states and leaves the state as it was)."""
+    from metaq_broker.store.txn_state import Transaction, TxnState
+    legal = {("open", "prepared"), ("open", "aborting"), ("prepared", "committing"), ("prepared", "aborting"),
+             ("committing", "committed"), ("aborting", "rolled_back")}
+    for state in TxnState:
+        for to in TxnState:
+            t = Transaction("x", state, 60, 1)
+            if (state, to) in legal:
+                t.move(to)
+                assert t.state is to
+            else:
+                with pytest.raises(TransactionError, match=f"'x': no transition from {state.value} to {to.value}$"):
+                    t.move(to)
+                assert t.state is state

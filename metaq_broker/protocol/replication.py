@@ -28,7 +28,7 @@ from metaq_broker.protocol.records import NO_ABORTED
 REQUEST_HEAD = struct.Struct("<IHHII16sqiiII")
 REQUEST_IDENTITIES = 1  # request flag: send each partition log's identity (a master that predates it sends none)
 assert REQUEST_HEAD.size == 56
-# topic_len, 0, partition, fetch_offset (written end), durable_offset (fsynced end), last_epoch, 0; then the topic
+# topic_len, 0, partition, fetch_offset (log end offset), durable_offset (recovery point), last_epoch, 0; then the topic
 ENTRY = struct.Struct("<HHiqqII")
 assert ENTRY.size == 32
 MAX_PARTITIONS = 100_000
@@ -66,8 +66,8 @@ def pad8(n: int) -> int:
 class PartitionFetch:
     topic: str
     partition: int
-    fetch_offset: int  # the replica's written end
-    durable_offset: int  # its fsynced end (<= fetch_offset)
+    fetch_offset: int  # the replica's log end offset
+    durable_offset: int  # its recovery point, the fsynced end (<= fetch_offset)
     last_epoch: int  # the epoch of its batch just before fetch_offset
 
 

@@ -332,7 +332,7 @@ class Broker:
 
     def _standing(self) -> tuple:
         parts = self.store.all_partitions()
-        return (max([p.last_epoch for p in parts], default=0), sum(p.written_end for p in parts))
+        return (max([p.last_epoch for p in parts], default=0), sum(p.log_end_offset for p in parts))
 
     def _new_group_member(self) -> GroupMember:
         cfg = self.config
@@ -374,7 +374,7 @@ class Broker:
         """Every other in-sync member has fetched the whole log, durably, and the whole journal (the
         graceful hand-over waits for this before resigning)."""
         rm = self.replicas
-        ends = [((p.topic, p.partition), p.written_end) for p in self.store.all_partitions()]
+        ends = [((p.topic, p.partition), p.log_end_offset) for p in self.store.all_partitions()]
         for r in set(rm.isr) | set(rm.ack_set):
             if r == self.config.replica_id:
                 continue

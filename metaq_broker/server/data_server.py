@@ -501,7 +501,7 @@ class DataServer:
             where, log_, fd = located
             aborted = pack_aborted(where.aborted)
             header = REPLY.pack(REPLY.size + len(aborted), OK, where.start_offset, where.end_offset,
-                                log_.earliest_offset, log_.latest_offset, where.length) + aborted
+                                log_.earliest_offset, log_.last_stable_offset, where.length) + aborted
             if not where.length:
                 sock.sendall(header)
             else:

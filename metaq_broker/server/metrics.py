@@ -265,7 +265,7 @@ class BrokerCollector:
             "disk": GaugeMetricFamily("metaq_disk_bytes", "Bytes in segment files (indexes not counted)",
                                       labels=PARTITION),
             "earliest": GaugeMetricFamily("metaq_earliest_offset", "First offset still stored", labels=PARTITION),
-            "latest": GaugeMetricFamily("metaq_latest_offset", "Next offset to be written (log end)",
+            "latest": GaugeMetricFamily("metaq_latest_offset", "The end of the acknowledged log (visible end)",
                                         labels=PARTITION),
             "stable": GaugeMetricFamily("metaq_last_stable_offset", "Where readers stop: the first offset of "
                                         "the oldest open transaction, else the log end", labels=PARTITION),
@@ -286,8 +286,8 @@ class BrokerCollector:
                 gauges["segments"].add_metric(labels, len(p.segments()))
                 gauges["disk"].add_metric(labels, p.size_bytes)
                 gauges["earliest"].add_metric(labels, p.earliest_offset)
-                stable = p.latest_offset  # read first: it never passes the log end read after it
-                gauges["latest"].add_metric(labels, p.log_end_offset)
+                stable = p.last_stable_offset  # read first: it never passes the visible end read after it
+                gauges["latest"].add_metric(labels, p.visible_end)
                 gauges["stable"].add_metric(labels, stable)
                 fsyncs.add_metric(labels, p.fsync_count)
                 fsync_s.add_metric(labels, p.fsync_seconds)
@@ -422,7 +422,7 @@ class BrokerCollector:
                     continue  # a topic or partition this broker does not hold (any more)
                 if offset < 0:
                     continue  # not a number: nothing committed that a lag could be measured from
-                stable = p.latest_offset
+                stable = p.last_stable_offset
                 labels = [group, topic, name]
                 lag.add_metric(labels, max(stable - offset, 0))
                 if offset >= stable:

@@ -313,8 +313,8 @@ class ReplicaFetcher:
     def _request(self, epoch: int):
         parts = []
         for p in self.store.all_partitions():
-            end = p.written_end
-            parts.append(rp.PartitionFetch(p.topic, p.partition, end, p.durable_offset, p.epoch_before(end)))
+            end = p.log_end_offset
+            parts.append(rp.PartitionFetch(p.topic, p.partition, end, p.recovery_point, p.epoch_before(end)))
         seq = self.transactions.applied_seq if self.transactions is not None else 0
         return rp.FetchRequest(epoch, self.replica_id, self.uuid, seq, MAX_WAIT_MS, MAX_BYTES, parts)
 
@@ -355,7 +355,7 @@ class ReplicaFetcher:
                 self._truncate(part, sec.epoch, sec.offset)
             elif sec.status == rp.RESET:
                 log.warning("%s: the master's log starts at %d (epoch %d), beyond this replica's end %d: starting "
-                            "the partition over there", part.name, sec.offset, sec.epoch, part.written_end)
+                            "the partition over there", part.name, sec.offset, sec.epoch, part.log_end_offset)
                 part.reset_to(sec.offset, epoch=sec.epoch)
             elif sec.status == rp.SECTION_DATA and len(sec.records):
                 part.append_replicated(sec.records)
@@ -363,7 +363,7 @@ class ReplicaFetcher:
             if sec.status != rp.SECTION_UNKNOWN:
                 self.learned_hw[key] = sec.hw
         for part in written:
-            part.make_durable(part.written_end)
+            part.make_durable(part.log_end_offset)
         if self.transactions is not None:
             self.transactions.apply_pending()
         return bool(head.flags & rp.FLAG_TOPICS_CHANGED)
@@ -371,11 +371,11 @@ class ReplicaFetcher:
     def _truncate(self, part, epoch: int, end: int) -> None:
         """KIP-279: the master's largest epoch <= ours is ``epoch``, ending at ``end``. If we hold that epoch,
         cut to where it ends on both sides; if not, cut to the end of our largest epoch below it and ask again."""
-        mine, my_end = part.epochs.end_offset_for(epoch, part.written_end)
+        mine, my_end = part.epochs.end_offset_for(epoch, part.log_end_offset)
         # Epoch 0 (offsets before a log's first stamp) is held by every log, so epoch - 1 >= 0 below.
-        cut = min(end, my_end, part.written_end) if mine == epoch else \
-            part.epochs.end_offset_for(epoch - 1, part.written_end)[1]
-        before = part.written_end
+        cut = min(end, my_end, part.log_end_offset) if mine == epoch else \
+            part.epochs.end_offset_for(epoch - 1, part.log_end_offset)[1]
+        before = part.log_end_offset
         new_end = part.truncate_to(max(cut, part.earliest_offset))
         if new_end < before:
             self.truncations += 1

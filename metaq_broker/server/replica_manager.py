@@ -43,7 +43,7 @@ class ReplicaProgress:
     replica_id: int
     uuid: str
     durable: dict = field(default_factory=dict)  # (topic, partition) -> fsynced end, validated entries only
-    fetched: dict = field(default_factory=dict)  # (topic, partition) -> its written end in the last request (lag)
+    fetched: dict = field(default_factory=dict)  # (topic, partition) -> its log end offset in the last request (lag)
     sent_end: dict = field(default_factory=dict)  # (topic, partition) -> master log end in the last reply
     sent_journal: int = 0  # journal_last_seq of the last reply
     sent_at: float = 0.0  # monotonic time of the last reply
@@ -131,7 +131,7 @@ class ReplicaManager:
             self._hw = {}
             for p in self.store.all_partitions():
                 key = (p.topic, p.partition)
-                self._hw[key] = min(max((hw_hint or {}).get(key, 0), p.earliest_offset), p.written_end)
+                self._hw[key] = min(max((hw_hint or {}).get(key, 0), p.earliest_offset), p.log_end_offset)
                 p.set_high_watermark(self._hw[key] if self._capped else None)
             self._cond.notify_all()
         self.refresh_all()
@@ -215,7 +215,7 @@ class ReplicaManager:
             part = self.store.partition(topic, partition)
         except Exception:  # noqa: BLE001 - a topic dropped under us: nothing to wait for
             return 1 << 62
-        hw = part.log_end_offset  # what the topic's flush policy acknowledges: fsynced, or written (unflushThreshold)
+        hw = part.visible_end  # what the topic's flush policy acknowledges: fsynced, or written (unflushThreshold)
         for r in self.ack_set:
             if r == self.replica_id:
                 continue
@@ -296,7 +296,7 @@ class ReplicaManager:
                     now_ok = prev_ok = False
                     continue
                 prog.durable[key] = min(pf.durable_offset, pf.fetch_offset)
-                now_ok = now_ok and pf.fetch_offset >= part.written_end
+                now_ok = now_ok and pf.fetch_offset >= part.log_end_offset
                 prev_ok = prev_ok and pf.fetch_offset >= prog.sent_end.get(key, 0)
             missing = self._missing_partitions(req)
             if not missing and (now_ok or prev_ok):
@@ -331,7 +331,7 @@ class ReplicaManager:
     @staticmethod
     def _divergence(part, pf) -> Optional[tuple]:
         """(e', end) when the replica's log parted from this one (KIP-279's answer), else None."""
-        e, end = part.epochs.end_offset_for(pf.last_epoch, part.written_end)
+        e, end = part.epochs.end_offset_for(pf.last_epoch, part.log_end_offset)
         return (e, end) if e != pf.last_epoch or pf.fetch_offset > end else None
 
     def _missing_partitions(self, req) -> bool:
@@ -347,8 +347,8 @@ class ReplicaManager:
                 sections.append(Section(rp.SECTION_UNKNOWN))
                 continue
             key = (pf.topic, pf.partition)
-            log_end, hw = part.written_end, self._hw.get(key, 0)
-            base = dict(earliest=part.earliest_offset, latest=part.latest_offset, log_end=log_end, hw=hw)
+            log_end, hw = part.log_end_offset, self._hw.get(key, 0)
+            base = dict(earliest=part.earliest_offset, latest=part.last_stable_offset, log_end=log_end, hw=hw)
             parted = self._divergence(part, pf)
             if parted is not None:
                 sections.append(Section(rp.DIVERGING, epoch=parted[0], offset=parted[1], **base))
@@ -444,7 +444,7 @@ class ReplicaManager:
         if any(prog.durable.get(key, -1) < self._hw.get(key, 0) for key in parts):
             return False
         if not self._capped:  # the first replica to join: from now on readers stop at the HW
-            if any(prog.durable.get(key, -1) < p.log_end_offset for key, p in parts.items()):
+            if any(prog.durable.get(key, -1) < p.visible_end for key, p in parts.items()):
                 return False  # not caught up with what readers may have seen
             frozen = {key: p.cap_at_visible() for key, p in parts.items()}
             if any(prog.durable.get(key, -1) < hw for key, hw in frozen.items()):
@@ -487,10 +487,10 @@ class ReplicaManager:
     def describe(self) -> dict:
         """What ``DescribeGroup`` and the metrics show, read under the lock: ``{"epoch", "active", "isr",
         "partitions", "replicas": {replicaId: {"uuid", "lag", "caught_up_ago", "journal_lag"}}}``. A replica's
-        lag is the master's written end less the replica's, summed over partitions (offsets, so epoch and
+        lag is the master's log end offset less the replica's, summed over partitions (offsets, so epoch and
         transaction markers count); a partition it has not asked for yet counts whole."""
         parts = self.store.all_partitions()
-        ends = [((p.topic, p.partition), p.written_end, p.earliest_offset) for p in parts]
+        ends = [((p.topic, p.partition), p.log_end_offset, p.earliest_offset) for p in parts]
         with self._cond:
             now = self._clock()
             seq = self.transactions.journal_seq if self.transactions is not None else 0

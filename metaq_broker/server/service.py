@@ -124,7 +124,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         for p in self.store.partitions(topic):
             parts.append(pb.PartitionDescription(
                 partition=p.partition, name=self._name(p.partition), earliest=p.earliest_offset,
-                latest=p.latest_offset, bytes=p.size_bytes, segments=len(p.segments()),
+                latest=p.last_stable_offset, bytes=p.size_bytes, segments=len(p.segments()),
                 closed=(topic, p.partition) in self._closed))
         return pb.TopicDescription(topic=topic, broker_id=self.broker_id, partitions=parts,
                                    config=topic_ini_values(config))
@@ -249,7 +249,7 @@ class BrokerService(pb_grpc.BrokerServicer):
         result, log_ = self._read_request(request, context, principal)
         return pb.FetchResponse(start_offset=result.start_offset, end_offset=result.end_offset,
                                 records=result.data.tobytes(), batch_positions=result.batch_positions.tolist(),
-                                earliest_offset=log_.earliest_offset, latest_offset=log_.latest_offset,
+                                earliest_offset=log_.earliest_offset, latest_offset=log_.last_stable_offset,
                                 aborted=result.aborted.astype(records.ABORTED_DTYPE, copy=False).tobytes(),
                                 partition_id=log_.identity)
 
@@ -257,7 +257,7 @@ class BrokerService(pb_grpc.BrokerServicer):
     def FetchRaw(self, request, context, principal):
         """``Fetch`` answered as a struct header and the record bytes (``rawfetch``): no protobuf copies."""
         result, log_ = self._read_request(request, context, principal)
-        return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.latest_offset,
+        return rawfetch.pack(result.start_offset, result.end_offset, log_.earliest_offset, log_.last_stable_offset,
                              result.data, result.aborted)
 
     def raw_handler(self) -> grpc.GenericRpcHandler:
@@ -276,8 +276,8 @@ class BrokerService(pb_grpc.BrokerServicer):
             p = self.store.partition(q.topic, q.partition)
             hw = p.high_watermark
             item = pb.PartitionOffsets(topic=q.topic, partition=q.partition, earliest=p.earliest_offset,
-                                       latest=p.latest_offset, log_end_offset=p.log_end_offset, for_timestamp=-1,
-                                       after_bytes=-1, high_watermark=p.log_end_offset if hw is None else hw,
+                                       latest=p.last_stable_offset, log_end_offset=p.visible_end, for_timestamp=-1,
+                                       after_bytes=-1, high_watermark=p.visible_end if hw is None else hw,
                                        partition_id=p.identity)
             if q.HasField("timestamp_ms"):
                 item.for_timestamp = p.offset_for_timestamp(q.timestamp_ms)
@@ -434,7 +434,7 @@ class BrokerService(pb_grpc.BrokerServicer):
             return
         with self._after_append("the transaction's record"):
             for topic, partition in sorted(partitions):
-                self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).written_end)
+                self.replicas.await_hw(topic, partition, self.store.partition(topic, partition).log_end_offset)
             self.replicas.await_journal(self.transactions.journal_seq, [t for t, _ in partitions])
             self._gate(admit=False)
 

@@ -1,4 +1,4 @@
-"""The record framing of the transaction journals (``transactions.py`` and the earlier ``journal_v1.py``):
+"""The record framing of the transaction journals (``txn_journal.py`` and the earlier ``journal_v1.py``):
 ``u32 payload length | u32 CRC-32C of (type byte, payload) | u8 type | payload``. A record that is short or
 fails its checksum ends the journal (a torn tail) unless a valid record follows (damage: refuse)."""
 from __future__ import annotations

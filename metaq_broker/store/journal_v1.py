@@ -129,7 +129,7 @@ def finish_commit(store, journal: OldJournal, t: OldTransaction) -> None:
 
 def _count_numbered(part, from_offset: int, number: int) -> int:
     found, offset = 0, max(from_offset, part.earliest_offset)
-    while offset < part.latest_offset:
+    while offset < part.last_stable_offset:
         r = part.read(offset, 8 << 20)
         for pos in r.batch_positions.tolist():
             found += records.parse_header(r.data, pos).txn == number

@@ -82,7 +82,7 @@ class MessageStore:
             config = config.with_(num_partitions=count)
         self._configs[topic] = config
         for p in range(count):
-            part = PartitionLog(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
+            part = PartitionLog.open(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
                                 self._repair, on_written=self.notify_written)
             if self._epoch is not None:
                 part.begin_epoch(*self._epoch)

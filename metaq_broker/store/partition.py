@@ -1,7 +1,7 @@
 """A partition: an append-only log of segments with a sparse offset index (MetaQ's MessageStore).
 
 Concurrency: appends are serialised by one lock; reads take no lock. A reader takes a snapshot (the
-segment tuple and the visible end offset, both replaced whole, never mutated) and reads index entries
+segment tuple and the visible end, both replaced whole, never mutated) and reads index entries
 and bytes below that end, which no writer touches again. Under group commit the visible end moves only
 after an fsync, so a reader never sees a message that was not acknowledged, and never a partial batch.
 
@@ -18,7 +18,7 @@ The log's identity (``identity``) is made with it and copied by replicas.
 
 Replication (docs/design/replication-plan.md) adds: an epoch marker before a master epoch's first append
 (``begin_epoch``, the ``epochs`` file), a verbatim copy of a master's batches (``append_replicated``), cuts
-(``truncate_to``, ``reset_to``), reads up to the written end for replicas (``locate(end=written_end)``),
+(``truncate_to``, ``reset_to``), reads up to the log end offset for replicas (``locate(end=log_end_offset)``),
 and a high watermark capping what readers see (``set_high_watermark``).
 """
 from __future__ import annotations
@@ -44,23 +44,18 @@ from metaq_broker.store import epochs as epoch_file
 from metaq_broker.store import identity as identity_file
 from metaq_broker.store import offset_index
 from metaq_broker.store.config import TopicConfig
-from metaq_broker.store.durable import fsync_dir, replace_file
+from metaq_broker.store.durable import fsync_dir
 from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.partition_txns import PartitionTxns, has_markers
 from metaq_broker.store.producer_state import ProducerStates, Stored, last_sequence
-from metaq_broker.store.recovery import (ARCHIVE_DIR, batch_table, last_msg_id, last_timestamp, open_epochs,
-                                         recover, scan_segment, walk_batches)
+from metaq_broker.store.log_loader import LoadedLog, load, read_batches, save_snapshots, stream_columns, stream_end
+from metaq_broker.store.recovery import ARCHIVE_DIR, batch_table, scan_segment, walk_batches
 from metaq_broker.store.retention import archive_segment, removal_reason
-from metaq_broker.store.segment import SEGMENT_HEADER_SIZE, Segment, batch_starts
+from metaq_broker.store.segment import Segment, batch_starts, segment_for
 
 NO_PRODUCER = (records.NO_PRODUCER,) * 3
 
 log = logging.getLogger(__name__)
-
-# Present while the partition acknowledges appends before an fsync covers them (unflushThreshold > 0), and
-# until the first recovery after switching back to group commit: recovery must then not assume that every
-# acknowledged batch was fsynced.
-ACKS_BEFORE_FSYNC = "acks-before-fsync"
 
 
 @dataclass(frozen=True)
@@ -153,13 +148,42 @@ class SegmentInfo:
 class PartitionLog:
     """One topic partition stored as ``<data>/<topic>-<n>/<20-digit start position>.meta`` segments."""
 
-    def __init__(self, directory, topic: str, partition: int, config: TopicConfig,
-                 ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False,
-                 on_written: Optional[Callable[[], None]] = None):
-        self.directory = Path(directory)
+    # The offsets, with Kafka's names, from the lowest, and the lock under which each one moves:
+    #
+    #   earliest_offset     the first offset held (Kafka's log start offset): the first segment's base.
+    #                       ``_segments`` is replaced whole under ``_write_lock`` (roll, retention, cuts).
+    #   last_stable_offset  readers read below it (Kafka's LSO): the least of the visible end, the first
+    #                       batch of the oldest unsettled transaction (``txns``, changed under
+    #                       ``_write_lock``) and the high watermark. Derived, no field.
+    #   high_watermark      ``_hw``: a replicated group's cap, what every in-sync member holds; None without
+    #                       replication or while the master alone is in sync. ``_write_lock``.
+    #   visible_end         ``_visible_end``: the end readers may see before the transaction and replication
+    #                       caps, transaction batches and markers included. Kafka has no such offset: it
+    #                       shows a batch once written, MetaQ's group commit only once an fsync covers it
+    #                       (acknowledged then). So it moves with the recovery point under group commit
+    #                       (``_flush_cond``, by the fsync's leader) and with the log end offset under
+    #                       unflushThreshold > 0 (``_write_lock``, by the append).
+    #   recovery_point      ``_recovery_point``: one past the last fsynced batch (Kafka's recovery point:
+    #                       recovery after a crash starts there). ``_flush_cond`` (group commit's leader) or
+    #                       ``_write_lock`` (an fsync of ``flush``, ``make_durable``, unflushThreshold).
+    #   log_end_offset      ``_log_end_offset``: the next offset to be written (Kafka's LEO), fsynced or not;
+    #                       a replica's copy reads up to it. ``_write_lock``.
+    #
+    # earliest <= LSO <= visible end <= LEO, recovery point <= LEO. A cut (``truncate_to``, ``reset_to``)
+    # brings the LEO, the recovery point, the visible end and a high watermark above it down to the cut,
+    # under ``_write_lock`` (and ``_flush_cond``). Readers take no lock: they read the ends first, then
+    # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
+    # ``_flush_cond``, then ``_data_cond`` (waiters for data only); a group commit's leader releases
+    # ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock`` too: ``_metaq_end``,
+    # ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``, ``_identity``, ``_closed``.
+
+    def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
+                 ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
+        """A log over what ``log_loader.load`` returned; ``open`` loads and constructs."""
+        self.directory = loaded.directory
         self.topic, self.partition, self.config = topic, partition, config
         self.name = f"{topic}-{partition}"
-        self._ids = ids or MessageIdAllocator()
+        self._ids = ids
         self._clock = clock
         self._write_lock = threading.Lock()
         self._flush_cond = threading.Condition()
@@ -171,116 +195,41 @@ class PartitionLog:
         self._on_written = on_written  # told after every append (the store's wait_written)
         self._hw: Optional[int] = None  # readers' cap (replication); None: none
         self._next_epoch: Optional[tuple] = None  # (epoch, replica id) whose marker the next append writes
-        self._epochs_dirty = False  # an epochs save failed: retried before the next roll or close
+        self._epochs_dirty = loaded.epochs_dirty  # an epochs save failed: retried before the next roll or close
         self._truncations = 0  # bumped by truncate_to/reset_to: a group-commit leader's target is stale then
-        self._identity = identity_file.load_or_create(self.directory)  # before the first segment: a new log's
-        acks_before_fsync = not config.group_commit or (self.directory / ACKS_BEFORE_FSYNC).exists()
-        cut = ("repair was asked for: messages after the damage are gone" if repair
-               else None if acks_before_fsync
-               else "under group commit no fsync covered them, so none was acknowledged")
-        segments = recover(self.directory, self.name, cut, config.index_interval_bytes)
-        self._record_flush_mode()
-        self._segments: tuple = tuple(segments)
-        active = segments[-1]
-        self._next_offset = active.next_offset
-        self._last_ts = last_timestamp(segments)
-        self._visible_offset = self._next_offset  # everything recovered is on disk
-        self._durable_offset = self._next_offset
-        self.txns = PartitionTxns()
-        scan_from = self.txns.load(self.directory)
-        self.producers = ProducerStates(self.name, config.producer_id_expiration_ms)
-        producers_from = self.producers.load(self.directory)
-        self._epochs, epochs_damaged = open_epochs(self.directory, self.name, self._next_offset)
-        self._epochs.trim(self.earliest_offset)  # retention's cut may have come before its trim was saved
-        # No snapshot: a directory of the metaq that kept transactions out of the log, or one whose first
-        # snapshot could not be written yet (a roll always writes one first): transactional batches can
-        # then only be in the active segment, which recovery has just read. Every epoch marker below the
-        # snapshot's offset is in the epochs file (saved in the marker's write-lock hold, or retried
-        # before the snapshot), so the same scan finds those missing after a crash. The producers'
-        # snapshot is written with the transactions' and follows the same rule.
-        found = self._scan_txns(*(active.base_offset if at is None else max(at, self.earliest_offset)
-                                  for at in (scan_from, producers_from)))
-        self._metaq_end = self._stream_end()
-        if epochs_damaged:
-            found = [e for u8, pos in self._batches(self.earliest_offset, self._next_offset)
-                     for e in epoch_file.markers(u8, pos)]
-        try:
-            if self._epochs.add_missing(found) or epochs_damaged:
-                self._epochs.save()
-                log.info("%s: epochs from the log's markers: %s", self.name,
-                         [(e.epoch, e.start) for e in self._epochs.entries])
-        except OSError as e:  # e.g. a full disk: kept in memory, saved again before the next roll
-            log.warning("%s: could not write its epochs file (%s)", self.name, e)
-            self._epochs_dirty = True
-        try:
-            self._save_txns()
-        except OSError as e:  # e.g. a full disk: the next open scans from the older snapshot again
-            log.warning("%s: could not write %s (%s)", self.name, "its transaction snapshot", e)
+        self._identity = loaded.identity
+        self._segments: tuple = loaded.segments
+        self._log_end_offset = loaded.segments[-1].next_offset
+        self._last_ts = loaded.last_timestamp
+        self._visible_end = self._log_end_offset  # everything loaded is on disk
+        self._recovery_point = self._log_end_offset
+        self.txns = loaded.txns
+        self.producers = loaded.producers
+        self._epochs = loaded.epochs
+        self._metaq_end = loaded.metaq_end
         self._unflushed = 0
         self._last_flush = clock()
         self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
-        last_id = last_msg_id(segments)
-        if last_id is not None:
-            self._ids.observe(last_id)
 
-    def _record_flush_mode(self) -> None:
-        """Keep ACKS_BEFORE_FSYNC in step with the flush policy. Recovery has just fsynced the tail, so
-        under group commit every acknowledged batch is durable from here on and the marker can go."""
-        marker = self.directory / ACKS_BEFORE_FSYNC
-        if self.config.group_commit:
-            if marker.exists():
-                marker.unlink()
-                fsync_dir(self.directory)
-        elif not marker.exists():
-            replace_file(marker, b"")
-
-    def _scan_txns(self, from_offset: int, producers_from: int) -> list:
-        """Take in the transactional batches and markers written from ``from_offset`` on, and idempotent
-        producers' batches from ``producers_from`` on (recovery); returns the epoch markers seen."""
-        found = []
-        for u8, positions in self._batches(min(from_offset, producers_from), self._next_offset):
-            base = records.headers_at(u8, positions)["base_offset"]
-            ours = positions[base >= from_offset]
-            self.txns.scan(u8, ours)
-            found += epoch_file.markers(u8, ours)
-            self.producers.scan(u8, positions[base >= producers_from])
-        return found
-
-    def _stream_end(self) -> int:
-        """Where the next batch starts in the MetaQ message stream (docs/storage-format.md, 3.5): the end
-        of the last batch; for a version 2 batch computed over its segment (whose first version 2 batch
-        starts at METAQ_ANCHOR x the segment's start); METAQ_ANCHOR x the active segment's start when no batch
-        is before it but one of version 2 in an earlier segment, or none at all (a new log: 0)."""
-        segs = self._segments
-        tail = segs[-1]
-        last = tail if tail.count else segs[-2] if len(segs) > 1 and segs[-2].count else None
-        if last is None:
-            return records.METAQ_ANCHOR * tail.start
-        final = last.batch_at(last.next_offset - 1, last.next_offset)
-        _, _, metaq, byte_base = _stream_columns(last.read(final.position, final.length), np.zeros(1, np.int64))
-        if byte_base[0] >= 0:
-            return int(byte_base[0] + metaq[0])
-        if last is not tail:
-            return records.METAQ_ANCHOR * tail.start
-        first = tail.start + SEGMENT_HEADER_SIZE
-        u8 = tail.read(first, tail.end - first)
-        _, _, metaq, byte_base = _stream_columns(u8, batch_starts(u8, tail.path))
-        return int(records.stream_ends(byte_base, metaq, records.METAQ_ANCHOR * tail.start)[-1])
+    @classmethod
+    def open(cls, directory, topic: str, partition: int, config: TopicConfig,
+             ids: Optional[MessageIdAllocator] = None, clock=time.time, repair: bool = False,
+             on_written: Optional[Callable[[], None]] = None) -> "PartitionLog":
+        """Load partition ``topic``-``partition`` from ``directory`` (``log_loader.load``: recovery,
+        transaction and producer state, epochs, identity) and return the log over it. ``repair``: let
+        recovery cut a damaged tail followed by valid batches."""
+        ids = ids or MessageIdAllocator()
+        loaded = load(directory, f"{topic}-{partition}", config, ids, clock, repair)
+        return cls(loaded, topic, partition, config, ids, clock, on_written)
 
     def _batches(self, start: int, stop: int):
-        """(bytes, batch starts in them) of the written batches holding offsets [start, stop), 64 MiB at a
-        time: header scans of recovery, truncation and the first HW."""
-        offset = start
-        while offset < stop:
-            seg, first, length, n = self._plan_read(offset, 64 << 20, None, stop)
-            u8 = seg.read(first, length)
-            yield u8, batch_starts(u8, seg.path)
-            offset += n
+        """``log_loader.read_batches`` over this log's segments."""
+        return read_batches(self._segments, start, stop)
 
     def _save_txns(self) -> None:
-        """Write the transaction and the producers' snapshots as of the written end."""
-        self.txns.save(self.directory, self._next_offset, self.earliest_offset)
-        self.producers.save(self.directory, self._next_offset, max(int(self._clock() * 1000), self._last_ts))
+        """Write the transaction and the producers' snapshots as of the log end offset."""
+        save_snapshots(self.directory, self.txns, self.producers, self._log_end_offset, self.earliest_offset,
+                       max(int(self._clock() * 1000), self._last_ts))
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -315,28 +264,35 @@ class PartitionLog:
         return self._segments[0].base_offset
 
     @property
-    def latest_offset(self) -> int:
-        """The last stable offset: readers read below it (Kafka's LSO, the end a read_committed consumer
-        sees). It stops at the first batch of the oldest unsettled transaction, and at the high watermark
-        when one is set."""
-        visible = self._visible_offset  # read first: every transactional batch below it is in txns by now
+    def last_stable_offset(self) -> int:
+        """Readers read below it (Kafka's LSO, the end a read_committed consumer sees): the visible end,
+        stopped at the first batch of the oldest unsettled transaction, and at the high watermark when one
+        is set."""
+        visible = self._visible_end  # read first: every transactional batch below it is in txns by now
         first, hw = self.txns.first_unstable(), self._hw
         return min(visible, visible if first is None else first, visible if hw is None else hw)
-
-    @property
-    def written_end(self) -> int:
-        """One past the last written batch, fsynced or not: where a replica's copy reads up to."""
-        return self._next_offset
-
-    @property
-    def durable_offset(self) -> int:
-        """One past the last fsynced batch."""
-        return self._durable_offset
 
     @property
     def high_watermark(self) -> Optional[int]:
         """The readers' cap (``set_high_watermark``); None: none."""
         return self._hw
+
+    @property
+    def visible_end(self) -> int:
+        """One past the last published batch, unsettled transactions and markers included: fsynced under
+        group commit, written under unflushThreshold > 0."""
+        return self._visible_end
+
+    @property
+    def recovery_point(self) -> int:
+        """One past the last fsynced batch (Kafka's recovery point)."""
+        return self._recovery_point
+
+    @property
+    def log_end_offset(self) -> int:
+        """The next offset to be written (Kafka's LEO): one past the last written batch, fsynced or not;
+        where a replica's copy reads up to."""
+        return self._log_end_offset
 
     @property
     def epochs(self) -> EpochFile:
@@ -352,11 +308,6 @@ class PartitionLog:
     def epoch_before(self, offset: int) -> int:
         """The epoch of the batch just before ``offset`` (a replica's fetch says it); 0 for none."""
         return self._epochs.epoch_at(offset - 1) if offset > 0 else 0
-
-    @property
-    def log_end_offset(self) -> int:
-        """One past the last written and published message, unsettled transactions and markers included."""
-        return self._visible_offset
 
     def aborted_in(self, start: int, end: int) -> np.ndarray:
         """The aborted transactions with batches in offsets [start, end) (``records.ABORTED_DTYPE``)."""
@@ -420,7 +371,7 @@ class PartitionLog:
             log.debug("%s: a batch sent again (offsets %d-%d): answered with its first offsets", self.name,
                       stored.base_offset, end - 1)
             return [AppendResult(stored.base_offset, stored.count, stored.base_msg_id, stored.timestamp,
-                                 self._durable_offset >= end, duplicate=True)]
+                                 self._recovery_point >= end, duplicate=True)]
         self._written()
         if self.config.group_commit and not transactional:
             self._await_durable(end)
@@ -428,7 +379,7 @@ class PartitionLog:
 
     def _append_locked(self, bodies: list, txn: int, flags: int, commit: bool, producer: Optional[tuple],
                        ts: int) -> tuple:
-        """``append_bodies`` under the write lock: (results, the written end)."""
+        """``append_bodies`` under the write lock: (results, the log end offset)."""
         transactional = bool(flags & records.TRANSACTIONAL)
         results = []
         marker = None if self._next_epoch is None else self._due_epoch_marker()
@@ -444,7 +395,7 @@ class PartitionLog:
                 marker = None
             base, msg_id = placed[-1]
             results.append(AppendResult(base, body.count, msg_id, ts, self.config.group_commit and not transactional))
-        end = self._next_offset
+        end = self._log_end_offset
         self._last_ts = ts
         if not self.config.group_commit:
             self._unflushed += sum(b.count for b in bodies)
@@ -467,7 +418,7 @@ class PartitionLog:
         if seg.count and seg.size + nbytes > self.config.max_segment_size:
             seg = self._roll()
         parts, batches, placed = [], [], []
-        offset, position, metaq_end = self._next_offset, seg.end, self._metaq_end
+        offset, position, metaq_end = self._log_end_offset, seg.end, self._metaq_end
         for body, txn, flags, _, producer in items:
             msg_id = self._ids.allocate(body.count)
             header = records.encode_header(body, offset, msg_id, ts, txn, flags, producer or NO_PRODUCER, metaq_end)
@@ -489,7 +440,7 @@ class PartitionLog:
                 pid, epoch, seq = producer
                 self.producers.on_batch(pid, epoch, Stored(seq, last_sequence(seq, body.count), base, body.count,
                                                            msg_id, ts))
-        self._next_offset, self._metaq_end = offset, metaq_end
+        self._log_end_offset, self._metaq_end = offset, metaq_end
         return placed
 
     def _written(self) -> None:
@@ -543,7 +494,7 @@ class PartitionLog:
             return
         with self._write_lock:
             self._check_open()
-            if self._durable_offset < offset:
+            if self._recovery_point < offset:
                 self._fsync_active_locked()
 
     def check_size(self, body: records.EncodedBody) -> None:
@@ -561,7 +512,8 @@ class PartitionLog:
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
         n = len(old.entries())
-        new = Segment.create(self.directory, old.end, self._next_offset, self.config.index_interval_bytes, n + n // 8)
+        new = Segment.create(self.directory, old.end, self._log_end_offset, self.config.index_interval_bytes,
+                             n + n // 8)
         self._segments = self._segments + (new,)
         self._unflushed = 0
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
@@ -581,18 +533,18 @@ class PartitionLog:
             raise
         self._unflushed = 0
         self._last_flush = self._clock()
-        self._durable_offset = self._next_offset
+        self._recovery_point = self._log_end_offset
 
     def _await_durable(self, offset: int) -> None:
         """Group commit: whoever finds no fsync running becomes the leader and fsyncs everything written
         so far; the others wait for it. One fsync acknowledges every append that was waiting."""
         with self._flush_cond:
-            while self._durable_offset < offset:
+            while self._recovery_point < offset:
                 if self._failed is not None:
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({self._failed}); "
                                            f"the append at offset {offset} was not acknowledged")
-                if offset > self._next_offset:
-                    raise StoreClosedError(f"partition {self.name} was truncated to offset {self._next_offset} "
+                if offset > self._log_end_offset:
+                    raise StoreClosedError(f"partition {self.name} was truncated to offset {self._log_end_offset} "
                                            f"(replication); the append at offset {offset} was not acknowledged")
                 if self._flush_in_progress or self._closing:
                     # While closing, close() itself fsyncs and then releases every waiter.
@@ -603,7 +555,7 @@ class PartitionLog:
                 error = None
                 try:
                     with self._write_lock:
-                        target, seg, cuts = self._next_offset, self._segments[-1], self._truncations
+                        target, seg, cuts = self._log_end_offset, self._segments[-1], self._truncations
                     self._fsync(seg)  # earlier segments were fsynced when they were sealed
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter below
                     error = e
@@ -614,39 +566,39 @@ class PartitionLog:
                     self._failed = error
                     self._flush_cond.notify_all()
                     raise StoreClosedError(f"partition {self.name}: fsync failed ({error})") from error
-                if target > self._durable_offset and cuts == self._truncations:
-                    self._durable_offset = target
+                if target > self._recovery_point and cuts == self._truncations:
+                    self._recovery_point = target
                     self._publish(target)
                 self._flush_cond.notify_all()
 
     def _publish(self, offset: int) -> None:
         """Make messages below ``offset`` visible to readers and wake those waiting for data."""
-        if offset > self._visible_offset:
-            self._visible_offset = offset
+        if offset > self._visible_end:
+            self._visible_end = offset
             with self._data_cond:
                 self._data_cond.notify_all()
 
     def wait_for_data(self, offset: int, timeout: float) -> bool:
         """Block until a message at ``offset`` or later is readable (or ``timeout`` seconds pass, or the
-        partition closes); True when there is data. Lets a consumer at the log end long-poll."""
+        partition closes); True when there is data. Lets a consumer at the last stable offset long-poll."""
         deadline = time.monotonic() + timeout
         with self._data_cond:
-            while self.latest_offset <= offset and not self._closed:
+            while self.last_stable_offset <= offset and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._data_cond.wait(left)
-        return self.latest_offset > offset
+        return self.last_stable_offset > offset
 
     def flush(self) -> None:
         """fsync whatever is written; afterwards every acknowledged message is durable."""
         with self._write_lock:
             self._check_open()
             self._fsync_active_locked()
-            target, cuts = self._next_offset, self._truncations
+            target, cuts = self._log_end_offset, self._truncations
         with self._flush_cond:
             if cuts == self._truncations:
-                self._durable_offset = max(self._durable_offset, target)
+                self._recovery_point = max(self._recovery_point, target)
                 self._publish(target)
             self._flush_cond.notify_all()
 
@@ -664,13 +616,13 @@ class PartitionLog:
     # -- replication: copy, cut, cap ------------------------------------------------------------------
     def append_replicated(self, data, batch_positions: Optional[np.ndarray] = None) -> int:
         """Append a master's batches verbatim (offsets, ids, timestamps, transaction numbers, flags), as
-        its segment file holds them: whole batches from ``written_end`` on. Every batch's checksums and
+        its segment file holds them: whole batches from ``log_end_offset`` on. Every batch's checksums and
         the offsets' continuity are checked first; on any mismatch CorruptLogError and nothing written.
-        Rolls segments as ``append`` does. Not fsynced: the caller's ``make_durable(written_end)`` (or
-        ``flush``) does, and ``durable_offset`` covers the copy then. Returns the new written end."""
+        Rolls segments as ``append`` does. Not fsynced: the caller's ``make_durable(log_end_offset)`` (or
+        ``flush``) does, and ``recovery_point`` covers the copy then. Returns the new log end offset."""
         u8 = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         if not len(u8):
-            return self._next_offset
+            return self._log_end_offset
         what = f"{self.name}: replicated data"
         positions, _, _ = walk_batches(u8, 0, None, what, lookahead=False, strict=True)  # CRCs, outside the lock
         if batch_positions is not None and not np.array_equal(positions, batch_positions):
@@ -678,14 +630,13 @@ class PartitionLog:
                                   f"given", what, 0)
         h = records.headers_at(u8, positions)
         ends = positions + h["batch_len"].astype(np.int64)  # where each batch ends in data
-        msg_ends = np.cumsum(h["count"], dtype=np.int64)
         batches = batch_table(u8, positions, 0)
-        _, _, metaq, byte_base = _stream_columns(u8, positions)
+        _, _, metaq, byte_base = stream_columns(u8, positions)
         with self._write_lock:
             self._check_open()
-            if int(h["base_offset"][0]) != self._next_offset:
+            if int(h["base_offset"][0]) != self._log_end_offset:
                 raise CorruptLogError(f"{what}: begins at offset {int(h['base_offset'][0])}, the log ends at "
-                                      f"{self._next_offset}", what, 0)
+                                      f"{self._log_end_offset}", what, 0)
             found, i = [], 0
             while i < len(positions):  # a step per segment written, not per batch
                 seg = self._segments[-1]
@@ -706,12 +657,12 @@ class PartitionLog:
                 self.txns.scan(u8, positions[i:j])
                 self.producers.scan(u8, positions[i:j])
                 found += epoch_file.markers(u8, positions[i:j])
-                self._next_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
+                self._log_end_offset = int(h["base_offset"][j - 1]) + int(h["count"][j - 1])
                 i = j
             self._add_epochs(found)
             self._ids.observe(int(h["base_msg_id"][-1]) + int(h["count"][-1]) - 1)
             self._last_ts = max(self._last_ts, int(h["timestamp"].max()))
-            end = self._next_offset
+            end = self._log_end_offset
             if not self.config.group_commit:
                 self._unflushed += int(batches["count"].sum())
                 self._publish(end)  # as append: visible once written under unflushThreshold > 0
@@ -722,19 +673,19 @@ class PartitionLog:
         """Cut the log back to ``offset``, rounded down to a batch start (a replica whose tail the master
         does not hold: plan section 6). Later segments go, the new tail is cut and fsynced with its
         directory before this returns (a crash cannot bring the tail back), ``epochs`` and transaction
-        state follow, and the visible and durable ends and the HW cap drop to the cut. Transaction state
+        state follow, and the visible end, the recovery point and the HW cap drop to the cut. Transaction state
         is rebuilt by a header scan from the earliest offset (no per-segment snapshot exists yet), saved
         before the cut so that a crash half way leaves a snapshot valid for either log. Returns the new end."""
         self._check_offset(offset)
         with self._write_lock:
             self._check_open()
             segs = list(self._segments)
-            if offset >= self._next_offset:
-                return self._next_offset
+            if offset >= self._log_end_offset:
+                return self._log_end_offset
             offset = max(offset, segs[0].base_offset)
             i = bisect.bisect_right([s.base_offset for s in segs], offset) - 1
             seg = segs[i]
-            cut = seg.batch_at(offset, self._next_offset).offset
+            cut = seg.batch_at(offset, self._log_end_offset).offset
             self._rebuild_txns(cut, producers=True)
             self._epochs.truncate(cut)
             for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
@@ -744,7 +695,7 @@ class PartitionLog:
             self._segments = tuple(segs[:i]) + (tail,)
             fsync_dir(self.directory)
             self._cut_ends(cut)
-            self._metaq_end = self._stream_end()
+            self._metaq_end = stream_end(self._segments)
             log.warning("%s: truncated to offset %d (replication)", self.name, cut)
         return cut
 
@@ -802,13 +753,13 @@ class PartitionLog:
         """After a cut (write lock held): every end is ``end``, all below it fsynced (sealed segments, and
         the tail by the cut); group-commit leaders of the old log find their target stale
         (``_truncations``), waiters of cut appends fail."""
-        self._next_offset = end
+        self._log_end_offset = end
         self._unflushed = 0
         if self._hw is not None:
             self._hw = min(self._hw, end)
         with self._flush_cond:
             self._truncations += 1
-            self._durable_offset = self._visible_offset = end
+            self._recovery_point = self._visible_end = end
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
@@ -828,10 +779,10 @@ class PartitionLog:
     def cap_at_visible(self) -> int:
         """Cap readers exactly where they are now and return that offset: the switch from no cap (a group
         whose only in-sync member is its master) to an explicit one, with no publish in between, so the
-        latest offset readers see never moves down."""
+        last stable offset readers see never moves down."""
         with self._write_lock:
             with self._flush_cond:  # publishes happen under this (group commit) or the write lock
-                visible = self._visible_offset
+                visible = self._visible_end
                 self._set_hw_locked(visible if self._hw is None else max(self._hw, visible))
                 return self._hw
 
@@ -840,9 +791,9 @@ class PartitionLog:
             return
         start = max(self.earliest_offset, hw or 0)
         if hw is not None and self._hw is None and any(
-                has_markers(u8, pos) for u8, pos in self._batches(start, self._next_offset)):
+                has_markers(u8, pos) for u8, pos in self._batches(start, self._log_end_offset)):
             self._hw = hw
-            self._rebuild_txns(self._next_offset)
+            self._rebuild_txns(self._log_end_offset)
         else:
             self.txns.advance(hw)
             self._hw = hw
@@ -856,21 +807,17 @@ class PartitionLog:
             raise InvalidOffsetError(f"offset {offset} is negative")
 
     def _snapshot(self, offset: int, end: Optional[int] = None):
-        """(segments, end readable): end is the last stable offset unless given (then at most the written
-        end). An offset between it and the log end is valid (a reader waiting for a transaction to settle)
+        """(segments, end readable): end is the last stable offset unless given (then at most the log end
+        offset). An offset between it and the visible end is valid (a reader waiting for a transaction to settle)
         and reads nothing. The ends are read before the segments, which then hold every offset below them."""
-        log_end = self._visible_offset
-        stable = self.latest_offset if end is None else min(end, self._next_offset)
+        visible = self._visible_end
+        stable = self.last_stable_offset if end is None else min(end, self._log_end_offset)
         segs = self._segments
         if segs[0].closed:
             raise StoreClosedError(f"partition {self.name} is closed")
-        if offset < segs[0].base_offset or offset > max(log_end, stable):
+        if offset < segs[0].base_offset or offset > max(visible, stable):
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, stable)
-        return segs, max(stable, min(offset, log_end))
-
-    @staticmethod
-    def _segment_for(segs, offset: int) -> Segment:
-        return segs[max(bisect.bisect_right([s.base_offset for s in segs], offset) - 1, 0)]
+        return segs, max(stable, min(offset, visible))
 
     def _plan_read(self, offset: int, max_bytes: int, max_messages: Optional[int], end: Optional[int] = None):
         """What ``read`` and ``locate`` return: None at the end (the last stable offset unless ``end``),
@@ -883,7 +830,7 @@ class PartitionLog:
         segs, end = self._snapshot(offset, end)
         if offset >= end:
             return None
-        seg = self._segment_for(segs, offset)
+        seg = segment_for(segs, offset)
         first, length, stop = seg.plan(offset, end, int(max_bytes),
                                        end if max_messages is None else min(end, offset + int(max_messages)))
         return seg, first, length, stop - offset
@@ -891,8 +838,8 @@ class PartitionLog:
     def read(self, offset: int, max_bytes: int = 1 << 20, max_messages: Optional[int] = None,
              end: Optional[int] = None) -> FetchResult:
         """Whole batches from ``offset`` on, within one segment, up to ``max_bytes`` (at least one batch,
-        so a consumer always progresses) and ``max_messages``. Empty at the log end. ``end`` (at most
-        ``written_end``) replaces the last stable offset as the end: a replica's copy reads written batches
+        so a consumer always progresses) and ``max_messages``. Empty at the last stable offset. ``end`` (at most
+        ``log_end_offset``) replaces the last stable offset as the end: a replica's copy reads written batches
         not yet fsynced or visible, whole ones only."""
         plan = self._plan_read(offset, max_bytes, max_messages, end)
         if plan is None:
@@ -923,22 +870,22 @@ class PartitionLog:
         try:
             return result.decode(verify=True)
         except records.RecordFormatError as e:
-            seg = self._segment_for(self._segments, offset)
+            seg = segment_for(self._segments, offset)
             file_pos = seg.batch_at(offset, result.end_offset).position - seg.start + e.position
             raise CorruptLogError(f"{seg.path}: damaged batch at byte {file_pos} ({e}; reading offset {offset})",
                                   seg.path, file_pos) from None
 
     def timestamp_at(self, offset: int) -> int:
         """Store time (ms) of the message at ``offset``: its batch's header, found through the index."""
-        end = self.latest_offset
+        end = self.last_stable_offset
         segs = self._segments
         if not segs[0].base_offset <= offset < end:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
-        return self._segment_for(segs, offset).batch_at(offset, end).timestamp
+        return segment_for(segs, offset).batch_at(offset, end).timestamp
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
-        """The first offset stored at or after ``timestamp_ms``; the latest offset if there is none."""
-        end = self.latest_offset
+        """The first offset stored at or after ``timestamp_ms``; the last stable offset if there is none."""
+        end = self.last_stable_offset
         for seg in self._segments:
             if seg.base_offset >= end:
                 break
@@ -952,7 +899,7 @@ class PartitionLog:
     def _ranges(self, start: int, stop: int):
         """(segment, first, end, the snapshot's end) for the segments holding offsets [start, stop)."""
         segs, end = self._snapshot(start)
-        end = max(end, self._visible_offset)  # sizes of unsettled messages are known too
+        end = max(end, self._visible_end)  # sizes of unsettled messages are known too
         if stop > end:
             raise OffsetOutOfRangeError(self.name, stop, segs[0].base_offset, end)
         for seg in segs:
@@ -975,7 +922,7 @@ class PartitionLog:
             self._check_offset(stop)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
             raise InvalidOffsetError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
-        stop = self.latest_offset if stop is None else stop
+        stop = self.last_stable_offset if stop is None else stop
         taken, offset = 0, start
         for seg, lo, hi, end in self._ranges(start, max(start, stop)):
             before = seg.bytes_before(lo, end)
@@ -990,20 +937,20 @@ class PartitionLog:
         otherwise (exactly one answer or none: ids are unique in a partition)."""
         if isinstance(msg_id, bool) or not isinstance(msg_id, (int, np.integer)):
             raise InvalidOffsetError(f"a message id must be an integer, got {msg_id!r}")
-        end = self.latest_offset
+        end = self.last_stable_offset
         for seg in self._segments:
             if seg.count and seg.first_msg_id <= msg_id <= seg.last_msg_id:
                 return seg.offset_for_msg_id(int(msg_id), end)
         return None
 
     def position(self, offset: int) -> int:
-        """Logical byte position of the batch holding ``offset`` (the log end for the latest offset)."""
+        """Logical byte position of the batch holding ``offset`` (the segments' end from the visible end on)."""
         self._check_offset(offset)
         segs, _ = self._snapshot(offset)
-        visible = self._visible_offset
+        visible = self._visible_end
         if offset >= visible:
             return segs[-1].end
-        return self._segment_for(segs, offset).batch_at(offset, visible).position
+        return segment_for(segs, offset).batch_at(offset, visible).position
 
     def verify(self) -> list:
         """Check every batch of every segment (checksums and offset continuity), that message ids grow with
@@ -1045,7 +992,7 @@ class PartitionLog:
             segs = list(self._segments)
             total = sum(s.size for s in segs)
             # Never a segment holding an unsettled transaction's batches: its outcome may still be commit.
-            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self.latest_offset:
+            while len(segs) > 1 and not segs[0].mutable and segs[0].next_offset <= self.last_stable_offset:
                 seg = segs[0]
                 reason = removal_reason(seg, total, self.config, now_ms)
                 if reason is None:
@@ -1094,16 +1041,12 @@ class PartitionLog:
                 except OSError as e:
                     log.exception("%s: could not fsync %s while closing", self.name, seg.path)
                     self._failed = e
-            written = self._next_offset
+            written = self._log_end_offset
         with self._flush_cond:
             if self._failed is None:
-                self._durable_offset = written
+                self._recovery_point = written
                 self._publish(written)
             self._flush_cond.notify_all()
         with self._data_cond:
             self._data_cond.notify_all()
 
-
-def _stream_columns(u8: np.ndarray, positions: np.ndarray) -> tuple:
-    """(timestamps, lengths, MetaQ bytes, byte_base) of the batches at ``positions``."""
-    return records.index_columns(u8, positions)[2:]

@@ -1,7 +1,8 @@
-"""Opening a partition's segments after a clean stop or a crash (Kafka's LogLoader): names and contiguity,
-sealed segments checked against their sparse index (rebuilt from the log when missing or wrong, converted
-from the dense index of earlier versions), and the tail segment validated batch by batch, with what was
-never acknowledged cut off. docs/storage-format.md, section 8, has the rules."""
+"""Opening a partition's segments after a clean stop or a crash (the segments' step of ``log_loader``):
+names and contiguity, sealed segments checked against their sparse index (rebuilt from the log when
+missing or wrong, converted from the dense index of earlier versions), and the tail segment validated
+batch by batch, with what was never acknowledged cut off. docs/storage-format.md, section 8, has the
+rules."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,6 @@ from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol import records
 from metaq_broker.store import offset_index
 from metaq_broker.store.durable import fsync_dir, make_dirs
-from metaq_broker.store.epochs import EpochFile
 from metaq_broker.store.offset_index import BATCH_DTYPE, DENSE_SUFFIX, IndexProblem
 from metaq_broker.store.segment import (INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
                                         batch_header, decode_segment_header, read_exactly, segment_name)
@@ -242,22 +242,6 @@ def batch_table(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarra
     return out
 
 
-def open_epochs(directory: Path, name: str, log_end: int) -> tuple:
-    """The partition's ``epochs`` file in line with the recovered log: entries at or past its end go (their
-    markers were cut with a torn tail, or a truncation stopped half way). Returns (file, damaged): a
-    damaged file comes back empty, for the caller to rebuild from the log's epoch markers."""
-    try:
-        epochs = EpochFile.load(directory)
-    except CorruptLogError as e:
-        log.warning("%s: %s; rebuilding it from the epoch markers in the log", name, e)
-        return EpochFile(directory), True
-    if epochs.latest is not None and epochs.latest.start >= log_end:
-        log.warning("%s: epochs from offset %d on are past the log end %d; forgetting them", name,
-                    epochs.latest.start, log_end)
-        epochs.truncate(log_end)
-    return epochs, False
-
-
 def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> bool:
     """Is there a whole, checksum-valid batch with a later offset anywhere after ``bad_pos``?"""
     starts = np.arange(bad_pos + records.ALIGN, len(buf) - records.BASE_HEADER_SIZE + 1, records.ALIGN)
@@ -271,18 +255,3 @@ def _valid_batch_after(buf: np.ndarray, bad_pos: int, expected_offset: int) -> b
         if h.base_offset >= expected_offset:
             return True
     return False
-
-
-def last_timestamp(segments) -> int:
-    for seg in reversed(segments):
-        if seg.count:
-            return seg.last_timestamp
-    return 0
-
-
-def last_msg_id(segments) -> Optional[int]:
-    for seg in reversed(segments):
-        if seg.count:
-            h = batch_header(seg.read(seg.last_position, records.HEADER.size))
-            return h.msg_id + h.count - 1
-    return None

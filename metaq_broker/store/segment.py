@@ -11,6 +11,7 @@ time, the message bytes before an offset) takes the index entry at or before wha
 the batch headers from there: at most one window of ``interval`` bytes, read with one ``pread``."""
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 import weakref
@@ -412,6 +413,12 @@ class Segment:
                 self.seal()
         finally:
             self._close_fd()
+
+
+def segment_for(segments, offset: int) -> Segment:
+    """The segment of ``segments`` (in offset order) holding ``offset``: the last one starting at or before
+    it (the first for an offset before them all)."""
+    return segments[max(bisect.bisect_right([s.base_offset for s in segments], offset) - 1, 0)]
 
 
 def read_exactly(fd: int, path: Path, file_pos: int, length: int) -> np.ndarray:

@@ -731,7 +731,7 @@ def _open_partition(directory: Path):
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")
-    return PartitionLog(directory, topic, int(num), TopicConfig())
+    return PartitionLog.open(directory, topic, int(num), TopicConfig())
 
 
 @log_group.command("describe")
@@ -741,7 +741,7 @@ def describe(partition_dir: Path):
     p = _run(_open_partition, partition_dir)
     try:
         click.echo(f"{p.name}: offsets {p.earliest_offset} to {p.log_end_offset} (next), last stable offset "
-                   f"{p.latest_offset}, {p.size_bytes} bytes")
+                   f"{p.last_stable_offset}, {p.size_bytes} bytes")
         unsettled = sorted(p.txns.ongoing.items(), key=lambda x: x[1])
         aborted = p.aborted_in(p.earliest_offset, p.log_end_offset)
         click.echo(f"  transactions: {len(unsettled)} unsettled"
