@@ -22,7 +22,7 @@ CREATED = 1_600_000_000_000  # long before any store time of this run
 
 def test_the_store_keeps_null_values_and_create_times_across_a_reopen(tmp_path):
     config = TopicConfig(max_segment_size=4096, index_interval_bytes=256)
-    log = PartitionLog(tmp_path, "t", 0, config)
+    log = PartitionLog.open(tmp_path, "t", 0, config)
     want = []
     for i in range(200):  # several segments, their indexes sealed, and an active one recovered by a scan
         values = [None if j % 3 == 0 else b"v%d" % j * (i % 7) for j in range(i % 5 + 1)]
@@ -30,7 +30,7 @@ def test_the_store_keeps_null_values_and_create_times_across_a_reopen(tmp_path):
         log.append(values, keys=[b"k%d" % i] * len(values), timestamps=times)
         want += [(v, t) for v, t in zip(values, times or [None] * len(values))]
     log.close()
-    log = PartitionLog(tmp_path, "t", 0, config)
+    log = PartitionLog.open(tmp_path, "t", 0, config)
     assert len(log.segments()) > 3 and log.verify() == []
     got = []
     offset = 0
@@ -127,7 +127,7 @@ def test_the_metaq_stream_goes_on_past_a_reset_after_null_values(tmp_path):
     """docs/storage-format.md 3.5: where the stream continues from a segment's start (a replica's reset), it
     starts past every position before it, also after messages whose MetaQ size is many times their log size
     (a null value: a 20-byte head in MetaQ's layout, a 1-byte length in the log)."""
-    log = PartitionLog(tmp_path, "t", 0, TopicConfig())
+    log = PartitionLog.open(tmp_path, "t", 0, TopicConfig())
     for _ in range(20):
         log.append([None] * 1000)
     before = log.metaq_end
@@ -137,6 +137,6 @@ def test_the_metaq_stream_goes_on_past_a_reset_after_null_values(tmp_path):
     log.append([b"x"])
     after = log.metaq_end
     log.close()
-    log = PartitionLog(tmp_path, "t", 0, TopicConfig())
+    log = PartitionLog.open(tmp_path, "t", 0, TopicConfig())
     assert log.metaq_end == after
     log.close()
