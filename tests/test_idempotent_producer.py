@@ -190,6 +190,40 @@ def test_producer_ids_are_unique_across_brokers_and_restarts(cluster):
     assert len(set(ids)) == len(ids)
 
 
+def test_producer_ids_in_use_are_never_given_out_again_after_zookeeper_lost_them(cluster):
+    """ZooKeeper loses the last producer id block (its data wiped): a broker restarted after that, and a new
+    broker that knows nothing, give out ids above every id the first broker's partitions keep state for. An
+    id given out again would make the new producer's first batch look like the old producer's stored one:
+    acknowledged as a duplicate and never written."""
+    from kazoo.client import KazooClient
+    from metaq_broker.zk.paths import ZkPaths
+    cluster.start_broker(1, topics={"t": {}})
+    with cluster.client(Producer) as first:
+        wait_until(lambda: first.cluster.topic_partitions("t"), what="topic routed")
+        first.send_batch("t", [b"old producer"])
+        old_id = first.producer_id
+    zk = KazooClient(hosts=cluster.zk_connect)
+    zk.start()
+    try:
+        zk.delete(ZkPaths(cluster.zk_root).producer_id_block())  # what a ZooKeeper that lost its data has
+        cluster.brokers[1].kill()
+        cluster.start_broker(1, topics={"t": {}})
+        cluster.start_broker(2, topics={"u": {}})
+        with cluster.client(Producer) as producer:
+            wait_until(lambda: len(producer.cluster.brokers()) == 2, what="both brokers")
+            fresh = [producer.call(b, "InitProducerId", pb.InitProducerIdRequest(), retries=5).producer_id
+                     for b in (2, 1)]
+        assert min(fresh) > old_id, (fresh, old_id)
+        with cluster.client(Producer) as second:
+            wait_until(lambda: second.cluster.topic_partitions("t"), what="topic routed")
+            second.send_batch("t", [b"new producer"])
+            assert second.producer_id > old_id
+    finally:
+        zk.stop()
+        zk.close()
+    assert read_values(cluster.brokers[1].address) == [b"old producer", b"new producer"]
+
+
 def test_a_group_master_killed_under_an_idempotent_producer_loses_and_doubles_nothing(tmp_path, zookeeper, zk_root):
     group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
                         topics={"t": {"numPartitions": 2}}).start()

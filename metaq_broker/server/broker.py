@@ -112,6 +112,7 @@ class Broker:
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
+        self.producer_ids: Optional[ProducerIds] = None  # InitProducerId's ids (server/producer_ids.py)
         self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
         self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
@@ -159,8 +160,7 @@ class Broker:
                                     transactions=self.transactions, disk=self.disk, auth=self.auth,
                                     paths=ZkPaths(cfg.zk_root), group=self.group,
                                     replicas=self.replicas,
-                                    producer_ids=ProducerIds(cfg.broker_id, data, self._groups_zk if
-                                                             self.uses_zookeeper else None, cfg.zk_root))
+                                    producer_ids=self._new_producer_ids())
             service.max_put_bytes = self.put_limit = self.max_put_bytes()
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
@@ -201,7 +201,7 @@ class Broker:
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
-                    replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake(),
+                    replica_id=cfg.replica_id, on_registered=self._registered,
                     before_register=self._before_register)
                 self.group = self._new_group_member()
                 service.group = self.group
@@ -333,6 +333,23 @@ class Broker:
     def _standing(self) -> tuple:
         parts = self.store.all_partitions()
         return (max([p.last_epoch for p in parts], default=0), sum(p.log_end_offset for p in parts))
+
+    def _new_producer_ids(self) -> ProducerIds:
+        cfg = self.config
+        self.producer_ids = ProducerIds(
+            cfg.broker_id, cfg.data_path, self._groups_zk if self.uses_zookeeper else None, cfg.zk_root,
+            in_use=lambda: [pid for p in self.store.all_partitions() for pid in p.producer_ids()])
+        return self.producer_ids
+
+    def _registered(self) -> None:
+        """Registered in ZooKeeper (again): the group looks at its roles, and the producer id floor is made
+        known (after ZooKeeper lost its data, no broker may give out ids this one's partitions use)."""
+        if self.group is not None:
+            self.group.wake()
+        try:
+            self.producer_ids.publish_floor()
+        except Exception as e:  # noqa: BLE001 - a later block is still taken above this broker's floor
+            log.warning("could not write the producer id floor to ZooKeeper: %s", e)
 
     def _new_group_member(self) -> GroupMember:
         cfg = self.config
