@@ -23,6 +23,7 @@ from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import LocalZooKeeper, free_port
+from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotAcknowledgedError,
                                           RemoteNotEnoughReplicasError, RemoteNotMasterError)
@@ -49,6 +50,13 @@ def thaw(member) -> None:
 
 def zk_args(group) -> dict:
     return dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
+
+
+def described_latest(member) -> dict:
+    """{partition name: latest} as the member itself answers DescribeTopic (no routing to the master)."""
+    with Consumer(brokers={1: member.address}) as direct:
+        reply = direct.pool.get(member.address).call("DescribeTopic", pb.TopicRequest(topic="orders"))
+    return {p.name: p.latest for p in reply.partitions}
 
 
 def isr_of(group) -> list:
@@ -181,6 +189,12 @@ def test_a_frozen_master_neither_stalls_the_group_nor_keeps_a_producer_nor_feeds
                 sock.close()
         g.wait_in_sync(range(3))
         seen = read_all(consumer)
+        # (Finding 9 of the nemesis) The deposed master, now a replica, reports the group's latest offsets,
+        # not its old high watermark for as long as it runs.
+        fresh.send_batch("orders", [b"later"], partition="1-1")
+        latest = {name: bounds[1] for name, bounds in consumer.offset_bounds("orders").items()}
+        wait_until(lambda: described_latest(member) == latest, timeout=20,
+                   what=f"the deposed master's DescribeTopic at the group's latest offsets {latest}")
     assert {b"before", b"after"} <= set(seen) and len(seen) == len(set(seen))
     g.stop()
     logs = [log_bytes(m.workdir / "data") for m in g.members]
