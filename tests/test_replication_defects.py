@@ -421,11 +421,15 @@ def test_the_group_thread_and_a_replica_fetch_take_their_locks_in_one_order(tmp_
 
 # -- 6: a replica that must start over after retention -------------------------------------------------
 
-def test_a_replica_behind_the_masters_retention_starts_over_and_rejoins(tmp_path, zookeeper, zk_root):
+@pytest.mark.parametrize("wiped", [False, True], ids=["stopped", "wiped"])
+def test_a_replica_behind_the_masters_retention_starts_over_and_rejoins(tmp_path, zookeeper, zk_root, wiped):
     """Member 1 is stopped; the master writes on while retention removes every segment member 1 has (and
     the segment of the group's first epoch marker). Back, member 1 starts over at the master's earliest
     offset and rejoins the in-sync set, logging a few lines, not a flood (it used to be told its log parted
-    from the master's after every reset, forever, writing 55 MB of log in 45 s)."""
+    from the master's after every reset, forever, writing 55 MB of log in 45 s). Also when its data
+    directory was wiped meanwhile (the nemesis found that: its new log is another log than the master's,
+    and it started over at the earliest offset without the epoch there, parting from the master's again
+    after every copy)."""
     topics = {"orders": {"numPartitions": 1, "maxSegmentSize": 16384, "retentionBytes": 40000}}
     g = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=2, topics=topics,
                     settings={"retentionCheckInterval": 1}).start()
@@ -443,6 +447,8 @@ def test_a_replica_behind_the_masters_retention_starts_over_and_rejoins(tmp_path
                 producer.send_batch("orders", [b"b" * 100] * 50)
             wait_until(lambda: consumer.offsets("orders")["1-0"][0] > end + 100, timeout=30,
                        what="retention past the stopped member's end")
+            if wiped:
+                shutil.rmtree(g.members[other].workdir / "data")
             g.members[other].start()
             g.wait_in_sync(range(2), timeout=30)
             producer.send_batch("orders", [b"c" * 100] * 10)

@@ -346,10 +346,14 @@ class ReplicaFetcher:
                 if part.identity_adopted:  # ours was given to an older data directory: the logs may agree
                     part.adopt_identity(sec.identity)
                 else:
+                    # Start over where the master's log starts, with the epoch it has there: a RESET names it;
+                    # else from offset 0, so that the master's next answer is a RESET naming it, or the log
+                    # from its start with every epoch marker. (Started at the earliest offset with epoch 0,
+                    # a log whose first epoch's marker retention removed parted from the master's forever.)
+                    offset, epoch = (sec.offset, sec.epoch) if sec.status == rp.RESET else (0, 0)
                     log.warning("%s: the master's log is another one (identity %s, ours %s): starting the "
-                                "partition over at the master's earliest offset %d", part.name, sec.identity,
-                                part.identity, sec.earliest)
-                    part.reset_to(sec.earliest, identity=sec.identity)
+                                "partition over at offset %d", part.name, sec.identity, part.identity, offset)
+                    part.reset_to(offset, identity=sec.identity, epoch=epoch)
                     continue
             if sec.status == rp.DIVERGING:
                 self._truncate(part, sec.epoch, sec.offset)
