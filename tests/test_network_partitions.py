@@ -336,7 +336,7 @@ def test_a_cut_drops_exactly_the_link_named_and_heals():
         tag, namespaces = net.tag, [h.namespace for h in (a, b, c)]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert not any(ns in left for ns in namespaces) and f"mqnem{tag}" not in links
+    assert not any(ns in left for ns in namespaces) and f"{netns.PREFIX}{tag}" not in links
 
 
 def test_sweep_removes_what_a_killed_run_left():
@@ -351,7 +351,7 @@ def test_sweep_removes_what_a_killed_run_left():
     with netns.Network() as mine:
         mine.add_host("y")
         removed = netns.sweep()
-        assert namespace in removed and f"mqnem{tag}b" in removed
+        assert namespace in removed and f"{netns.PREFIX}{tag}b" in removed
         assert mine.hosts["y"].namespace in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                            text=True).stdout
-    assert f"mqnem{tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"{netns.PREFIX}{tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
