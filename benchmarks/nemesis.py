@@ -754,8 +754,9 @@ def report(h: Harness, final: dict, elapsed: float) -> tuple:
                    + f" (seed {h.args.seed})")
     else:
         verdict = (f"VERDICT: PASS: 0 lost, 0 duplicated, 0 vanished, logs identical, acks=all writes resumed "
-                   f"within {h.bound_s:.1f} s of every fault ({h.bound_s + CLIENT_SESSION_S + RECONNECT_BACKOFF_S:.1f} s "
-                   f"of ZooKeeper losing its data under running processes) (seed {h.args.seed}, {len(h.events)} faults)")
+                   f"within {h.bound_s:.1f} s of every fault ({h.bound_s + CLIENT_SESSION_S + RECONNECT_BACKOFF_S:.1f}"
+                   f" s of ZooKeeper losing its data under running processes) (seed {h.args.seed}, "
+                   f"{len(h.events)} faults)")
     lines.append(verdict)
     return "\n".join(lines), violations
 

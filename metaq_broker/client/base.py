@@ -141,10 +141,10 @@ class ClientBase:
             conn = None
             try:
                 conn = self.connection(broker_id)
-                if bounded:
-                    left = max(deadline - time.monotonic(), 0.05)
-                    timeout, retries = min(timeout or left, left), 0
-                return conn.call(method, request, timeout, retries)
+                if not bounded:
+                    return conn.call(method, request, timeout, retries)
+                left = max(deadline - time.monotonic(), 0.05)
+                return conn.call(method, request, min(timeout or left, left), 0)
             except InvalidPartitionError:
                 if not self.cluster.known(broker_id):
                     raise

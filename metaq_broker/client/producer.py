@@ -198,7 +198,7 @@ class _ResendingPut:
         return RemoteNotAcknowledgedError(
             last.code, f"{NOT_ACKNOWLEDGED} the put to {self.name} of {self.topic!r} may or may not be stored: it "
             f"was sent again after {first}; the last send was refused: {last.details}",
-            getattr(first, "address", last.address))
+            first.address)
 
     def _done(self, failed: bool) -> None:
         if self.stamp is not None:

@@ -18,11 +18,11 @@ well, but its drop action (``act_gact``) and ``netem`` are modules many kernels 
 has neither), while nf_tables is built into Debian's kernels; the rules live in the member's namespace,
 so deleting the namespace deletes them.
 
-Cleanup. Names carry the ``mqnem`` prefix (``METAQ_NETNS_PREFIX``, up to 5 letters and digits, where
-several people share a machine and each wants to know their own) and the creating process's pid; ``close()`` deletes the
-namespaces (with their veth ends and tables) and the bridge, and runs at interpreter exit for a network
-left open; ``sweep()`` removes what a run that was killed (its pid gone) left behind. Needs root, ``ip``
-(iproute2) and ``nft`` (nftables): ``unavailable()`` says what is missing.
+Cleanup. Names carry the ``mqnem`` prefix (or ``METAQ_NETNS_PREFIX``, up to 5 letters and digits, on
+a machine several people share) and the creating process's pid; ``close()`` deletes the namespaces (with
+their veth ends and tables) and the bridge, and runs at interpreter exit for a network left open;
+``sweep()`` removes what a run that was killed (its pid gone) left behind. Needs root, ``ip`` (iproute2)
+and ``nft`` (nftables): ``unavailable()`` says what is missing.
 """
 from __future__ import annotations
 

@@ -374,7 +374,7 @@ class ReplicaFetcher:
         if self.transactions is not None and (journal or head.flags & rp.FLAG_JOURNAL_SNAPSHOT):
             self.transactions.apply(journal, head.journal_first_seq, head.journal_last_seq,
                                     bool(head.flags & rp.FLAG_JOURNAL_SNAPSHOT))
-        written = []
+        written, learned = [], []
         for pf, sec in zip(req.partitions, sections):
             key = (pf.topic, pf.partition)
             part = self.store.partition(pf.topic, pf.partition)
@@ -402,15 +402,15 @@ class ReplicaFetcher:
                 written.append(part)
             if sec.status != rp.SECTION_UNKNOWN:
                 self.learned_hw[key] = sec.hw
+                learned.append((part, sec.hw))
         for part in written:
             part.make_durable(part.written_end)
-        for pf, sec in zip(req.partitions, sections):
-            part = self.store.partition(pf.topic, pf.partition)
-            if sec.status != rp.SECTION_UNKNOWN and part.high_watermark is not None:
+        for part, hw in learned:
+            if part.high_watermark is not None:
                 # A member that was master keeps its readers' cap (its late fetches must not see past what
                 # the group acknowledged); as Kafka's follower it moves it with the master's HW, else its
                 # DescribeTopic would report its old HW as latest for as long as it runs.
-                part.set_high_watermark(min(sec.hw, part.written_end))
+                part.set_high_watermark(min(hw, part.written_end))
         if self.transactions is not None:
             self.transactions.apply_pending()
         return bool(head.flags & rp.FLAG_TOPICS_CHANGED)
