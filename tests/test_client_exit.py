@@ -128,3 +128,34 @@ def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zo
         raise AssertionError(f"the driver did not exit in time after ZooKeeper stopped:\n{out}\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert "stopped" in out
+
+
+def test_a_client_closed_by_two_threads_at_once_closes_cleanly(tmp_path):
+    """A client's own thread and the interpreter's exit hook may close one cluster view at the same time
+    (the nemesis saw it: ``Cannot close connection until it is stopped`` from the exit hook). With
+    ZooKeeper gone, kazoo's stop takes a while, and a second caller's close used to raise meanwhile."""
+    import threading
+    import time
+
+    from metaq_broker.client.cluster import ClusterView
+
+    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    views = [ClusterView(zk.connect_string) for _ in range(3)]
+    zk.stop()
+    time.sleep(2.0)  # the sessions are reconnecting now, between retries
+    errors = []
+
+    def close(view):
+        try:
+            view.close()
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            errors.append(repr(e))
+
+    for view in views:
+        threads = [threading.Thread(target=close, args=(view,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=BOUND_S)
+        assert not any(t.is_alive() for t in threads), "a close did not return"
+    assert not errors, errors

@@ -72,6 +72,7 @@ class ClusterView:
         self._static_data = static_data
         self._static_data_cache: dict = {}  # brokerId -> (when asked, its data address or None)
         self._lock = threading.RLock()
+        self._close_lock = threading.Lock()
         self._listeners: list = []
         self._brokers: dict = {}           # live brokerId -> "host:port"
         self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
@@ -207,11 +208,14 @@ class ClusterView:
 
     def close(self) -> None:
         """Stops the ZooKeeper session; returns within seconds also when ZooKeeper is gone (pending
-        watch callbacks then fail and end)."""
+        watch callbacks then fail and end). Callers at once (a client's own thread and the exit hook) take
+        turns: kazoo's second ``stop`` returns before the first has stopped the connection, and its
+        ``close`` then raises "Cannot close connection until it is stopped"."""
         _OPEN.discard(self)
         if self.zk is not None:
-            self.zk.stop()
-            self.zk.close()
+            with self._close_lock:
+                self.zk.stop()
+                self.zk.close()
 
     def __enter__(self) -> "ClusterView":
         return self
