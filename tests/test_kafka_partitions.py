@@ -183,7 +183,7 @@ def test_a_damaged_map_does_not_stop_registration(zookeeper, zk_root, clients):
     zk.create(paths.kafka_topic("t"), b"damaged", makepath=True)
     r = register(zookeeper, zk_root, 3, {"t": 1})
     try:
-        assert zk.exists(paths.broker(3)) and zk.exists(paths.topic_pub_broker("t", 3))
+        assert zk.exists(paths.broker(3)) and zk.exists(paths.topic_entry("t", 3))
         assert zk.get(paths.kafka_topic("t"))[0] == b"damaged"
     finally:
         r.stop()
