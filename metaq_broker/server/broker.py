@@ -34,6 +34,7 @@ from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
 from metaq_broker.server.metrics import BrokerMetrics
+from metaq_broker.server.offset_bridge import OffsetBridge
 from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
@@ -110,6 +111,7 @@ class Broker:
         # hanging) and registered in MetaQ's layout; the listener itself (issue 28, phase 2) listens on it
         self.metaq_port: Optional[int] = None
         self._metaq_socket: Optional[socket.socket] = None
+        self.offset_bridge: Optional[OffsetBridge] = None  # group offsets in metaq's and MetaQ's forms (metaqPort)
         self.data_server = None
         self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
         self.stats, self.metrics = BrokerStats(), None
@@ -224,6 +226,9 @@ class Broker:
                 if role not in ("master", "replica"):
                     log.warning("group %d member %d has no role yet: no master is alive and this member may not "
                                 "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
+            if self.uses_zookeeper and self.metaq_port is not None:
+                self.offset_bridge = OffsetBridge(self.store, cfg.broker_id, cfg.zk_root, self._groups_zk,
+                                                  lambda: self.is_master).start()
             # Only the master settles prepared transactions from their decision records.
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
             service.settle_ahead = self._settle_ahead
@@ -528,6 +533,8 @@ class Broker:
             self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
         if self.resolver is not None:
             self.resolver.stop()
+        if self.offset_bridge is not None:
+            self.offset_bridge.stop()  # before the store closes: it reads the logs
         if self.transactions is not None:
             self.transactions.close()
         if self.metrics is not None:
