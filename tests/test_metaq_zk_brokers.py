@@ -16,6 +16,9 @@ from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.errors import ConfigError
+from metaq_broker.server.broker import Broker
+from metaq_broker.server.config import load
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
@@ -155,3 +158,30 @@ def test_a_replicated_groups_master_and_slave_nodes_follow_its_elections(tmp_pat
         assert zk.get(layout.broker_master(1))[0] == uri(other)
     finally:
         group.stop()
+
+
+@pytest.mark.parametrize("raw,match", [("meta", "'meta' is not an integer"), ("-2", "-2 is outside -1..65535"),
+                                       ("65536", "65536 is outside")])
+def test_bad_metaq_port_values_are_refused_naming_the_key(raw, match):
+    with pytest.raises(ConfigError, match=rf"\[system\] metaqPort: {match}"):
+        load(None, {"metaqPort": raw})
+    assert load(None).metaq_port == -1  # off unless asked for
+
+
+def test_a_taken_metaq_port_stops_the_broker_at_start_and_a_stopped_broker_frees_it(tmp_path):
+    def start(name, port):
+        return Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": str(port),
+                                  "dataPath": str(tmp_path / name)})).start()
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"metaqPort: cannot bind 127.0.0.1:{port}"):
+            start("taken", port)
+    broker = start("free", port)
+    try:
+        assert broker.metaq_port == port
+    finally:
+        broker.stop()
+    with socket.socket() as again:  # released with the broker
+        again.bind(("127.0.0.1", port))
