@@ -39,8 +39,9 @@ for the same cases.
 
 ``--quick`` shrinks every volume 10x and the time limit to 1 s. Figures only: no timing is asserted.
 
-Reading the table: ``MB/s`` counts value (payload) bytes only; the log adds a 48-byte header per batch
-and 8 bytes per message. ``appends/fsync`` counts every os.fsync the engine made during the case:
+Reading the table: ``MB/s`` counts value (payload) bytes only; the log adds a 72-byte header per batch
+and each message's integer column entries (record format 3: one byte for a value of up to 127 bytes, two
+up to 32 KiB; format 2, before: 8 bytes). ``appends/fsync`` counts every os.fsync the engine made during the case:
 above 1 under group commit from 8 threads, appends shared fsyncs. ``/disk`` is our MB/s over the
 1 MiB+fsync rate: near 1.0, appends (or reads) move bytes as fast as the disk takes them durably.
 ``/fsync`` is our appends (batches) per second over the 150 B+fsync rate: batch-of-1 group commit from

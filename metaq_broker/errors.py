@@ -88,8 +88,8 @@ class AuthenticationError(MetaqError):
 class AuthorizationError(MetaqError):
     """The principal may not do this; names the principal, the operation and the resource (PERMISSION_DENIED)."""
 
-    def __init__(self, principal: str, operation: str, resource_type: str, name: str):
-        super().__init__(f"{principal} is not allowed {operation} on {resource_type} {name!r}")
+    def __init__(self, principal: str, operation: str, resource_type: str, name: str, message: str = ""):
+        super().__init__(message or f"{principal} is not allowed {operation} on {resource_type} {name!r}")
         self.principal, self.operation, self.resource_type, self.name = principal, operation, resource_type, name
 
 

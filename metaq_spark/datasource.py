@@ -12,11 +12,13 @@ from metaq_spark.options import OptionError, SourceOptions, parse
 from metaq_spark.reader import MetaqBatchReader, MetaqStreamReader
 from metaq_spark.sink import writer
 
-SCHEMA = StructType([StructField("key", BinaryType()), StructField("value", BinaryType()),
+# As Kafka's source: ``value`` is null for a null value (a tombstone); ``timestamp`` is the create time where
+# the producer gave one, else the store time, and ``timestampType`` says which (0 CreateTime, 1 LogAppendTime)
+SCHEMA = StructType([StructField("key", BinaryType()), StructField("value", BinaryType(), nullable=True),
                      StructField("topic", StringType()), StructField("partition", StringType()),
                      StructField("offset", LongType()), StructField("timestamp", TimestampType()),
-                     StructField("msgId", LongType()), StructField("flag", IntegerType()),
-                     StructField("attribute", StringType())])
+                     StructField("timestampType", IntegerType()), StructField("msgId", LongType()),
+                     StructField("flag", IntegerType()), StructField("attribute", StringType())])
 
 
 def columns_of(schema: StructType) -> Optional[tuple]:

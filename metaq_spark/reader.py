@@ -67,6 +67,7 @@ _BUILD = {
     "partition": lambda b, topic, partition: _constant_strings(partition, b.num_rows),
     "offset": lambda b, topic, partition: b.column("offset"),
     "timestamp": lambda b, topic, partition: b.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
+    "timestampType": lambda b, topic, partition: b.column("timestampType"),
     "msgId": lambda b, topic, partition: b.column("msgId"),
     "flag": lambda b, topic, partition: b.column("flag"),
     "attribute": lambda b, topic, partition: b.column("attribute"),
@@ -158,9 +159,11 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
                                 f"needs up to {part.end} (the partition's latest is {r.latest_offset})")
         offset = r.end_offset
         pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
-        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
+        columns = part.columns or COLUMNS
+        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted,
+                               timestamp_type="timestampType" in columns)
         if batch.num_rows:  # none: the reply held only markers and aborted messages
-            yield to_spark(batch, part.topic, part.partition, part.columns or COLUMNS)
+            yield to_spark(batch, part.topic, part.partition, columns)
 
 
 def _await_stable(part: MetaqPartition, fetcher: PartitionFetcher, offset: int, cause=None) -> bool:

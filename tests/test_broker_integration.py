@@ -321,7 +321,7 @@ def test_putraw_refusals_carry_the_same_statuses_as_put(cluster):
             conn.call("PutRaw", b"\0" * 8)
         big = records.encode_body([b"x" * 101])
         with pytest.raises(RemoteMessageTooLargeError):
-            conn.call("PutRaw", rawput.pack("t", 0, "", 1, 0, big.crc, big.parts))
+            conn.call("PutRaw", rawput.pack("t", 0, "", 1, big.attributes, big.crc, big.parts))
 
 
 def test_pipelined_sender_keeps_each_partitions_order_and_reports_failures(cluster):

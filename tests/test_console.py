@@ -242,14 +242,15 @@ def test_message_browser_escapes_values(env, browser):
     c, admin, producer, url = env
     start = admin.offsets(TOPIC, ["2-1"])["2-1"][1]
     values = [b"<script>window.__pwned = 1</script>", b'<img src=x onerror="window.__pwned = 2">',
-              b"\x00\x01\xfe\xff binary", "h\u00e9llo w\u00f6rld".encode(), b"plain text"]
+              b"\x00\x01\xfe\xff binary", "h\u00e9llo w\u00f6rld".encode(), b"plain text", None]
     producer.send_batch(TOPIC, values, partition="2-1")
     open_page(browser, url, "messages", f"?topic={TOPIC}&partition=2-1&from={start}&count=10")
     wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "tr[data-offset]"), what="messages listed")
     shown = [cell(browser, f'tr[data-offset="{start + i}"]', "value") for i in range(len(values))]
     assert shown[0] == values[0].decode() and shown[1] == values[1].decode()
     assert shown[2] == "00 01 fe ff 20 62 69 6e 61 72 79"  # not UTF-8: hex
-    assert shown[3:] == ["h\u00e9llo w\u00f6rld", "plain text"]
+    assert shown[3:] == ["h\u00e9llo w\u00f6rld", "plain text", "null"]  # a null value (a tombstone)
+    assert cell(browser, f'tr[data-offset="{start + 5}"]', "size") == "–"
     assert browser.execute_script("return window.__pwned") is None
     assert not browser.find_elements(By.CSS_SELECTOR, "main img, main td script")
     assert "2-1" in texts(browser, "#range")[0]

@@ -137,8 +137,9 @@ def test_truncated_buffers_are_rejected_at_every_length():
 
 def test_lengths_that_overrun_the_batch_are_rejected_even_unverified():
     buf = bytearray(encode([b"abc", b"def"]))
-    # value length column starts after the flag column (2 x int32) at byte 72 + 8
-    buf[80:84] = (1 << 20).to_bytes(4, "little")
+    # no flag column (all flags 0): the value length column (i8) starts right after the 72-byte header
+    assert bytes(buf[72:74]) == b"\x03\x03"
+    buf[72] = 0x7F
     with pytest.raises(records.RecordFormatError, match="overrun"):
         records.decode(bytes(buf), verify=False, positions=np.array([0]))
 
@@ -150,7 +151,7 @@ def test_empty_buffer_decodes_to_no_rows():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(values=[]), "at least one"),
-    (dict(values=[b"a", None]), "value of message 1 is null"),
+    (dict(values=None), "value column is missing"),
     (dict(values=[b"a"], keys=[b"a", b"b"]), "key column has 2 entries"),
     (dict(values=[b"a"], attributes=[b"\xff"]), "UTF-8"),
     (dict(values=[1, 2]), "value"),
@@ -191,7 +192,8 @@ def test_putraw_request_round_trip():
     req = rawput.pack("t\u00e9", -1, "sink/1@2", body.count, body.attributes, body.crc, body.parts)
     r = rawput.unpack(req)
     assert (r.topic, r.partition, r.xid) == ("t\u00e9", -1, "sink/1@2")
-    assert (r.batch.count, r.batch.attributes, r.batch.body_crc) == (2, records.HAS_KEYS, body.crc)
+    assert (r.batch.count, r.batch.attributes, r.batch.body_crc) == (2, body.attributes, body.crc)
+    assert body.attributes & 0xFFFF == records.HAS_KEYS | records.NO_FLAGS
     assert bytes(r.batch.body) == b"".join(bytes(p) for p in body.parts)
     assert rawput.unpack(bytes(req)).batch.body.obj is not None  # a view, not a copy
     header_len = int.from_bytes(req[:4], "little")

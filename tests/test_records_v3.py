@@ -5,6 +5,7 @@ import struct
 import numpy as np
 import pyarrow as pa
 import pytest
+from record_v2 import v2_batch
 
 from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records
@@ -17,13 +18,7 @@ def v3(values, base=0, msg_id=1, ts=5, producer=(-1, -1, -1), byte_base=0, **kw)
 
 
 def v2(values, base=0, msg_id=1, ts=5, keys=None, attributes=None):
-    """A version 2 batch exactly as the previous metaq wrote it (48-byte header, CRC over bytes 8..48)."""
-    body = records.encode_body(values, keys, attributes)
-    assert not body.attributes & records.HAS_HEADERS
-    batch_len = 48 + body.size
-    tail = records.HEADER.pack(batch_len, 0, records.MAGIC, 2, body.attributes, body.count, base, msg_id, ts,
-                               body.crc, 0)[8:]
-    return struct.pack("<II", batch_len, records.crc(tail)) + tail + b"".join(bytes(p) for p in body.parts)
+    return v2_batch(values, keys, attributes, base=base, msg_id=msg_id, ts=ts)
 
 
 def test_the_header_is_72_bytes_and_carries_the_producer_and_the_metaq_position():
@@ -31,8 +26,9 @@ def test_the_header_is_72_bytes_and_carries_the_producer_and_the_metaq_position(
     h = records.check_batch(buf)
     assert (h.version, h.size, h.batch_len % 8) == (3, 72, 0)
     assert (h.producer_id, h.producer_epoch, h.base_sequence, h.byte_base) == (123456789012, 3, 41, 1000)
-    pid, epoch, reserved, seq, byte_base = struct.unpack_from("<qhHiq", buf, 48)
-    assert (pid, epoch, reserved, seq, byte_base) == (123456789012, 3, 0, 41, 1000)
+    pid, epoch, layout, seq, byte_base = struct.unpack_from("<qhHiq", buf, 48)
+    assert (pid, epoch, layout, seq, byte_base) == (123456789012, 3, h.layout, 41, 1000)
+    assert layout == records.encode_body([b"a", b"bc"]).attributes >> 16 == 1  # one i8 column: value lengths
     for i in range(8, 72):  # the header CRC covers every byte from 8 to 72
         damaged = bytearray(buf)
         damaged[i] ^= 0x10
@@ -53,13 +49,10 @@ def test_version_2_and_3_batches_decode_together():
     assert records.decode(buf).schema == records.SCHEMA  # no headers column unless asked
 
 
-def test_a_version_2_batch_may_not_claim_headers():
-    buf = bytearray(v2([b"x"]))
-    buf[11] |= records.HAS_HEADERS
-    tail = bytes(buf[8:48])
-    buf[4:8] = struct.pack("<I", records.crc(tail))
+@pytest.mark.parametrize("bit", [records.HAS_HEADERS, records.NO_FLAGS, records.HAS_TIMESTAMPS])
+def test_a_version_2_batch_may_not_claim_version_3_bits(bit):
     with pytest.raises(records.RecordFormatError, match="attributes"):
-        records.decode(bytes(buf))
+        records.decode(v2_batch([b"x"], extra_bits=bit))
 
 
 @pytest.mark.parametrize("n", [1, 3, 200])
@@ -102,12 +95,13 @@ def test_bad_headers_are_refused_by_name(headers, match):
 def test_a_body_whose_headers_do_not_add_up_is_refused():
     body = records.encode_body([b"x"], headers=[[("key", b"value")]])
     raw = bytearray(b"".join(bytes(p) for p in body.parts))
-    # columns: flag, value length, header count; then "x", 3 bytes of padding to 4, then the lengths
-    raw[16:20] = struct.pack("<i", 1 << 20)  # the header key's length
-    with pytest.raises(records.RecordFormatError, match="headers"):
+    # i8 columns: value length, header count; "x"; then the header's key and value lengths, key, value
+    assert bytes(raw[:8]) == b"\x01\x01x\x03\x05key"
+    raw[3] = 0x7F  # the header key's length
+    with pytest.raises(records.RecordFormatError, match="overrun"):
         records.parse_body(1, body.attributes, bytes(raw), records.crc(bytes(raw)))
     raw = bytearray(b"".join(bytes(p) for p in body.parts))
-    raw[24:27] = b"\xff\xfe\xfd"  # the key is not UTF-8
+    raw[5:8] = b"\xff\xfe\xfd"  # the key is not UTF-8
     with pytest.raises(records.RecordFormatError, match="UTF-8"):
         records.parse_body(1, body.attributes, bytes(raw), records.crc(bytes(raw)))
 

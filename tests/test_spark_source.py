@@ -16,7 +16,7 @@ def test_batch_read_across_two_brokers(spark, cluster):
     fill(cluster, "orders", 25, parts)
     df = reader(spark, cluster, subscribe="orders")
     assert [f.name for f in df.schema.fields] == ["key", "value", "topic", "partition", "offset", "timestamp",
-                                                 "msgId", "flag", "attribute"]
+                                                 "timestampType", "msgId", "flag", "attribute"]
     rows = df.collect()
     assert sorted(r.value for r in rows) == sorted(b"%s:%d" % (p.encode(), i) for p in parts for i in range(25))
     assert {r.topic for r in rows} == {"orders"}

@@ -210,10 +210,6 @@ def test_messages_of_exactly_the_limit_are_stored(p):
 
 
 BAD_MESSAGES = [
-    (dict(values=[b"a", None]), r"value of message 1 is null"),
-    (dict(values=[None]), r"value of message 0 is null"),
-    (dict(values=pa.array([b"a", b"b", None])), r"value of message 2 is null"),
-    (dict(values=pa.chunked_array([[b"a"], [None]])), r"value of message 1 is null"),
     (dict(values=[b"a", b"b"], keys=[b"k"]), r"key column has 1 entries but value has 2"),
     (dict(values=[b"a", b"b"], keys=[b"k", b"k", b"k"]), r"key column has 3 entries but value has 2"),
     (dict(values=[b"a", b"b"], attributes=["x"]), r"attribute column has 1 entries but value has 2"),

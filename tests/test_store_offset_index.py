@@ -36,12 +36,19 @@ class Model:
     size), from the files and the appends alone."""
 
     def __init__(self):
-        self.sizes = {}  # offset -> encoded size (value + key + attribute bytes + 4 per column)
+        self.sizes = {}  # offset -> encoded size (value + key + attribute bytes + its column entries)
 
     def appended(self, base: int, values, keys, attrs):
-        cols = 2 + any(k is not None for k in keys) + any(a is not None for a in attrs)
+        """No flags (no flag column); a length column per column with a non-null entry, each entry in the
+        narrowest signed width that holds the batch's largest length (docs/storage-format.md, 3.2)."""
+        attrs = [None if a is None else a.encode() for a in attrs]
+        entry = 0
+        for column in (values, keys, attrs):
+            if any(c is not None for c in column):
+                largest = max(-1 if c is None else len(c) for c in column)
+                entry += 1 if largest < 1 << 7 else 2 if largest < 1 << 15 else 4
         for i, (v, k, a) in enumerate(zip(values, keys, attrs)):
-            self.sizes[base + i] = len(v) + len(k or b"") + len((a or "").encode()) + 4 * cols
+            self.sizes[base + i] = len(v) + len(k or b"") + len(a or b"") + entry
 
     def table(self, directory: Path) -> dict:
         """offset -> (segment start, batch position, batch length, timestamp, size), walking the files."""

@@ -3,10 +3,10 @@ duplicates answered with the first offsets and never stored twice, gaps and fenc
 state rebuilt after a restart (snapshot and tail scan) and on a replica's verbatim copy, expiry; the
 stream position running across segments, restarts, truncation and old (version 2) logs; the identity made
 with the log and kept."""
-import struct
 
 import numpy as np
 import pytest
+from record_v2 import v2_batch
 
 from metaq_broker.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError
 from metaq_broker.protocol import records
@@ -144,12 +144,8 @@ def _write_v2_log(path, batches):
     path.mkdir(parents=True)
     out, offset = [encode_segment_header(0, 0)], 0
     for vals in batches:
-        b = records.encode_body(vals)
-        batch_len = 48 + b.size
-        tail = records.HEADER.pack(batch_len, 0, records.MAGIC, 2, b.attributes, b.count, offset, 100 + offset,
-                                   1_700_000_000_000, b.crc, 0)[8:]
-        out.append(struct.pack("<II", batch_len, records.crc(tail)) + tail + b"".join(bytes(p) for p in b.parts))
-        offset += b.count
+        out.append(v2_batch(vals, base=offset, msg_id=100 + offset, ts=1_700_000_000_000))
+        offset += len(vals)
     (path / ("0" * 20 + LOG_SUFFIX)).write_bytes(b"".join(out))
 
 

@@ -12,7 +12,7 @@ from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 T0 = 1_700_000_000.0  # the conftest clock's start
 MIN = 60
 HOUR = 3600
-BATCH = 1088  # one message per batch (big): 72 + 8 + 1004 bytes, padded to 1088
+BATCH = 1080  # one message per batch (big): 72 + 2 (an i16 value length) + 1004 bytes, padded to 1080
 SEALED = SEGMENT_HEADER_SIZE + 3 * BATCH  # a sealed segment of three batches
 ACTIVE = SEGMENT_HEADER_SIZE + BATCH
 

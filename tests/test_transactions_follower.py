@@ -5,6 +5,7 @@ would copy them."""
 import json
 import random
 
+import numpy as np
 import pytest
 
 from metaq_broker.protocol import records
@@ -49,10 +50,10 @@ def copy_batches(src, dst, limit=None) -> int:
         h = records.parse_header(data, 0)
         assert h.base_offset == written_end(dst)
         if h.attributes & records.CONTROL:
-            dst.append_marker(h.txn, bytes(data[56:57]) == records.COMMIT_MARKER)
+            value_at = int(records.data_starts(data, np.zeros(1, np.int64))[0])
+            dst.append_marker(h.txn, bytes(data[value_at:value_at + 1]) == records.COMMIT_MARKER)
         else:
-            b = records.parse_body(h.count, h.attributes & records.BODY_ATTRIBUTE_BITS,
-                                   data[records.HEADER_SIZE:h.batch_len], h.body_crc)
+            b = records.parse_body(h.count, h.body_attributes, data[records.HEADER_SIZE:h.batch_len], h.body_crc)
             dst.append_bodies([b], h.txn, h.attributes & records.TRANSACTIONAL)
         n += 1
     return n

@@ -18,10 +18,10 @@ def markers(store, partition):
     while offset < log.log_end_offset:
         r = log.read(offset, 1 << 20, end=log.log_end_offset)
         data = r.data
-        for pos in r.batch_positions.tolist():
+        for pos, value_at in zip(r.batch_positions.tolist(), records.data_starts(data, r.batch_positions).tolist()):
             h = records.parse_header(data, pos)
             if h.attributes & records.CONTROL:
-                out.append((h.txn, bytes(data[pos + h.size + 8: pos + h.size + 9]) == records.COMMIT_MARKER))
+                out.append((h.txn, bytes(data[value_at: value_at + 1]) == records.COMMIT_MARKER))
         offset = r.end_offset
     return out
 

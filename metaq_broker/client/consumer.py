@@ -30,11 +30,12 @@ class Message:
     partition: str
     offset: int
     key: Optional[bytes]
-    value: bytes
-    timestamp: datetime
+    value: Optional[bytes]  # None: a null value (a Kafka tombstone)
+    timestamp: datetime  # its create time where the producer gave one, else its store time (timestamp_type)
     msg_id: int
     flag: int
     attribute: Optional[str]
+    timestamp_type: int = records.LOG_APPEND_TIME  # records.CREATE_TIME (0) or LOG_APPEND_TIME (1), as Kafka's
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Fetched:
 
     topic: str
     partition: str
-    batch: pa.RecordBatch
+    batch: pa.RecordBatch  # records.schema(timestamp_type=True): SCHEMA and timestampType
     start_offset: int
     next_offset: int
     earliest: int
@@ -55,7 +56,8 @@ class Fetched:
     def messages(self) -> list:
         d = self.batch.to_pydict()
         return [Message(self.topic, self.partition, *row) for row in zip(
-            d["offset"], d["key"], d["value"], d["timestamp"], d["msgId"], d["flag"], d["attribute"])]
+            d["offset"], d["key"], d["value"], d["timestamp"], d["msgId"], d["flag"], d["attribute"],
+            d["timestampType"])]
 
 
 class Consumer(ClientBase):
@@ -79,7 +81,8 @@ class Consumer(ClientBase):
                              reroute=functools.partial(self._master_of, parse_partition_name(partition)[0]),
                              wait_for_master=self.cluster.zk is not None).fetch(
             offset, max_messages or 0, max_wait_ms)
-        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted)
+        batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted,
+                               timestamp_type=True)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)
 
     def read_range(self, topic: str, partition: str, start: int, end: int, max_bytes: int = 8 << 20) -> pa.Table:
@@ -92,7 +95,7 @@ class Consumer(ClientBase):
                 raise records.RecordFormatError(f"{topic} {partition}: no messages at {offset}, latest is {f.latest}", 0)
             batches.append(f.batch)
             offset = f.next_offset
-        return pa.Table.from_batches(batches, schema=records.SCHEMA)
+        return pa.Table.from_batches(batches, schema=records.schema(timestamp_type=True))
 
     # -- group offsets (ZooKeeper) --------------------------------------------------------------------
     def _group_store(self):

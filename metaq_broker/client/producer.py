@@ -11,7 +11,11 @@ a put cut off by a broken connection or a failover (or answered ``not acknowledg
 stored``) is sent again with the same sequence until the producer's timeout, and the broker stores it once
 (a batch sent again is answered with its first offsets). ``Producer(idempotent=False)`` sends no producer
 id and never resends a put that may have been stored. When the broker acknowledges, the message is stored
-under the topic's flush policy (``PutResult.fsynced`` says whether an fsync covered it)."""
+under the topic's flush policy (``PutResult.fsynced`` says whether an fsync covered it).
+
+Messages are Kafka's: a None value is a null value (a tombstone), sent as such (a missing value column is an
+error); ``timestamps`` / ``timestamp`` give create times (Kafka's CreateTime), which consumers then read in
+``timestamp``; without, a message's time is the broker's store time (LogAppendTime)."""
 from __future__ import annotations
 
 import logging
@@ -324,15 +328,16 @@ class Producer(ClientBase):
             time.sleep(0.05)
 
     def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
-                       headers=None) -> list:
+                       headers=None, timestamps=None) -> list:
         """[(partition name, encoded body)]: the messages split by partition (``partition`` is one name, an
         Arrow array of a name per message, or None for key hash / round robin), no loop per message; a
         partition's body over ``rawput.SPLIT_BYTES`` is cut into several in order (brokers refuse a put over
         their limit, which is at least that). ``headers``: Kafka record headers, per message a list of
-        (str key, bytes value) (``records``)."""
-        body_cols = _columns(values, keys, attributes, flags, headers)
-        n = len(body_cols[0])
-        names, which = self._assign(topic, n, body_cols[1], partition)
+        (str key, bytes value); ``timestamps``: create times, ms since the epoch or datetimes
+        (``records.timestamps_column``)."""
+        cols = _columns(values, keys, attributes, flags, headers, timestamps)
+        n = len(cols["values"])
+        names, which = self._assign(topic, n, cols["keys"], partition)
         order = np.argsort(which, kind="stable")
         bounds = np.flatnonzero(np.diff(which[order])) + 1
         out = []
@@ -341,10 +346,10 @@ class Producer(ClientBase):
                 continue
             whole = len(group) == n
             take = None if whole else pa.array(group)
-            arrays = [c if c is None or whole else c.take(take) for c in body_cols[:3] + body_cols[4:]]
-            group_flags = body_cols[3] if body_cols[3] is None or whole else body_cols[3][group]
-            body = records.encode_body(*arrays[:3], flags=group_flags, headers=arrays[3])
-            out.extend((names[int(which[group[0]])], b) for b in _split(body, arrays, group_flags))
+            part = {name: c if c is None or whole else c[group] if isinstance(c, np.ndarray) else c.take(take)
+                    for name, c in cols.items()}
+            body = records.encode_body(**part)
+            out.extend((names[int(which[group[0]])], b) for b in _split(body, part))
         return out
 
     # -- synchronous ----------------------------------------------------------------------------------
@@ -391,14 +396,15 @@ class Producer(ClientBase):
         return _GrpcPut(conn, topic, name, parts)
 
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
-                   headers=None) -> list:
+                   headers=None, timestamps=None) -> list:
         """Send many messages now: one batch per partition, sent in parallel. Returns PutResults (one per
         partition used). Messages with a key go by key hash; without, the whole call goes to one
-        partition, round robin across calls. ``headers``: Kafka record headers (``encode_batches``)."""
+        partition, round robin across calls. ``headers``, ``timestamps``: see ``encode_batches``."""
         puts: list = []
         try:
             results = []
-            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition, headers):
+            for name, body in self.encode_batches(topic, values, keys, attributes, flags, partition, headers,
+                                                  timestamps):
                 earlier = next((p for p in puts if p.name == name), None)
                 if earlier is not None:  # a body cut in several: stored in order, one at a time
                     results.append(earlier.result())
@@ -419,9 +425,12 @@ class Producer(ClientBase):
 
     # -- asynchronous ---------------------------------------------------------------------------------
     def send(self, topic: str, value, key=None, attribute: Optional[str] = None, flag: int = 0,
-             partition: Optional[str] = None, headers=None) -> Future:
-        """Queue one message; the future resolves to a SendResult once its batch is stored. ``headers``: its
-        Kafka record headers, a list of (str key, bytes value) pairs."""
+             partition: Optional[str] = None, headers=None, timestamp=None) -> Future:
+        """Queue one message; the future resolves to a SendResult once its batch is stored. ``value`` None:
+        a null value (a tombstone). ``headers``: its Kafka record headers, a list of (str key, bytes value)
+        pairs. ``timestamp``: its create time (ms since the epoch, or a datetime); without one its time is
+        the store time, unless other messages of its batch have one: then it is stamped now, as Kafka's
+        producer stamps a record given none."""
         if self._closed:
             raise RuntimeError("producer is closed")
         keys = None if key is None else pa.array([key.encode() if isinstance(key, str) else key], pa.binary())
@@ -430,7 +439,7 @@ class Producer(ClientBase):
         fut: Future = Future()
         with self._cond:
             q = self._pending.setdefault((topic, partition), [])
-            q.append((value, key, attribute, flag, headers, fut))
+            q.append((value, key, attribute, flag, headers, timestamp, fut))
             if len(q) >= self.batch_size or (len(q) == 1 and len(self._pending) == 1):  # full, or the first
                 self._cond.notify()
         return fut
@@ -451,11 +460,9 @@ class Producer(ClientBase):
 
     def _send_items(self, topic: str, partition: str, items: list) -> None:
         try:
-            values, keys, attrs, flags, headers, futs = zip(*items)
-            stored = self.send_batch(topic, list(values), None if all(k is None for k in keys) else list(keys),
-                                     None if all(a is None for a in attrs) else list(attrs),
-                                     list(flags), partition=partition,
-                                     headers=None if all(h is None for h in headers) else list(headers))
+            values, keys, attrs, flags, headers, timestamps, futs = zip(*items)
+            stored = self.send_batch(topic, list(values), _given(keys), _given(attrs), list(flags),
+                                     partition=partition, headers=_given(headers), timestamps=_given(timestamps))
         except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
             for item in items:
                 item[-1].set_exception(e)
@@ -505,8 +512,9 @@ class PipelinedSender:
         self._results.append(put.result())
 
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
-                   headers=None) -> None:
-        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers):
+                   headers=None, timestamps=None) -> None:
+        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers,
+                                                       timestamps):
             xid = "" if self.transaction is None else self.transaction.xid_on(parse_partition_name(name)[0])
             if (topic, name) in self._inflight:
                 self._finish((topic, name))
@@ -548,9 +556,10 @@ class Transaction:
         return xid
 
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
-                   headers=None) -> None:
+                   headers=None, timestamps=None) -> None:
         """Add messages (routed as ``Producer.send_batch`` does); they stay invisible until commit."""
-        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers):
+        for name, body in self.producer.encode_batches(topic, values, keys, attributes, flags, partition, headers,
+                                                       timestamps):
             self.producer.start_put(topic, name, body, self.xid_on(parse_partition_name(name)[0])).result()
             self.messages += body.count
 
@@ -567,9 +576,10 @@ class Transaction:
         settle(self.producer, sorted(self.xids.items()), ROLLBACK, self.producer.pool.timeout)
 
 
-def _split(body: records.EncodedBody, arrays: list, flags) -> list:
+def _split(body: records.EncodedBody, columns: dict) -> list:
     """``body`` as it is, or cut at message boundaries into bodies of at most ``rawput.SPLIT_BYTES`` each
-    (a message larger than that alone in its own): one search per piece, no loop per message."""
+    (a message larger than that alone in its own): one search per piece, no loop per message. ``columns``:
+    ``encode_body``'s arguments ``body`` was encoded from."""
     if body.size <= rawput.SPLIT_BYTES or body.count == 1:
         return [body]
     ends = np.cumsum(body.message_sizes, dtype=np.int64)
@@ -578,19 +588,22 @@ def _split(body: records.EncodedBody, arrays: list, flags) -> list:
     while start < body.count:
         base = int(ends[start - 1]) if start else 0
         stop = max(int(np.searchsorted(ends, base + limit, side="right")), start + 1)
-        piece = [a if a is None else a.slice(start, stop - start) for a in arrays]
-        pieces.append(records.encode_body(*piece[:3], flags=None if flags is None else flags[start:stop],
-                                          headers=piece[3]))
+        pieces.append(records.encode_body(**{name: c if c is None else c[start:stop] if isinstance(c, np.ndarray)
+                                             else c.slice(start, stop - start) for name, c in columns.items()}))
         start = stop
     return pieces
 
 
-def _columns(values, keys, attributes, flags, headers=None) -> list:
-    """Values, keys and attributes as checked Arrow arrays (records.binary_column, so bad input is an
-    InvalidMessageError), flags as numpy (checked on encoding), headers as Arrow (records.headers_column)."""
-    if isinstance(flags, (pa.Array, pa.ChunkedArray)):
-        flags = flags.to_numpy(zero_copy_only=False)
-    value_arr = records.binary_column(values, "value", nullable=False)
-    return [value_arr, records.binary_column(keys, "key", nullable=True),
-            records.binary_column(attributes, "attribute", nullable=True),
-            None if flags is None else np.asarray(flags), records.headers_column(headers, len(value_arr))]
+def _given(column: tuple) -> Optional[list]:
+    """A column of queued messages (``send``), or None when no message gave one."""
+    return None if all(x is None for x in column) else list(column)
+
+
+def _columns(values, keys, attributes, flags, headers=None, timestamps=None) -> dict:
+    """``encode_body``'s arguments, checked once for the whole call (bad input is an InvalidMessageError):
+    values, keys, attributes and headers as Arrow arrays, flags and create times as numpy."""
+    value_arr = records.binary_column(values, "value", required=True)
+    n = len(value_arr)
+    return {"values": value_arr, "keys": records.binary_column(keys, "key"),
+            "attributes": records.binary_column(attributes, "attribute"), "flags": records.flags_column(flags, n),
+            "headers": records.headers_column(headers, n), "timestamps": records.timestamps_column(timestamps, n)}

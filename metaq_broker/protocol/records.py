@@ -1,17 +1,21 @@
 """The record-batch format: how an appended batch of messages is laid out in bytes.
 
 One append becomes one batch: a 72-byte header (version 3; version 2's was its first 48 bytes, and version 2
-batches stay readable everywhere) followed by a columnar body (per-message fixed-width columns, then each
-variable-width column's bytes back to back, then the batch's record headers, columnar too). The same bytes are stored in segment
-files and sent to consumers, so the broker never re-encodes, and a consumer turns any run of batches
-into Arrow arrays with numpy and Arrow kernels instead of a Python loop per message: the only Python
-loop is one step per batch, to check its checksums. docs/storage-format.md gives the layout byte by byte.
+batches stay readable everywhere) followed by a columnar body: per-message integer columns (value, key and
+attribute lengths, header counts, create times, flags), each in the narrowest width that holds its batch's
+entries (so a 100-byte value costs one byte of length), then each variable-width column's bytes back to
+back, then the batch's record headers, columnar too. The same bytes are stored in segment files and sent to
+consumers, so the broker never re-encodes, and a consumer turns any run of batches into Arrow arrays with
+numpy and Arrow kernels instead of a Python loop per message: the only Python loop is one step per batch, to
+check its checksums. docs/storage-format.md gives the layout byte by byte.
 
 Every checksum is CRC-32C and goes through ``crc``.
 """
 from __future__ import annotations
 
+import functools
 import struct
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -22,13 +26,15 @@ import pyarrow as pa
 from metaq_broker.errors import InvalidMessageError
 
 MAGIC = 0x4D51  # u16 at byte 8, stored little-endian: the bytes 51 4D
-VERSION = 3  # what is written. 1 used CRC-32 (zlib); 2 uses CRC-32C; 3 adds the producer and MetaQ byte fields
+VERSION = 3  # what is written. 1 used CRC-32 (zlib); 2 uses CRC-32C; 3 adds the producer and MetaQ byte
+# fields, narrow columns, null values, create times and record headers
 VERSIONS = (2, 3)  # what is read
 HEADER = struct.Struct("<IIHBBIqqqII")  # the fields of every version (version 2's whole header)
 BASE_HEADER_SIZE = HEADER.size  # 48
 assert BASE_HEADER_SIZE == 48
-# Version 3 goes on: producer id (-1: none), producer epoch (-1: none), 0, base sequence (-1: none), and the
-# batch's first message's position in the partition's MetaQ message stream (``metaq_bytes``).
+# Version 3 goes on: producer id (-1: none), producer epoch (-1: none), the body's column widths
+# (``layout``), base sequence (-1: none), and the batch's first message's position in the partition's MetaQ
+# message stream (``metaq_bytes``).
 HEADER_V3 = struct.Struct("<qhHiq")
 HEADER_SIZE = BASE_HEADER_SIZE + HEADER_V3.size  # 72: the header of what is written
 assert HEADER_SIZE == 72
@@ -39,8 +45,12 @@ NO_PRODUCER = -1  # producer id, epoch and sequence of a batch no idempotent pro
 # unit of MetaQ byte offsets (docs/storage-format.md, section 3.5)
 METAQ_MESSAGE_HEAD = 20
 METAQ_ATTRIBUTE_HEAD = 4
+# Where the stream continues at a segment without a position to go on from (version 2 batches, a replica's
+# reset): this times the segment's logical start. A message takes at most 20 times its log bytes in MetaQ's
+# layout (a null value: a 20-byte head against a 1-byte length), so positions stay below the next segment's.
+METAQ_ANCHOR = 20
 
-# Batch attribute bits. The first two describe the body (a producer sets them); the last two are the
+# Batch attribute bits. Those of BODY_ATTRIBUTE_BITS describe the body (a producer sets them); two are the
 # broker's: TRANSACTIONAL marks the batch of an unsettled-at-append transaction (its number in ``txn``),
 # CONTROL a marker, which no reader returns: a transaction's (its number in ``txn``, one message:
 # COMMIT_MARKER or ABORT_MARKER), or with ``txn`` 0 an epoch marker (``epoch_marker``; replication).
@@ -49,8 +59,25 @@ HAS_ATTRIBUTES = 0x2
 TRANSACTIONAL = 0x4
 CONTROL = 0x8
 HAS_HEADERS = 0x10  # version 3: a header-count column and the batch's headers section (Kafka record headers)
-BODY_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES | HAS_HEADERS
+NO_FLAGS = 0x20  # version 3: no flag column, every message's flag is 0 (version 2 always has one)
+HAS_TIMESTAMPS = 0x40  # version 3: a create-time column (Kafka's CreateTime); without, a message's time is
+# its batch's store time (Kafka's LogAppendTime)
+V3_ATTRIBUTE_BITS = HAS_HEADERS | NO_FLAGS | HAS_TIMESTAMPS
+BODY_ATTRIBUTE_BITS = HAS_KEYS | HAS_ATTRIBUTES | V3_ATTRIBUTE_BITS
 KNOWN_ATTRIBUTE_BITS = BODY_ATTRIBUTE_BITS | TRANSACTIONAL | CONTROL
+
+# Version 3's ``layout`` (header bytes 58-59): a 2-bit width code per integer column of the body, column
+# ``c`` at bits 2c..2c+1. Code 0 is i32, so layout 0 is version 2's columns (all i32); 3 (i64) only for
+# create-time deltas. An absent column's code is 0. ``EncodedBody.attributes`` (and a Put's attributes)
+# carry the layout above LAYOUT_SHIFT, the attribute bits below.
+WIDTHS = np.array([4, 1, 2, 8], np.int64)  # width code -> bytes
+INT_DTYPES = ("<i4", "<i1", "<i2", "<i8")  # width code -> little-endian signed integer
+VALUE_LEN, KEY_LEN, ATTRIBUTE_LEN, HEADER_COUNT, HEADER_KEY_LEN, HEADER_VALUE_LEN, TIME_DELTA = range(7)
+COLUMN_BITS = (0, HAS_KEYS, HAS_ATTRIBUTES, HAS_HEADERS, HAS_HEADERS, HAS_HEADERS, HAS_TIMESTAMPS)  # 0: always
+LAYOUT_SHIFT = 16
+MAX_TIMESTAMP = 1 << 62  # create times are ms in [0, MAX_TIMESTAMP): a base and a delta add up within i64
+CREATE_TIME, LOG_APPEND_TIME = 0, 1  # a message's timestampType, as Kafka's and Spark's Kafka source's
+TIMESTAMP_TYPE_NAMES = ("CreateTime", "LogAppendTime")  # Kafka's names of them
 ABORT_MARKER, COMMIT_MARKER = b"\x00", b"\x01"  # a marker's value
 EPOCH_MARKER = struct.Struct("<BII")  # an epoch marker's value: 0x02, the epoch, the master's replica id
 EPOCH_MARKER_TAG = 2
@@ -80,12 +107,15 @@ MAX_BATCH_BYTES = (1 << 31) - 1
 HEADERS_TYPE = pa.list_(pa.struct([pa.field("key", pa.string(), nullable=False), pa.field("value", pa.binary())]))
 HEADERS_FIELD = pa.field("headers", HEADERS_TYPE)
 
-# Arrow schema of decoded messages; the Spark connector adds topic and partition. ``decode(headers=True)``
-# adds HEADERS_FIELD at the end.
+TIMESTAMP_TYPE_FIELD = pa.field("timestampType", pa.int32(), nullable=False)
+
+# Arrow schema of decoded messages; the Spark connector adds topic and partition. ``decode`` adds
+# HEADERS_FIELD and TIMESTAMP_TYPE_FIELD at the end when asked (``schema``). A null value is a Kafka
+# tombstone; ``timestamp`` is the create time where the producer gave one, else the store time.
 SCHEMA = pa.schema(
     [
         pa.field("key", pa.binary()),
-        pa.field("value", pa.binary(), nullable=False),
+        pa.field("value", pa.binary()),
         pa.field("offset", pa.int64(), nullable=False),
         pa.field("timestamp", pa.timestamp("ms"), nullable=False),
         pa.field("msgId", pa.int64(), nullable=False),
@@ -93,6 +123,12 @@ SCHEMA = pa.schema(
         pa.field("attribute", pa.string()),
     ]
 )
+
+
+def schema(headers: bool = False, timestamp_type: bool = False) -> pa.Schema:
+    """``SCHEMA``, with the ``headers`` and ``timestampType`` columns when asked (``decode``)."""
+    out = SCHEMA.append(HEADERS_FIELD) if headers else SCHEMA
+    return out.append(TIMESTAMP_TYPE_FIELD) if timestamp_type else out
 
 
 class RecordFormatError(ValueError):
@@ -123,6 +159,7 @@ class BatchHeader:
     producer_epoch: int = NO_PRODUCER
     base_sequence: int = NO_PRODUCER
     byte_base: int = -1  # version 3: the first message's MetaQ stream position; -1 in version 2
+    layout: int = 0  # version 3: the body's column widths (``WIDTHS``); 0 (all i32) in version 2
 
     @property
     def next_offset(self) -> int:
@@ -132,6 +169,11 @@ class BatchHeader:
     def size(self) -> int:
         """This header's bytes: where the body starts."""
         return HEADER_SIZES[self.version]
+
+    @property
+    def body_attributes(self) -> int:
+        """The body's attribute bits and layout, as ``EncodedBody.attributes`` (what ``parse_body`` takes)."""
+        return (self.attributes & BODY_ATTRIBUTE_BITS) | self.layout << LAYOUT_SHIFT
 
 
 _crc32c_extend = google_crc32c.extend
@@ -155,12 +197,14 @@ def _padding(n: int) -> int:
 # Encoding
 
 
-def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
-    """Normalise a column given as a sequence or an Arrow array to an Arrow binary/string array; a chunked
-    array of several chunks stays chunked (``encode_body`` takes the chunks' bytes where they lie)."""
+def binary_column(values, name: str, required: bool = False) -> Optional[pa.Array]:
+    """Normalise a column given as a sequence or an Arrow array to an Arrow binary/string array (None
+    entries are nulls); a chunked array of several chunks stays chunked (``encode_body`` takes the chunks'
+    bytes where they lie). A column that is not given is None, or an error when ``required``."""
     if values is None:
-        if not nullable:
-            raise MessageValueError(f"{name} column is missing; every message needs a {name}")
+        if required:
+            raise MessageValueError(f"{name} column is missing; every message needs a {name} (None for a "
+                                    f"null {name})")
         return None
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise MessageValueError(f"{name}: expected a sequence with one entry per message, got a single "
@@ -176,6 +220,8 @@ def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
             raise MessageValueError(f"{name}: cannot be stored as {'UTF-8 text' if name == 'attribute' else 'bytes'}: {e}") from None
     if pa.types.is_large_binary(values.type) or pa.types.is_large_string(values.type):
         values = values.cast(pa.string() if pa.types.is_large_string(values.type) else pa.binary())
+    if pa.types.is_null(values.type):  # every entry None
+        values = values.cast(pa.string() if name == "attribute" else pa.binary())
     if name == "attribute":
         if pa.types.is_binary(values.type):
             try:
@@ -188,10 +234,84 @@ def binary_column(values, name: str, nullable: bool) -> Optional[pa.Array]:
         values = values.cast(pa.binary())
     elif not pa.types.is_binary(values.type):
         raise MessageValueError(f"{name}: expected bytes, got Arrow type {values.type}")
-    if not nullable and values.null_count:
-        first = values.is_null().index(True).as_py()
-        raise MessageValueError(f"{name} of message {first} is null; every message needs a value")
     return values
+
+
+def flags_column(flags, n: int) -> Optional[np.ndarray]:
+    """MetaQ's per-message flags as i32, checked; None when there are none or all are 0 (no flag column)."""
+    if flags is None:
+        return None
+    if isinstance(flags, (pa.Array, pa.ChunkedArray)):
+        if flags.null_count:
+            raise MessageValueError("flag column has nulls; flags are integers")
+        flags = flags.to_numpy(zero_copy_only=False)
+    try:
+        raw = np.asarray(flags)
+    except (TypeError, ValueError) as e:
+        raise MessageValueError(f"flag: {e}") from None
+    if raw.shape != (n,):
+        raise MessageValueError(f"flag column has shape {raw.shape} but value has {n} entries")
+    if raw.dtype.kind not in "iub":
+        raise MessageValueError(f"flag: expected integers, got {raw.dtype}")
+    if raw.size and (raw.min() < -(1 << 31) or raw.max() >= (1 << 31)):
+        raise MessageValueError("flag: values must fit in a signed 32-bit integer")
+    return raw.astype("<i4") if raw.any() else None
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def timestamps_column(timestamps, n: int) -> Optional[np.ndarray]:
+    """Create times (Kafka's CreateTime) as i64 ms since the epoch, from ints, datetimes, numpy datetime64
+    or Arrow timestamps (a finer unit is truncated to ms); a null entry takes the time now, as Kafka's
+    producer stamps a record given none. None when not given: the messages take their store time."""
+    if timestamps is None:
+        return None
+    if isinstance(timestamps, (int, str, bytes)) or not hasattr(timestamps, "__len__"):
+        raise MessageValueError(f"timestamps: expected a sequence with one entry per message, got a single "
+                                f"{type(timestamps).__name__}")
+    if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind in "iuM":
+        if timestamps.dtype.kind == "u" and timestamps.size and timestamps.max() >= MAX_TIMESTAMP:
+            timestamps = np.minimum(timestamps, MAX_TIMESTAMP)  # not to wrap to a negative int64: refused below
+        ms = timestamps.astype("datetime64[ms]").astype(np.int64) if timestamps.dtype.kind == "M" \
+            else timestamps.astype(np.int64)
+    else:
+        arr = timestamps
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        if not isinstance(arr, pa.Array):
+            try:
+                arr = pa.array(arr, type=pa.timestamp("ms"))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+                raise MessageValueError(f"timestamps: expected ms since the epoch or datetimes: {e}") from None
+        if pa.types.is_timestamp(arr.type):
+            arr = arr.cast(pa.timestamp("ms", arr.type.tz), safe=False)
+        elif not pa.types.is_integer(arr.type):
+            raise MessageValueError(f"timestamps: expected integers (ms since the epoch) or timestamps, got "
+                                    f"Arrow type {arr.type}")
+        if arr.null_count:
+            arr = arr.cast(pa.int64()).fill_null(now_ms())
+        ms = arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    if len(ms) != n:
+        raise MessageValueError(f"timestamps column has {len(ms)} entries but value has {n}")
+    bad = (ms < 0) | (ms >= MAX_TIMESTAMP)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise MessageValueError(f"timestamp of message {first} is {int(ms[first])}; create times are ms since "
+                                f"the epoch, from 0 to 2^62")
+    return ms
+
+
+def _width_code(largest: int) -> int:
+    """The code of the narrowest signed width that holds every entry from -1 to ``largest``."""
+    return 1 if largest < 1 << 7 else 2 if largest < 1 << 15 else 0 if largest < 1 << 31 else 3
+
+
+def _narrow(column: np.ndarray, field: int):
+    """``column`` in its narrowest width: (its bytes, its layout bits, its width)."""
+    code = _width_code(int(column.max()) if len(column) else 0)
+    return column.astype(INT_DTYPES[code]).tobytes(), code << (2 * field), int(WIDTHS[code])
 
 
 def _lengths_and_data(arr):
@@ -219,7 +339,7 @@ class EncodedBody:
     """A batch body ready to be stamped with offsets and written: buffers, their CRC, their size."""
 
     count: int
-    attributes: int
+    attributes: int  # the header's attribute bits, and its layout above LAYOUT_SHIFT
     parts: list
     size: int
     crc: int
@@ -263,8 +383,8 @@ def _list_counts(arr: pa.ListArray) -> np.ndarray:
     return counts
 
 
-def _header_parts(headers: pa.ListArray):
-    """(per-message counts, [key lengths, value lengths, key bytes, value bytes], per-message bytes)."""
+def _header_section(headers: pa.ListArray):
+    """(per-message counts, the headers section's parts, its layout bits, per-message bytes)."""
     counts = _list_counts(headers)
     flat = headers.flatten()  # the headers of the non-null lists, in message order
     if flat.null_count:
@@ -276,28 +396,27 @@ def _header_parts(headers: pa.ListArray):
         keys = keys.cast(pa.string())
     key_len, key_data = _lengths_and_data(keys.cast(pa.binary()))
     value_len, value_data = _lengths_and_data(values)
-    per_header = key_len.astype(np.int64) + np.maximum(value_len, 0) + 8
-    cum = np.zeros(len(per_header) + 1, np.int64)
-    np.cumsum(per_header, out=cum[1:])
-    ends = np.cumsum(counts, dtype=np.int64)
-    per_message = cum[ends] - cum[ends - counts]
-    return counts, [key_len.astype("<i4", copy=False).tobytes(), value_len.astype("<i4", copy=False).tobytes()] \
-        + list(key_data) + list(value_data), per_message
+    key_col, key_bits, key_width = _narrow(key_len, HEADER_KEY_LEN)
+    value_col, value_bits, value_width = _narrow(value_len, HEADER_VALUE_LEN)
+    per_header = key_len.astype(np.int64) + np.maximum(value_len, 0) + key_width + value_width
+    return counts, [key_col, value_col] + list(key_data) + list(value_data), key_bits | value_bits, \
+        _per_group(per_header, counts)
 
 
 def metaq_sizes(value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> np.ndarray:
     """Each message's bytes in MetaQ's message-set layout: a 20-byte head (msgLen, CRC32, id, flag), the
-    attribute with its 4-byte length when it is not null, and the payload. Keys and headers have no place
-    there. The unit of a partition's MetaQ byte positions (``byte_base``)."""
-    sizes = value_len.astype(np.int64) + METAQ_MESSAGE_HEAD
+    attribute with its 4-byte length when it is not null, and the payload (none for a null value). Keys
+    and headers have no place there. The unit of a partition's MetaQ byte positions (``byte_base``)."""
+    sizes = np.maximum(value_len, 0).astype(np.int64) + METAQ_MESSAGE_HEAD
     if attr_len is not None:
         sizes += np.where(attr_len >= 0, attr_len.astype(np.int64) + METAQ_ATTRIBUTE_HEAD, 0)
     return sizes
 
 
-def _metaq_total(n: int, value_len: np.ndarray, attr_len: Optional[np.ndarray]) -> int:
-    """``metaq_sizes(...).sum()`` without building the per-message array (the produce path's cost)."""
-    total = METAQ_MESSAGE_HEAD * n + int(value_len.sum(dtype=np.int64))
+def _metaq_total(n: int, value_bytes: int, attr_len: Optional[np.ndarray]) -> int:
+    """``metaq_sizes(...).sum()`` without building the per-message array (the produce path's cost), from
+    the batch's value bytes."""
+    total = METAQ_MESSAGE_HEAD * n + value_bytes
     if attr_len is not None:
         present = attr_len >= 0
         total += int(attr_len.sum(dtype=np.int64, where=present)) + METAQ_ATTRIBUTE_HEAD * int(np.count_nonzero(present))
@@ -310,16 +429,18 @@ def encode_body(
     attributes=None,
     flags: Union[None, Sequence[int], np.ndarray, pa.Array] = None,
     headers=None,
+    timestamps=None,
 ) -> EncodedBody:
     """Encode a batch body from column data (Python sequences or Arrow arrays); no per-message loop
-    in Python for Arrow input. The header (offsets, ids, time) is added at append time. ``headers``:
-    Kafka record headers (``headers_column``)."""
-    value_arr = binary_column(values, "value", nullable=False)
+    in Python for Arrow input. The header (offsets, ids, store time) is added at append time. A None value
+    is a null value (a Kafka tombstone); the value column itself is required. ``headers``: Kafka record
+    headers (``headers_column``); ``timestamps``: create times (``timestamps_column``)."""
+    value_arr = binary_column(values, "value", required=True)
     n = len(value_arr)
     if n == 0:
         raise MessageValueError("a batch needs at least one message")
-    key_arr = binary_column(keys, "key", nullable=True)
-    attr_arr = binary_column(attributes, "attribute", nullable=True)
+    key_arr = binary_column(keys, "key")
+    attr_arr = binary_column(attributes, "attribute")
     for name, arr in (("key", key_arr), ("attribute", attr_arr)):
         if arr is not None and len(arr) != n:
             raise MessageValueError(f"{name} column has {len(arr)} entries but value has {n}")
@@ -328,59 +449,48 @@ def encode_body(
     if attr_arr is not None and attr_arr.null_count == n:
         attr_arr = None
     header_arr = headers_column(headers, n)
+    flag_col = flags_column(flags, n)
+    times = timestamps_column(timestamps, n)
 
-    if flags is None:
-        flag_col = np.zeros(n, dtype=np.int32)
-    else:
-        if isinstance(flags, (pa.Array, pa.ChunkedArray)):
-            if flags.null_count:
-                raise MessageValueError("flag column has nulls; flags are integers")
-            flags = flags.to_numpy(zero_copy_only=False)
-        try:
-            raw = np.asarray(flags)
-        except (TypeError, ValueError) as e:
-            raise MessageValueError(f"flag: {e}") from None
-        if raw.shape != (n,):
-            raise MessageValueError(f"flag column has shape {raw.shape} but value has {n} entries")
-        if raw.dtype.kind not in "iub":
-            raise MessageValueError(f"flag: expected integers, got {raw.dtype}")
-        if raw.size and (raw.min() < -(1 << 31) or raw.max() >= (1 << 31)):
-            raise MessageValueError("flag: values must fit in a signed 32-bit integer")
-        flag_col = raw.astype("<i4")
-
-    value_len, value_data = _lengths_and_data(value_arr)
-    columns = [flag_col, value_len]
-    data_parts = list(value_data)
-    sizes = value_len.astype(np.int64)
-    attr_bits = 0
+    bits, layout, column_bytes = NO_FLAGS if flag_col is None else 0, 0, 0
+    columns, data_parts = [], []
+    if flag_col is not None:
+        columns.append(flag_col.tobytes())
+        column_bytes += 4
+    sizes = None  # each message's data bytes
     attr_len = None
-    for bit, arr in ((HAS_KEYS, key_arr), (HAS_ATTRIBUTES, attr_arr)):
+    for field, bit, arr in ((VALUE_LEN, 0, value_arr), (KEY_LEN, HAS_KEYS, key_arr),
+                            (ATTRIBUTE_LEN, HAS_ATTRIBUTES, attr_arr)):
         if arr is None:
             continue
         lengths, data = _lengths_and_data(arr)
-        attr_bits |= bit
-        columns.append(lengths)
+        col, col_layout, width = _narrow(lengths, field)
+        columns.append(col)
+        bits, layout, column_bytes = bits | bit, layout | col_layout, column_bytes + width
         data_parts.extend(data)
-        sizes += np.maximum(lengths, 0)
-        if bit == HAS_ATTRIBUTES:
+        nonnegative = np.maximum(lengths, 0) if arr.null_count else lengths
+        sizes = nonnegative.astype(np.int64) if sizes is None else sizes + nonnegative
+        if field == VALUE_LEN:
+            value_bytes = int(sizes.sum())
+        elif field == ATTRIBUTE_LEN:
             attr_len = lengths
     header_parts = []
     if header_arr is not None:
-        counts, header_parts, header_bytes = _header_parts(header_arr)
-        attr_bits |= HAS_HEADERS
-        columns.append(counts)
+        counts, header_parts, header_layout, header_bytes = _header_section(header_arr)
+        col, col_layout, width = _narrow(counts, HEADER_COUNT)
+        columns.append(col)
+        bits, layout, column_bytes = bits | HAS_HEADERS, layout | col_layout | header_layout, column_bytes + width
         sizes += header_bytes
+    if times is not None:
+        base = int(times.min())
+        col, col_layout, width = _narrow(times - base, TIME_DELTA)
+        columns.append(struct.pack("<q", base) + col)
+        bits, layout, column_bytes = bits | HAS_TIMESTAMPS, layout | col_layout, column_bytes + width
 
     max_message_size = int(sizes.max())
-    sizes += 4 * len(columns)  # each message's share of the fixed-width columns
-    parts = [c.astype("<i4", copy=False).tobytes() for c in columns] + [d for d in data_parts if len(d)]
+    sizes += column_bytes  # each message's share of the integer columns
+    parts = columns + [d for d in data_parts if len(d)] + [d for d in header_parts if len(d)]
     size = sum(len(p) for p in parts)
-    if header_parts:  # the headers section starts 4-aligned: its length columns are read as int32
-        if size % 4:
-            parts.append(b"\0" * (-size % 4))
-            size += -size % 4
-        parts += [d for d in header_parts if len(d)]
-        size += sum(len(d) for d in header_parts)
     pad = _padding(size)
     if pad:
         parts.append(b"\0" * pad)
@@ -390,56 +500,139 @@ def encode_body(
     body_crc = 0
     for p in parts:
         body_crc = crc(p, body_crc)
-    return EncodedBody(n, attr_bits, parts, size, body_crc, sizes.astype(np.uint32), max_message_size,
-                       _metaq_total(n, value_len, attr_len))
+    return EncodedBody(n, bits | layout << LAYOUT_SHIFT, parts, size, body_crc, sizes.astype(np.uint32),
+                       max_message_size, _metaq_total(n, value_bytes, attr_len))
 
 
-def _ncols(attributes) -> Union[int, np.ndarray]:
-    """Fixed-width columns of a body with these attribute bits (int or vectorised)."""
-    if isinstance(attributes, np.ndarray):
-        return (2 + ((attributes & HAS_KEYS) != 0).astype(np.int64) + ((attributes & HAS_ATTRIBUTES) != 0)
-                + ((attributes & HAS_HEADERS) != 0))
-    return 2 + bool(attributes & HAS_KEYS) + bool(attributes & HAS_ATTRIBUTES) + bool(attributes & HAS_HEADERS)
+# A body's integer columns, one row each, in their order: flag, value length, key length, attribute length,
+# header count, create time. Per row: the attribute bit that says it is there, or with _COLUMN_INVERT that
+# it is not (the flag column; the value column, with no bit, is always there), where its width code lies in
+# the layout (the flag column: bits 14-15, which are 0: i32), and the bytes before its entries (the create
+# times' base).
+_COLUMN_BIT = np.array([[NO_FLAGS], [0], [HAS_KEYS], [HAS_ATTRIBUTES], [HAS_HEADERS], [HAS_TIMESTAMPS]])
+_COLUMN_INVERT = np.array([[True], [True], [False], [False], [False], [False]])
+_COLUMN_SHIFT = np.array([[14], [2 * VALUE_LEN], [2 * KEY_LEN], [2 * ATTRIBUTE_LEN], [2 * HEADER_COUNT],
+                          [2 * TIME_DELTA]])
+_COLUMN_BASE = np.array([[0], [0], [0], [0], [0], [8]])
+FLAG_COL, VALUE_COL, KEY_COL, ATTRIBUTE_COL, HEADER_COUNT_COL, TIME_COL = range(6)
+
+
+def _columns(attributes: np.ndarray, layout: np.ndarray) -> tuple:
+    """(present, width code, bytes) of each integer column (rows) of each body (columns) with these
+    attribute bits and layouts; bytes: its entries' (one per message) and, for create times, its base's."""
+    present = ((attributes & _COLUMN_BIT) != 0) ^ _COLUMN_INVERT
+    code = (layout >> _COLUMN_SHIFT) & 3
+    return present, code, present * WIDTHS[code], present * _COLUMN_BASE
+
+
+def _fixed_size(attributes: np.ndarray, layout: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Bytes of each body's integer columns: where its data starts."""
+    _, _, entry, base = _columns(attributes, layout)
+    return (entry * counts + base).sum(axis=0)
+
+
+# Per layout field (rows, bits 2f..2f+1): the attribute bit of its column (0: always there), and whether
+# its code may be 3 (i64)
+_FIELD_BIT = np.array([[bit] for bit in COLUMN_BITS])
+_FIELD_SHIFT = np.arange(0, 14, 2)[:, None]
+_FIELD_I64 = (np.arange(7) == TIME_DELTA)[:, None]
+
+
+def _bad_layout(attributes: np.ndarray, layout: np.ndarray) -> np.ndarray:
+    """Layouts that are not possible with these attribute bits (vectorised over bodies): a code for an
+    absent column, i64 for a length or count, bits 14-15 set."""
+    code = (layout >> _FIELD_SHIFT) & 3
+    absent = ((attributes & _FIELD_BIT) == 0) & (_FIELD_BIT != 0)
+    return ((absent & (code != 0)) | (~_FIELD_I64 & (code == 3))).any(axis=0) | ((layout >> 14) != 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(attributes: int, layout: int) -> Optional[tuple]:
+    """One body's integer columns (the rows of ``_columns``) in Python ints: (present, width code, entry
+    bytes, base bytes) each; None when the layout is impossible with these bits. Cached: producers send few
+    kinds of body."""
+    a, lay = np.array([attributes]), np.array([layout])
+    if _bad_layout(a, lay)[0]:
+        return None
+    return tuple(zip(*(x[:, 0].tolist() for x in _columns(a, lay))))
 
 
 def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
     """Check a batch body that a producer encoded (``encode_body``) and sent over the network: checksum,
-    column lengths, padding, UTF-8 attributes and header keys, all vectorised. Raises RecordFormatError."""
+    layout, column lengths, padding, UTF-8 attributes and header keys, create times, all vectorised.
+    ``attributes``: as ``EncodedBody.attributes`` (bits and layout). Raises RecordFormatError.
+
+    The checks are ``_Layout``'s, for one body: its column arithmetic in Python ints (``_plan``) and a few
+    numpy calls over its messages, where ``_Layout``'s per-batch arrays would cost a Put ~50 us more."""
     body = memoryview(body).cast("B")
+    bits, layout, size = attributes & 0xFFFF, attributes >> LAYOUT_SHIFT, len(body)
     if count < 1:
         raise RecordFormatError(f"batch count must be at least 1, got {count}", 0)
-    if attributes & ~BODY_ATTRIBUTE_BITS:
-        raise RecordFormatError(f"unknown batch attributes {attributes:#x}", 0)
-    if len(body) % ALIGN or HEADER_SIZE + len(body) > MAX_BATCH_BYTES:
-        raise RecordFormatError(f"batch body of {len(body)} bytes is not a multiple of {ALIGN} or too large", 0)
+    if bits & ~BODY_ATTRIBUTE_BITS:
+        raise RecordFormatError(f"unknown batch attributes {bits:#x}", 0)
+    plan = _plan(bits, layout)
+    if plan is None:
+        raise RecordFormatError(f"batch layout {layout:#x} is impossible with attributes {bits:#x}", 0)
+    if size % ALIGN or HEADER_SIZE + size > MAX_BATCH_BYTES:
+        raise RecordFormatError(f"batch body of {size} bytes is not a multiple of {ALIGN} or too large", 0)
     if crc(body) != body_crc:
         raise RecordFormatError("batch body checksum mismatch (damaged in transit?)", 0)
-    has_headers = bool(attributes & HAS_HEADERS)
-    ncols = _ncols(attributes)
-    fixed = 4 * ncols * count
-    if fixed > len(body):
-        raise RecordFormatError(f"batch body of {len(body)} bytes is too short for {count} messages", 0)
-    cols = np.frombuffer(body, dtype="<i4", count=ncols * count).reshape(ncols, count)
-    lengths = cols[1:ncols - has_headers].astype(np.int64)
-    if (lengths[0] < 0).any() or (lengths[1:] < NULL_LENGTH).any():
-        raise RecordFormatError("batch body has a negative length", 0)
-    data = np.maximum(lengths, 0)
-    data_end = fixed + int(data.sum())
-    sizes = data.sum(axis=0) + 4 * ncols
-    end = data_end
-    if has_headers:
-        counts = cols[-1].astype(np.int64)
-        if (counts < 0).any():
-            raise RecordFormatError("batch body has a negative header count", 0)
-        end, header_bytes = _check_headers(body, data_end + (-data_end % 4), counts)
-        sizes += header_bytes
-    if end + _padding(end) != len(body):
-        raise RecordFormatError(f"batch body lengths add up to {end} bytes, the body has {len(body)}", 0)
-    if attributes & HAS_ATTRIBUTES:
-        _check_utf8(body, data_end - int(data[-1].sum()), data[-1], "an attribute")
-    attr_len = lengths[-1] if attributes & HAS_ATTRIBUTES else None
-    return EncodedBody(count, attributes, [body], len(body), body_crc, sizes.astype(np.uint32),
-                       int((sizes - 4 * ncols).max()), _metaq_total(count, lengths[0], attr_len))
+    columns, pos, time_base = [], 0, 0
+    for present, code, entry, base in plan:
+        columns.append(None)
+        if not present:
+            continue
+        if pos + base + entry * count > size:
+            raise RecordFormatError(f"batch body of {size} bytes is too short for the integer columns of {count} "
+                                    f"messages", 0)
+        if base:
+            time_base = struct.unpack_from("<q", body, pos)[0]
+        columns[-1] = np.frombuffer(body, INT_DTYPES[code], count, pos + base).astype(np.int64)
+        pos += base + entry * count
+    _, value, key, attr, header_counts, deltas = columns
+    if value.min() < NULL_LENGTH or any(c is not None and c.min() < NULL_LENGTH for c in (key, attr)) \
+            or (header_counts is not None and header_counts.min() < 0):
+        raise RecordFormatError("negative message length in the batch body", 0)
+    if deltas is not None and not (0 <= time_base < MAX_TIMESTAMP and 0 <= deltas.min()
+                                   and deltas.max() < MAX_TIMESTAMP):
+        raise RecordFormatError("create time out of range in the batch body", 0)
+    data = [np.maximum(c, 0) for c in (value, key, attr) if c is not None]
+    value_bytes = int(data[0].sum())
+    sizes = sum(data)
+    end = pos + int(sizes.sum())
+    if end > size:
+        raise RecordFormatError(f"message lengths overrun the batch body of {size} bytes", 0)
+    if attr is not None:
+        _check_utf8(body, end - int(data[-1].sum()), data[-1], "an attribute")
+    if header_counts is not None:
+        end, header_bytes = _check_headers(body, end, header_counts, layout)
+        sizes = sizes + header_bytes
+    if end + _padding(end) != size:
+        raise RecordFormatError(f"batch body lengths add up to {end} bytes, the body has {size}", 0)
+    column_bytes = sum(entry for _, _, entry, _ in plan)
+    return EncodedBody(count, attributes, [body], size, body_crc, (sizes + column_bytes).astype(np.uint32),
+                       int(sizes.max()), _metaq_total(count, value_bytes, attr))
+
+
+def _check_headers(body, start: int, counts: np.ndarray, layout: int) -> tuple:
+    """Check a body's headers section at ``start`` for per-message ``counts``; returns (its end, each
+    message's header bytes)."""
+    total = int(counts.sum())
+    key_code, value_code = (layout >> (2 * HEADER_KEY_LEN)) & 3, (layout >> (2 * HEADER_VALUE_LEN)) & 3
+    key_width, value_width = int(WIDTHS[key_code]), int(WIDTHS[value_code])
+    keys_at = start + (key_width + value_width) * total
+    if keys_at > len(body):
+        raise RecordFormatError(f"the headers section overruns the batch body of {len(body)} bytes", 0)
+    klen = np.frombuffer(body, INT_DTYPES[key_code], total, start).astype(np.int64)
+    vlen = np.frombuffer(body, INT_DTYPES[value_code], total, start + key_width * total).astype(np.int64)
+    if total and (klen.min() < 0 or vlen.min() < NULL_LENGTH):
+        raise RecordFormatError("negative header length in the batch body", 0)
+    vlen = np.maximum(vlen, 0)
+    end = keys_at + int(klen.sum()) + int(vlen.sum())
+    if end > len(body):
+        raise RecordFormatError(f"the headers section overruns the batch body of {len(body)} bytes", 0)
+    _check_utf8(body, keys_at, klen, "a header key")
+    return end, _per_group(klen + vlen + key_width + value_width, counts)
 
 
 def _check_utf8(body, start: int, lengths: np.ndarray, what: str) -> None:
@@ -455,27 +648,6 @@ def _check_utf8(body, start: int, lengths: np.ndarray, what: str) -> None:
         raise RecordFormatError(f"{what} is not valid UTF-8", 0) from None
 
 
-def _check_headers(body, start: int, counts: np.ndarray) -> tuple:
-    """Check a body's headers section at ``start`` (4-aligned) for per-message ``counts``; returns (its
-    end, each message's header bytes)."""
-    total = int(counts.sum())
-    if start + 8 * total > len(body):
-        raise RecordFormatError(f"batch body of {len(body)} bytes is too short for its {total} headers", 0)
-    hl = np.frombuffer(body, dtype="<i4", count=2 * total, offset=start).reshape(2, total).astype(np.int64)
-    if (hl[0] < 0).any() or (hl[1] < NULL_LENGTH).any():
-        raise RecordFormatError("batch body has a negative header key or value length", 0)
-    key_start = start + 8 * total
-    end = key_start + int(hl[0].sum()) + int(np.maximum(hl[1], 0).sum())
-    if end > len(body):
-        raise RecordFormatError(f"batch body's headers run to byte {end} of {len(body)}", 0)
-    _check_utf8(body, key_start, hl[0], "a header key")
-    per_header = hl[0] + np.maximum(hl[1], 0) + 8
-    cum = np.zeros(total + 1, np.int64)
-    np.cumsum(per_header, out=cum[1:])
-    ends = np.cumsum(counts)
-    return end, cum[ends] - cum[ends - counts]
-
-
 def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int, txn: int = 0,
                   flags: int = 0, producer: tuple = (NO_PRODUCER, NO_PRODUCER, NO_PRODUCER),
                   byte_base: int = 0) -> bytes:
@@ -483,9 +655,9 @@ def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timesta
     0. ``producer``: (id, epoch, base sequence) of an idempotent producer's batch, -1s otherwise.
     ``byte_base``: the first message's position in the partition's MetaQ message stream."""
     batch_len = HEADER_SIZE + body.size
-    tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, body.attributes | flags, body.count, base_offset,
-                       base_msg_id, timestamp_ms, body.crc, txn)[8:] + HEADER_V3.pack(producer[0], producer[1], 0,
-                                                                                      producer[2], byte_base)
+    tail = HEADER.pack(batch_len, 0, MAGIC, VERSION, (body.attributes & 0xFF) | flags, body.count, base_offset,
+                       base_msg_id, timestamp_ms, body.crc, txn)[8:] + HEADER_V3.pack(
+        producer[0], producer[1], body.attributes >> LAYOUT_SHIFT, producer[2], byte_base)
     return struct.pack("<II", batch_len, crc(tail)) + tail
 
 
@@ -512,13 +684,18 @@ def parse_header(buf, pos: int = 0) -> BatchHeader:
         raise RecordFormatError(f"unknown batch magic/version {magic:#x}/{version} at byte {pos}", pos)
     extra = ()
     if version >= 3:
-        producer_id, producer_epoch, _, base_sequence, byte_base = HEADER_V3.unpack_from(buf, pos + BASE_HEADER_SIZE)
-        extra = (producer_id, producer_epoch, base_sequence, byte_base)
+        producer_id, producer_epoch, layout, base_sequence, byte_base = HEADER_V3.unpack_from(
+            buf, pos + BASE_HEADER_SIZE)
+        extra = (producer_id, producer_epoch, base_sequence, byte_base, layout)
     h = BatchHeader(*fields, *extra)
-    known = KNOWN_ATTRIBUTE_BITS if version >= 3 else KNOWN_ATTRIBUTE_BITS & ~HAS_HEADERS
+    known = KNOWN_ATTRIBUTE_BITS if version >= 3 else KNOWN_ATTRIBUTE_BITS & ~V3_ATTRIBUTE_BITS
     if h.attributes & ~known:
         raise RecordFormatError(f"unknown batch attributes {h.attributes:#x} at byte {pos}", pos)
-    if h.count < 1 or h.batch_len < size + 4 * _ncols(h.attributes) * h.count or h.batch_len % ALIGN:
+    if _bad_layout(np.int64(h.attributes), np.int64(h.layout)):
+        raise RecordFormatError(f"batch at byte {pos} has layout {h.layout:#x}, impossible with attributes "
+                                f"{h.attributes:#x}", pos)
+    if h.count < 1 or h.batch_len % ALIGN or h.batch_len < size + int(
+            _fixed_size(np.array([h.attributes]), np.array([h.layout]), np.array([h.count]))[0]):
         raise RecordFormatError(f"batch at byte {pos} has impossible length {h.batch_len} for {h.count} messages", pos)
     return h
 
@@ -554,7 +731,7 @@ HEADER_DTYPE = np.dtype([("batch_len", "<u4"), ("header_crc", "<u4"), ("magic", 
                           ("attributes", "u1"), ("count", "<u4"), ("base_offset", "<i8"), ("base_msg_id", "<i8"),
                           ("timestamp", "<i8"), ("body_crc", "<u4"), ("txn", "<u4")])
 assert HEADER_DTYPE.itemsize == BASE_HEADER_SIZE
-V3_DTYPE = np.dtype([("producer_id", "<i8"), ("producer_epoch", "<i2"), ("reserved", "<u2"),
+V3_DTYPE = np.dtype([("producer_id", "<i8"), ("producer_epoch", "<i2"), ("layout", "<u2"),
                      ("base_sequence", "<i4"), ("byte_base", "<i8")])
 assert V3_DTYPE.itemsize == HEADER_V3.size
 
@@ -570,9 +747,11 @@ def header_sizes(h: np.ndarray) -> np.ndarray:
 
 
 def v3_fields(u8: np.ndarray, positions: np.ndarray, h: Optional[np.ndarray] = None) -> np.ndarray:
-    """``V3_DTYPE`` fields of the batches at ``positions``; -1s for version 2 batches, which have none."""
+    """``V3_DTYPE`` fields of the batches at ``positions``; for version 2 batches, which have none, -1s
+    (layout 0: version 2's columns)."""
     h = headers_at(u8, positions) if h is None else h
     out = np.full(len(positions), -1, V3_DTYPE)
+    out["layout"] = 0
     v3 = h["version"] >= 3
     if v3.any():
         at = positions[v3] + BASE_HEADER_SIZE
@@ -580,14 +759,29 @@ def v3_fields(u8: np.ndarray, positions: np.ndarray, h: Optional[np.ndarray] = N
     return out
 
 
-def body_starts(u8: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Where each batch's body starts (its header's size depends on its version)."""
-    return positions + header_sizes(headers_at(u8, positions))
+_LAYOUT_AT = BASE_HEADER_SIZE + 10  # the layout field's bytes in a version 3 header
 
 
-def empty_batch(headers: bool = False) -> pa.RecordBatch:
-    schema = SCHEMA.append(HEADERS_FIELD) if headers else SCHEMA
-    return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
+def layouts(u8: np.ndarray, positions: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Each batch's layout (version 2: 0, every column i32): two bytes read per batch."""
+    v3 = h["version"] >= 3
+    out = np.zeros(len(positions), np.int64)
+    if v3.any():  # version 2 headers are shorter: only version 3 ones are read
+        out[v3] = u8[(positions[v3] + _LAYOUT_AT)[:, None] + np.arange(2)].reshape(-1).view("<u2")
+    return out
+
+
+def data_starts(u8: np.ndarray, positions: np.ndarray, h: Optional[np.ndarray] = None) -> np.ndarray:
+    """Where each batch's variable-width data starts, after its header and integer columns: its first
+    value's first byte (a marker's value)."""
+    h = headers_at(u8, positions) if h is None else h
+    return positions + header_sizes(h) + _fixed_size(h["attributes"].astype(np.int64), layouts(u8, positions, h),
+                                                     h["count"].astype(np.int64))
+
+
+def empty_batch(headers: bool = False, timestamp_type: bool = False) -> pa.RecordBatch:
+    out = schema(headers, timestamp_type)
+    return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in out], schema=out)
 
 
 def _per_group(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -599,93 +793,114 @@ def _per_group(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 class _Layout:
-    """Where every message's fields sit in a buffer of whole batches (versions 2 and 3 mixed). Within a
-    batch each column (fixed or variable width) is one contiguous run, so a column is gathered as one range
-    per batch: a view of the buffer when there is one batch, one memcpy per batch when batches are large."""
+    """Where every message's fields sit in a buffer of batch bodies (versions 2 and 3 mixed). Within a batch
+    each column is one contiguous run, so a column is gathered as one range per batch: a view of the buffer
+    when there is one batch, one memcpy per batch when batches are large. An integer column's width may
+    differ from batch to batch: it is gathered once per width present (at most four), never per message."""
 
-    def __init__(self, u8: np.ndarray, positions: np.ndarray):
-        self.u8, self.positions = u8, positions
-        self.h = h = headers_at(u8, positions)
-        self.counts = counts = h["count"].astype(np.int64)
-        attrs = h["attributes"]
-        v3 = h["version"] == 3
-        has_keys = (attrs & HAS_KEYS) != 0
-        has_attrs = (attrs & HAS_ATTRIBUTES) != 0
-        self.has_headers = has_headers = (attrs & HAS_HEADERS) != 0
-        self.ncols = ncols = _ncols(attrs)
-        self.hsize = hsize = header_sizes(h)
-        unknown = np.where(v3, 0xFF ^ KNOWN_ATTRIBUTE_BITS, 0xFF ^ (KNOWN_ATTRIBUTE_BITS & ~HAS_HEADERS))
-        bad = ((h["magic"] != MAGIC) | ~(v3 | (h["version"] == 2)) | ((attrs & unknown) != 0)
-               | (counts < 1) | (h["batch_len"] % ALIGN != 0)
-               | (h["batch_len"] < hsize + 4 * ncols * counts))
-        if bad.any():
-            parse_header(u8, int(positions[np.argmax(bad)]))  # raises, naming the field
-        self.n = n = int(counts.sum())
+    def __init__(self, u8: np.ndarray, starts: np.ndarray, ends: np.ndarray, counts: np.ndarray,
+                 attributes: np.ndarray, layout: np.ndarray, version2: np.ndarray, position: int, label: str):
+        """``starts``: where each body starts in ``u8``; ``ends``: where each batch ends; per batch its
+        message count, attribute bits and layout (0 in version 2); ``version2``: the batches whose values
+        may not be null; ``position`` and ``label``: what errors name."""
+        self.u8, self.ends, self.position, self.label = u8, ends, position, label
+        self.counts = counts = counts.astype(np.int64)
+        self.layout = layout = layout.astype(np.int64)
+        self.n = int(counts.sum())
         self.first_msg = first_msg = np.cumsum(counts) - counts
+        # the integer columns (rows) of each batch: where their entries start, and the data after them
+        present, code, entry, base = _columns(attributes.astype(np.int64), layout)
+        size = entry * counts + base
+        at = starts + np.cumsum(size, axis=0) - size + base
+        pos = starts + size.sum(axis=0)
+        if (pos > ends).any():
+            raise self._error("integer columns overrun their batch")
+        self.column_bytes = entry.sum(axis=0)  # per message
+        self.present = present
+        some, uniform = present.any(axis=1).tolist(), (present.all(axis=1) & (code == code[:, :1]).all(axis=1)).tolist()
 
-        # Batches start 8-aligned and columns are 4-byte ints, so one int32 view reads every column.
-        self.i32 = i32 = u8[: len(u8) - len(u8) % 4].view("<i4")
-        col_start = (positions + hsize) // 4
+        def column(row: int, fill: int) -> Optional[np.ndarray]:
+            if not some[row]:
+                return None
+            return self._ints(present[row], at[row], code[row], counts, fill, uniform[row])
+        self.flags = column(FLAG_COL, 0)  # None: every flag is 0
+        # value, key and attribute lengths (-1: null; None: all null)
+        self.lengths = [column(row, NULL_LENGTH) for row in (VALUE_COL, KEY_COL, ATTRIBUTE_COL)]
+        self.header_counts = column(HEADER_COUNT_COL, 0)
+        value = self.lengths[0]
+        if value.min() < NULL_LENGTH or (version2.any() and (value[np.repeat(version2, counts)] < 0).any()) \
+                or any(x is not None and x.min() < NULL_LENGTH for x in self.lengths[1:]) \
+                or (self.header_counts is not None and self.header_counts.min() < 0):
+            raise self._error("negative message length")
+        self.has_times, self.time_base, self.time_deltas = present[TIME_COL], None, None
+        if some[TIME_COL]:  # create times: an i64 base per batch, a delta per message
+            self.time_base = np.zeros(len(counts), np.int64)
+            bases = at[TIME_COL][self.has_times] - 8
+            self.time_base[self.has_times] = _gather(u8, bases, np.full(len(bases), 8)).view("<i8")
+            self.time_deltas = column(TIME_COL, 0)
+            if self.time_base.min() < 0 or self.time_base.max() >= MAX_TIMESTAMP \
+                    or self.time_deltas.min() < 0 or self.time_deltas.max() >= MAX_TIMESTAMP:
+                raise self._error("create time out of range")
 
-        def fixed_col(col_no, present: Optional[np.ndarray] = None, fill: int = NULL_LENGTH) -> Optional[np.ndarray]:
-            starts = col_start + col_no * counts
-            if present is None or present.all():
-                return _gather(i32, starts, counts)
-            if not present.any():
-                return None  # no batch has this column: every entry is null
-            out = np.full(n, fill, dtype=np.int32)
-            out[np.repeat(present, counts)] = _gather(i32, starts[present], counts[present])
-            return out
-
-        zero = np.zeros(len(positions), dtype=np.int64)
-        self.flags = fixed_col(zero)
-        # value, key and attribute lengths (-1: null; None: all null), and each column's offsets and regions
-        self.lengths = [fixed_col(zero + 1), fixed_col(zero + 2, has_keys), fixed_col(2 + has_keys, has_attrs)]
-        self.header_counts = fixed_col(ncols - 1, has_headers, fill=0)
-        if (self.lengths[0] < 0).any() or any(x is not None and (x < NULL_LENGTH).any() for x in self.lengths[1:]) \
-                or (self.header_counts is not None and (self.header_counts < 0).any()):
-            raise RecordFormatError(f"negative message length (batches from byte {int(positions[0])})",
-                                    int(positions[0]))
-        region = positions + hsize + 4 * ncols * counts
-        self.regions = []
+        self.regions = []  # the variable-width data, each column's back to back
         for lengths in self.lengths:
             if lengths is None:
                 self.regions.append(None)
                 continue
-            offsets = np.zeros(n + 1, dtype=np.int64)
+            offsets = np.zeros(self.n + 1, dtype=np.int64)
             np.cumsum(np.maximum(lengths, 0), out=offsets[1:])
             totals = offsets[first_msg + counts] - offsets[first_msg]
-            self.regions.append((offsets, region, totals))
-            region = region + totals
-        self.ends = positions + h["batch_len"].astype(np.int64)
+            self.regions.append((offsets, pos, totals))
+            pos = pos + totals
+        self.section = pos  # the headers section
         self._header_section = None
         if self.header_counts is not None:
-            self.section = region + (-region % 4)  # the headers section starts 4-aligned
-            region = np.where(has_headers, self._headers()["end"], region)
-        if (region > self.ends).any():
-            raise RecordFormatError(f"message lengths overrun their batch (batches from byte {int(positions[0])})",
-                                    int(positions[0]))
+            pos = np.where(present[HEADER_COUNT_COL], self.headers()["end"], pos)
+        if (pos > ends).any():
+            raise self._error("message lengths overrun their batch")
+        self.data_end = pos
 
-    def _headers(self) -> dict:
-        """The headers sections of the batches that have one: lengths of every header's key and value, and
-        where each batch's key and value bytes lie."""
+    def _error(self, problem: str) -> "RecordFormatError":
+        return RecordFormatError(f"{problem} ({self.label})", self.position)
+
+    def _ints(self, present: np.ndarray, at: np.ndarray, code: np.ndarray, counts: np.ndarray, fill: int,
+              uniform: bool) -> np.ndarray:
+        """An integer column as int64, ``counts[b]`` entries of batch b from ``at[b]`` in width ``code[b]``;
+        ``fill`` for the batches without it (``present``). ``uniform``: every batch has it, in one width."""
+        if uniform:
+            c = int(code[0])
+            return _gather(self.u8, at, counts * WIDTHS[c]).view(INT_DTYPES[c]).astype(np.int64)
+        out = np.full(int(counts.sum()), fill, np.int64)
+        for c in np.unique(code[present]).tolist():
+            sel = present & (code == c)
+            out[np.repeat(sel, counts)] = _gather(self.u8, at[sel], counts[sel] * WIDTHS[c]).view(INT_DTYPES[c])
+        return out
+
+    def headers(self) -> dict:
+        """The headers sections of the batches that have one: lengths of every header's key and value, the
+        bytes of its two length entries, and where each batch's key and value bytes lie."""
         if self._header_section is None:
-            hb = self.has_headers
+            hb = self.present[HEADER_COUNT_COL]
             per_batch = _per_group(self.header_counts, self.counts)[hb]
-            sec = self.section[hb]
-            if (sec + 8 * per_batch > self.ends[hb]).any():
-                raise RecordFormatError("a headers section overruns its batch", int(self.positions[0]))
-            klen = _gather(self.i32, sec // 4, per_batch).astype(np.int64)
-            vlen = _gather(self.i32, sec // 4 + per_batch, per_batch).astype(np.int64)
+            sec, key_code = self.section[hb], (self.layout[hb] >> (2 * HEADER_KEY_LEN)) & 3
+            value_code = (self.layout[hb] >> (2 * HEADER_VALUE_LEN)) & 3
+            key_width, value_width = WIDTHS[key_code], WIDTHS[value_code]
+            keys_at = sec + (key_width + value_width) * per_batch
+            if (keys_at > self.ends[hb]).any():
+                raise self._error("a headers section overruns its batch")
+            everywhere = np.ones(len(sec), bool)
+            klen = self._ints(everywhere, sec, key_code, per_batch, 0, (key_code == key_code[0]).all())
+            vlen = self._ints(everywhere, sec + key_width * per_batch, value_code, per_batch, 0,
+                              (value_code == value_code[0]).all())
             if (klen < 0).any() or (vlen < NULL_LENGTH).any():
-                raise RecordFormatError("negative header length", int(self.positions[0]))
+                raise self._error("negative header length")
             key_totals = _per_group(klen, per_batch)
             value_totals = _per_group(np.maximum(vlen, 0), per_batch)
-            keys_at = sec + 8 * per_batch
             end = np.zeros(len(hb), np.int64)
             end[hb] = keys_at + key_totals + value_totals
-            self._header_section = dict(klen=klen, vlen=vlen, keys_at=keys_at, key_totals=key_totals,
-                                        values_at=keys_at + key_totals, value_totals=value_totals, end=end)
+            self._header_section = dict(klen=klen, vlen=vlen, widths=np.repeat(key_width + value_width, per_batch),
+                                        keys_at=keys_at, key_totals=key_totals, values_at=keys_at + key_totals,
+                                        value_totals=value_totals, end=end)
         return self._header_section
 
     def per_message(self, per_batch: np.ndarray) -> np.ndarray:
@@ -695,14 +910,25 @@ class _Layout:
         """base[b] + i for message i of batch b: offsets and message ids."""
         return self.per_message(base - self.first_msg) + np.arange(self.n, dtype=np.int64)
 
-    def message_sizes(self) -> np.ndarray:
-        """Each message's encoded bytes: keys, values, attributes, headers (8 bytes of lengths each) and its
-        column entries (the index's ``size``)."""
-        sizes = sum(np.maximum(x, 0).astype(np.int64) for x in self.lengths if x is not None)
+    def times(self, store_ms: np.ndarray) -> tuple:
+        """Each message's time, its create time where its batch has them, else its batch's store time
+        (``store_ms``); and which are create times (None: none is)."""
+        if self.time_base is None:
+            return self.per_message(store_ms), None
+        base = np.where(self.has_times, self.time_base, store_ms)
+        return self.per_message(base) + self.time_deltas, self.per_message(self.has_times)
+
+    def data_sizes(self) -> np.ndarray:
+        """Each message's bytes of keys, values, attributes and headers (with their length entries)."""
+        sizes = sum(np.maximum(x, 0) for x in self.lengths if x is not None)
         if self.header_counts is not None:
-            hs = self._headers()
-            sizes = sizes + _per_group(hs["klen"] + np.maximum(hs["vlen"], 0) + 8, self.header_counts)
-        return sizes + 4 * self.per_message(self.ncols)
+            hs = self.headers()
+            sizes = sizes + _per_group(hs["klen"] + np.maximum(hs["vlen"], 0) + hs["widths"], self.header_counts)
+        return sizes
+
+    def message_sizes(self) -> np.ndarray:
+        """Each message's encoded bytes: its data and its integer column entries (the index's ``size``)."""
+        return self.data_sizes() + self.per_message(self.column_bytes)
 
     def metaq_bytes(self) -> np.ndarray:
         """Each batch's bytes in MetaQ's message-set layout (``metaq_sizes``)."""
@@ -713,19 +939,18 @@ class _Layout:
         if self.regions[which] is None:
             return pa.nulls(self.n, typ)
         offsets, region, totals = self.regions[which]
-        return _binary(typ, self.n, self.lengths[which] if which else None, offsets,
-                       _gather(self.u8, region, totals))
+        return _binary(typ, self.n, self.lengths[which], offsets, _gather(self.u8, region, totals))
 
     def headers_column(self) -> pa.Array:
         """Every message's record headers (``HEADERS_TYPE``; an empty list where it has none)."""
-        counts = self.header_counts if self.header_counts is not None else np.zeros(self.n, np.int32)
+        counts = self.header_counts if self.header_counts is not None else np.zeros(self.n, np.int64)
         list_offsets = np.zeros(self.n + 1, np.int64)
         np.cumsum(counts, out=list_offsets[1:])
         if list_offsets[-1] == 0:
-            struct = pa.StructArray.from_arrays([pa.array([], pa.string()), pa.array([], pa.binary())],
-                                                fields=list(HEADERS_TYPE.value_type))
+            struct_arr = pa.StructArray.from_arrays([pa.array([], pa.string()), pa.array([], pa.binary())],
+                                                    fields=list(HEADERS_TYPE.value_type))
         else:
-            hs = self._headers()
+            hs = self.headers()
             koff = np.zeros(len(hs["klen"]) + 1, np.int64)
             np.cumsum(hs["klen"], out=koff[1:])
             voff = np.zeros(len(hs["vlen"]) + 1, np.int64)
@@ -733,8 +958,32 @@ class _Layout:
             keys = _binary(pa.string(), len(hs["klen"]), None, koff, _gather(self.u8, hs["keys_at"], hs["key_totals"]))
             values = _binary(pa.binary(), len(hs["vlen"]), hs["vlen"], voff,
                              _gather(self.u8, hs["values_at"], hs["value_totals"]))
-            struct = pa.StructArray.from_arrays([keys, values], fields=list(HEADERS_TYPE.value_type))
-        return pa.ListArray.from_arrays(pa.array(list_offsets.astype(np.int32)), struct, type=HEADERS_TYPE)
+            struct_arr = pa.StructArray.from_arrays([keys, values], fields=list(HEADERS_TYPE.value_type))
+        return pa.ListArray.from_arrays(pa.array(list_offsets.astype(np.int32)), struct_arr, type=HEADERS_TYPE)
+
+
+def _batch_layout(u8: np.ndarray, positions: np.ndarray, v3: Optional[np.ndarray] = None) -> _Layout:
+    """The ``_Layout`` of the whole batches at ``positions``, their header fields checked vectorised (a
+    bad one is re-read by ``parse_header`` to say exactly what is wrong); ``h`` holds the headers' fields
+    every version has. ``v3``: their ``v3_fields``, when the caller has them."""
+    h = headers_at(u8, positions)
+    attrs = h["attributes"].astype(np.int64)
+    layout = layouts(u8, positions, h) if v3 is None else v3["layout"].astype(np.int64)
+    counts = h["count"].astype(np.int64)
+    v3 = h["version"] == 3
+    hsize = header_sizes(h)
+    unknown = np.where(v3, 0xFF ^ KNOWN_ATTRIBUTE_BITS, 0xFF ^ (KNOWN_ATTRIBUTE_BITS & ~V3_ATTRIBUTE_BITS))
+    bad = ((h["magic"] != MAGIC) | ~(v3 | (h["version"] == 2)) | ((attrs & unknown) != 0) | (counts < 1)
+           | (h["batch_len"] % ALIGN != 0) | _bad_layout(attrs, layout))  # too short for its columns: _Layout
+    if bad.any():
+        at = int(positions[np.argmax(bad)])
+        parse_header(u8, at)  # raises, naming the field
+        raise RecordFormatError(f"bad batch header at byte {at}", at)
+    first = int(positions[0])
+    layout_of = _Layout(u8, positions + hsize, positions + h["batch_len"].astype(np.int64), counts, attrs, layout,
+                        ~v3, first, f"batches from byte {first}")
+    layout_of.h, layout_of.positions = h, positions
+    return layout_of
 
 
 def _binary(typ, n: int, lengths: Optional[np.ndarray], offsets: np.ndarray, data: np.ndarray) -> pa.Array:
@@ -782,9 +1031,11 @@ def _batch_positions(u8: np.ndarray, verify: bool) -> np.ndarray:
 def index_columns(u8: np.ndarray, positions: np.ndarray):
     """For the offset index: each message's encoded size, and each batch's count, time and length; and for
     the MetaQ stream, each batch's MetaQ bytes and ``byte_base`` (-1 in version 2)."""
-    layout = _Layout(u8, np.asarray(positions, dtype=np.int64))
+    positions = np.asarray(positions, dtype=np.int64)
+    v3 = v3_fields(u8, positions)
+    layout = _batch_layout(u8, positions, v3)
     return (layout.message_sizes(), layout.counts, layout.h["timestamp"], layout.h["batch_len"],
-            layout.metaq_bytes(), v3_fields(u8, layout.positions, layout.h)["byte_base"])
+            layout.metaq_bytes(), v3["byte_base"])
 
 
 def metaq_message_sizes(u8: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -825,11 +1076,12 @@ def committed_positions(u8: np.ndarray, positions: np.ndarray, aborted: Optional
 
 def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = None, verify: bool = True,
            positions: Optional[np.ndarray] = None, aborted: Optional[np.ndarray] = None,
-           headers: bool = False) -> pa.RecordBatch:
+           headers: bool = False, timestamp_type: bool = False) -> pa.RecordBatch:
     """Decode the whole batches in ``buf`` to an Arrow RecordBatch with ``SCHEMA`` (and ``headers``, Kafka
-    record headers, when asked), keeping offsets in [start_offset, end_offset). Transaction markers and the
-    batches of ``aborted`` transactions (``ABORTED_DTYPE``, as a fetch reply lists them) are left out:
-    their offsets are gaps.
+    record headers, and ``timestampType``, 0 where ``timestamp`` is a create time and 1 where it is the
+    store time, when asked: ``schema``), keeping offsets in [start_offset, end_offset). Transaction
+    markers and the batches of ``aborted`` transactions (``ABORTED_DTYPE``, as a fetch reply lists them)
+    are left out: their offsets are gaps.
 
     With ``verify`` each batch's checksums are checked (one CRC-32C call per batch). ``positions`` (where
     each batch starts, e.g. from the broker's index) lets an unverified decode skip the header walk.
@@ -840,23 +1092,25 @@ def decode(buf, start_offset: Optional[int] = None, end_offset: Optional[int] = 
         positions = _batch_positions(u8, verify)
     positions = committed_positions(u8, np.asarray(positions, dtype=np.int64), aborted)
     if len(positions) == 0:
-        return empty_batch(headers)
-    L = _Layout(u8, positions)
+        return empty_batch(headers, timestamp_type)
+    L = _batch_layout(u8, positions)
     offsets_col = L.numbered(L.h["base_offset"])
+    times, created = L.times(L.h["timestamp"])
     columns = [
         L.column(1, pa.binary()),
         L.column(0, pa.binary()),
         pa.array(offsets_col, pa.int64()),
-        pa.array(L.per_message(L.h["timestamp"]), pa.int64()).cast(pa.timestamp("ms")),
+        pa.array(times, pa.int64()).cast(pa.timestamp("ms")),
         pa.array(L.numbered(L.h["base_msg_id"]), pa.int64()),
-        pa.array(L.flags, pa.int32()),
+        pa.array(np.zeros(L.n, np.int32) if L.flags is None else L.flags.astype(np.int32), pa.int32()),
         L.column(2, pa.string()),
     ]
-    schema = SCHEMA
     if headers:
         columns.append(L.headers_column())
-        schema = SCHEMA.append(HEADERS_FIELD)
-    batch = pa.RecordBatch.from_arrays(columns, schema=schema)
+    if timestamp_type:
+        columns.append(pa.array(np.full(L.n, LOG_APPEND_TIME, np.int32) if created is None else
+                                np.where(created, CREATE_TIME, LOG_APPEND_TIME).astype(np.int32), pa.int32()))
+    batch = pa.RecordBatch.from_arrays(columns, schema=schema(headers, timestamp_type))
     lo = 0 if start_offset is None else int(np.searchsorted(offsets_col, start_offset, "left"))
     hi = L.n if end_offset is None else int(np.searchsorted(offsets_col, end_offset, "left"))
     if lo or hi != L.n:

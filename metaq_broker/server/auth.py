@@ -277,6 +277,13 @@ class BrokerAuth:
         """Whether some ACL lets ``principal`` write some topic: a put by anyone else is refused unread."""
         return self.security.authorizer == "none" or self._table.allows_some(principal, "Write", "topic")
 
+    def authorize_write_somewhere(self, principal: str, why: str) -> None:
+        """Refuse ``principal`` unless it may write some topic (``why`` says what needs it)."""
+        if not self.may_write_somewhere(principal):
+            self.denied[("Write", "topic")] += 1
+            raise AuthorizationError(principal, "Write", "topic", "*",
+                                     f"{principal} is not allowed Write on any topic ({why})")
+
     # -- before a gRPC call's request is read ---------------------------------------------------------
     def gate(self) -> grpc.ServerInterceptor:
         """The interceptor that refuses calls before their request message is received (see above)."""

@@ -66,10 +66,10 @@ def markers(u8: np.ndarray, positions: np.ndarray) -> list:
     if not len(positions):
         return []
     h = records.headers_at(u8, positions)
-    body = positions + records.header_sizes(h)
+    value_at = records.data_starts(u8, positions, h)
     found = []
     for i in np.flatnonzero(((h["attributes"] & records.CONTROL) != 0) & (h["txn"] == 0)).tolist():
-        at = int(body[i]) + 8  # flag and length columns, then the value
+        at = int(value_at[i])
         parsed = records.parse_epoch_marker(bytes(u8[at: at + records.EPOCH_MARKER.size]))
         if parsed is not None:
             found.append(Epoch(parsed[0], parsed[1], int(h["base_offset"][i])))

@@ -249,23 +249,23 @@ class PartitionLog:
     def _stream_end(self) -> int:
         """Where the next batch starts in the MetaQ message stream (docs/storage-format.md, 3.5): the end
         of the last batch; for a version 2 batch computed over its segment (whose first version 2 batch
-        starts at 3 x the segment's start); 3 x the active segment's start when no batch is before it but
-        one of version 2 in an earlier segment, or none at all (a new log: 0)."""
+        starts at METAQ_ANCHOR x the segment's start); METAQ_ANCHOR x the active segment's start when no batch
+        is before it but one of version 2 in an earlier segment, or none at all (a new log: 0)."""
         segs = self._segments
         tail = segs[-1]
         last = tail if tail.count else segs[-2] if len(segs) > 1 and segs[-2].count else None
         if last is None:
-            return 3 * tail.start
+            return records.METAQ_ANCHOR * tail.start
         final = last.batch_at(last.next_offset - 1, last.next_offset)
         _, _, metaq, byte_base = _stream_columns(last.read(final.position, final.length), np.zeros(1, np.int64))
         if byte_base[0] >= 0:
             return int(byte_base[0] + metaq[0])
         if last is not tail:
-            return 3 * tail.start
+            return records.METAQ_ANCHOR * tail.start
         first = tail.start + SEGMENT_HEADER_SIZE
         u8 = tail.read(first, tail.end - first)
         _, _, metaq, byte_base = _stream_columns(u8, batch_starts(u8, tail.path))
-        return int(records.stream_ends(byte_base, metaq, 3 * tail.start)[-1])
+        return int(records.stream_ends(byte_base, metaq, records.METAQ_ANCHOR * tail.start)[-1])
 
     def _batches(self, start: int, stop: int):
         """(bytes, batch starts in them) of the written batches holding offsets [start, stop), 64 MiB at a
@@ -380,10 +380,11 @@ class PartitionLog:
 
     # -- appending ------------------------------------------------------------------------------------
     def append(self, values, keys=None, attributes=None, flags=None, headers=None,
-               producer: Optional[tuple] = None) -> AppendResult:
-        """Append one batch; returns its offsets and message ids once the topic's flush policy is met
-        (group commit: after an fsync covering it). ``producer``: see ``append_body``."""
-        return self.append_body(records.encode_body(values, keys, attributes, flags, headers), producer)
+               producer: Optional[tuple] = None, timestamps=None) -> AppendResult:
+        """Append one batch (columns as ``records.encode_body`` takes them); returns its offsets and message
+        ids once the topic's flush policy is met (group commit: after an fsync covering it). ``producer``:
+        see ``append_body``."""
+        return self.append_body(records.encode_body(values, keys, attributes, flags, headers, timestamps), producer)
 
     def append_body(self, body: records.EncodedBody, producer: Optional[tuple] = None) -> AppendResult:
         """``producer``: (id, epoch, base sequence) of an idempotent producer's batch. A batch it already
@@ -699,7 +700,7 @@ class PartitionLog:
                 run = batches[i:j].copy()
                 run["position"] += seg.end - lo
                 # version 2 batches continue the stream as recovery computes it (_stream_end)
-                anchor = self._metaq_end if seg.count else 3 * seg.start
+                anchor = self._metaq_end if seg.count else records.METAQ_ANCHOR * seg.start
                 seg.append([u8[lo:hi]], hi - lo, run)
                 self._metaq_end = int(records.stream_ends(byte_base[i:j], metaq[i:j], anchor)[-1])
                 self.txns.scan(u8, positions[i:j])
@@ -773,7 +774,7 @@ class PartitionLog:
             fsync_dir(self.directory)
             self._segments = (Segment.create(self.directory, segs[-1].end, offset, self.config.index_interval_bytes),)
             self._cut_ends(offset)
-            self._metaq_end = 3 * segs[-1].end
+            self._metaq_end = records.METAQ_ANCHOR * segs[-1].end
             if identity is not None and identity != self._identity.id:
                 self._identity = identity_file.Identity(identity, int(self._clock() * 1000), False)
                 identity_file.write(self.directory, self._identity)

@@ -95,13 +95,13 @@ class PartitionTxns:
             return
         h = records.headers_at(u8, positions)
         flags = h["attributes"] & (records.TRANSACTIONAL | records.CONTROL)
-        body = positions + records.header_sizes(h)
+        value_at = records.data_starts(u8, positions, h)
         for i in np.flatnonzero(flags).tolist():
             txn, offset = int(h["txn"][i]), int(h["base_offset"][i])
             if flags[i] & records.CONTROL and txn == 0:
                 continue  # an epoch marker (replication): no transaction's
             if flags[i] & records.CONTROL:
-                value = u8[int(body[i]) + 8]  # flag and length columns, then the value
+                value = u8[int(value_at[i])]
                 self.on_marker(txn, offset, value == records.COMMIT_MARKER[0])
             else:
                 self.on_batch(txn, offset)

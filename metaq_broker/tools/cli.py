@@ -23,6 +23,7 @@ from metaq_broker.client.producer import Producer
 from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
 from metaq_broker.errors import ConfigError, MetaqError
+from metaq_broker.protocol import records
 from metaq_broker.security import acl as acl_mod
 from metaq_broker.security.scram import DEFAULT_ITERATIONS, MAX_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
 from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
@@ -270,7 +271,9 @@ def produce(obj, topic, path, count, size, key, partition, batch, progress):
               "partitions and commit the offset after each message printed")
 @click.pass_obj
 def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
-    """Print messages: value per line (text), or one JSON object per line."""
+    """Print messages: value per line (text; a null value prints as null, as Kafka's console consumer
+    prints it), or one JSON object per line (value null for a null value; timestampType CreateTime or
+    LogAppendTime: what the timestamp is)."""
     if start is not None and start not in ("earliest", "latest") and not start.lstrip("-").isdigit():
         raise click.BadParameter("use earliest, latest or an offset", param_hint="--from")
     if group is not None and partitions:
@@ -305,13 +308,15 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
                         pos[p] = f.next_offset
                     for m in messages:
                         if fmt == "text":
-                            out.write(m.value + b"\n")
+                            out.write((b"null" if m.value is None else m.value) + b"\n")
                         else:
                             out.write(json.dumps({
                                 "topic": m.topic, "partition": m.partition, "offset": m.offset,
                                 "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
-                                "value": m.value.decode("utf-8", "backslashreplace"),
-                                "timestamp": m.timestamp.isoformat(), "msgId": m.msg_id, "flag": m.flag,
+                                "value": None if m.value is None else m.value.decode("utf-8", "backslashreplace"),
+                                "timestamp": m.timestamp.isoformat(),
+                                "timestampType": records.TIMESTAMP_TYPE_NAMES[m.timestamp_type],
+                                "msgId": m.msg_id, "flag": m.flag,
                                 "attribute": m.attribute}).encode() + b"\n")
                     printed += len(messages)
                 out.flush()

@@ -306,7 +306,7 @@ pages.messages = (snap) => {
   d.messages.map((m) => ({
     attrs: { "data-offset": m.offset },
     cells: { offset: String(m.offset), timestamp: m.timestamp || "", key: shown(m.key), value: shown(m.value),
-      size: num(m.value.size), attribute: m.attribute === null ? "" : m.attribute },
+      size: m.value === null ? "–" : num(m.value.size), attribute: m.attribute === null ? "" : m.attribute },
   })), "no committed messages in this range"));
   return out;
 };

@@ -30,8 +30,9 @@ _EMPTY = pa.scalar(b"", pa.binary())
 
 
 def message_sizes(value_lengths: np.ndarray, attribute_lengths: Optional[np.ndarray] = None) -> np.ndarray:
-    """Bytes each message occupies in MetaQ's layout; ``attribute_lengths`` in UTF-8 bytes, -1 for null."""
-    sizes = HEADER_SIZE + np.asarray(value_lengths, dtype=np.int64)
+    """Bytes each message occupies in MetaQ's layout; lengths in bytes, -1 for null (a null value is an
+    empty payload: MetaQ has no null)."""
+    sizes = HEADER_SIZE + np.maximum(np.asarray(value_lengths, dtype=np.int64), 0)
     if attribute_lengths is not None:
         a = np.asarray(attribute_lengths, dtype=np.int64)
         sizes += np.where(a >= 0, ATTRIBUTE_PREFIX + a, 0)
@@ -45,7 +46,8 @@ def _binary(arr) -> pa.Array:
 
 
 def encode_message_set(values, attributes, flags, msg_ids) -> pa.Buffer:
-    """The message set of these messages, in order. ``values``: Arrow binary (no nulls); ``attributes``:
+    """The message set of these messages, in order. ``values``: Arrow binary (a null value, a Kafka
+    tombstone, is an empty payload: MetaQ has no null, and ``message_sizes`` counts it so); ``attributes``:
     Arrow string or None (nulls: no attribute); ``flags``: i32; ``msg_ids``: i64. Flag bit 0 is set
     exactly for the messages with an attribute (it tells a MetaQ client that the data starts with one).
 
@@ -53,6 +55,8 @@ def encode_message_set(values, attributes, flags, msg_ids) -> pa.Buffer:
     step per message in Python (benchmarks/bench_metaq_protocol.py measures it against a vectorised
     numpy CRC, which is several times slower per byte)."""
     values = _binary(values)
+    if values.null_count:
+        values = values.fill_null(_EMPTY)
     n = len(values)
     flags = np.asarray(flags, dtype=np.int32)
     data = values
