@@ -27,7 +27,7 @@ def fill(log) -> tuple:
     """Append batches of several sizes (some attributes, markers); return (positions, ids) per offset, and the
     end position, from sizes computed here."""
     positions, ids, at = [], [], 0
-    for i in range(40):
+    for i in range(80):
         values = [bytes([65 + i % 26]) * (i * 7 % 90) for _ in range(1 + i % 3)]
         attributes = [None if (i + j) % 2 else f"attr-{i}-{j}" for j in range(len(values))]
         result = log.append(values, attributes=attributes)

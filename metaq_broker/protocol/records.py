@@ -1041,7 +1041,7 @@ def index_columns(u8: np.ndarray, positions: np.ndarray):
 def metaq_message_sizes(u8: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Every message's size in MetaQ's message-set layout (``metaq_sizes``), markers and transactional ones
     included, of the whole batches at ``positions``: what a message adds to a MetaQ byte position."""
-    layout = _Layout(u8, np.asarray(positions, dtype=np.int64))
+    layout = _batch_layout(u8, np.asarray(positions, dtype=np.int64))
     return metaq_sizes(layout.lengths[0], layout.lengths[2])
 
 
