@@ -8,7 +8,6 @@ import json
 import time
 
 import pytest
-from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError
 
 from conftest import wait_until
@@ -24,22 +23,6 @@ U0 = "0" * 31 + "a"
 OLD_ENTRY = '{{"numPartitions": {n}, "brokerId": {b}}}'
 
 
-@pytest.fixture
-def clients(zookeeper):
-    made = []
-
-    def make():
-        c = KazooClient(zookeeper.connect_string)
-        c.start(10)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
-        c.close()
-
-
 def old_master(zk, root, broker_id, port, **extra):
     """The master node a broker of the older layout registers: ephemeral JSON at ``brokers/ids/<b>``."""
     info = {"host": "127.0.0.1", "port": port, "brokerId": broker_id, "version": "0.old", "replicaId": 0,
@@ -53,8 +36,8 @@ def old_entries(zk, root, topic, broker_id, n):
         zk.create(path, OLD_ENTRY.format(n=n, b=broker_id).encode(), makepath=True)
 
 
-def test_a_newer_member_follows_an_older_master_and_never_stands_beside_it(clients, zk_root):
-    make = clients
+def test_a_newer_member_follows_an_older_master_and_never_stands_beside_it(zk_clients, zk_root):
+    make, _ = zk_clients
     old, new = make(), make()
     paths, layout = ZkPaths(zk_root), MetaqZkLayout(zk_root)
     old.create(paths.group_state(5), GroupState(1, 0, ((0, U0),), (0,)).to_json(), makepath=True)  # both read it
@@ -78,8 +61,8 @@ def test_a_newer_member_follows_an_older_master_and_never_stands_beside_it(clien
         old.create(layout.broker(5), b"{}", ephemeral=True)
 
 
-def test_a_broker_upgrades_the_older_layout_on_start(cluster, clients, zk_root):
-    make = clients
+def test_a_broker_upgrades_the_older_layout_on_start(cluster, zk_clients, zk_root):
+    make, _ = zk_clients
     zk, old_broker = make(), make()
     paths, layout = ZkPaths(zk_root), MetaqZkLayout(zk_root)
     old_entries(zk, zk_root, "orders", 1, 2)  # this broker's own
@@ -142,11 +125,12 @@ def test_a_broker_upgrades_the_older_layout_on_start(cluster, clients, zk_root):
         assert view.registered_partitions("orders") == [(1, 0), (1, 1), (2, 0), (3, 0)]  # its entries stay
 
 
-def test_an_older_master_still_up_is_followed_until_it_goes(cluster, clients, zk_root):
+def test_an_older_master_still_up_is_followed_until_it_goes(cluster, zk_clients, zk_root):
     """A broker of the older layout holds the group's master node (up, or killed and its session not expired
     yet); the newer version of a member of that group starts: it does not stand while that node is there,
     and is master once it goes."""
-    zk, ghost = clients(), clients()
+    make, _ = zk_clients
+    zk, ghost = make(), make()
     paths, layout = ZkPaths(zk_root), MetaqZkLayout(zk_root)
     old_master(ghost, zk_root, 1, 9001)
     cluster.start_broker(1, settings={"metaqPort": 0})
