@@ -84,6 +84,24 @@ def test_a_metaq_client_finds_brokers_with_a_metaq_port_and_only_those(cluster, 
     assert zk.get(layout.broker(1))[0] == b""  # no URI of a broker that is gone
     assert metaq.partitions(TOPIC) == []
 
+    cluster.brokers[2].stop()  # `metaq brokers --forget`: MetaQ's node of the group goes too
+    with cluster.client(Admin) as admin:
+        assert admin.forget_broker(2) == ["orders", "other"]
+    assert zk.exists(layout.broker(2)) is None and zk.exists(ZkPaths(zk_root).topic_entry(TOPIC, 2)) is None
+
+
+def test_a_broker_restarted_without_its_metaq_port_no_longer_names_it(cluster, zk, zk_root):
+    layout = MetaqZkLayout(zk_root)
+    cluster.start_broker(1, settings={"metaqPort": 0}, topics={TOPIC: {}})
+    wait_until(lambda: zk.exists(layout.broker_master(1)), what="MetaQ's master node")
+    assert zk.get(layout.broker(1))[0].startswith(b"meta://")
+    cluster.brokers[1].kill()  # a crash: nothing withdrawn; its session lives on for zk.sessionTimeout
+    cluster.brokers[1].settings.pop("metaqPort")
+    cluster.brokers[1].start()  # takes its crashed run's nodes over at once (same data directory)
+    wait_until(lambda: zk.get(layout.broker(1))[0] == b"", what="the old URI emptied")
+    wait_until(lambda: zk.exists(layout.broker_master(1)) is None, what="the crashed run's session expired")
+    assert Cluster(zk, zk_root).partitions(TOPIC) == []
+
 
 def test_group_offsets_are_readable_in_both_forms_whichever_side_commits(cluster, zk, zk_root):
     cluster.start_broker(1, settings={"metaqPort": 0, "numPartitions": 1}, topics={TOPIC: {}})

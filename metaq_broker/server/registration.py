@@ -273,9 +273,10 @@ class BrokerRegistration:
         self._publish_metaq(self.topics)
 
     def _publish_metaq(self, topics: dict) -> None:
-        """MetaQ's master nodes and entries of ``topics``, while this member is master (a group's replicas and
-        brokers without a MetaQ listener write none)."""
-        if self.metaq_uri is None or self.replica_id is None:
+        """MetaQ's master nodes and entries of ``topics``, while this member is master (a group's replicas
+        write none; a master without a MetaQ listener only empties ``brokers/ids/<b>`` of an earlier
+        master's URI: one that crashed, or this broker's run before ``metaqPort`` was turned off)."""
+        if self.replica_id is None:
             return
         if not metaq_nodes.publish_master(self.client, self.paths, self.layout, self.broker_id, self.replica_id,
                                           self.metaq_uri, topics, self._acl):

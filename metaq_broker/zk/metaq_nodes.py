@@ -45,15 +45,18 @@ def ensure_broker(zk, layout: MetaqZkLayout, broker_id: int, acl=None) -> None:
     zk.ensure_path(layout.broker(broker_id), acl)
 
 
-def publish_master(zk, paths: ZkPaths, layout: MetaqZkLayout, broker_id: int, replica_id: int, uri: str,
-                   topics: dict, acl=None) -> bool:
+def publish_master(zk, paths: ZkPaths, layout: MetaqZkLayout, broker_id: int, replica_id: int,
+                   uri: Optional[str], topics: dict, acl=None) -> bool:
     """As master of group ``broker_id``: ``brokers/ids/<b>`` holds ``uri``, ``master`` is ``uri`` and every
     topic of ``topics`` ({topic: numPartitions}) has its entries, all written in one multi-op that holds
     only while the group state names this member master and this session holds metaq's master node.
-    False (nothing written) when it does not."""
+    ``uri`` None (a master without a MetaQ listener): ``brokers/ids/<b>`` is emptied of an earlier master's
+    URI, nothing else is written. False (nothing written) when this member is not master."""
     ensure_broker(zk, layout, broker_id, acl)
-    wanted = {layout.broker_master(broker_id): uri.encode()}
-    for topic, n in topics.items():
+    if uri is None and zk.get(layout.broker(broker_id))[0] == b"":
+        return True  # nothing to do, without the reads below (a broker without a listener, every registration)
+    wanted = {} if uri is None else {layout.broker_master(broker_id): uri.encode()}
+    for topic, n in (topics.items() if uri is not None else ()):
         wanted.update(topic_nodes(layout, broker_id, topic, n))
     for path in {p.rsplit("/", 1)[0] for p in wanted}:
         zk.ensure_path(path, acl)
@@ -67,8 +70,8 @@ def publish_master(zk, paths: ZkPaths, layout: MetaqZkLayout, broker_id: int, re
         t.check(paths.group_state(broker_id), state.version)
         t.check(paths.broker(broker_id), master.version)
         parent_data, parent = zk.get(layout.broker(broker_id))
-        if parent_data != uri.encode():
-            t.set_data(layout.broker(broker_id), uri.encode(), parent.version)
+        if parent_data != (uri or "").encode():
+            t.set_data(layout.broker(broker_id), (uri or "").encode(), parent.version)
         for path, data in wanted.items():
             _put_ephemeral(zk, t, path, data, acl)
         if _committed(t):
