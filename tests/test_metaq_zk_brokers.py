@@ -3,7 +3,8 @@
 the master's ``meta://`` URI and the partition counts, a consumer group's offsets are readable in both
 forms (metaq's logical offset and MetaQ's ``<msgId>-<byteOffset>``) whichever side committed, and a
 replicated group's ``master`` and ``slave<n>`` follow its elections. (The listener itself is still to come:
-the port is bound, not listening, so a MetaQ client's connection is refused, never left hanging.)"""
+the port is bound, not listening, so a MetaQ client's connection is refused, never left hanging.) Faults:
+a crash and a restart without ``metaqPort``, a killed master, ZooKeeper losing its data."""
 import errno
 import json
 import socket
@@ -16,12 +17,14 @@ from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.zookeeper import LocalZooKeeper
 from metaq_broker.errors import ConfigError
 from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
+from test_replication_defects import wipe
 from tests.metaq_client import Cluster, GroupConsumer
 
 TOPIC = "orders"
@@ -203,3 +206,45 @@ def test_a_taken_metaq_port_stops_the_broker_at_start_and_a_stopped_broker_frees
         broker.stop()
     with socket.socket() as again:  # released with the broker
         again.bind(("127.0.0.1", port))
+
+
+def test_metaqs_nodes_follow_a_killed_master_and_zookeeper_losing_its_data(tmp_path):
+    """kill -9 of the master: the new master's URI is in MetaQ's ``master`` once the old session expires;
+    ZooKeeper wiped while both run: MetaQ's nodes are written again by whichever member is elected."""
+    with LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500) as server:
+        group = BrokerGroup(tmp_path / "g", 1, server.connect_string, "/meta", members=2,
+                            settings={"metaqPort": 0}, topics={TOPIC: {}}).start()
+        layout = MetaqZkLayout("/meta")
+        zk = group.zk  # a session that survives ZooKeeper losing its data (a plain kazoo client's would not)
+
+        def master_uri():
+            try:
+                return zk.get(layout.broker_master(1))[0]
+            except Exception:  # noqa: BLE001 - gone, or ZooKeeper restarting
+                return None
+
+        def uri_of(replica_id):
+            info = json.loads(zk.get(ZkPaths("/meta").group_replica(1, replica_id))[0])
+            return f"meta://127.0.0.1:{info['metaqPort']}".encode()
+
+        try:
+            first = group.wait_master()
+            group.wait_in_sync([0, 1])
+            wait_until(lambda: master_uri() == uri_of(first), what="MetaQ's master node")
+            other = 1 - first
+            survivor_uri = uri_of(other)
+            group.members[first].kill()
+            assert group.wait_master(other_than=first, timeout=30) == other
+            wait_until(lambda: master_uri() == survivor_uri, timeout=30, what="the new master's URI")
+            assert zk.get(layout.topic_pub_broker(TOPIC, 1))[1].ephemeralOwner == zk.exists(layout.broker_master(1)).ephemeralOwner
+
+            group.members[first].start()
+            group.wait_in_sync([0, 1], timeout=60)
+            wipe(server)  # while both run
+            group.wait_master(timeout=60)
+            wait_until(lambda: master_uri() is not None and master_uri() == uri_of(group.master_id()), timeout=60,
+                       what="MetaQ's master node after ZooKeeper lost its data")
+            wait_until(lambda: zk.exists(layout.topic_pub_broker(TOPIC, 1)), timeout=30, what="its topic entries")
+            assert Cluster(zk, "/meta").partitions(TOPIC) == [(1, 0)]
+        finally:
+            group.stop()
