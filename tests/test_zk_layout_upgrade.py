@@ -87,7 +87,8 @@ def test_a_broker_upgrades_the_older_layout_on_start(cluster, zk_clients, zk_roo
         assert json.loads(zk.get(paths.topic_entry("orders", b))[0]) == {"numPartitions": n, "brokerId": b}
     assert zk.get(layout.topic_pub_broker("orders", 1))[0] == b'{"numParts":2,"broker":"1-m"}'  # MetaQ's now
     assert zk.get(layout.topic_sub_broker("orders", 1))[0] == b'{"numParts":2,"broker":"1-m"}'
-    assert zk.exists(layout.topic_pub_broker("orders", 2)) is None and zk.exists(layout.topic_sub_broker("orders", 2)) is None
+    assert zk.exists(layout.topic_pub_broker("orders", 2)) is None
+    assert zk.exists(layout.topic_sub_broker("orders", 2)) is None
     assert json.loads(zk.get(layout.topic_pub_broker("orders", 3))[0])["numPartitions"] == 1
     # group offsets of this broker's partitions: copied (with their identity); the other broker's stay readable
     assert zk.get(paths.group_offset("g", "orders", "1-0"))[0] == b"5"

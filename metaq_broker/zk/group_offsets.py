@@ -347,7 +347,7 @@ class GroupStore:
         return self.zk.exists(self.paths.group(group)) is not None
 
     def delete(self, group: str) -> None:
-        """Remove the group: its offsets, owners and member nodes (a live member's node too)."""
+        """Remove the group: its offsets (metaq's and MetaQ's), owners and member nodes (a live member's too)."""
         try:
             self.zk.delete(self.paths.group(group), recursive=True)
         except NoNodeError:

@@ -6,7 +6,8 @@ multi-op that also creates the ephemeral master node clients route by (``ZkPaths
 ``brokers/metaq/ids/<b>``): the epoch bump and the master's node appear together or not at all. Before
 issue 28 that node was ``brokers/ids/<b>``, now MetaQ's persistent node: every election makes sure it
 exists, so a member of that older layout can never create its master node there beside a newer master,
-and a newer member follows (``master_data``) but never stands against an older master that holds it. ``members/<r>`` are the live members' ephemeral nodes.
+and a newer member follows (``master_data``) but never stands against an older master that holds it.
+``members/<r>`` are the live members' ephemeral nodes.
 The broker's group logic (server/member_role.py) decides who may stand; this module only reads and writes."""
 from __future__ import annotations
 
