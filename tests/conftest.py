@@ -39,6 +39,25 @@ def zookeeper(tmp_path_factory):
 
 
 @pytest.fixture
+def zk_clients(zookeeper, zk_root):
+    """(make, ZkPaths of zk_root): ``make()`` is a new started kazoo client (its own session), closed at teardown."""
+    from kazoo.client import KazooClient
+    from metaq_broker.zk.paths import ZkPaths
+    made = []
+
+    def make():
+        c = KazooClient(zookeeper.connect_string)
+        c.start(10)
+        made.append(c)
+        return c
+
+    yield make, ZkPaths(zk_root)
+    for c in made:
+        c.stop()
+        c.close()
+
+
+@pytest.fixture
 def zk_root():
     return f"/test-{os.getpid()}-{next(_roots)}"
 

@@ -33,6 +33,7 @@ from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 from metaq_broker.zk import acls as zk_acls
 from metaq_broker.zk import users as zk_users
+from metaq_broker.zk.paths import ZkPaths
 
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
 
@@ -79,7 +80,7 @@ def start(cluster, settings, **kw):
     zk = KazooClient(hosts=cluster.zk_connect)
     zk.start(15)
     try:
-        reg = json.loads(zk.get(f"{cluster.zk_root}/brokers/ids/1")[0])
+        reg = json.loads(zk.get(ZkPaths(cluster.zk_root).broker(1))[0])
     finally:
         zk.stop()
         zk.close()

@@ -284,15 +284,15 @@ def test_with_zk_auth_strangers_cannot_touch_metaq_nodes_but_find_brokers(cluste
     # broker registrations stay readable (clients without credentials find brokers), but not writable
     assert stranger.get_children(paths.broker_ids()) == ["1"]
     assert json.loads(stranger.get(paths.broker(1))[0])["brokerId"] == 1
-    assert stranger.get_children(paths.topics_pub()) == ["orders"]
-    assert stranger.get_children(paths.topic_pub("orders")) == ["1-m"]
-    assert json.loads(stranger.get(paths.topic_sub_broker("orders", 1))[0])["numPartitions"] == 2
+    assert stranger.get_children(paths.topics()) == ["orders"]
+    assert stranger.get_children(paths.topic("orders")) == ["1-m"]
+    assert json.loads(stranger.get(paths.topic_entry("orders", 1))[0])["numPartitions"] == 2
     with pytest.raises(NoAuthError):
-        stranger.set(paths.topic_pub_broker("orders", 1), b'{"numPartitions": 99, "brokerId": 1}')
+        stranger.set(paths.topic_entry("orders", 1), b'{"numPartitions": 99, "brokerId": 1}')
     with pytest.raises(NoAuthError):
         stranger.create(paths.broker(2), b"{}", ephemeral=True)
     with pytest.raises(NoAuthError):
-        stranger.delete(paths.topic_pub_broker("orders", 1))
+        stranger.delete(paths.topic_entry("orders", 1))
 
 
 def test_without_zk_auth_nodes_stay_open(zookeeper, zk_root, stranger):
