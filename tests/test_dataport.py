@@ -24,6 +24,8 @@ from metaq_broker.protocol.status import BrokerError
 from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 
+pytestmark = pytest.mark.unit
+
 
 def free_port():
     with socket.socket() as s:

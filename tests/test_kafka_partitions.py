@@ -21,6 +21,8 @@ from metaq_broker.zk.kafka_cluster import KafkaBroker, KafkaClusterCache
 from metaq_broker.zk.kafka_partitions import KafkaMapError, TopicMap, uuid_from_str, uuid_to_str
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def clients(zookeeper, zk_root):

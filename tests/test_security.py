@@ -24,6 +24,8 @@ from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import delete_user, put_user
 
+pytestmark = pytest.mark.unit
+
 PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-2", "admin": "admin-secret-3", "dave": "dave-secret-4"}
 
 
@@ -419,6 +421,7 @@ def test_a_flood_of_bad_logins_and_handshakes_leaves_good_clients_served(secured
     assert refused  # the flood really was refused meanwhile
 
 
+@pytest.mark.process
 def test_broker_refuses_sasl_without_zookeeper_and_bad_settings(tmp_path, pki):
     b = BrokerProcess(tmp_path / "b", 1, "none", settings={"security.protocol": "SASL_SSL",
                                                            "ssl.certificate.location": pki.broker.cert,

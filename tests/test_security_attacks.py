@@ -36,6 +36,8 @@ from metaq_broker.zk.users import put_user
 from test_security import registered_data_port
 from test_security_dataport import pki, zk  # noqa: F401 - fixtures: a throwaway CA, a ZooKeeper client
 
+pytestmark = pytest.mark.unit
+
 
 def tls(pki, protocol="SSL", **more) -> dict:
     return {"security.protocol": protocol, "ssl.certificate.location": pki.broker.cert,

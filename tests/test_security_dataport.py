@@ -34,6 +34,8 @@ from metaq_broker.server.config import load
 from metaq_broker.zk import acls as zk_acls
 from metaq_broker.zk import users as zk_users
 
+pytestmark = pytest.mark.unit
+
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
 
 

@@ -20,6 +20,8 @@ from metaq_broker.security.scram import MAX_ITERATIONS, Credential, ScramClient
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
 
+pytestmark = pytest.mark.unit
+
 
 # -- the SCRAM client against a rogue broker --------------------------------------------------------------
 def _server_first(nonce: str, iterations) -> str:
@@ -42,6 +44,7 @@ def test_scram_client_refuses_iteration_counts_outside_the_bound_before_any_work
         ScramClient("user", "pencil", nonce="abc").final(_server_first("abcX", count))
 
 
+@pytest.mark.process
 def test_credentials_and_the_cli_keep_within_the_bound_clients_accept(tmp_path):
     Credential.make("pw", MAX_ITERATIONS)
     with pytest.raises(ValueError, match=f"from 4096 to {MAX_ITERATIONS}"):
@@ -115,6 +118,7 @@ def test_files_are_private_whatever_the_umask_and_what_cannot_be_fixed_is_warned
         zk.close()
 
 
+@pytest.mark.process
 def test_a_flood_of_failed_tls_handshakes_leaves_no_line_per_handshake_in_the_log(tmp_path):
     pki = make_pki(tmp_path / "pki")
     broker = BrokerProcess(tmp_path / "b", 1, "none", settings={

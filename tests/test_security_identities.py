@@ -25,6 +25,8 @@ from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
 
+pytestmark = pytest.mark.unit
+
 CLUSTER = "digest:metaq:cluster-pw"  # brokers and the admin
 CLIENTS = "digest:apps:apps-pw"  # the clients' identity: groups and decision records only
 ROWS = 1000

@@ -24,6 +24,8 @@ from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
 from metaq_spark.options import is_secret, redaction_regex
 
+pytestmark = pytest.mark.unit
+
 SECRET = "hunter2-zx"
 # Every Python process of the job (the driver, the workers that plan and read and write) logs metaq at
 # DEBUG; py4j's DEBUG would echo each command sent to the JVM, the user's own option values included, so
@@ -82,6 +84,7 @@ def cluster(tmp_path_factory, zookeeper):
     zk.close()
 
 
+@pytest.mark.spark
 def test_a_secret_shows_in_no_plan_progress_error_log_or_checkpoint(cluster, tmp_path):
     args = {"zk": cluster["zk"], "root": cluster["root"], "ca": cluster["ca"], "secret": SECRET,
             "checkpoint": str(tmp_path / "cp"), "failing_checkpoint": str(tmp_path / "cp-failing"),

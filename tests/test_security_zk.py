@@ -20,6 +20,8 @@ from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 
+pytestmark = pytest.mark.process
+
 ZK_AUTH = "digest:metaq:zk-s3cret"
 
 

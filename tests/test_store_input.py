@@ -13,6 +13,8 @@ from metaq_broker.errors import (ConfigError, InvalidMessageError, InvalidOffset
 from metaq_broker.protocol.status import RemoteInvalidArgumentError, RemoteMessageTooLargeError, code_of, error_of
 from metaq_broker.store import DeletePolicy, MessageStore, TopicConfig, validate_topic_name
 
+pytestmark = pytest.mark.unit
+
 LIMIT = 100  # max_message_size of topic "t"
 
 

@@ -13,6 +13,8 @@ from metaq_broker.errors import InvalidTopicError
 from metaq_broker.store import MessageStore, PartitionLog, TopicConfig
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
+pytestmark = pytest.mark.unit
+
 
 def open_log(path, config=TopicConfig(), **kw):
     return PartitionLog.open(path, "t", 0, config, **kw)
