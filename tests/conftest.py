@@ -104,6 +104,14 @@ def own_zookeeper(tmp_path):
     zk.stop()
 
 
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """One throwaway PKI for the run (tests/certs.py): a CA, broker and client certificates, and the bad
+    cases (expired, another host's, a stranger CA's). Tests read its files; none changes them."""
+    from certs import make_pki
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
 @pytest.fixture
 def zk_root():
     return f"/test-{os.getpid()}-{next(_roots)}"

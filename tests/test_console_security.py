@@ -14,7 +14,6 @@ import time
 from urllib.parse import urlencode, urlsplit
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from selenium.webdriver.common.by import By
 from webconsole import chromium, texts
@@ -37,9 +36,8 @@ pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, zookeeper):
+def cluster(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("console-sec")
-    pki = make_pki(work / "pki")
     root = f"/console-sec-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string, security=ZkSecurity.from_properties({"zk.auth": ZK_AUTH}))
     zk.start(15)

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 
 from metaq_broker.client import Admin, Consumer, Producer
@@ -27,11 +26,6 @@ from metaq_broker.zk.users import delete_user, put_user
 pytestmark = pytest.mark.unit
 
 PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-2", "admin": "admin-secret-3", "dave": "dave-secret-4"}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_settings(pki, cert=None, **more):

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 
 from metaq_broker.client import Consumer, Producer
@@ -52,9 +51,8 @@ def test_secret_options_are_recognised_and_the_regex_is_added_once():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, zookeeper):
+def cluster(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("secrets")
-    pki = make_pki(work / "pki")
     root = f"/secrets-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string)
     zk.start()
