@@ -19,6 +19,8 @@ from metaq_broker.protocol.status import (RemoteInvalidArgumentError, RemoteMess
                                           RemoteOffsetOutOfRangeError, RemoteUnknownTopicError)
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.process
+
 
 def read_all(consumer, topic):
     """{partition: [values]} for every partition of the topic."""
@@ -254,11 +256,10 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
     assert not (b.workdir / "data" / "..").joinpath("evil-0").exists()
 
 
-def test_broker_registers_again_after_zookeeper_restarts(tmp_path):
+def test_broker_registers_again_after_zookeeper_restarts(tmp_path, own_zookeeper):
     from conftest import Cluster
 
-    from metaq_broker.devtools.zookeeper import LocalZooKeeper
-    with LocalZooKeeper(data_dir=tmp_path / "zk") as zk_server:
+    with own_zookeeper as zk_server:
         c = Cluster(tmp_path, zk_server.connect_string, "/meta")
         try:
             c.start_broker(1, topics={"t": {}})

@@ -9,20 +9,20 @@ import textwrap
 import pytest
 
 from metaq_broker.devtools.broker_process import BrokerProcess
-from metaq_broker.devtools.zookeeper import LocalZooKeeper
+
+pytestmark = pytest.mark.process
 
 BOUND_S = 60  # "exits in bounded time": far above what it takes, far below forever
 
 
 @pytest.fixture
-def doomed_zookeeper(tmp_path):
+def doomed_zookeeper(tmp_path, own_zookeeper):
     """A ZooKeeper of this test's own (the session's shared one must not be stopped) and one broker."""
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    zk = own_zookeeper
     broker = BrokerProcess(tmp_path / "broker", 1, zk.connect_string, settings={"zk.sessionTimeout": 4000},
                            topics={"t": {"numPartitions": 2}}).start()
     yield zk
     broker.kill()
-    zk.stop()
 
 
 def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -113,6 +113,7 @@ SPARK_DRIVER = """
 """
 
 
+@pytest.mark.spark
 def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zookeeper, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SPARK_DRIVER), doomed_zookeeper.connect_string,
                              str(tmp_path / "checkpoint")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -25,6 +25,8 @@ from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 
 def free_port():
     with socket.socket() as s:

@@ -22,6 +22,8 @@ from metaq_broker.protocol.status import (STORED_NOTHING, BrokerUnavailableError
                                           RemoteOutOfOrderSequenceError, RemoteProducerFencedError)
 from conftest import wait_until
 
+pytestmark = pytest.mark.process
+
 
 class CuttingProxy:
     """A TCP proxy in front of a broker's gRPC port. Armed, it lets the next put through to the broker,

@@ -21,6 +21,8 @@ from metaq_broker.zk.kafka_cluster import KafkaBroker, KafkaClusterCache
 from metaq_broker.zk.kafka_partitions import KafkaMapError, TopicMap, uuid_from_str, uuid_to_str
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 
 def test_uuid_strings_are_kafkas():
     raw = bytes.fromhex("5a1f0c8c2b3e4f6a9d7e1b2c3d4e5f60")

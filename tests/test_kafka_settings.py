@@ -16,6 +16,8 @@ from metaq_broker.zk import kafka_partitions
 from metaq_broker.zk.kafka_cluster import KafkaBroker, KafkaClusterCache
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_and_values():
     cfg = load(None)

@@ -11,6 +11,8 @@ from metaq_broker.server.metaq_positions import offset_at, position_of
 from metaq_broker.store import PartitionLog, TopicConfig
 from test_store_producers import _write_v2_log
 
+pytestmark = pytest.mark.unit
+
 
 def metaq_size(value: bytes, attribute=None) -> int:
     return 20 + len(value) + (0 if attribute is None else 4 + len(attribute.encode()))

@@ -181,6 +181,7 @@ def test_a_replicated_groups_master_and_slave_nodes_follow_its_elections(tmp_pat
         group.stop()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("raw,match", [("meta", "'meta' is not an integer"), ("-2", "-2 is outside -1..65535"),
                                        ("65536", "65536 is outside")])
 def test_bad_metaq_port_values_are_refused_naming_the_key(raw, match):
@@ -189,6 +190,7 @@ def test_bad_metaq_port_values_are_refused_naming_the_key(raw, match):
     assert load(None).metaq_port == -1  # off unless asked for
 
 
+@pytest.mark.process
 def test_a_taken_metaq_port_stops_the_broker_at_start_and_a_stopped_broker_frees_it(tmp_path):
     def start(name, port):
         return Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": str(port),
@@ -208,6 +210,7 @@ def test_a_taken_metaq_port_stops_the_broker_at_start_and_a_stopped_broker_frees
         again.bind(("127.0.0.1", port))
 
 
+@pytest.mark.process
 def test_metaqs_nodes_follow_a_killed_master_and_zookeeper_losing_its_data(tmp_path):
     """kill -9 of the master: the new master's URI is in MetaQ's ``master`` once the old session expires;
     ZooKeeper wiped while both run: MetaQ's nodes are written again by whichever member is elected."""

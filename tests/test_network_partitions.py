@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.nemesis import settled  # noqa: E402
 from benchmarks.nemesis_check import Checker, compare_member_logs, summarize  # noqa: E402

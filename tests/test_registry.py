@@ -18,6 +18,8 @@ from metaq_broker.zk.group_offsets import ConsumerIdInUseError, GroupStore, rang
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import ZooKeeperUnavailableError
 
+pytestmark = pytest.mark.unit
+
 
 # -- paths (no server) ----------------------------------------------------------------------------------
 def test_paths_follow_the_metaq_layout():
@@ -121,6 +123,7 @@ def exists(zk, path):
         return None
 
 
+@pytest.mark.process
 def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, topics={"orders": 2, "logs": 1}).start()
@@ -156,6 +159,7 @@ def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_
         reg.stop()
 
 
+@pytest.mark.process
 def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
     first = registration(zk_server, root, broker_id=7, port=9000).start()
     try:
@@ -173,6 +177,7 @@ def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
         first.stop()
 
 
+@pytest.mark.process
 def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
     """A crashed previous run of this broker leaves its ephemeral node until its session expires."""
     ghost = KazooClient(zk_server.connect_string)
@@ -188,6 +193,7 @@ def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
         reg.stop()
 
 
+@pytest.mark.process
 def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=2).start()
@@ -208,6 +214,7 @@ def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
         reg.stop()
 
 
+@pytest.mark.process
 def test_registration_comes_back_after_session_expiry(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=4).start()
@@ -264,6 +271,7 @@ def test_cluster_view_static_list():
         ClusterView()
 
 
+@pytest.mark.process
 def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
     reg1 = registration(zk_server, root, 1, {"orders": 2}, port=9001).start()
     reg2 = registration(zk_server, root, 2, {"orders": 1, "logs": 3}, port=9002).start()
@@ -305,6 +313,7 @@ def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
 
 
 # -- consumer groups ------------------------------------------------------------------------------------
+@pytest.mark.process
 def test_group_offsets_round_trip(zk, root):
     g = GroupStore(zk, root)
     assert g.fetch("g1", "t") == {} and g.groups() == [] and g.group_topics("g1") == []
@@ -327,6 +336,7 @@ def test_group_offsets_round_trip(zk, root):
     assert g.fetch("g1", "t") == {"1-0": 6, "1-1": 7, "10-0": 0}
 
 
+@pytest.mark.process
 def test_group_membership_assignment_and_ownership(zk_server, zk, root):
     other = KazooClient(zk_server.connect_string)  # the second consumer has its own session
     other.start(15)

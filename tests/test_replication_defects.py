@@ -22,7 +22,7 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
-from metaq_broker.devtools.zookeeper import LocalZooKeeper, free_port
+from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotAcknowledgedError,
@@ -35,6 +35,8 @@ from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.session import negotiated_timeout, new_client, start_client
 from conftest import wait_until
 from test_replication_basic import Load, log_bytes, read_all
+
+pytestmark = pytest.mark.process
 
 TOPICS = {"orders": {"numPartitions": 2}}
 STRICT = {"orders": {"numPartitions": 2, "minInSyncReplicas": 2}}
@@ -62,14 +64,6 @@ def described_latest(member) -> dict:
 def isr_of(group) -> list:
     state = group.state()
     return [r for r, _ in state["isr"]] if state else []
-
-
-@pytest.fixture
-def own_zookeeper(tmp_path):
-    """A ZooKeeper of the test's own: it is stopped, restarted and emptied."""
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
-    yield zk
-    zk.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 
 from metaq_broker.client import Admin, Consumer, Producer
@@ -25,12 +24,9 @@ from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import delete_user, put_user
 
+pytestmark = pytest.mark.unit
+
 PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-2", "admin": "admin-secret-3", "dave": "dave-secret-4"}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_settings(pki, cert=None, **more):
@@ -420,6 +416,7 @@ def test_a_flood_of_bad_logins_and_handshakes_leaves_good_clients_served(secured
     assert refused  # the flood really was refused meanwhile
 
 
+@pytest.mark.process
 def test_broker_refuses_sasl_without_zookeeper_and_bad_settings(tmp_path, pki):
     b = BrokerProcess(tmp_path / "b", 1, "none", settings={"security.protocol": "SASL_SSL",
                                                            "ssl.certificate.location": pki.broker.cert,

@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from kazoo.client import KazooClient
 from test_metrics import Scrape
@@ -35,12 +34,9 @@ from metaq_broker.zk import acls as zk_acls
 from metaq_broker.zk import users as zk_users
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 
+pytestmark = pytest.mark.process
+
 ZK_AUTH = "digest:metaq:zk-s3cret"
 
 
@@ -310,11 +312,8 @@ def test_without_zk_auth_nodes_stay_open(zookeeper, zk_root, stranger):
 
 # -- ZooKeeper over TLS (its secureClientPort, PEM key store) ------------------------------------------
 @pytest.fixture(scope="module")
-def tls_zookeeper(tmp_path_factory):
-    from certs import make_pki
-
+def tls_zookeeper(tmp_path_factory, pki):
     from metaq_broker.devtools.zookeeper import LocalZooKeeper
-    pki = make_pki(tmp_path_factory.mktemp("zk-pki"))
     zk = LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zk-tls"), tick_time_ms=500, tls_cert=pki.broker.cert,
                         tls_key=pki.broker.key, tls_ca=pki.ca, tls_client_auth="need")
     zk.start()

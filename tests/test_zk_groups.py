@@ -10,6 +10,8 @@ from metaq_broker.zk import groups
 from metaq_broker.zk.groups import ElectionLostError, GroupState, MemberHeldError, StaleStateError
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 U0, U1, U2 = "0" * 31 + "a", "1" * 31 + "b", "2" * 31 + "c"
 
 
