@@ -20,7 +20,7 @@ def metaq_size(value: bytes, attribute=None) -> int:
 
 @pytest.fixture
 def log(tmp_path):
-    log = PartitionLog(tmp_path / "p", "t", 0, TopicConfig(max_segment_size=4096))
+    log = PartitionLog.open(tmp_path / "p", "t", 0, TopicConfig(max_segment_size=4096))
     yield log
     log.close()
 
@@ -71,7 +71,7 @@ def test_a_consumers_message_id_picks_the_message_at_once_but_a_wrong_one_is_not
 
 
 def test_below_the_log_start_after_retention(tmp_path):
-    log = PartitionLog(tmp_path / "p", "t", 0, TopicConfig(max_segment_size=4096, retention_bytes=4096))
+    log = PartitionLog.open(tmp_path / "p", "t", 0, TopicConfig(max_segment_size=4096, retention_bytes=4096))
     try:
         positions, _, _ = fill(log)
         log.apply_retention()
@@ -88,7 +88,7 @@ def test_below_the_log_start_after_retention(tmp_path):
 def test_version_2_batches_of_the_previous_metaq(tmp_path):
     path = tmp_path / "t-0"
     _write_v2_log(path, [[b"old-a", b"old-b"], [b"old-c"], [b"x" * 50]])
-    log = PartitionLog(path, "t", 0, TopicConfig())
+    log = PartitionLog.open(path, "t", 0, TopicConfig())
     try:
         log.append([b"new"], attributes=["k"])
         # version 2 batches start at 3 x their segment's start (0 here) and follow each other
