@@ -208,7 +208,7 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
     out["read_partition_s"] = min(t)
     out["broker_cpu_s"] = bc[int(np.argmin(t))]
 
-    conn = src._pool().get(part.address)
+    conn = src._pool(part.security).get(part.address)
     _, number = parse_partition_name(part.partition)
     out["data_address"] = part.data_address
     if part.data_address:  # the fetches alone over the data port, as read_partition makes them
