@@ -232,7 +232,7 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
                                                       max_bytes=part.fetch_max_bytes,
                                                       max_messages=part.end - offset), retries=5)
             t1 = time.perf_counter()
-            decoded = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
+            decoded = records.decode(r.records, r.start_offset, r.end_offset, verify=True, timestamp_type=True)
             t2 = time.perf_counter()
             records.decode(r.records, r.start_offset, r.end_offset, verify=False)
             t3 = time.perf_counter()
