@@ -125,7 +125,7 @@ def test_connections_are_persistent_pooled_and_pipelined(tmp_path):
         again = pool.acquire(address)
         assert again is conn and conn.connects == 1
         assert again.fetch("t", 0, 0).end_offset == 200
-        assert len(b.data_server._conns) == 1
+        assert b.data_server.listener.connections() == 1
         again.send("t", 0, 0)  # a reply left pending: not given to the next caller
         pool.release(again)
         assert again.sock is None and pool.acquire(address) is not again

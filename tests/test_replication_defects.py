@@ -23,6 +23,7 @@ from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import free_port
+from metaq_broker.net.blocking import read_replica_reply
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotAcknowledgedError,
@@ -150,7 +151,7 @@ def test_a_frozen_master_neither_stalls_the_group_nor_keeps_a_producer_nor_feeds
                 rp.PartitionFetch("orders", p, ends[f"1-{p}"], ends[f"1-{p}"], epoch if ends[f"1-{p}"] else 0)
                 for p in range(2)]))
         socks[0].sendall(fetch_at_end(-1))
-        applied = rp.read_reply(socks[0])[0].journal_last_seq
+        applied = read_replica_reply(socks[0])[0].journal_last_seq
         for sock in socks:
             sock.sendall(fetch_at_end(applied))  # nothing new: the master long-polls up to 0.5 s on each
         time.sleep(0.1)  # the master holds them all now
@@ -175,7 +176,7 @@ def test_a_frozen_master_neither_stalls_the_group_nor_keeps_a_producer_nor_feeds
                 "may or may not be stored" in str(error)
             fresh.send_batch("orders", [b"after"], partition="1-0")  # within the producer's 15 s timeout
             thaw(member)
-            heads = [rp.read_reply(sock)[0] for sock in socks]
+            heads = [read_replica_reply(sock)[0] for sock in socks]
             assert all(h.status != 0 and h.message.startswith("not master:") for h in heads), heads
         finally:
             thaw(member)

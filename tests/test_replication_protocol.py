@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from metaq_broker.errors import MetaqError, NotAcknowledgedError, NotEnoughReplicasError, NotMasterError
+from metaq_broker.net.blocking import read_replica_reply
 from metaq_broker.protocol import dataport, records
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.dataport import ProtocolError
@@ -181,7 +182,7 @@ def test_reply_with_three_sections_over_a_socket_pair():
         return buf
 
     with sock:
-        head, frames, sections = rp.read_reply(sock, view_alloc)
+        head, frames, sections = read_replica_reply(sock, view_alloc)
         t.join()
         assert sock.recv(1) == b""  # read exactly the reply
     assert (head.status, head.master_epoch, head.sections, head.journal_first_seq, head.journal_last_seq,
@@ -201,7 +202,7 @@ def test_refusal_and_cut_replies_over_a_socket_pair():
     code = dataport.code_number(grpc.StatusCode.UNAVAILABLE)
     sock, t = _serve([rp.error_reply(code, "not master: group 1, master replica 0 at h:1, epoch 7", 7)])
     with sock:
-        head, frames, sections = rp.read_reply(sock)
+        head, frames, sections = read_replica_reply(sock)
         t.join()
     assert (head.status, head.message, frames, sections) == (code, "not master: group 1, master replica 0 at h:1, epoch 7", b"", [])
     assert isinstance(error_of(grpc.StatusCode.UNAVAILABLE, head.message, "h:1"), RemoteNotMasterError)
@@ -211,18 +212,18 @@ def test_refusal_and_cut_replies_over_a_socket_pair():
     for cut in (0, 20, 48 + 10, len(whole) - 8):
         sock, t = _serve([whole[:cut]])
         with sock, pytest.raises(ProtocolError, match="connection closed"):
-            rp.read_reply(sock)
+            read_replica_reply(sock)
         t.join()
     # a head counting one section less than sent: the bytes left over are named
     wrong = bytearray(whole)
     struct.pack_into("<I", wrong, 12, 2)
     sock, t = _serve([bytes(wrong)])
     with sock, pytest.raises(ProtocolError, match="bytes after its 2 sections"):
-        rp.read_reply(sock)
+        read_replica_reply(sock)
     t.join()
     sock, t = _serve([whole])
     with sock, pytest.raises(ProtocolError, match="over 100"):
-        rp.read_reply(sock, max_body=100)
+        read_replica_reply(sock, max_body=100)
     t.join()
 
 

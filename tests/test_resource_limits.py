@@ -21,6 +21,7 @@ from test_security import registered_data_port
 
 from metaq_broker.client import Admin, Consumer, Producer
 from metaq_broker.client.connection import BrokerConnection
+from metaq_broker.net.blocking import recv_exact
 from metaq_broker.protocol import dataport, rawput
 from metaq_broker.security.acl import Acl
 from metaq_broker.security.settings import ClientSecurity, read_pem
@@ -285,12 +286,12 @@ def test_puts_refused_after_login(secured, pki):
         opened.append(s)
         s.sendall(dataport.pack_auth(token))
         head = bytearray(dataport.REPLY.size)
-        dataport.recv_exact(s, memoryview(head))
+        recv_exact(s, memoryview(head))
         s.recv(dataport.REPLY.unpack(head)[-1])
         _stream(s, put_head(size), size)
         reply = bytearray(dataport.PUT_REPLY.size)
         try:
-            dataport.recv_exact(s, memoryview(reply))
+            recv_exact(s, memoryview(reply))
         except (OSError, dataport.ProtocolError):  # closed after the refusal: the reply may be lost to the reset
             return "closed"
         return dataport.PUT_REPLY.unpack(reply)[1]
@@ -367,7 +368,7 @@ def test_a_put_over_the_brokers_limit_is_refused_in_words(cluster):
     with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
         s.sendall(dataport.PREFIX.pack(dataport.PREFIX.size + len(big), dataport.PUT, 0) + big[:4096])
         head = bytearray(dataport.PUT_REPLY.size)
-        assert dataport.recv_exact(s, memoryview(head))
+        assert recv_exact(s, memoryview(head))
         reply_len, status, *_ = dataport.PUT_REPLY.unpack(head)
         message = s.recv(reply_len - len(head)).decode()
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

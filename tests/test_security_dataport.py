@@ -22,6 +22,7 @@ from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.proto import metaq_pb2 as pb
+from metaq_broker.net.blocking import recv_exact
 from metaq_broker.protocol import dataport, rawput, records
 from metaq_broker.protocol.status import RemoteAuthenticationError, RemoteAuthorizationError
 from metaq_broker.security import tls
@@ -100,10 +101,10 @@ def values_of(reply) -> list:
 def read_reply(sock) -> tuple:
     """(status, body) of one data port reply read from a raw socket."""
     head = bytearray(dataport.REPLY.size)
-    assert dataport.recv_exact(sock, memoryview(head))
+    assert recv_exact(sock, memoryview(head))
     header_len, status, *_, body_len = dataport.REPLY.unpack(head)
     rest = bytearray(header_len - dataport.REPLY.size + body_len)
-    assert dataport.recv_exact(sock, memoryview(rest))
+    assert recv_exact(sock, memoryview(rest))
     return status, bytes(rest[header_len - dataport.REPLY.size:])
 
 
@@ -234,7 +235,7 @@ def test_sasl_data_port_takes_nothing_before_auth_and_refuses_bad_tokens(cluster
     with tls_socket(pki, port) as s:  # a put first: refused in the put reply's layout
         s.sendall(b"".join(bytes(p) for p in dataport.put_request(put_parts([b"x"]))))
         head = bytearray(dataport.PUT_REPLY.size)
-        assert dataport.recv_exact(s, memoryview(head))
+        assert recv_exact(s, memoryview(head))
         assert dataport.PUT_REPLY.unpack(head)[1] == UNAUTHENTICATED
     with tls_socket(pki, port) as s:  # bad tokens: refused, then the connection is closed
         for attempt in range(dataport.AUTH_ATTEMPTS):

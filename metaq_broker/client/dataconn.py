@@ -25,20 +25,15 @@ import threading
 import weakref
 from typing import Callable, Optional
 
-import grpc
 import numpy as np
 
 from metaq_broker.errors import AuthenticationError
-from metaq_broker.protocol import rawfetch
-from metaq_broker.protocol.dataport import (CONNECT_TIMEOUT, OK, PUT_REPLY, REPLY, STATUS_BY_NUMBER, ProtocolError,
-                                            authenticate, pack_request, put_request, recv_exact, send_all)
-from metaq_broker.protocol.status import error_of
+from metaq_broker.net.blocking import authenticate, recv_exact, send_all
+from metaq_broker.protocol import dataport, rawfetch
+from metaq_broker.protocol.dataport import CONNECT_TIMEOUT, PUT_REPLY, REPLY, ProtocolError, pack_request, put_request
 from metaq_broker.security import tls
 from metaq_broker.security.settings import ClientSecurity
 
-# A longer header than this is not a data port reply. The aborted list makes it long: 24 bytes for each
-# aborted transaction overlapping the reply (at most one per batch in it, plus those open across it).
-MAX_HEADER = 64 << 20
 DIAGNOSE_WAIT = 0.5  # how long a probe waits for a TLS alert after a fresh connection broke (_diagnose)
 # TLS failures that are a connection going away (the broker stopping), not a certificate refused
 _CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
@@ -167,14 +162,12 @@ class DataConnection:
         """The reply to the oldest request sent, a put: (base_offset, base_msg_id, timestamp_ms, partition,
         count, fsynced); a refusal raises the gRPC path's error."""
         self._check_awaiting()
-        head = bytearray(PUT_REPLY.size)
+        raw = bytearray(PUT_REPLY.size)
         try:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
-            self._recv(memoryview(head))
-            reply_len, status, *fields, _ = PUT_REPLY.unpack(head)
-            if not PUT_REPLY.size <= reply_len <= MAX_HEADER:
-                raise ProtocolError(f"data port {self.address}: bad put reply of {reply_len} bytes")
-            message = bytearray(reply_len - PUT_REPLY.size)
+            self._recv(memoryview(raw))
+            head = dataport.unpack_put_reply(raw, self.address)
+            message = bytearray(head.rest)
             if message:
                 self._recv(memoryview(message))
         except BaseException as e:
@@ -182,9 +175,7 @@ class DataConnection:
             raise
         self.outstanding -= 1
         self._answered = True
-        if status != OK:
-            raise self._refusal(status, message)
-        return tuple(fields[:5]) + (bool(fields[5]),)
+        return head.result(message, self.address)
 
     def receive(self, timeout: Optional[float] = None) -> rawfetch.FetchReply:
         """The reply to the oldest request sent. ``timeout`` bounds each wait for bytes."""
@@ -192,28 +183,22 @@ class DataConnection:
         try:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
             self._recv(memoryview(self._head))
-            header_len, status, start, end, earliest, latest, body_len = REPLY.unpack(self._head)
-            if not REPLY.size <= header_len <= MAX_HEADER or body_len < 0:
-                raise ProtocolError(f"data port {self.address}: bad reply header ({header_len}, {body_len} bytes)")
+            head = dataport.unpack_reply_head(self._head, self.address)
             # The rest of the header (the aborted list) and the body in one buffer, received at once; the
             # header's length is a multiple of 8, so the records stay 8-aligned.
-            extra = header_len - REPLY.size
-            buf = np.empty(extra + body_len, np.uint8)
+            buf = np.empty(head.rest, np.uint8)
             if len(buf):
                 self._recv(memoryview(buf))
-            try:
-                aborted = rawfetch.unpack_aborted(buf, 0, extra) if status == OK else None
-            except ValueError as e:
-                raise ProtocolError(f"data port {self.address}: {e}") from None
+            if head.status == dataport.OK:
+                reply = dataport.fetch_reply(head, buf, self.address)  # ProtocolError: a bad aborted list
         except BaseException as e:
             self._broken(e)
             raise
         self.outstanding -= 1
         self._answered = True
-        body = buf[extra:]
-        if status != OK:
-            raise self._refusal(status, body.tobytes())
-        return rawfetch.FetchReply(start, end, earliest, latest, memoryview(body), aborted)
+        if head.status != dataport.OK:  # a refusal: the connection serves on
+            raise dataport.refusal(head.status, buf[head.header_len - REPLY.size:], self.address)
+        return reply
 
     def _broken(self, error: BaseException) -> None:
         """Close after ``error``; raises AuthenticationError instead if the broker refused our certificate."""
@@ -237,11 +222,6 @@ class DataConnection:
         except ssl.SSLError as e:
             raise AuthenticationError(tls.explain(e, self.address)) from None
         raise ConnectionResetError(f"data port {self.address} closed the connection")
-
-    def _refusal(self, status: int, message) -> Exception:
-        """The error the gRPC path raises for this status and message."""
-        code = STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-        return error_of(code, bytes(message).decode("utf-8", "replace"), self.address)
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int = 0, max_messages: int = 0,
               max_wait_ms: int = 0, timeout: Optional[float] = None) -> rawfetch.FetchReply:

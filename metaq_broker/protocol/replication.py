@@ -8,19 +8,19 @@
   reply (``dataport.REPLY``, the aborted list, the records) whose ``header_len`` also covers a 32-byte
   ``TRAILER`` after the aborted list. ``body_len`` counts every byte after the head.
 
-Record batches are multiples of 8 bytes, so every section starts 8-aligned. No sockets are opened here;
-``read_reply`` reads from one it is given."""
+Record batches are multiples of 8 bytes, so every section starts 8-aligned. No I/O here: the master's data
+port sends what this builds, and a replica reads the reply with ``net.blocking.read_replica_reply``."""
 from __future__ import annotations
 
 import struct
 import uuid as uuid_module
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
 from metaq_broker.protocol import rawfetch
-from metaq_broker.protocol.dataport import MAX_TOPIC_BYTES, OK, REPLICA_FETCH, REPLY, ProtocolError, recv_exact
+from metaq_broker.protocol.dataport import MAX_TOPIC_BYTES, OK, REPLICA_FETCH, REPLY, ProtocolError
 from metaq_broker.protocol.records import NO_ABORTED
 
 # request_len, kind (3), flags, epoch followed, replicaId, uuid, journal_applied_seq (-1: send a snapshot),
@@ -43,7 +43,7 @@ FLAG_TOPICS_CHANGED = 2  # the master's topics changed: the replica re-reads the
 FLAG_IDENTITIES = 4  # each section's head ends with its partition log's identity (IDENTITY, 16 bytes)
 IDENTITY = struct.Struct("<16s")
 MAX_MESSAGE_BYTES = 64 << 10  # a refusal's message
-MAX_REPLY_BODY = 1 << 30  # read_reply's default bound on body_len
+MAX_REPLY_BODY = 1 << 30  # read_replica_reply's default bound on body_len
 
 # After a section's aborted list: master log end, HW, section_status, epoch e', truncate_to (DIVERGING) or
 # earliest (RESET)
@@ -281,42 +281,3 @@ def unpack_body(head: ReplyHead, body) -> tuple:
     if pos != len(view):
         raise ProtocolError(f"replica fetch reply has {len(view) - pos} bytes after its {head.sections} sections")
     return journal, sections
-
-
-def read_reply(sock, view_alloc: Optional[Callable[[int], object]] = None,
-               max_body: int = MAX_REPLY_BODY) -> tuple:
-    """(ReplyHead, journal frames, sections) read from ``sock``. The body is received with one buffer from
-    ``view_alloc(n)`` (a writable buffer of at least n bytes, e.g. one the fetcher reuses; default a fresh
-    one), and the sections' records are views of it, so they are valid until that buffer is reused. A
-    refusal returns its head (with the message), no journal and no sections. ProtocolError on malformed
-    replies or a connection closed before or during one."""
-    head_buf = bytearray(REPLY_HEAD.size)
-    if not recv_exact(sock, memoryview(head_buf)):
-        raise ProtocolError("connection closed before the replica fetch reply")
-    head = unpack_reply_head(head_buf)
-    extra = REPLY_HEAD.unpack_from(head_buf)[0] - REPLY_HEAD.size
-    if extra:  # head fields added later: skipped
-        if extra > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"replica fetch reply head of {extra + REPLY_HEAD.size} bytes")
-        _recv(sock, memoryview(bytearray(extra)))
-    if head.status != OK:
-        message = bytearray(head.body_len)
-        _recv(sock, memoryview(message))
-        head.message = message.decode("utf-8", "replace")
-        return head, b"", []
-    if head.body_len > max_body:
-        raise ProtocolError(f"replica fetch reply body of {head.body_len} bytes is over {max_body}")
-    if view_alloc is None:
-        body = memoryview(np.empty(head.body_len, np.uint8))
-    else:
-        body = memoryview(view_alloc(head.body_len)).cast("B")[:head.body_len]
-        if len(body) < head.body_len:
-            raise ValueError(f"view_alloc gave {len(body)} bytes for a reply body of {head.body_len}")
-    _recv(sock, body)
-    journal, sections = unpack_body(head, body)
-    return head, journal, sections
-
-
-def _recv(sock, view: memoryview) -> None:
-    if len(view) and not recv_exact(sock, view):
-        raise ProtocolError(f"connection closed before {len(view)} bytes of the replica fetch reply")

@@ -40,7 +40,7 @@ import grpc
 
 from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigError
 from metaq_broker.protocol import rawput
-from metaq_broker.protocol.services import AUTH_PATH, AUTH_SERVICE, AUTHENTICATE, SESSION_METADATA
+from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security import scram, tls
 from metaq_broker.security.acl import CLUSTER, AclTable
@@ -190,19 +190,7 @@ class BrokerAuth:
         payload = _b64(json.dumps({"p": f"User:{user}", "u": user, "s": _b64(cred.salt), "exp": exp}).encode())
         return payload + "." + _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest()), SESSION_LIFETIME_S
 
-    # -- SASL over gRPC -------------------------------------------------------------------------------
-    def handler(self) -> grpc.GenericRpcHandler:
-        method = grpc.unary_unary_rpc_method_handler(self._authenticate_rpc)
-        return grpc.method_handlers_generic_handler(AUTH_SERVICE, {AUTHENTICATE: method})
-
-    def _authenticate_rpc(self, request: bytes, context) -> bytes:
-        try:
-            return json.dumps(self.authenticate(json.loads(request))).encode()
-        except AuthenticationError as e:
-            context.abort(code_of(e), str(e))
-        except (ValueError, KeyError, TypeError):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed authentication request")
-
+    # -- SASL (served over gRPC by service.py, as metaq.v1.Auth) ---------------------------------------
     def authenticate(self, m: dict) -> dict:
         """One step of a SASL exchange: ``{"mechanism", "message"[, "handshake"]}`` -> ``{"message"[,
         "handshake"]}`` or, at the end, ``{"message", "session", "lifetime_s", "principal"}``."""

@@ -1,8 +1,10 @@
-"""The broker process: storage, the gRPC service (with the standard health service), ZooKeeper
-registration, topics created at runtime, and an orderly shutdown."""
+"""The broker process: storage, the request handler and the transports on it (gRPC with the standard health
+service, the data port), ZooKeeper registration and the replicated group, topics created at runtime, and a
+start and stop that build and undo the same parts in the same order."""
 from __future__ import annotations
 
 import configparser
+import contextlib
 import fcntl
 import io
 import logging
@@ -26,10 +28,12 @@ from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
-from metaq_broker.server.data_server import DataServer
+from metaq_broker.server.data_server import DataServer, data_listener
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.group_offsets_service import GroupOffsetsService
+from metaq_broker.server.handler import Limits, RequestHandler
+from metaq_broker.server.listener import Listener
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
@@ -92,11 +96,39 @@ class _UndecodableRequests(logging.Filter):
 logging.getLogger("grpc._common").addFilter(_UndecodableRequests())
 
 
+class _GroupCalls:
+    """The way into the group member for the parts it drives, which are built before it and call back: the
+    replica manager writes the in-sync set through it and reports a higher epoch, the fetcher and the
+    registration wake it. ``member`` is set as soon as the member is built, before any of them starts, so
+    none calls into nothing."""
+
+    def __init__(self):
+        self.member: Optional[GroupMember] = None
+
+    def wake(self, *_) -> None:
+        if self.member is not None:
+            self.member.wake()
+
+    def alter_isr(self, isr) -> bool:
+        return self.member is not None and self.member.alter_isr(isr)
+
+    def higher_epoch_seen(self, epoch: int) -> None:
+        if self.member is not None:
+            self.member.higher_epoch_seen(epoch)
+
+
 class Broker:
-    """``start()`` opens the store, serves gRPC and registers in ZooKeeper (unless ``zk.connect`` is
-    ``none``); ``stop()`` stops accepting, lets in-flight calls finish, fsyncs and closes the store, then
-    deregisters. ``repair``: recovery cuts a damaged log tail even where acknowledged messages follow the
-    damage (``metaq-broker --repair``), instead of refusing to start."""
+    """``start()`` opens the store, serves gRPC (and the data port) and registers in ZooKeeper (unless
+    ``zk.connect`` is ``none``); ``stop()`` hands a master's group over, stops serving once in-flight calls
+    finish, fsyncs and closes the store. ``repair``: recovery cuts a damaged log tail even where
+    acknowledged messages follow the damage (``metaq-broker --repair``), instead of refusing to start.
+
+    ``start`` builds the broker in dependency order, one stage after the other (``STAGES``), and pushes the
+    stop of each part it starts onto one ``ExitStack``: a start that fails at any stage, and ``stop()``,
+    undo the same parts in the reverse order (servers before the store they read, the data directory's
+    lock last, so a successor takes over only nodes of a run that holds it no more)."""
+
+    STAGES = ("data", "store", "auth", "listeners", "group", "handler", "serving", "cluster", "bridge", "resolver")
 
     def __init__(self, config: BrokerConfig, repair: bool = False):
         self.config = config
@@ -112,11 +144,12 @@ class Broker:
         self.metaq_port: Optional[int] = None
         self._metaq_socket: Optional[socket.socket] = None
         self.offset_bridge: Optional[OffsetBridge] = None  # group offsets in metaq's and MetaQ's forms (metaqPort)
-        self.data_server = None
+        self.data_server: Optional[DataServer] = None
         self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
         self.stats, self.metrics = BrokerStats(), None
-        self.disk: Optional[DiskState] = None  # whether the last write found the disk full (service, metrics)
+        self.disk: Optional[DiskState] = None  # whether the last write found the disk full (handler, metrics)
         self.store = self.server = self.registration = self.transactions = self.resolver = None
+        self.handler: Optional[RequestHandler] = None
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
@@ -129,6 +162,10 @@ class Broker:
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
+        self._running = contextlib.ExitStack()  # the started parts' stops, undone by stop()
+        self._grace = 0.0  # how long stopping servers wait for calls in flight (stop's grace; 0 after a failed start)
+        self._grpc_started = False
+        self._data_listener: Optional[Listener] = None  # the data port, listening from the listeners stage
 
     @property
     def address(self) -> str:
@@ -140,107 +177,16 @@ class Broker:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> "Broker":
-        cfg = self.config
-        data = Path(cfg.data_path)
-        make_dirs(data)
-        self._warn_about_exposure(data)
-        if self.uses_zookeeper:
-            self._lock_data(data)
-        topics = {**self._runtime_topics(), **cfg.topics}
-        self.store = MessageStore(data, topics, default_config=cfg.topic_defaults,
-                                  retention_interval=cfg.retention_check_interval_s, repair=self.repair)
-        try:
-            # In a group, a member starts as a follower: only the elected master settles transactions, after
-            # its epoch marker, so the markers it writes are ordered in the log like every other append.
-            self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
-                                                   cfg.transaction_timeout_ms / 1000,
-                                                   max_timeout_s=cfg.transaction_max_timeout_ms / 1000,
-                                                   follower=self.uses_zookeeper)
-            if self.uses_zookeeper:
-                self._start_replication_parts()
-            self.disk = DiskState(data, on_change=self._write_health)
-            if cfg.metrics_port >= 0:
-                self.metrics = BrokerMetrics(self)
-            self.auth = self._start_auth()
-            service = BrokerService(self.store, cfg.broker_id, cfg.max_transfer_size, cfg.max_fetch_wait_ms,
-                                    self.create_topic, self.stats,
-                                    observe=self.metrics.observe_rpc if self.metrics else None,
-                                    transactions=self.transactions, disk=self.disk, auth=self.auth,
-                                    paths=ZkPaths(cfg.zk_root), group=self.group,
-                                    replicas=self.replicas,
-                                    producer_ids=self._new_producer_ids())
-            service.max_put_bytes = self.put_limit = self.max_put_bytes()
-            self.server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
-                interceptors=[self.auth.gate()],
-                options=[("grpc.max_receive_message_length", service.max_put_bytes),  # a Put's fields fit the allowance
-                         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-                         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
-                         ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
-                         ("grpc.so_reuseport", 0)])
-            pb_grpc.add_BrokerServicer_to_server(service, self.server)
-            self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
-            if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
-                self.server.add_generic_rpc_handlers((
-                    GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
-                    GroupListingService(self.auth, self._groups_zk, cfg.zk_root).handler(),
-                    SinkDecisionsService(self.auth, self._groups_zk, cfg.zk_root).handler()))
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-            try:
-                self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
-            except RuntimeError as e:
-                raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
-            if self.metrics is not None:
-                self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port, self.auth)
-            if cfg.data_port >= 0:
-                try:
-                    self.data_server = DataServer(service, cfg.host_name, cfg.data_port, auth=self.auth,
-                                                  replicas=self.replicas)
-                except OSError as e:
-                    raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
-                self.data_port = self.data_server.port
-            if cfg.metaq_port >= 0:
-                try:
-                    self._metaq_socket = _bind(cfg.host_name, cfg.metaq_port)
-                except OSError as e:
-                    raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
-                self.metaq_port = self._metaq_socket.getsockname()[1]
-            host = cfg.advertised_host
-            service.own_addresses = (f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}")
-            self.server.start()
-            if self.data_server is not None:
-                self.data_server.start()
-            if self.uses_zookeeper:
-                self.registration = BrokerRegistration(
-                    cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
-                    {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
-                    session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
-                    replica_id=cfg.replica_id, on_registered=self._registered,
-                    before_register=self._before_register,
-                    metaq_uri=None if self.metaq_port is None else broker_uri(host, self.metaq_port))
-                self.group = self._new_group_member()
-                service.group = self.group
-                self.registration.start()
-                self.group.start()
-                role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
-                if role not in ("master", "replica"):
-                    log.warning("group %d member %d has no role yet: no master is alive and this member may not "
-                                "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
-            if self.uses_zookeeper and self.metaq_port is not None:
-                self.offset_bridge = OffsetBridge(self.store, cfg.broker_id, cfg.zk_root, self._groups_zk,
-                                                  lambda: self.is_master).start()
-            # Only the master settles prepared transactions from their decision records.
-            self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
-            service.settle_ahead = self._settle_ahead
-        except BaseException:
-            self._shutdown_local(grace=0)
-            self._unlock_data()
-            raise
+        with contextlib.ExitStack() as stack:  # a failed stage undoes every part started before it
+            for stage in self.STAGES:
+                getattr(self, f"_start_{stage}")(stack)
+            self._running = stack.pop_all()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._write_health(self.disk.full)
-        log.info("metaq broker %d listening on %s%s (data in %s)", cfg.broker_id, self.address,
-                 f", data port {self.data_port}" if self.data_port is not None else "", data.resolve())
+        log.info("metaq broker %d listening on %s%s (data in %s)", self.config.broker_id, self.address,
+                 f", data port {self.data_port}" if self.data_port is not None else "",
+                 Path(self.config.data_path).resolve())
         return self
 
     def stop(self, grace: float = 10.0) -> None:
@@ -251,28 +197,210 @@ class Broker:
         self._health.enter_graceful_shutdown()
         if self.group is not None and grace > 0:
             self.group.hand_over(self._replicas_caught_up, min(grace, HAND_OVER_S))
-        self._shutdown_local(grace)
-        if self.registration is not None:
-            self.registration.stop()
-        self._unlock_data()  # last: a successor takes over only nodes of a run that holds the lock no more
+        self._grace = grace
+        self._running.close()
         log.info("metaq broker %d stopped", self.config.broker_id)
         self._stopped.set()
 
-    # -- replication ----------------------------------------------------------------------------------
-    def _start_replication_parts(self) -> None:
+    # -- the stages of start, in dependency order -----------------------------------------------------
+    def _start_data(self, stack: contextlib.ExitStack) -> None:
+        """The data directory: made, what others could read narrowed, locked by this process (with ZooKeeper)."""
+        data = Path(self.config.data_path)
+        make_dirs(data)
+        self._warn_about_exposure(data)
+        if self.uses_zookeeper:
+            self._lock_data(data)
+            stack.callback(self._unlock_data)
+
+    def _start_store(self, stack: contextlib.ExitStack) -> None:
+        """The partitions (recovered) and the transaction journal. In a group, a member starts as a follower:
+        only the elected master settles transactions, after its epoch marker, so the markers it writes are
+        ordered in the log like every other append."""
         cfg = self.config
+        data = Path(cfg.data_path)
+        self.store = MessageStore(data, {**self._runtime_topics(), **cfg.topics}, default_config=cfg.topic_defaults,
+                                  retention_interval=cfg.retention_check_interval_s, repair=self.repair)
+        stack.callback(self.store.close)  # fsyncs every partition
+        self.transactions = TransactionManager(self.store, data / TRANSACTIONS_DIRECTORY,
+                                               cfg.transaction_timeout_ms / 1000,
+                                               max_timeout_s=cfg.transaction_max_timeout_ms / 1000,
+                                               follower=self.uses_zookeeper)
+        stack.callback(self.transactions.close)
+        self.disk = DiskState(data, on_change=self._write_health)
+        self.put_limit = self.max_put_bytes()
+
+    def _start_auth(self, stack: contextlib.ExitStack) -> None:
+        """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a
+        session of their own, loaded before the first call is served."""
+        cfg = self.config
+        sec = cfg.security
+        needs_zk = sec.uses_sasl or sec.authorizer == "acl"
+        if needs_zk and not self.uses_zookeeper:
+            raise ConfigError("security.protocol SASL_SSL and authorizer=acl keep users and ACLs in ZooKeeper; "
+                              "set zk.connect")
+        if needs_zk:
+            self._security_zk = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
+            self._security_zk.share_below(*client_subtrees(cfg.zk_root))  # it writes groups and decisions
+            stack.callback(_close_zookeeper, self._security_zk)
+            start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
+            self._users = UserCache(self._security_zk, cfg.zk_root)
+            stack.callback(self._users.close)
+        if sec.uses_sasl:
+            self.auth = BrokerAuth(sec, cfg.data_path, self._users.credential,
+                                   fake_key=scram_secret(self._security_zk, cfg.zk_root),
+                                   iterations=self._users.typical_iterations)
+            self._users.listen(self.auth.user_changed)  # sessions of a changed or removed user end on every port
+        else:
+            self.auth = BrokerAuth(sec, cfg.data_path)
+        if sec.authorizer == "acl":
+            self._acls = AclCache(self._security_zk, cfg.zk_root, self.auth.set_acls)
+            stack.callback(self._acls.close)
+
+    def _start_listeners(self, stack: contextlib.ExitStack) -> None:
+        """The gRPC port and the data port, listening (so their ports are known to the parts that register
+        them), not serving yet; with metaqPort, the MetaQ listener's port bound (not listening: a connection
+        is refused, not left hanging), registered in MetaQ's layout by the group stage."""
+        cfg = self.config
+        executor = futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc")
+        stack.callback(executor.shutdown, wait=False)
+        self.server = grpc.server(
+            executor, interceptors=[self.auth.gate()],
+            options=[("grpc.max_receive_message_length", self.put_limit),  # a Put's fields fit the allowance
+                     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+                     ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
+                     ("grpc.so_reuseport", 0)])
+        stack.callback(self._stop_grpc, self.server)
+        try:
+            self.port = self._listen(f"{cfg.host_name}:{cfg.server_port}")
+        except RuntimeError as e:
+            raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
+        if cfg.data_port >= 0:
+            try:
+                listener = data_listener(cfg.host_name, cfg.data_port, self.auth)
+            except OSError as e:
+                raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
+            stack.callback(self._stop_listener, listener)  # no reply is sent from a segment file once the store closes
+            self.data_port = listener.port
+            self._data_listener = listener
+        if cfg.metaq_port >= 0:
+            try:
+                self._metaq_socket = _bind(cfg.host_name, cfg.metaq_port)
+            except OSError as e:
+                raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
+            stack.callback(self._metaq_socket.close)
+            self.metaq_port = self._metaq_socket.getsockname()[1]
+
+    def _start_group(self, stack: contextlib.ExitStack) -> None:
+        """With ZooKeeper, the replicated group's parts, built, not started: this member's identity, the
+        master's replica manager, the replica's fetcher, the registration and the group member that drives
+        them (``_GroupCalls`` is their way back into it)."""
+        if not self.uses_zookeeper:
+            return
+        cfg = self.config
+        calls = _GroupCalls()
         self.identity = load_or_create(cfg.data_path, cfg.broker_id, cfg.replica_id)
         self.replicas = ReplicaManager(self.store, self.transactions, cfg.broker_id, cfg.replica_id,
-                                       self.identity.uuid, cfg.replica_lag_max_ms / 1000,
-                                       alter_isr=lambda isr: self.group is not None and self.group.alter_isr(isr),
-                                       on_higher_epoch=lambda e: self.group and self.group.higher_epoch_seen(e),
-                                       wake=lambda: self.group and self.group.wake())
+                                       self.identity.uuid, cfg.replica_lag_max_ms / 1000, alter_isr=calls.alter_isr,
+                                       on_higher_epoch=calls.higher_epoch_seen, wake=calls.wake)
         self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
-                                      sync_topics=self._sync_topics,
-                                      on_fenced=lambda e: self.group and self.group.wake(),
+                                      sync_topics=self._sync_topics, on_fenced=calls.wake,
                                       security=cfg.security.replication_client(),
                                       problem=cfg.security.replication_problem(),
                                       fetch_timeout_s=cfg.replica_lag_max_ms / 1000)
+        self.registration = BrokerRegistration(
+            cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
+            {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
+            session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
+            replica_id=cfg.replica_id, on_registered=self._registered, before_register=self._before_register,
+            metaq_uri=None if self.metaq_port is None else broker_uri(cfg.advertised_host, self.metaq_port))
+        self.group = calls.member = GroupMember(
+            self.registration, cfg.zk_root, cfg.broker_id, cfg.replica_id, self.identity.uuid,
+            cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
+            promote=self._promote, demote=self._demote, follow=self.fetcher.follow, tick=self.replicas.tick,
+            unclean=cfg.unclean_election, lag_max_s=cfg.replica_lag_max_ms / 1000, pause=self.fetcher.pause,
+            publish=self.registration.update_node, copy=StateCopy(cfg.data_path))
+
+    def _start_handler(self, stack: contextlib.ExitStack) -> None:
+        """The request handler every transport calls, and the transports' services on it. Only the master
+        settles prepared transactions from their decision records (the resolver, started last)."""
+        cfg = self.config
+        self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk)
+        if cfg.metrics_port >= 0:
+            self.metrics = BrokerMetrics(self)
+        host = cfg.advertised_host
+        self.handler = RequestHandler(
+            self.store, cfg.broker_id, Limits(cfg.max_transfer_size, cfg.max_fetch_wait_ms, self.put_limit),
+            self.auth, self.stats, self.disk, create_topic=self.create_topic, transactions=self.transactions,
+            group=self.group, replicas=self.replicas,
+            producer_ids=self._new_producer_ids(),
+            settle_ahead=self._settle_ahead, observe=self.metrics.observe_rpc if self.metrics else None,
+            paths=ZkPaths(cfg.zk_root),
+            own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
+        service = BrokerService(self.handler)
+        pb_grpc.add_BrokerServicer_to_server(service, self.server)
+        self.server.add_generic_rpc_handlers((service.raw_handler(), service.auth_handler()))
+        if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
+            self.server.add_generic_rpc_handlers((
+                GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                GroupListingService(self.auth, self._groups_zk, cfg.zk_root).handler(),
+                SinkDecisionsService(self.auth, self._groups_zk, cfg.zk_root).handler()))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        if self.data_port is not None:
+            self.data_server = DataServer(self.handler, self._data_listener, replicated=self.replicas is not None)
+
+    def _start_serving(self, stack: contextlib.ExitStack) -> None:
+        """gRPC, the data port and the metrics port serve (their stops are on the stack since they listen)."""
+        cfg = self.config
+        self.server.start()
+        self._grpc_started = True
+        if self.data_server is not None:
+            self.data_server.start()
+        if self.metrics is not None:
+            stack.callback(self.metrics.stop)  # before the store closes: scrapes read it
+            self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port, self.auth)
+
+    def _start_cluster(self, stack: contextlib.ExitStack) -> None:
+        """Registered in ZooKeeper, the group member started (a master settles, a replica copies), and its
+        first role awaited. Undone in reverse: the member (a master resigns, another takes over at once, not
+        after the session timeout), the fetcher, then the registration (its nodes, its session)."""
+        if not self.uses_zookeeper:
+            return
+        cfg = self.config
+        stack.callback(self.registration.stop)
+        self.registration.start()
+        stack.callback(self.fetcher.stop)
+        stack.callback(self.group.stop)
+        self.group.start()
+        role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
+        if role not in ("master", "replica"):
+            log.warning("group %d member %d has no role yet: no master is alive and this member may not "
+                        "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
+
+    def _start_bridge(self, stack: contextlib.ExitStack) -> None:
+        """With ZooKeeper and metaqPort: group offsets kept in metaq's and MetaQ's forms (``OffsetBridge``),
+        stopped before the store closes (it reads the logs)."""
+        if not (self.uses_zookeeper and self.metaq_port is not None):
+            return
+        cfg = self.config
+        self.offset_bridge = OffsetBridge(self.store, cfg.broker_id, cfg.zk_root, self._groups_zk,
+                                          lambda: self.is_master)
+        stack.callback(self.offset_bridge.stop)
+        self.offset_bridge.start()
+
+    def _start_resolver(self, stack: contextlib.ExitStack) -> None:
+        stack.callback(self.resolver.stop)
+        self.resolver.start()
+
+    def _stop_grpc(self, server) -> None:
+        """Refuse new calls, let running ones finish (``_grace``). A server never started is started first:
+        gRPC frees the port of a server only once it ran."""
+        if not self._grpc_started:
+            server.start()
+        server.stop(self._grace).wait()
+
+    def _stop_listener(self, listener: Listener) -> None:
+        listener.stop(self._grace)
 
     def _lock_data(self, data: Path) -> None:
         """Lock ``<dataPath>/replication/lock`` for this process's life: a second broker on the same data is
@@ -370,15 +498,6 @@ class Broker:
         except Exception as e:  # noqa: BLE001 - a later block is still taken above this broker's floor
             log.warning("could not write the producer id floor to ZooKeeper: %s", e)
 
-    def _new_group_member(self) -> GroupMember:
-        cfg = self.config
-        return GroupMember(self.registration, cfg.zk_root, cfg.broker_id, cfg.replica_id, self.identity.uuid,
-                           cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
-                           promote=self._promote, demote=self._demote, follow=self.fetcher.follow,
-                           tick=self.replicas.tick, unclean=cfg.unclean_election,
-                           lag_max_s=cfg.replica_lag_max_ms / 1000, pause=self.fetcher.pause,
-                           publish=self.registration.update_node, copy=StateCopy(cfg.data_path))
-
     def _promote(self, state) -> None:
         """Become master of ``state.epoch``: stop copying, stamp the epoch in the log (the first append of
         each partition writes its marker), settle what the journal says, then serve. A group of one stamps
@@ -475,31 +594,6 @@ class Broker:
                         "section 6)", "security.protocol SASL_SSL" if sec.uses_sasl else "authorizer=acl",
                         cfg.zk_connect)
 
-    def _start_auth(self) -> BrokerAuth:
-        """Authentication and ACLs; users and ACLs come from ZooKeeper through watch-driven caches on a
-        session of their own, loaded before the first call is served."""
-        cfg = self.config
-        sec = cfg.security
-        needs_zk = sec.uses_sasl or sec.authorizer == "acl"
-        if needs_zk and not self.uses_zookeeper:
-            raise ConfigError("security.protocol SASL_SSL and authorizer=acl keep users and ACLs in ZooKeeper; "
-                              "set zk.connect")
-        if needs_zk:
-            self._security_zk = new_client(cfg.zk_connect, cfg.zk_session_timeout_ms / 1000, cfg.zk_security)
-            self._security_zk.share_below(*client_subtrees(cfg.zk_root))  # it writes groups and decisions
-            start_client(self._security_zk, cfg.zk_connect, cfg.zk_session_timeout_ms / 1000)
-            self._users = UserCache(self._security_zk, cfg.zk_root)
-        if sec.uses_sasl:
-            auth = BrokerAuth(sec, cfg.data_path, self._users.credential,
-                              fake_key=scram_secret(self._security_zk, cfg.zk_root),
-                              iterations=self._users.typical_iterations)
-            self._users.listen(auth.user_changed)  # sessions of a changed or removed user end on every port
-        else:
-            auth = BrokerAuth(sec, cfg.data_path)
-        if sec.authorizer == "acl":
-            self._acls = AclCache(self._security_zk, cfg.zk_root, auth.set_acls)
-        return auth
-
     def max_put_bytes(self) -> int:
         """The largest put request this broker takes, on the data port and over gRPC (``rawput.SPLIT_BYTES``
         says why): max(maxTransferSize, the largest maxMessageSize, SPLIT_BYTES) + the header's allowance.
@@ -538,34 +632,6 @@ class Broker:
     def _zk_if_connected(self):
         r = self.registration
         return r.client if r is not None and r.connected else None
-
-    def _shutdown_local(self, grace: float) -> None:
-        if self.group is not None:
-            self.group.stop()  # a master resigns: another member takes over at once, not after the session timeout
-        if self.fetcher is not None:
-            self.fetcher.stop()
-        if self.data_server is not None:
-            self.data_server.stop(grace)  # no reply is sent from a segment file once the store closes
-        if self.server is not None:
-            self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
-        if self.resolver is not None:
-            self.resolver.stop()
-        if self.offset_bridge is not None:
-            self.offset_bridge.stop()  # before the store closes: it reads the logs
-        if self.transactions is not None:
-            self.transactions.close()
-        if self.metrics is not None:
-            self.metrics.stop()  # before the store closes: scrapes read it
-        if self.store is not None:
-            self.store.close()  # fsyncs every partition
-        if self._metaq_socket is not None:
-            self._metaq_socket.close()
-        for cache in (self._acls, self._users):
-            if cache is not None:
-                cache.close()
-        if self._security_zk is not None:
-            self._security_zk.stop()
-            self._security_zk.close()
 
     def wait(self) -> None:
         # Wake now and then: a signal that the kernel hands to another thread (it may, e.g. under strace)
@@ -621,6 +687,11 @@ class Broker:
         text = io.StringIO()
         parser.write(text)
         replace_file(path, text.getvalue().encode("utf-8"))
+
+
+def _close_zookeeper(client) -> None:
+    client.stop()
+    client.close()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigError, MetaqError
+from metaq_broker.net.blocking import authenticate, read_replica_reply, recv_exact
 from metaq_broker.protocol import dataport
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol import sasl
@@ -342,9 +343,9 @@ class ReplicaFetcher:
     def _login(self, sock: socket.socket, link: MasterLink, where: str) -> None:
         """The AUTH frame with the session's token; a token the master no longer knows is renewed once."""
         def recv(view: memoryview) -> None:
-            if not dataport.recv_exact(sock, view):
+            if not recv_exact(sock, view):
                 raise dataport.ProtocolError(f"data port {where} closed the connection during the AUTH exchange")
-        dataport.authenticate(sock, link.token, recv, where)
+        authenticate(sock, link.token, recv, where)
 
     def _request(self, epoch: int):
         parts = []
@@ -360,7 +361,7 @@ class ReplicaFetcher:
         epoch, master = target
         req = self._request(epoch)
         sock.sendall(rp.pack_request(req))
-        head, journal, sections = rp.read_reply(sock, self._buffer)
+        head, journal, sections = read_replica_reply(sock, self._buffer)
         if not self._following(target):
             raise StaleReply(f"a reply from {master.get('host')}:{master.get('dataPort')} (epoch {epoch}), no "
                              f"longer followed: dropped")

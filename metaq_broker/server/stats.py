@@ -5,8 +5,6 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 
-from metaq_broker.proto import metaq_pb2 as pb
-
 
 @dataclass
 class PartitionCounters:
@@ -40,6 +38,23 @@ class PartitionCounters:
             setattr(self, f"{kind}_failures", getattr(self, f"{kind}_failures") + 1)
 
 
+@dataclass(frozen=True)
+class PartitionStats:
+    """One partition's counters at a moment (``BrokerStats.snapshot``), as ``Stats`` answers them."""
+
+    topic: str
+    partition: str  # "<brokerId>-<n>"
+    puts: int
+    put_messages: int
+    put_bytes: int
+    put_failures: int
+    gets: int
+    get_messages: int
+    get_bytes: int
+    get_misses: int
+    get_failures: int
+
+
 class BrokerStats:
     def __init__(self):
         self.started = time.monotonic()
@@ -58,6 +73,7 @@ class BrokerStats:
         return time.monotonic() - self.started
 
     def snapshot(self, topic=None) -> list:
+        """``PartitionStats`` of every partition counted (of ``topic`` only, when given)."""
         names = [f.name for f in fields(PartitionCounters) if not f.name.startswith("_")]
-        return [pb.PartitionStats(topic=t, partition=p, **{n: getattr(c, n) for n in names})
+        return [PartitionStats(t, p, **{n: getattr(c, n) for n in names})
                 for (t, p), c in sorted(self._counters.items()) if topic is None or t == topic]
