@@ -36,7 +36,7 @@ from metaq_broker.server.listener import Listener
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
-from metaq_broker.server.metaq_server import MetaqServer, metaq_listener
+from metaq_broker.server.metaq_server import MetaqServer, check_security, metaq_listener
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.offset_bridge import OffsetBridge
 from metaq_broker.server.producer_ids import ProducerIds
@@ -285,6 +285,7 @@ class Broker:
             self.data_port = listener.port
             self._data_listener = listener
         if cfg.metaq_port >= 0:
+            check_security(cfg.security, cfg.metaq_anonymous_topics)
             try:
                 listener = metaq_listener(cfg.host_name, cfg.metaq_port, self.auth)
             except OSError as e:
@@ -351,7 +352,8 @@ class Broker:
         if self.data_port is not None:
             self.data_server = DataServer(self.handler, self._data_listener, replicated=self.replicas is not None)
         if self._metaq_listener is not None:
-            self.metaq_server = MetaqServer(self.handler, self._metaq_listener, cfg.topic_defaults.max_message_size)
+            self.metaq_server = MetaqServer(self.handler, self._metaq_listener, cfg.topic_defaults.max_message_size,
+                                            cfg.metaq_anonymous_topics)
 
     def _start_serving(self, stack: contextlib.ExitStack) -> None:
         """gRPC, the data port and the metrics port serve (their stops are on the stack since they listen)."""

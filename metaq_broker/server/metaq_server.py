@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from metaq_broker import __version__
-from metaq_broker.errors import (AuthorizationError, InvalidPartitionError, MetaqError, OffsetOutOfRangeError,
+from metaq_broker.errors import (AuthorizationError, ConfigError, InvalidPartitionError, MetaqError, OffsetOutOfRangeError,
                                  PartitionClosedError, UnknownTopicError)
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.metaq import offsets as mq_offsets
@@ -35,6 +35,7 @@ from metaq_broker.protocol.metaq.messages import message_sizes
 from metaq_broker.protocol.metaq.text import Code
 from metaq_broker.server import metaq_positions, metaq_reads
 from metaq_broker.server.handler import FetchRequest, RequestHandler
+from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server.listener import Connection, Limits, Listener, Step
 from metaq_broker.store.txn_state import MAX_XID_BYTES
 
@@ -48,6 +49,20 @@ IDLE_TIMEOUT_S = 600.0  # MetaQ clients send ``version`` as a heartbeat well wit
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_SIZE = 256 << 10  # bytes read from the socket at a time
+
+
+def check_security(security, anonymous_topics: tuple) -> None:
+    """Refuse a MetaQ listener that would let anyone in unchecked: MetaQ 1.4 has no login, so on a cluster
+    with SASL or ACLs its clients are ANONYMOUS (unless TLS client certificates name them), and the operator
+    must name the topics they may use (``metaq.anonymousTopics``)."""
+    secured = security.uses_sasl or security.authorizer == "acl"
+    named = security.uses_tls and security.client_auth == "required"
+    if secured and not named and not anonymous_topics:
+        raise ConfigError(
+            f"metaqPort: MetaQ 1.4 clients have no login, so on this cluster (security.protocol="
+            f"{security.protocol}, authorizer={security.authorizer}) they would all be ANONYMOUS; name the topics "
+            f"they may use in metaq.anonymousTopics (ACLs still apply to User:ANONYMOUS), require TLS client "
+            f"certificates (ssl.client.auth=required), or turn the MetaQ listener off (metaqPort=-1)")
 
 
 def metaq_listener(host: str, port: int, auth) -> Listener:
@@ -78,8 +93,13 @@ class MetaqServer:
     """MetaQ's framing on ``listener`` (``metaq_listener``), serving from ``start()``; ``handler`` is the
     broker's ``RequestHandler``."""
 
-    def __init__(self, handler: RequestHandler, listener: Listener, max_message_size: int = text.MAX_MESSAGE_SIZE):
+    def __init__(self, handler: RequestHandler, listener: Listener, max_message_size: int = text.MAX_MESSAGE_SIZE,
+                 anonymous_topics: tuple = ()):
         self.handler = handler
+        security = handler.auth.security
+        # ANONYMOUS is let in only to these topics where security is on (``check_security``); None: anywhere
+        self.anonymous_topics = frozenset(anonymous_topics) if security.uses_sasl or \
+            security.authorizer == "acl" else None
         self.listener = listener
         self.port = listener.port
         self.certificates = handler.auth.security.client_auth == "required"
@@ -150,6 +170,17 @@ class MetaqServer:
             self.handler.observe(f"metaq.{name}", time.monotonic() - started)
         return b"".join(out)
 
+    def _principal(self, conn: Connection, topic: Optional[str]) -> str:
+        """The caller's principal for a command on ``topic`` (None: on the broker); ANONYMOUS, where security
+        is on, only on a topic of metaq.anonymousTopics."""
+        principal = conn.principal
+        if principal == ANONYMOUS and self.anonymous_topics is not None and topic not in self.anonymous_topics:
+            where = f"topic {topic!r}" if topic is not None else "the broker"
+            raise AuthorizationError(principal, "Use", "topic" if topic is not None else "cluster", topic or "",
+                                     f"MetaQ clients have no login: ANONYMOUS may use only the topics of "
+                                     f"metaq.anonymousTopics, not {where}")
+        return principal
+
     def _refusal(self, exc: BaseException, method: str, opaque: int, missing: int = Code.INTERNAL_ERROR) -> bytes:
         """``result`` for a failed request: 403 closed or refused, ``missing`` (404 for reads) unknown, else 500."""
         error = self.handler.refusal(exc, method)
@@ -171,7 +202,7 @@ class MetaqServer:
             request = rawput.Request(first.topic, first.partition, "",
                                      rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)),
                                                   body.crc))
-            done = self.handler.put(conn.principal, request)
+            done = self.handler.put(self._principal(conn, first.topic), request)
             part = self.handler.store.partition(done.topic, done.partition)
             position = metaq_positions.position_of(part, done.base_offset)[0]
         except Exception as e:  # noqa: BLE001 - every put of the batch gets the refusal
@@ -190,7 +221,7 @@ class MetaqServer:
 
     def _get(self, conn: Connection, get: text.Get) -> bytes:
         try:
-            part = self.handler.readable(conn.principal, get.topic, get.partition)
+            part = self.handler.readable(self._principal(conn, get.topic), get.topic, get.partition)
             answer, served = self._read(conn, part, get)
         except Exception as e:  # noqa: BLE001
             return self._refusal(e, "metaq.get", get.opaque, Code.NOT_FOUND)
@@ -215,6 +246,12 @@ class MetaqServer:
         except OffsetOutOfRangeError:  # retention removed it meanwhile: the next readable message
             return mq_offsets.Moved(metaq_positions.position_of(part, part.earliest_offset)[0]), b""
         w = metaq_reads.window(part, fetched.records)
+        if w is not None and w.start_position > position and offset > part.earliest_offset:
+            # a remembered position the log no longer has there (truncated since): looked up again
+            offset = metaq_positions.offset_at(part, -1, position)
+            fetched = handler.fetch(conn.principal, FetchRequest(get.topic, get.partition, offset, get.max_size),
+                                    lambda: conn.active)
+            w = metaq_reads.window(part, fetched.records)
         if w is None:
             return mq_offsets.NotFound(), b""
         answer = mq_offsets.answer_get(w, position, get.max_size, log_start, last_stable, end)
@@ -227,7 +264,7 @@ class MetaqServer:
 
     def _offsetquery(self, conn: Connection, query: text.OffsetQuery) -> bytes:
         try:
-            part = self.handler.readable(conn.principal, query.topic, query.partition)
+            part = self.handler.readable(self._principal(conn, query.topic), query.topic, query.partition)
             log_start, last_stable = part.earliest_offset, part.last_stable_offset
             end = metaq_reads.visible_end(part, last_stable)
             position = max(query.offset, 0)
@@ -247,8 +284,10 @@ class MetaqServer:
     def _stats(self, conn: Connection, stats: text.Stats) -> bytes:
         item = stats.item
         handler = self.handler
+        broker_wide = item in (None, "realtime", "config", "topics", "offsets")
+        principal = self._principal(conn, None if broker_wide else item)
         if item in (None, "realtime"):
-            reply = handler.stats_of(conn.principal)
+            reply = handler.stats_of(principal)
             pairs = [("pid", os.getpid()), ("broker_id", reply.broker_id), ("port", self.port),
                      ("uptime", int(reply.uptime_seconds)), ("version", reply.version), ("slave", "false"),
                      ("curr_connections", self.listener.connections()),
@@ -257,24 +296,24 @@ class MetaqServer:
                      ("get_miss", sum(p.get_misses for p in reply.partitions)),
                      ("put_failed", sum(p.put_failures for p in reply.partitions)),
                      ("total_messages", sum(p.put_messages for p in reply.partitions)),
-                     ("topics", len(handler.list_topics(conn.principal)))]
+                     ("topics", len(handler.list_topics(principal)))]
         elif item == "topics":
-            pairs = [(t.topic, f"partitions {t.num_partitions}") for t in handler.list_topics(conn.principal)]
+            pairs = [(t.topic, f"partitions {t.num_partitions}") for t in handler.list_topics(principal)]
         elif item == "offsets":
             pairs = []
-            for t in handler.list_topics(conn.principal):
-                for p in handler.describe_topic(conn.principal, t.topic).partitions:
+            for t in handler.list_topics(principal):
+                for p in handler.describe_topic(principal, t.topic).partitions:
                     part = handler.store.partition(t.topic, p.partition)
                     pairs.append((f"{t.topic}-{p.partition}",
                                   f"min_offset {metaq_positions.position_of(part, p.earliest)[0]} "
                                   f"max_offset {metaq_reads.visible_end(part, p.latest)}"))
         elif item == "config":  # the topics' settings as INI, not the broker's file (it may hold secrets)
             sections = [f"[topic={t.topic}]\r\n" + "".join(f"{k}={v}\r\n" for k, v in
-                                                           handler.describe_topic(conn.principal, t.topic).config.items())
-                        for t in handler.list_topics(conn.principal)]
+                                                           handler.describe_topic(principal, t.topic).config.items())
+                        for t in handler.list_topics(principal)]
             return text.result(Code.SUCCESS, "\r\n".join(sections), stats.opaque)
         else:
-            description = handler.describe_topic(conn.principal, item)
+            description = handler.describe_topic(principal, item)
             pairs = [("resultCode", 0), ("partitions", len(description.partitions)),
                      ("message_count", sum(p.latest - p.earliest for p in description.partitions)),
                      ("bytes", sum(p.bytes for p in description.partitions))]
@@ -298,7 +337,7 @@ class MetaqServer:
         body = records.encode_body([put.value], attributes=[put.attribute], flags=[put.flag])
         request = rawput.Request(put.topic, put.partition, self._xid(put.tx),
                                  rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)), body.crc))
-        done = self.handler.put(conn.principal, request)
+        done = self.handler.put(self._principal(conn, None), request)  # a transaction needs a named caller
         position = metaq_positions.position_of(self.handler.store.partition(done.topic, done.partition),
                                                done.base_offset)[0]
         return text.put_result(done.base_msg_id, done.partition, position, put.opaque)
@@ -307,7 +346,7 @@ class MetaqServer:
         """MetaQ's transaction commands onto metaq's: BEGIN, PREPARE, COMMIT_TWO_PHASE, ROLLBACK as they are;
         COMMIT_ONE_PHASE a prepare and a commit; END and FORGET answer 200 (metaq ends a branch at its
         prepare and forgets outcomes itself); RECOVER the prepared XA keys of the unique qualifier."""
-        handler, principal, kind = self.handler, conn.principal, tx.type
+        handler, principal, kind = self.handler, self._principal(conn, None), tx.type
         if kind is text.TxType.RECOVER:
             keys = [self._long_keys.get(t.xid, t.xid) for t in handler.recover_transactions(principal)]
             qualifier = tx.unique_qualifier
