@@ -216,8 +216,8 @@ class MetaqServer:
                               np.fromiter((-1 if p.attribute is None else len(p.attribute.encode()) for p in puts),
                                           np.int64, len(puts)))
         starts = position + np.cumsum(sizes) - sizes
-        return b"".join(text.put_result(done.base_msg_id + k, done.partition, int(starts[k]), p.opaque)
-                        for k, p in enumerate(puts))
+        ids = np.arange(done.base_msg_id, done.base_msg_id + len(puts), dtype=np.int64)
+        return text.put_results(ids, done.partition, starts, [p.opaque for p in puts])
 
     def _get(self, conn: Connection, get: text.Get) -> bytes:
         try:
