@@ -326,3 +326,90 @@ def test_a_group_consumes_with_byte_offsets_committed_in_zookeeper(cluster, zk, 
     with cluster.client(Consumer, group="readers") as native:
         wait_until(lambda: native.committed(TOPIC) == {"1-0": 10, "1-1": 10}, what="metaq's form of the offsets")
     metaq.close()
+
+
+# -- what an acknowledgement means: kill -9 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_acknowledged_metaq_puts_survive_kill_9_at_their_positions(tmp_path, seed):
+    """A MetaQ put is answered once its batch is fsynced (the topic's default group commit): a broker
+    killed with -9 while puts stream in keeps every acknowledged message, at the position its answer gave,
+    once; the stream goes on from the end after the restart."""
+    import random
+    import threading
+
+    from metaq_broker.devtools.broker_process import BrokerProcess
+    from metaq_broker.devtools.zookeeper import free_port
+    rng = random.Random(seed)
+    port = free_port()
+    broker = BrokerProcess(tmp_path / "b", 1, settings={"metaqPort": port, "dataPort": -1},
+                           topics={"t": {"numPartitions": 1}}).start()
+    acked, stop = {}, threading.Event()
+
+    def produce():
+        conn = Connection("127.0.0.1", port)
+        i = 0
+        try:
+            while not stop.is_set():
+                batch = [b"v%d-" % (i + k) + b"x" * rng.randrange(0, 200) for k in range(rng.randrange(1, 50))]
+                for v in batch:
+                    conn.send(["put", "t", 0, len(v), 0, zlib.crc32(v) & 0x7FFFFFFF], v)
+                for v in batch:
+                    reply = conn.read_reply()
+                    assert reply.code == 200, reply.text
+                    acked[int(reply.text.split(" ")[2])] = v
+                i += len(batch)
+        except (ConnectionError, OSError):
+            pass  # the kill
+        finally:
+            conn.sock.close()
+
+    try:
+        writer = threading.Thread(target=produce)
+        writer.start()
+        wait_until(lambda: len(acked) >= 300 + rng.randrange(0, 300), what="acknowledged puts")
+        broker.kill()
+        stop.set()
+        writer.join(30)
+        assert not writer.is_alive()
+        broker.start()
+        conn = Connection("127.0.0.1", port)
+        stored, position = {}, 0
+        while True:
+            reply = get(conn, "t", 0, position, max_size=4096)
+            if reply.kind == "result":
+                assert reply.code == 404, reply.text
+                break
+            messages, used = decode_messages(reply.body, position)
+            stored.update((m.offset, m.value) for m in messages)
+            position += used
+        assert {p: stored.get(p) for p in acked} == acked  # every acknowledged message, where it was said
+        assert len(set(stored.values())) == len(stored)  # none twice
+        reply = put(conn, "t", 0, b"after the restart")
+        assert int(reply.text.split(" ")[2]) == position  # the stream goes on from its end
+        conn.sock.close()
+    finally:
+        broker.kill()
+
+
+def test_hostile_bytes_never_take_the_listener_down(broker, conn):
+    """Random bytes, lines cut anywhere, huge numbers: each connection gets refusals or is closed; the
+    broker keeps serving the others and holds no connection of them afterwards."""
+    import random
+    rng = random.Random(7)
+    pieces = [b"put orders 0 ", b"get orders g 0 ", b"offset ", b"transaction ", b"stats ", b"\r\n", b" ", b"-1 ",
+              b"99999999999999999999 ", b"\xff\xfe", b"TX:a:b ", b"XID:1:zz:00:q ", b"value 5 1\r\n", b"quit"]
+    for _ in range(30):
+        hostile = socket.create_connection(("127.0.0.1", broker.metaq_port), timeout=10)
+        junk = b"".join(rng.choice(pieces) if rng.random() < 0.7 else rng.randbytes(rng.randrange(1, 64))
+                        for _ in range(rng.randrange(1, 60)))
+        try:
+            hostile.sendall(junk)
+            hostile.shutdown(socket.SHUT_WR)
+            while hostile.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+        hostile.close()
+        assert conn.version()
+    wait_until(lambda: broker.metaq_server.listener.connections() == 1, what="the hostile connections gone")
