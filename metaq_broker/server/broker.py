@@ -26,7 +26,7 @@ from metaq_broker.protocol import rawput
 from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
-from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
+from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values, topic_names
 from metaq_broker.server.data_server import DataServer, data_listener
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group_listing import GroupListingService
@@ -285,7 +285,7 @@ class Broker:
             self.data_port = listener.port
             self._data_listener = listener
         if cfg.metaq_port >= 0:
-            check_security(cfg.security, cfg.metaq_anonymous_topics)
+            check_security(cfg.security, topic_names(cfg.metaq_anonymous_topics))
             try:
                 listener = metaq_listener(cfg.host_name, cfg.metaq_port, self.auth)
             except OSError as e:
@@ -353,7 +353,7 @@ class Broker:
             self.data_server = DataServer(self.handler, self._data_listener, replicated=self.replicas is not None)
         if self._metaq_listener is not None:
             self.metaq_server = MetaqServer(self.handler, self._metaq_listener, cfg.topic_defaults.max_message_size,
-                                            cfg.metaq_anonymous_topics)
+                                            topic_names(cfg.metaq_anonymous_topics))
 
     def _start_serving(self, stack: contextlib.ExitStack) -> None:
         """gRPC, the data port and the metrics port serve (their stops are on the stack since they listen)."""
