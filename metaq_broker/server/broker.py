@@ -352,7 +352,9 @@ class Broker:
         if self.data_port is not None:
             self.data_server = DataServer(self.handler, self._data_listener, replicated=self.replicas is not None)
         if self._metaq_listener is not None:
-            self.metaq_server = MetaqServer(self.handler, self._metaq_listener, cfg.topic_defaults.max_message_size,
+            largest = max([cfg.topic_defaults.max_message_size] +  # a put body over it is refused unread
+                          [self.store.topic_config(t).max_message_size for t in self.store.topics()])
+            self.metaq_server = MetaqServer(self.handler, self._metaq_listener, largest,
                                             topic_names(cfg.metaq_anonymous_topics))
 
     def _start_serving(self, stack: contextlib.ExitStack) -> None:

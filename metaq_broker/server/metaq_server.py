@@ -166,7 +166,7 @@ class MetaqServer:
             try:
                 out.append(getattr(self, f"_{name}")(conn, event))
             except Exception as e:  # noqa: BLE001 - every failure is answered; the handler logs bugs
-                out.append(self._refusal(e, f"metaq.{name}", event.opaque))
+                out.append(self._refusal(e, f"metaq.{name}", [event.opaque]))
             self.handler.observe(f"metaq.{name}", time.monotonic() - started)
         return b"".join(out)
 
@@ -181,8 +181,9 @@ class MetaqServer:
                                      f"metaq.anonymousTopics, not {where}")
         return principal
 
-    def _refusal(self, exc: BaseException, method: str, opaque: int, missing: int = Code.INTERNAL_ERROR) -> bytes:
-        """``result`` for a failed request: 403 closed or refused, ``missing`` (404 for reads) unknown, else 500."""
+    def _refusal(self, exc: BaseException, method: str, opaques, missing: int = Code.INTERNAL_ERROR) -> bytes:
+        """``result`` for a failed request (one per opaque: the puts of a batch): 403 closed or refused,
+        ``missing`` (404 for reads) no such topic or partition, else 500; the handler's ``refusal`` says what."""
         error = self.handler.refusal(exc, method)
         if isinstance(error, (PartitionClosedError, AuthorizationError)):
             code = Code.FORBIDDEN
@@ -190,7 +191,7 @@ class MetaqServer:
             code = missing
         else:
             code = Code.INTERNAL_ERROR
-        return text.result(code, str(error), opaque)
+        return b"".join(text.result(code, str(error), opaque) for opaque in opaques)
 
     def _puts(self, conn: Connection, puts: list) -> bytes:
         """Consecutive puts to one partition, stored as one batch; a reply each."""
@@ -206,10 +207,7 @@ class MetaqServer:
             part = self.handler.store.partition(done.topic, done.partition)
             position = metaq_positions.position_of(part, done.base_offset)[0]
         except Exception as e:  # noqa: BLE001 - every put of the batch gets the refusal
-            refused = self._refusal(e, "metaq.put", 0)
-            head, _, message = refused.partition(b"\r\n")
-            code = int(head.split(b" ")[1])
-            return b"".join(text.result(code, message, p.opaque) for p in puts)
+            return self._refusal(e, "metaq.put", [p.opaque for p in puts])
         finally:
             self.handler.observe("metaq.put", time.monotonic() - started)
         sizes = message_sizes(np.fromiter((len(p.value) for p in puts), np.int64, len(puts)),
@@ -224,7 +222,7 @@ class MetaqServer:
             part = self.handler.readable(self._principal(conn, get.topic), get.topic, get.partition)
             answer, served = self._read(conn, part, get)
         except Exception as e:  # noqa: BLE001
-            return self._refusal(e, "metaq.get", get.opaque, Code.NOT_FOUND)
+            return self._refusal(e, "metaq.get", [get.opaque], Code.NOT_FOUND)
         if isinstance(answer, mq_offsets.NotFound):
             return text.result(Code.NOT_FOUND, f"Could not find message at position {get.offset}", get.opaque)
         if isinstance(answer, mq_offsets.Moved):
@@ -275,7 +273,7 @@ class MetaqServer:
                 w = metaq_reads.window(part, part.read(offset, 1 << 16))
                 nearest = end if w is None else mq_offsets.nearest_position(w, position, log_start, last_stable, end)
         except Exception as e:  # noqa: BLE001
-            return self._refusal(e, "metaq.offset", query.opaque, Code.NOT_FOUND)
+            return self._refusal(e, "metaq.offset", [query.opaque], Code.NOT_FOUND)
         return text.result(Code.SUCCESS, str(nearest), query.opaque)
 
     def _version(self, conn: Connection, version: text.Version) -> bytes:
