@@ -413,3 +413,27 @@ def test_hostile_bytes_never_take_the_listener_down(broker, conn):
         hostile.close()
         assert conn.version()
     wait_until(lambda: broker.metaq_server.listener.connections() == 1, what="the hostile connections gone")
+
+
+def test_a_log_of_the_previous_metaq_is_served_in_metaq_byte_positions(tmp_path):
+    """Version 2 batches (no byte_base: they lie where the batch before ends, the first at 3 x its
+    segment's start) are read at the positions metaq_positions gives them, and new puts continue."""
+    from test_store_producers import _write_v2_log
+    _write_v2_log(tmp_path / "data" / "old-0", [[b"old-a", b"old-b"], [b"old-c"], [b"x" * 50]])
+    ini = tmp_path / "broker.ini"
+    ini.write_text("[topic=old]\nnumPartitions=1\n")
+    b = Broker(load(str(ini), {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": "0",
+                               "dataPath": str(tmp_path / "data")})).start()
+    try:
+        conn = Connection("127.0.0.1", b.metaq_port)
+        assert put(conn, "old", 0, b"new").text.split(" ")[2] == "145"
+        messages, used = decode_messages(get(conn, "old", 0, 0).body, 0)
+        assert [(m.offset, m.value) for m in messages] == [(0, b"old-a"), (25, b"old-b"), (50, b"old-c"),
+                                                           (75, b"x" * 50), (145, b"new")]
+        assert used == 145 + 23
+        assert (get(conn, "old", 0, 30).code, get(conn, "old", 0, 30).text) == (301, "25")
+        messages, _ = decode_messages(get(conn, "old", 0, 75, max_size=200).body, 75)
+        assert [m.value for m in messages] == [b"x" * 50, b"new"]
+        conn.sock.close()
+    finally:
+        b.stop()

@@ -61,7 +61,7 @@ def window(part, result) -> Optional[mq_offsets.Window]:
     _, counts, _, _, metaq_bytes, byte_base = records.index_columns(u8, positions)
     base_offsets = records.headers_at(u8, positions)["base_offset"].astype(np.int64)
     if byte_base[0] < 0:  # a version 2 batch first: where it lies is found in its segment
-        anchor = metaq_positions._version2_start(part, int(base_offsets[0]))
+        anchor = metaq_positions.version2_start(part, int(base_offsets[0]))
     else:
         anchor = int(byte_base[0])
     starts = records.stream_ends(byte_base, metaq_bytes, anchor) - metaq_bytes
