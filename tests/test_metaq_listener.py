@@ -510,3 +510,17 @@ def test_a_failover_keeps_every_acknowledged_put_at_its_position(tmp_path):
             conn.sock.close()
         finally:
             group.stop()
+
+
+def test_a_remembered_position_the_log_no_longer_has_is_looked_up_again(broker, conn):
+    """Reply ends are remembered (position -> offset) so that a consumer reading on costs no search; one
+    that no longer holds (a log truncated and written again in a failover) must not skip messages."""
+    positions = [int(put(conn, TOPIC, 0, b"0123456789").text.split(" ")[2]) for _ in range(10)]
+    assert positions == [30 * i for i in range(10)]
+    part = broker.store.partition(TOPIC, 0)
+    broker.metaq_server.positions.remember(part, 45, 8)  # wrong: 45 lies inside the message at 30
+    reply = get(conn, TOPIC, 0, 45)
+    assert (reply.code, reply.text) == (301, "30")
+    broker.metaq_server.positions.remember(part, 60, 1)  # wrong the other way: the message at 30 is offset 1
+    messages, _ = decode_messages(get(conn, TOPIC, 0, 60).body, 60)
+    assert [m.offset for m in messages] == positions[2:]
