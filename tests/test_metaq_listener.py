@@ -524,3 +524,38 @@ def test_a_remembered_position_the_log_no_longer_has_is_looked_up_again(broker, 
     broker.metaq_server.positions.remember(part, 60, 1)  # wrong the other way: the message at 30 is offset 1
     messages, _ = decode_messages(get(conn, TOPIC, 0, 60).body, 60)
     assert [m.offset for m in messages] == positions[2:]
+
+
+def test_a_request_that_trickles_in_is_cut_off_at_its_deadline(tmp_path, monkeypatch):
+    """A request must arrive whole within the port's request timeout of its first byte, however slowly its
+    bytes keep coming (a slow sender holds a thread): here 2 s, the connection closed soon after."""
+    import dataclasses
+    import time
+
+    from metaq_broker.server import metaq_server
+    monkeypatch.setattr(metaq_server, "LIMITS", dataclasses.replace(metaq_server.LIMITS, request_timeout_s=2.0))
+    b = Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": "0",
+                           "dataPath": str(tmp_path / "data")})).start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", b.metaq_port), timeout=10)
+        slow.sendall(b"version 1\r\nput t")  # one whole request, then one that never ends
+        assert slow.recv(100).startswith(b"result 200")
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 10:
+            try:
+                slow.sendall(b"x")  # a byte every 0.2 s: each read comes well within any per-read timeout
+            except OSError:
+                closed = True
+                break
+            slow.settimeout(0.2)
+            try:
+                if slow.recv(100) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                pass
+        assert closed and time.monotonic() - started < 6
+        slow.close()
+    finally:
+        b.stop()

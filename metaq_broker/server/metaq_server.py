@@ -122,20 +122,23 @@ class MetaqServer:
         parser = text.RequestParser(max_message_size=self._max_message)
         events = parser.feed(login.first)
         view = memoryview(bytearray(READ_SIZE))
+        deadline = conn.deadline()
         while True:
             if events:
                 conn.replying()
                 out = self.answer(conn, events)
                 if out:
                     conn.send(out)
+                deadline = conn.deadline()  # a request completed: the clock of the next one starts
             if parser.closed:
                 return
-            if parser.buffered:  # inside a request: the rest must come by its deadline
-                n = conn.recv_some(view, conn.deadline())
+            if parser.buffered:  # inside a request: the rest must come by its deadline, however it trickles
+                n = conn.recv_some(view, deadline)
             else:
                 n = conn.wait_request(view)
                 if not n:
                     return
+                deadline = conn.deadline()
             events = parser.feed(view[:n])
 
     # -- requests -------------------------------------------------------------------------------------
