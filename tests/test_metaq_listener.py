@@ -4,7 +4,6 @@ valid and malformed; puts pipelined on one connection stored as one batch and an
 positions that add up to the next message across batches, segments and retention; 301s a consumer
 follows; transactions local and XA; a consumer group committing MetaQ's offsets in ZooKeeper."""
 import socket
-import struct
 import zlib
 
 import pytest

@@ -18,7 +18,6 @@ Status codes as MetaQ answers them: 200; 301 a moved position; 400 a bad request
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 from typing import Optional
@@ -26,20 +25,18 @@ from typing import Optional
 import numpy as np
 
 from metaq_broker import __version__
-from metaq_broker.errors import (AuthorizationError, ConfigError, InvalidPartitionError, MetaqError, OffsetOutOfRangeError,
-                                 PartitionClosedError, UnknownTopicError)
+from metaq_broker.errors import (AuthorizationError, ConfigError, InvalidPartitionError, MetaqError,
+                                 OffsetOutOfRangeError, PartitionClosedError, UnknownTopicError)
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.metaq import offsets as mq_offsets
 from metaq_broker.protocol.metaq import text
 from metaq_broker.protocol.metaq.messages import message_sizes
 from metaq_broker.protocol.metaq.text import Code
+from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server import metaq_positions, metaq_reads
 from metaq_broker.server.handler import FetchRequest, RequestHandler
-from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server.listener import Connection, Limits, Listener, Step
 from metaq_broker.store.txn_state import MAX_XID_BYTES
-
-log = logging.getLogger(__name__)
 
 # The MetaQ port's limits (docs/security.md, "Limits"): as the data port's
 LOGIN_TIMEOUT_S = 10.0  # accept to the first bytes (and the TLS handshake)
@@ -48,7 +45,8 @@ REQUEST_TIMEOUT_S = 30.0  # a request's bytes (line and put body) must all arriv
 IDLE_TIMEOUT_S = 600.0  # MetaQ clients send ``version`` as a heartbeat well within this
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
-READ_SIZE = 256 << 10  # bytes read from the socket at a time
+READ_SIZE = 256 << 10  # bytes read from the socket at a time, once logged in
+FIRST_READ = text.MAX_LINE  # before: a connection costs no more than its first line's worth
 
 
 def check_security(security, anonymous_topics: tuple) -> None:
@@ -76,7 +74,7 @@ class _Login:
 
     def __init__(self, server: "MetaqServer", conn: Connection):
         self._server, self._conn = server, conn
-        self._buf = bytearray(READ_SIZE)
+        self._buf = bytearray(FIRST_READ)
         self.first = b""
 
     def buffer(self) -> memoryview:

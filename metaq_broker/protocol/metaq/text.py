@@ -207,7 +207,8 @@ Event = Union[Put, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected
 # Tokens
 
 _NUMBER = re.compile(r"[+-]?[0-9]{1,20}")  # Java's parseInt/parseLong: ASCII digits, optional sign
-# ``put topic partition valueLen flag checksum opaque``, ASCII topic, numbers of at most 10 digits (ranges checked after)
+# ``put topic partition valueLen flag checksum opaque``: ASCII topic, numbers of at most 10 digits (ranges
+# checked after the match)
 _FAST_PUT = re.compile(rb"put ([!-~]{1,255}) (-1|[0-9]{1,10}) ([0-9]{1,10}) (-?[0-9]{1,10}) (-?[0-9]{1,10}) "
                        rb"(-?[0-9]{1,10})\r\n")
 
