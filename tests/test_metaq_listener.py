@@ -3,6 +3,7 @@
 valid and malformed; puts pipelined on one connection stored as one batch and answered in order; byte
 positions that add up to the next message across batches, segments and retention; 301s a consumer
 follows; transactions local and XA; a consumer group committing MetaQ's offsets in ZooKeeper."""
+import dataclasses
 import socket
 import zlib
 
@@ -152,7 +153,7 @@ def test_gets_add_up_across_batches_and_segments_and_follow_301s(broker, conn):
 
     # retention removes the first segments: their positions move to the first message left
     part = broker.store.partition("small", 0)
-    part.config.__dict__["retention_bytes"] = 8192  # as retentionBytes=8192 would
+    part.config = dataclasses.replace(part.config, retention_bytes=8192)  # as retentionBytes=8192 would
     removed = part.apply_retention()
     assert removed and part.earliest_offset > 0
     first = positions[part.earliest_offset]
@@ -528,7 +529,6 @@ def test_a_remembered_position_the_log_no_longer_has_is_looked_up_again(broker, 
 def test_a_request_that_trickles_in_is_cut_off_at_its_deadline(tmp_path, monkeypatch):
     """A request must arrive whole within the port's request timeout of its first byte, however slowly its
     bytes keep coming (a slow sender holds a thread): here 2 s, the connection closed soon after."""
-    import dataclasses
     import time
 
     from metaq_broker.server import metaq_server
