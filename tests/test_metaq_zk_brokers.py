@@ -2,8 +2,8 @@
 (tests/metaq_client.py, written from the protocol description), beside metaq's own nodes: a producer finds
 the master's ``meta://`` URI and the partition counts, a consumer group's offsets are readable in both
 forms (metaq's logical offset and MetaQ's ``<msgId>-<byteOffset>``) whichever side committed, and a
-replicated group's ``master`` and ``slave<n>`` follow its elections. (The listener itself is still to come:
-the port is bound, not listening, so a MetaQ client's connection is refused, never left hanging.) Faults:
+replicated group's ``master`` and ``slave<n>`` follow its elections (the listener itself:
+test_metaq_listener.py). Faults:
 a crash and a restart without ``metaqPort``, a killed master, ZooKeeper losing its data."""
 import errno
 import json
@@ -75,9 +75,9 @@ def test_a_metaq_client_finds_brokers_with_a_metaq_port_and_only_those(cluster, 
     with cluster.client(Producer) as producer:
         wait_until(lambda: len(producer.cluster.topic_partitions(TOPIC)) == 5, what="metaq's view of both")
 
-    # The port is the broker's: bound (nobody else gets it), not listening yet (refused, not hanging).
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # The port is the broker's MetaQ listener (nobody else gets it), found through MetaQ's nodes.
+    assert metaq.connection(1).version()
+    metaq.close()
     with socket.socket() as other, pytest.raises(OSError) as taken:
         other.bind(("127.0.0.1", port))
     assert taken.value.errno == errno.EADDRINUSE

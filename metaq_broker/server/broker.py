@@ -9,7 +9,6 @@ import fcntl
 import io
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent import futures
@@ -27,7 +26,7 @@ from metaq_broker.protocol import rawput
 from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
 from metaq_broker.server.auth import BrokerAuth
-from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
+from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values, topic_names
 from metaq_broker.server.data_server import DataServer, data_listener
 from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group_listing import GroupListingService
@@ -37,6 +36,7 @@ from metaq_broker.server.listener import Listener
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
+from metaq_broker.server.metaq_server import MetaqServer, check_security, metaq_listener
 from metaq_broker.server.metrics import BrokerMetrics
 from metaq_broker.server.offset_bridge import OffsetBridge
 from metaq_broker.server.producer_ids import ProducerIds
@@ -142,7 +142,8 @@ class Broker:
         # metaqPort >= 0: the MetaQ listener's port, bound (not listening yet: a connection is refused, not left
         # hanging) and registered in MetaQ's layout; the listener itself (issue 28, phase 2) listens on it
         self.metaq_port: Optional[int] = None
-        self._metaq_socket: Optional[socket.socket] = None
+        self._metaq_listener: Optional[Listener] = None  # MetaQ's text protocol, listening from the listeners stage
+        self.metaq_server: Optional[MetaqServer] = None
         self.offset_bridge: Optional[OffsetBridge] = None  # group offsets in metaq's and MetaQ's forms (metaqPort)
         self.data_server: Optional[DataServer] = None
         self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
@@ -258,8 +259,8 @@ class Broker:
 
     def _start_listeners(self, stack: contextlib.ExitStack) -> None:
         """The gRPC port and the data port, listening (so their ports are known to the parts that register
-        them), not serving yet; with metaqPort, the MetaQ listener's port bound (not listening: a connection
-        is refused, not left hanging), registered in MetaQ's layout by the group stage."""
+        them), not serving yet; with metaqPort, the MetaQ listener too (registered in MetaQ's layout by the
+        group stage)."""
         cfg = self.config
         executor = futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc")
         stack.callback(executor.shutdown, wait=False)
@@ -284,12 +285,14 @@ class Broker:
             self.data_port = listener.port
             self._data_listener = listener
         if cfg.metaq_port >= 0:
+            check_security(cfg.security, topic_names(cfg.metaq_anonymous_topics))
             try:
-                self._metaq_socket = _bind(cfg.host_name, cfg.metaq_port)
+                listener = metaq_listener(cfg.host_name, cfg.metaq_port, self.auth)
             except OSError as e:
                 raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
-            stack.callback(self._metaq_socket.close)
-            self.metaq_port = self._metaq_socket.getsockname()[1]
+            stack.callback(self._stop_listener, listener)
+            self.metaq_port = listener.port
+            self._metaq_listener = listener
 
     def _start_group(self, stack: contextlib.ExitStack) -> None:
         """With ZooKeeper, the replicated group's parts, built, not started: this member's identity, the
@@ -348,6 +351,11 @@ class Broker:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         if self.data_port is not None:
             self.data_server = DataServer(self.handler, self._data_listener, replicated=self.replicas is not None)
+        if self._metaq_listener is not None:
+            largest = max([cfg.topic_defaults.max_message_size] +  # a put body over it is refused unread
+                          [self.store.topic_config(t).max_message_size for t in self.store.topics()])
+            self.metaq_server = MetaqServer(self.handler, self._metaq_listener, largest,
+                                            topic_names(cfg.metaq_anonymous_topics))
 
     def _start_serving(self, stack: contextlib.ExitStack) -> None:
         """gRPC, the data port and the metrics port serve (their stops are on the stack since they listen)."""
@@ -356,6 +364,8 @@ class Broker:
         self._grpc_started = True
         if self.data_server is not None:
             self.data_server.start()
+        if self.metaq_server is not None:
+            self.metaq_server.start()
         if self.metrics is not None:
             stack.callback(self.metrics.stop)  # before the store closes: scrapes read it
             self.metrics_port = self.metrics.start(cfg.host_name, cfg.metrics_port, self.auth)
@@ -692,16 +702,3 @@ class Broker:
 def _close_zookeeper(client) -> None:
     client.stop()
     client.close()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: any free port), SO_REUSEADDR as a listener's, not listening."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock

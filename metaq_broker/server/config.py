@@ -46,6 +46,21 @@ def _root(key: str, raw: str) -> str:
     return v.rstrip("/") or "/"
 
 
+def _topics(key: str, raw: str) -> str:
+    """Comma-separated topic names, each checked; kept as "a,b" (``topic_names`` splits it)."""
+    names = topic_names(raw)
+    for name in names:
+        try:
+            validate_topic_name(name)
+        except InvalidTopicError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    return ",".join(names)
+
+
+def topic_names(text: str) -> tuple:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def _policy(key: str, raw: str) -> str:
     try:
         return str(DeletePolicy.parse(raw))
@@ -74,6 +89,7 @@ SYSTEM_KEYS: dict = {
     "advertisedHostName": ("advertised_host_name", _str),
     "kafkaPort": ("kafka_port", _int(-1, 65535)),
     "metaqPort": ("metaq_port", _int(-1, 65535)),
+    "metaq.anonymousTopics": ("metaq_anonymous_topics", _topics),
     "serverPort": ("server_port", _int(0, 65535)),
     "metricsPort": ("metrics_port", _int(-1, 65535)),
     "dataPort": ("data_port", _int(-1, 65535)),
@@ -103,6 +119,9 @@ class BrokerConfig:
     advertised_host_name: Optional[str] = None
     kafka_port: int = 9092  # Kafka's wire protocol on hostName: -1 off, 0 any free port (docs/kafka.md)
     metaq_port: int = -1  # MetaQ 1.4's text protocol on hostName: -1 off, 0 any free port (docs/metaq-protocol.md)
+    # MetaQ 1.4 has no login: on a cluster with SASL or ACLs its clients are ANONYMOUS, let in only to these
+    # topics (and only as far as the ACLs allow User:ANONYMOUS); without it such a listener is refused at start
+    metaq_anonymous_topics: str = ""
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
     data_port: int = 0  # bulk fetches (sendfile) and puts over plain TCP (data_server.py): -1 off, 0 any free port

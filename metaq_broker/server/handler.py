@@ -377,6 +377,13 @@ class RequestHandler:
         counters.record_get(result.end_offset - result.start_offset, result.length if locate else result.data.size)
         return Fetched(result, log_.earliest_offset, log_.last_stable_offset, log_.identity)
 
+    def readable(self, principal: str, topic: str, partition: int):
+        """The partition's log, for a transport that answers a read's questions before reading (MetaQ's
+        byte positions): the caller may Read the topic, this member serves, the partition is open."""
+        self._allow(principal, "Read", "topic", topic)
+        self.gate()
+        return self._open_partition(topic, partition)
+
     def authorize_replica(self, principal: str) -> None:
         """A group member's replica fetch needs ClusterAction on the cluster (Kafka's inter-broker right),
         checked before the request's body is read."""

@@ -69,11 +69,11 @@ def _batch_holding(part, offset: int) -> Optional[tuple]:
     u8 = r.data
     header = records.parse_header(u8, 0)
     sizes = records.metaq_message_sizes(u8, np.zeros(1, np.int64))
-    start = header.byte_base if header.byte_base >= 0 else _version2_start(part, header.base_offset)
+    start = header.byte_base if header.byte_base >= 0 else version2_start(part, header.base_offset)
     return start, sizes, header
 
 
-def _version2_start(part, base_offset: int) -> int:
+def version2_start(part, base_offset: int) -> int:
     """Where the version 2 batch at ``base_offset`` starts in the MetaQ stream: its segment's batches from
     the first, each where the one before ends, the first at 3 x the segment's start."""
     seg = next(s for s in reversed(part.segments()) if s.base_offset <= base_offset)

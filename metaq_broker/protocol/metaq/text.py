@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Optional, Union
 
+import numpy as np
+
 CRLF = b"\r\n"
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -205,6 +207,10 @@ Event = Union[Put, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected
 # Tokens
 
 _NUMBER = re.compile(r"[+-]?[0-9]{1,20}")  # Java's parseInt/parseLong: ASCII digits, optional sign
+# ``put topic partition valueLen flag checksum opaque``: ASCII topic, numbers of at most 10 digits (ranges
+# checked after the match)
+_FAST_PUT = re.compile(rb"put ([!-~]{1,255}) (-1|[0-9]{1,10}) ([0-9]{1,10}) (-?[0-9]{1,10}) (-?[0-9]{1,10}) "
+                       rb"(-?[0-9]{1,10})\r\n")
 
 
 def _int(token: str, lo: int, hi: int, what: str) -> int:
@@ -291,6 +297,8 @@ class RequestParser:
                 head, self._body = self._body, None
                 events.append(self._put(head, data))
                 continue
+            if buf.startswith(b"put ", self._pos) and self._fast_put(buf, events):
+                continue
             end = buf.find(CRLF, self._pos)
             if self._discarding:
                 if end < 0:
@@ -311,6 +319,24 @@ class RequestParser:
             event = self._line(line)
             if event is not None:
                 events.append(event)
+
+    def _fast_put(self, buf: bytearray, events: list) -> bool:
+        """The common put (7 tokens, a numeric checksum, an ASCII topic, its body already here) in one
+        regular expression match: False leaves any other line to the general path, which says what is wrong."""
+        m = _FAST_PUT.match(buf, self._pos)
+        if m is None:
+            return False
+        topic, partition, length, flag, checksum, opaque = m.groups()
+        partition, length, flag, checksum, opaque = int(partition), int(length), int(flag), int(checksum), int(opaque)
+        start = m.end()
+        if (partition > INT32_MAX or length > self.max_message_size or len(buf) - start < length
+                or not INT32_MIN <= flag <= INT32_MAX or not INT32_MIN <= checksum <= INT32_MAX
+                or not INT32_MIN <= opaque <= INT32_MAX):
+            return False
+        self._pos = start + length
+        events.append(self._put((topic.decode("ascii"), partition, flag, checksum, None, opaque, length),
+                                bytes(buf[start:self._pos])))
+        return True
 
     def _line(self, line: bytes):
         """The event of one command line; None when a put's body is awaited (``self._body`` set)."""
@@ -486,6 +512,22 @@ def value_header(length: int, opaque: int) -> bytes:
 def put_result(msg_id: int, partition: int, position: int, opaque: int) -> bytes:
     """A put's success: the message id, its partition and its byte position."""
     return result(Code.SUCCESS, f"{msg_id} {partition} {position}", opaque)
+
+
+_POWERS_OF_TEN = np.array([10 ** k for k in range(1, 19)], dtype=np.int64)
+
+
+def _digits(a: np.ndarray) -> np.ndarray:
+    """Decimal digits of each non-negative int64 (exact: no floating point)."""
+    return 1 + np.searchsorted(_POWERS_OF_TEN, a, side="right")
+
+
+def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaques: list) -> bytes:
+    """``put_result`` of many puts at once (a pipelined batch): the lengths counted with numpy, one
+    formatting per reply."""
+    lengths = _digits(msg_ids) + len(str(partition)) + _digits(positions) + 2
+    form = (b"result 200 %%d %%d\r\n%%d %d %%d" % partition).__mod__
+    return b"".join(map(form, zip(lengths.tolist(), opaques, msg_ids.tolist(), positions.tolist())))
 
 
 def stats_body(pairs) -> str:
