@@ -171,7 +171,7 @@ class Broker:
                          ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
                          ("grpc.so_reuseport", 0)])
             pb_grpc.add_BrokerServicer_to_server(service, self.server)
-            self.server.add_generic_rpc_handlers((service.raw_handler(), self.auth.handler()))
+            self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), self.auth.handler()))
             if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
                 self.server.add_generic_rpc_handlers((
                     GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),

@@ -18,12 +18,14 @@ from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartiti
                                  NotAcknowledgedError, NotMasterError, PartitionClosedError, TransactionError)
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol import lookup as lookup_protocol
 from metaq_broker.protocol import rawfetch, rawput, records
 from metaq_broker.protocol.dataport import MAX_PUT_BYTES
 from metaq_broker.protocol.status import code_of
 from metaq_broker.security.acl import CLUSTER
 from metaq_broker.security.tls import ANONYMOUS
 from metaq_broker.server.config import topic_ini_values
+from metaq_broker.server import lookup
 from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
 from metaq_broker.zk import groups as zk_groups
@@ -266,6 +268,26 @@ class BrokerService(pb_grpc.BrokerServicer):
         fetch = grpc.unary_unary_rpc_method_handler(self.FetchRaw, request_deserializer=pb.FetchRequest.FromString)
         put = grpc.unary_unary_rpc_method_handler(self.Put, response_serializer=pb.PutResponse.SerializeToString)
         return grpc.method_handlers_generic_handler(rawfetch.SERVICE, {rawfetch.METHOD: fetch, rawput.METHOD: put})
+
+    @rpc
+    def Lookup(self, request, context, principal):
+        """Messages by key or message id (``protocol.lookup``), answered by ``server.lookup`` from the
+        topic's partitions asked for (all open ones by default): Read on the topic, as a fetch."""
+        req = lookup_protocol.unpack_request(request)
+        self._allow(principal, "Read", "topic", req.topic)
+        self._gate()
+        if req.partitions is None:
+            parts = [(p.partition, p) for p in self.store.partitions(req.topic)
+                     if (req.topic, p.partition) not in self._closed]
+        else:
+            parts = [(n, self._open_partition(req.topic, n)) for n in req.partitions]
+        return lookup.answer(parts, req, self.max_transfer_size)
+
+    def lookup_handler(self) -> grpc.GenericRpcHandler:
+        """Serves ``Lookup`` (not in metaq.proto: a JSON request, an Arrow reply) beside the generated
+        methods."""
+        return grpc.method_handlers_generic_handler(lookup_protocol.SERVICE, {
+            lookup_protocol.METHOD: grpc.unary_unary_rpc_method_handler(self.Lookup)})
 
     @rpc
     def GetOffsets(self, request, context, principal):

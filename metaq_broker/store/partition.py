@@ -1015,7 +1015,20 @@ class PartitionLog:
                 problems.append(f"{seg.index_path}: the index does not match the log ({seg.summary()} has "
                                 f"{len(seg.entries())} entries; the log makes {summary} with {len(entries)}); "
                                 f"remove the file and reopen the partition to rebuild it")
+            problem = None if seg.mutable else seg.keys_problem()
+            if problem:
+                problems.append(f"{seg.keys_path} {problem}; metaq log reindex rebuilds it (or a lookup, when it "
+                                f"first needs it)")
         return problems
+
+    def rebuild_key_indexes(self) -> int:
+        """Write every sealed segment's key index again from its log (``metaq log reindex``: for an index
+        lost or damaged, before the first lookups need it); the tail's is rebuilt at every open. Returns
+        the entries written."""
+        if not self.config.key_index:
+            raise NoKeyIndexError(f"topic {self.topic} keeps no key index (keyIndex=false)")
+        with self._write_lock:
+            return sum(seg.rebuild_keys().size for seg in self._segments if not seg.mutable)
 
     # -- retention ------------------------------------------------------------------------------------
     def apply_retention(self, now_ms: Optional[int] = None) -> list:

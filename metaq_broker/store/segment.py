@@ -313,6 +313,11 @@ class Segment:
             return KeyIndex.load(self.keys_path, self.base_offset, self.start, self.size, self.next_offset)
         except KeyIndexProblem as e:
             log.warning("%s %s; rebuilding it from the log", self.keys_path, e)
+        return self._rebuilt_keys()
+
+    def _rebuilt_keys(self) -> KeyIndex:
+        """The key index built from the log, written to its file and mapped from there (kept in memory if
+        the write fails)."""
         index = self.build_keys()
         if self.removed:
             return index
@@ -323,11 +328,32 @@ class Segment:
             log.warning("%s: could not write the rebuilt key index (%s); using it from memory", self.keys_path, e)
             return index
 
-    def build_keys(self, end: Optional[int] = None) -> KeyIndex:
-        """A key index of the segment's batches below ``end`` (default: all), from the log: its batches read
-        ``READ_CHUNK`` at a time, their keys hashed and chained per chunk (``KeyIndex.add_batches``)."""
+    def rebuild_keys(self) -> KeyIndex:
+        """A sealed segment's key index built again from the log and written over its file."""
+        with self._keys_lock:
+            self._keys_unwritten = False
+            self.keys = self._rebuilt_keys()
+            return self.keys
+
+    def keys_problem(self) -> Optional[str]:
+        """What is wrong with a sealed segment's ``.keys`` file, if there is one: it does not load, or it is
+        not the index its log makes. None: no file, or a sound one."""
+        if not self.keys_path.exists():
+            return None
+        try:
+            found = KeyIndex.load(self.keys_path, self.base_offset, self.start, self.size, self.next_offset)
+        except KeyIndexProblem as e:
+            return str(e)
+        made = self.build_keys()
+        if b"".join(map(bytes, found.encode(self.size))) != b"".join(map(bytes, made.encode(self.size))):
+            return f"is not the index its log makes ({found.size} entries; the log makes {made.size})"
+        return None
+
+    def build_keys(self) -> KeyIndex:
+        """A key index of the segment's batches, from the log: read ``READ_CHUNK`` at a time, their keys
+        hashed and chained per chunk (``KeyIndex.add_batches``)."""
         index = KeyIndex(self.base_offset, self.start)
-        for u8, positions, next_offset in self.chunks(self.base_offset, self.next_offset if end is None else end):
+        for u8, positions, next_offset in self.chunks(self.base_offset, self.next_offset):
             index.add_batches(u8, positions, next_offset)
         return index
 

@@ -727,11 +727,12 @@ def log_group():
     """Inspect partition logs in a broker's data directory (run only while the broker is stopped)."""
 
 
-def _open_partition(directory: Path):
+def _open_partition(directory: Path, key_index: bool = False):
+    """The partition in ``directory``; ``key_index``: with its key indexes (only ``reindex`` builds any)."""
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")
-    return PartitionLog.open(directory, topic, int(num), TopicConfig())
+    return PartitionLog.open(directory, topic, int(num), TopicConfig(key_index=key_index))
 
 
 @log_group.command("describe")
@@ -753,6 +754,10 @@ def describe(partition_dir: Path):
                           for s in segments)
         click.echo(f"  sparse offset index: {sum(s.index_entries for s in segments)} entries, {index_bytes} bytes "
                    f"({100 * index_bytes / max(p.size_bytes, 1):.2f}% of the log; the active segment's in memory)")
+        keys = [f for f in (s.path.with_suffix(".keys") for s in segments[:-1]) if f.exists()]
+        key_bytes = sum(f.stat().st_size for f in keys)
+        click.echo(f"  key index: {len(keys)} of {len(segments) - 1} sealed segments have one, {key_bytes} bytes "
+                   f"({100 * key_bytes / max(p.size_bytes, 1):.2f}% of the log; metaq log reindex writes the others)")
         for s in segments:
             click.echo(f"  {s.path.name}  base offset {s.base_offset:>12}  messages {s.count:>10}  bytes {s.size:>12}"
                        f"  index entries {s.index_entries:>8}"
@@ -761,11 +766,28 @@ def describe(partition_dir: Path):
         p.close()
 
 
+@log_group.command("reindex")
+@click.argument("partition_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+def reindex(partition_dirs):
+    """Build the key indexes of partitions' sealed segments again from their logs (lost or damaged ones,
+    or a topic whose keyIndex was just turned on), so that no lookup has to. The broker must be stopped."""
+    for directory in partition_dirs:
+        p = _run(_open_partition, directory, True)
+        try:
+            start = time.monotonic()
+            entries = _run(p.rebuild_key_indexes)
+            click.echo(f"{directory.name}: key indexes of {len(p.segments()) - 1} sealed segments written, "
+                       f"{entries} keys, in {time.monotonic() - start:.1f}s")
+        finally:
+            p.close()
+
+
 @log_group.command("verify")
 @click.argument("partition_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def verify(partition_dir: Path):
-    """Check every batch's checksums and offsets, and that each segment's offset index is the one its batches
-    make; exit 1 if anything is damaged."""
+    """Check every batch's checksums and offsets, and that each segment's offset index and key index are
+    the ones its batches make; exit 1 if anything is damaged."""
     try:
         p = _open_partition(partition_dir)
     except MetaqError as e:
