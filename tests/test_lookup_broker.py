@@ -5,6 +5,8 @@ without a key index; bad input named; hostile requests refused; and ACLs: Read o
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +141,67 @@ def test_bad_input_is_named(cluster):
                              (b'{"topic": "orders", "key": "", "isolation": "dirty"}', "isolation must be")):
             with pytest.raises(RemoteInvalidArgumentError, match=problem):
                 call(raw)
+
+
+def metaq(cluster, *args):
+    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
+           *args]
+    return subprocess.run(cmd, capture_output=True, timeout=120)
+
+
+def test_metaq_lookup_prints_as_consume_does(cluster):
+    cluster.start_broker(1, topics=TOPICS)
+    with cluster.client(Producer) as producer:
+        wait_until(lambda: producer.cluster.topic_partitions("orders"), what="topic")
+        for i in range(30):
+            producer.send_batch("orders", [b"v%d" % i, b"w%d" % i], keys=[b"order-4711", b"other"], partition="1-1")
+    r = metaq(cluster, "lookup", "orders", "--key", "order-4711", "--max", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [b"v29", b"v28", b"v27"]
+    r = metaq(cluster, "lookup", "orders", "--key", "order-4711", "--max", "1", "--format", "json")
+    row = json.loads(r.stdout)
+    assert (row["partition"], row["offset"], row["key"], row["value"], row["timestampType"]) == \
+        ("1-1", 58, "order-4711", "v29", "LogAppendTime")
+    r = metaq(cluster, "lookup", "orders", "--msg-id", str(row["msgId"]), "--format", "json")
+    assert [json.loads(line)["offset"] for line in r.stdout.splitlines()] == [58]
+    r = metaq(cluster, "lookup", "orders", "--key", "order-4711", "--since", "2024-05-02T00:00:00",
+              "--until", "2024-05-01T00:00:00")
+    assert r.returncode == 1 and b"is after end_ms" in r.stderr and b"start_ms" in r.stderr
+    r = metaq(cluster, "lookup", "orders", "--key", "nobody")
+    assert r.returncode == 0 and r.stdout == b""
+    r = metaq(cluster, "lookup", "orders")
+    assert r.returncode == 2 and b"give --key or --msg-id, one of them" in r.stderr
+    r = metaq(cluster, "lookup", "plain", "--key", "k")
+    assert r.returncode == 1 and b"keeps no key index (keyIndex=false)" in r.stderr
+    r = metaq(cluster, "lookup", "orders", "--key", "k", "--since", "yesterday")
+    assert r.returncode == 2 and b"'yesterday' is neither ms since the epoch nor an ISO 8601" in r.stderr
+
+
+def test_metaq_log_reindex_rebuilds_lost_and_damaged_key_indexes(cluster):
+    cluster.start_broker(1, topics=TOPICS)
+    with cluster.client(Producer) as producer:
+        wait_until(lambda: producer.cluster.topic_partitions("orders"), what="topic")
+        for i in range(40):
+            producer.send_batch("orders", [b"x" * 200] * 5, keys=[b"k%d" % (i % 4)] * 5, partition="1-0")
+    cluster.brokers[1].stop()
+    part = cluster.brokers[1].workdir / "data" / "orders-0"
+    keys = sorted(part.glob("*.keys"))  # every segment's: the last one's too, written as the broker stopped
+    assert len(keys) == len(list(part.glob("*.meta"))) >= 3
+    keys[0].unlink()
+    raw = bytearray(keys[1].read_bytes())
+    raw[-3] ^= 1
+    keys[1].write_bytes(bytes(raw))
+    r = metaq(cluster, "log", "verify", str(part))
+    assert r.returncode == 1 and f"{keys[1]} fails its checksums".encode() in r.stderr
+    r = metaq(cluster, "log", "describe", str(part))
+    assert r.returncode == 0 and f"key index: {len(keys) - 2} of {len(keys) - 1} sealed".encode() in r.stdout
+    r = metaq(cluster, "log", "reindex", str(part))
+    assert r.returncode == 0 and b"key indexes of" in r.stdout, r.stderr
+    assert keys[0].exists()
+    r = metaq(cluster, "log", "verify", str(part))
+    assert r.returncode == 0, r.stderr
+    cluster.start_broker(1, topics=TOPICS)
+    with cluster.client(Consumer) as consumer:
+        wait_until(lambda: consumer.cluster.topic_partitions("orders"), what="broker back")
+        assert [m.offset for m in consumer.lookup("orders", key=b"k1", partitions=["1-0"], max_messages=1000)] == \
+            [o for i in range(39, -1, -1) if i % 4 == 1 for o in range(5 * i + 4, 5 * i - 1, -1)]
