@@ -5,17 +5,22 @@ without a key index; bad input named; hostile requests refused; and ACLs: Read o
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import wait_until
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.errors import InvalidQueryError
 from metaq_broker.protocol import lookup as lookup_protocol
 from metaq_broker.protocol.status import RemoteInvalidArgumentError, RemoteUnknownTopicError
+from metaq_broker.store import PartitionLog, TopicConfig, lookup
 
 TOPICS = {"orders": {"numPartitions": 2, "maxSegmentSize": 8192}, "plain": {"keyIndex": "false"}}
 
@@ -205,3 +210,58 @@ def test_metaq_log_reindex_rebuilds_lost_and_damaged_key_indexes(cluster):
         wait_until(lambda: consumer.cluster.topic_partitions("orders"), what="broker back")
         assert [m.offset for m in consumer.lookup("orders", key=b"k1", partitions=["1-0"], max_messages=1000)] == \
             [o for i in range(39, -1, -1) if i % 4 == 1 for o in range(5 * i + 4, 5 * i - 1, -1)]
+
+
+def test_a_truncated_replica_answers_as_its_log_after_taking_over(tmp_path, zookeeper, zk_root):
+    """Keyed acks=1 puts reach only the master (its replicas frozen), it dies, a replica takes over and
+    takes more under the same key; the old master comes back and truncates what nobody else had (across
+    segment rolls). Then it takes over itself: its lookups, from the key indexes it cut and went on
+    building, equal a scan of its log and never name a cut message; every member's data directory agrees."""
+    topics = {"orders": {"numPartitions": 1, "maxSegmentSize": 4096}}
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3, topics=topics).start()
+    try:
+        first = group.wait_master()
+        group.wait_in_sync(range(3))
+        others = [r for r in range(3) if r != first]
+        z = dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
+        with Producer(timeout=20.0, **z) as producer, Consumer(**z) as consumer:
+            wait_until(lambda: producer.cluster.topic_partitions("orders"), what="topic routed")
+            for i in range(30):
+                producer.send_batch("orders", [b"common-%d" % i] * 3, keys=[b"k", b"j", b"k"])
+            for r in others:
+                os.kill(group.members[r].proc.pid, signal.SIGSTOP)
+            time.sleep(1.5)  # fetches in flight are answered before the puts below
+            with Producer(acks="1", timeout=5.0, **z) as fast:
+                for i in range(30):
+                    fast.send_batch("orders", [b"lost-%d" % i] * 3, keys=[b"k", b"lost", b"k"])
+            group.members[first].kill()
+            for r in others:
+                os.kill(group.members[r].proc.pid, signal.SIGCONT)
+            second = group.wait_master(timeout=30, other_than=first)
+            wait_until(lambda: producer.cluster.brokers().get(1) == group.members[second].address, what="new master")
+            for i in range(10):
+                producer.send_batch("orders", [b"new-%d" % i] * 2, keys=[b"k", b"j"])
+            group.members[first].start()
+            group.wait_in_sync(range(3))
+            assert "truncated" in group.members[first].log_path.read_text()
+            for r in range(3):  # the old master alone is left: it takes over
+                if r != first:
+                    group.members[r].kill()
+            group.wait_master(timeout=30, other_than=second)
+            wait_until(lambda: producer.cluster.brokers().get(1) == group.members[first].address, what="old master")
+            rows = scan(consumer, "orders")
+            for key in (b"k", b"j", b"lost"):
+                got = consumer.lookup("orders", key=key, max_messages=1000)
+                assert [(m.partition, m.offset) for m in got] == newest_first(rows, key, 1000), key
+                assert not any(m.value.startswith(b"lost-") for m in got)
+            assert len(newest_first(rows, b"k", 1000)) == 2 * 30 + 10
+    finally:
+        group.stop()
+    for member in group.members:  # each directory, opened as it was left: its indexes agree with its log
+        log = PartitionLog.open(member.workdir / "data" / "orders-0", "orders", 0, TopicConfig(max_segment_size=4096))
+        try:
+            assert not log.verify()
+            assert [o for o in lookup.by_key(log, b"lost").offsets] == []
+            assert len(lookup.by_key(log, b"k", max_answers=1000).offsets) == 70
+        finally:
+            log.close()
