@@ -141,6 +141,7 @@ def test_bad_input_is_named(cluster):
                              (b'{"topic": "orders", "key": "", "max": 100000}', "max must be an integer from 1"),
                              (b'{"topic": "orders", "key": "", "partitions": [0, 0]}', "distinct"),
                              (b'{"topic": "orders", "key": "", "before": {"x": 1}}', "before must map"),
+                             (b'{"topic": "orders", "key": "", "from": {"0": -1}}', "from must map"),
                              (json.dumps({"topic": "orders", "key": "", "since_ms": 5, "until_ms": 1}).encode(),
                               r"since \(5 ms\) is after until \(1 ms\)"),
                              (b'{"topic": "orders", "key": "", "isolation": "dirty"}', "isolation must be")):

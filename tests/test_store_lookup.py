@@ -79,11 +79,18 @@ def check(log, rng):
                 n = rng.randint(1, 5)
                 got = lookup.by_key(log, key, since, until, n, read_uncommitted=uncommitted)
                 assert got.offsets == expected(rows, key, since, until, n), (key, since, until, n)
+            if rows:  # within an offset range [first, before) (a Spark task's)
+                first, before = sorted(rng.choices([o for o, _, _ in rows] + [rows[-1][0] + 1], k=2))
+                got = lookup.by_key(log, key, read_uncommitted=uncommitted, first=first, before=before)
+                assert got.offsets == [o for o in expected(rows, key, n=1 << 30) if first <= o < before][:64]
         if rows:  # by message id: exactly the message, or none for an id the reader does not get
             for o, _, _ in rng.sample(rows, min(3, len(rows))):
                 msg_id = int(log.read_arrow(o, o + 1).column("msgId")[0].as_py()) if not uncommitted else None
                 if msg_id is not None:
                     assert lookup.by_msg_id(log, msg_id).offsets == [o]
+                    assert lookup.by_msg_id(log, msg_id, first=o, before=o + 1).offsets == [o]
+                    assert lookup.by_msg_id(log, msg_id, first=o + 1).offsets == []
+                    assert lookup.by_msg_id(log, msg_id, before=o).offsets == []
 
 
 class Schedule:

@@ -33,14 +33,15 @@ READ_COMMITTED, READ_UNCOMMITTED = "read_committed", "read_uncommitted"
 REPLY_SCHEMA = records.schema(headers=True, timestamp_type=True).append(
     pa.field("partition", pa.int32(), nullable=False)).append(pa.field("storeTime", pa.int64(), nullable=False))
 _HEAD = struct.Struct("<I")  # the JSON header's length; then it, then the Arrow IPC stream
-_FIELDS = {"topic", "partitions", "key", "msg_id", "since_ms", "until_ms", "max", "isolation", "before"}
+_FIELDS = {"topic", "partitions", "key", "msg_id", "since_ms", "until_ms", "max", "isolation", "from", "before"}
 
 
 @dataclass(frozen=True)
 class LookupRequest:
     """By ``key`` (bytes) or by ``msg_id``, exactly one; in ``partitions`` (numbers on this broker; None:
-    all of the topic's); stored in [since_ms, until_ms] (either open); at most ``max_answers``;
-    ``before``: {partition: offset} answers must lie below (a lookup going on after an incomplete reply)."""
+    all of the topic's); stored in [since_ms, until_ms] (either open); at most ``max_answers``; at offsets
+    from ``first`` ({partition: offset}) and below ``before`` (likewise: a lookup going on after a reply that
+    stopped, or a Spark task's range)."""
 
     topic: str
     key: Optional[bytes] = None
@@ -50,6 +51,7 @@ class LookupRequest:
     until_ms: Optional[int] = None
     max_answers: int = DEFAULT_MAX_ANSWERS
     read_uncommitted: bool = False
+    first: dict = field(default_factory=dict)
     before: dict = field(default_factory=dict)
 
 
@@ -64,8 +66,9 @@ def pack_request(r: LookupRequest) -> bytes:
             m[name] = getattr(r, name)
     if r.partitions is not None:
         m["partitions"] = list(r.partitions)
-    if r.before:
-        m["before"] = {str(p): o for p, o in r.before.items()}
+    for name, bounds in (("from", r.first), ("before", r.before)):
+        if bounds:
+            m[name] = {str(p): o for p, o in bounds.items()}
     return json.dumps(m).encode()
 
 
@@ -113,15 +116,20 @@ def unpack_request(raw: bytes) -> LookupRequest:
     isolation = m.get("isolation", READ_COMMITTED)
     if isolation not in (READ_COMMITTED, READ_UNCOMMITTED):
         raise InvalidQueryError(f"lookup: isolation must be {READ_COMMITTED} or {READ_UNCOMMITTED}, got {isolation!r}")
-    before = m.get("before", {})
-    if not isinstance(before, dict) or len(before) > MAX_PARTITIONS or not all(
-            p.isdigit() and len(p) < 6 and isinstance(o, int) and not isinstance(o, bool) and o >= 0
-            for p, o in before.items()):
-        raise InvalidQueryError("lookup: before must map partitions (numbers) to offsets")
-    before = {int(p): o for p, o in before.items()}
+    first, before = _offsets(m, "from"), _offsets(m, "before")
     n = _int(m, "max", 1, MAX_ANSWERS)
     return LookupRequest(topic, key, msg_id, parts, _int(m, "since_ms", -(2 ** 63)), _int(m, "until_ms", -(2 ** 63)),
-                         DEFAULT_MAX_ANSWERS if n is None else n, isolation == READ_UNCOMMITTED, before)
+                         DEFAULT_MAX_ANSWERS if n is None else n, isolation == READ_UNCOMMITTED, first, before)
+
+
+def _offsets(m: dict, name: str) -> dict:
+    """{partition: offset} of field ``name`` (partitions as decimal strings, offsets whole numbers)."""
+    given = m.get(name, {})
+    if not isinstance(given, dict) or len(given) > MAX_PARTITIONS or not all(
+            p.isdigit() and len(p) < 6 and isinstance(o, int) and not isinstance(o, bool) and o >= 0
+            for p, o in given.items()):
+        raise InvalidQueryError(f"lookup: {name} must map partitions (numbers) to offsets")
+    return {int(p): o for p, o in given.items()}
 
 
 def pack_reply(batch: pa.RecordBatch, complete: bool) -> bytes:

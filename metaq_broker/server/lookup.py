@@ -17,11 +17,12 @@ def answer(partitions: list, request: LookupRequest, max_bytes: int) -> bytes:
     """The reply to ``request`` from ``partitions`` ([(number, PartitionLog)], the ones asked for)."""
     tables = []
     for number, log in partitions:
+        first, before = request.first.get(number), request.before.get(number)
         if request.key is not None:
             found = store_lookup.by_key(log, request.key, request.since_ms, request.until_ms, request.max_answers,
-                                        request.read_uncommitted, request.before.get(number))
+                                        request.read_uncommitted, first, before)
         else:
-            found = store_lookup.by_msg_id(log, request.msg_id, request.read_uncommitted)
+            found = store_lookup.by_msg_id(log, request.msg_id, request.read_uncommitted, first, before)
         n = found.batch.num_rows
         if n:
             tables.append(pa.Table.from_batches([found.batch]).append_column(

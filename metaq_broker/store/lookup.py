@@ -90,28 +90,34 @@ class _Rows:
 
 
 def by_key(log, key: bytes, since_ms: Optional[int] = None, until_ms: Optional[int] = None,
-           max_answers: int = DEFAULT_MAX_ANSWERS, read_uncommitted: bool = False,
+           max_answers: int = DEFAULT_MAX_ANSWERS, read_uncommitted: bool = False, first: Optional[int] = None,
            before: Optional[int] = None) -> Found:
     """The messages of partition ``log`` whose key is ``key``, stored in [since_ms, until_ms] (either
-    open), below offset ``before`` if given (a lookup going on after a reply that had to stop), newest
-    first, at most ``max_answers``. NoKeyIndexError for a topic without a key index; InvalidQueryError for
+    open), at offsets from ``first`` and below ``before`` when given (a Spark task's range; a lookup going
+    on after a reply that had to stop), newest first, at most ``max_answers``. NoKeyIndexError for a topic without a key index; InvalidQueryError for
     a key that is not bytes, a time range that ends before it starts, a count that is not positive."""
     if not isinstance(key, (bytes, bytearray, memoryview)):
         raise InvalidQueryError(f"a key is bytes, got {type(key).__name__}")
     end = read_end(log, read_uncommitted)
     lo, hi = keyindex.offset_range(since_ms, until_ms, lambda t: log.offset_for_timestamp(t, end),
                                    log.earliest_offset, end)
+    if first is not None:
+        lo = max(lo, int(first))
     if before is not None:
-        hi = max(lo, min(hi, int(before)))
+        hi = min(hi, int(before))
+    hi = max(lo, hi)
     rows = _Rows(log, end)
     answers = keyindex.lookup(log.key_indexes(lo, hi), bytes(key), lo, hi, rows.keys, max_answers)
     return rows.found(answers)
 
 
-def by_msg_id(log, msg_id: int, read_uncommitted: bool = False) -> Found:
+def by_msg_id(log, msg_id: int, read_uncommitted: bool = False, first: Optional[int] = None,
+              before: Optional[int] = None) -> Found:
     """The message of partition ``log`` with id ``msg_id``: exactly one or none (ids are unique in a
-    broker's partitions)."""
+    broker's partitions); at an offset in [first, before) when given."""
     end = read_end(log, read_uncommitted)
     offset = log.offset_for_msg_id(msg_id, end)
+    if offset is not None and not ((first is None or offset >= first) and (before is None or offset < before)):
+        offset = None
     rows = _Rows(log, end)
     return rows.found([] if offset is None else [offset])
