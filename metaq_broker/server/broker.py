@@ -7,6 +7,7 @@ import fcntl
 import io
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -33,6 +34,7 @@ from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
 from metaq_broker.server.metrics import BrokerMetrics
+from metaq_broker.server.offset_bridge import OffsetBridge
 from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
@@ -47,6 +49,7 @@ from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
+from metaq_broker.zk.metaq_layout import broker_uri
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
 from metaq_broker.zk.users import UserCache, scram_secret
@@ -104,6 +107,11 @@ class Broker:
         # The Kafka listener's port once it listens (kafkaPort >= 0), registered for Kafka clients; the listener
         # itself is issue 27's, still to come: until it sets this, no Kafka address is registered
         self.kafka_port: Optional[int] = None
+        # metaqPort >= 0: the MetaQ listener's port, bound (not listening yet: a connection is refused, not left
+        # hanging) and registered in MetaQ's layout; the listener itself (issue 28, phase 2) listens on it
+        self.metaq_port: Optional[int] = None
+        self._metaq_socket: Optional[socket.socket] = None
+        self.offset_bridge: Optional[OffsetBridge] = None  # group offsets in metaq's and MetaQ's forms (metaqPort)
         self.data_server = None
         self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
         self.stats, self.metrics = BrokerStats(), None
@@ -112,6 +120,7 @@ class Broker:
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
+        self.producer_ids: Optional[ProducerIds] = None  # InitProducerId's ids (server/producer_ids.py)
         self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
         self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
@@ -159,8 +168,7 @@ class Broker:
                                     transactions=self.transactions, disk=self.disk, auth=self.auth,
                                     paths=ZkPaths(cfg.zk_root), group=self.group,
                                     replicas=self.replicas,
-                                    producer_ids=ProducerIds(cfg.broker_id, data, self._groups_zk if
-                                                             self.uses_zookeeper else None, cfg.zk_root))
+                                    producer_ids=self._new_producer_ids())
             service.max_put_bytes = self.put_limit = self.max_put_bytes()
             self.server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc"),
@@ -191,6 +199,12 @@ class Broker:
                 except OSError as e:
                     raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
                 self.data_port = self.data_server.port
+            if cfg.metaq_port >= 0:
+                try:
+                    self._metaq_socket = _bind(cfg.host_name, cfg.metaq_port)
+                except OSError as e:
+                    raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
+                self.metaq_port = self._metaq_socket.getsockname()[1]
             host = cfg.advertised_host
             service.own_addresses = (f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}")
             self.server.start()
@@ -201,8 +215,9 @@ class Broker:
                     cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
                     {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
                     session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
-                    replica_id=cfg.replica_id, on_registered=lambda: self.group and self.group.wake(),
-                    before_register=self._before_register)
+                    replica_id=cfg.replica_id, on_registered=self._registered,
+                    before_register=self._before_register,
+                    metaq_uri=None if self.metaq_port is None else broker_uri(host, self.metaq_port))
                 self.group = self._new_group_member()
                 service.group = self.group
                 self.registration.start()
@@ -211,6 +226,9 @@ class Broker:
                 if role not in ("master", "replica"):
                     log.warning("group %d member %d has no role yet: no master is alive and this member may not "
                                 "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
+            if self.uses_zookeeper and self.metaq_port is not None:
+                self.offset_bridge = OffsetBridge(self.store, cfg.broker_id, cfg.zk_root, self._groups_zk,
+                                                  lambda: self.is_master).start()
             # Only the master settles prepared transactions from their decision records.
             self.resolver = TransactionResolver(self.transactions, cfg.broker_id, self._resolver_zk).start()
             service.settle_ahead = self._settle_ahead
@@ -328,11 +346,29 @@ class Broker:
                 "lastEpoch": last_epoch, "logEnd": log_end,
                 **({"instance": self.instance} if self.instance is not None else {}),
                 **({"dataPort": self.data_port} if self.data_port is not None else {}),
+                **({"metaqPort": self.metaq_port} if self.metaq_port is not None else {}),
                 **({"kafkaPort": self.kafka_port} if self.kafka_port is not None else {})}
 
     def _standing(self) -> tuple:
         parts = self.store.all_partitions()
         return (max([p.last_epoch for p in parts], default=0), sum(p.log_end_offset for p in parts))
+
+    def _new_producer_ids(self) -> ProducerIds:
+        cfg = self.config
+        self.producer_ids = ProducerIds(
+            cfg.broker_id, cfg.data_path, self._groups_zk if self.uses_zookeeper else None, cfg.zk_root,
+            in_use=lambda: [pid for p in self.store.all_partitions() for pid in p.producer_ids()])
+        return self.producer_ids
+
+    def _registered(self) -> None:
+        """Registered in ZooKeeper (again): the group looks at its roles, and the producer id floor is made
+        known (after ZooKeeper lost its data, no broker may give out ids this one's partitions use)."""
+        if self.group is not None:
+            self.group.wake()
+        try:
+            self.producer_ids.publish_floor()
+        except Exception as e:  # noqa: BLE001 - a later block is still taken above this broker's floor
+            log.warning("could not write the producer id floor to ZooKeeper: %s", e)
 
     def _new_group_member(self) -> GroupMember:
         cfg = self.config
@@ -369,6 +405,7 @@ class Broker:
     def _demote(self, why: str) -> None:
         self.replicas.deactivate()
         self.transactions.follow()
+        self.registration.set_publishing(False)  # MetaQ's master nodes go (metaq's own went with the election)
 
     def _replicas_caught_up(self) -> bool:
         """Every other in-sync member has fetched the whole log, durably, and the whole journal (the
@@ -513,12 +550,16 @@ class Broker:
             self.server.stop(grace).wait()  # refuses new calls, lets running ones finish
         if self.resolver is not None:
             self.resolver.stop()
+        if self.offset_bridge is not None:
+            self.offset_bridge.stop()  # before the store closes: it reads the logs
         if self.transactions is not None:
             self.transactions.close()
         if self.metrics is not None:
             self.metrics.stop()  # before the store closes: scrapes read it
         if self.store is not None:
             self.store.close()  # fsyncs every partition
+        if self._metaq_socket is not None:
+            self._metaq_socket.close()
         for cache in (self._acls, self._users):
             if cache is not None:
                 cache.close()
@@ -580,3 +621,16 @@ class Broker:
         text = io.StringIO()
         parser.write(text)
         replace_file(path, text.getvalue().encode("utf-8"))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port), SO_REUSEADDR as a listener's, not listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
