@@ -24,6 +24,8 @@ from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store import lookup
 from metaq_broker.store.keyindex import KeyIndex, hash_key
 
+pytestmark = pytest.mark.unit
+
 SMALL = TopicConfig(max_segment_size=4096, retention_bytes=-1)
 
 
