@@ -4,7 +4,8 @@ the source answers itself, so that Spark reads only what they select.
 Answered exactly, and so taken from Spark: ``topic`` and ``partition`` equal to or in a list (fewer
 partitions), ``offset`` compared with a number or equal to one (narrower ranges; an IN list's range is
 read and the list stays with Spark too), ``key`` equal to or in a list (the brokers' key indexes through
-``Lookup``, when every subscribed topic keeps one), ``msgId`` equal to or in a list (the offset index), and
+``Lookup``, when every subscribed topic keeps one), ``msgId`` equal to or in a list (the offset index; lists
+of at most MAX_LOOKUPS: a lookup per value in every task costs more than reading a range), and
 the ``IsNotNull`` Spark adds beside them on columns that are never null or that such a filter requires.
 Anything else stays with Spark (``timestamp`` too: a message's create time is not what the time index
 orders). Spark calls ``pushFilters`` only when ``spark.sql.python.filterPushdown.enabled`` is true
@@ -22,6 +23,7 @@ NEVER_NULL = {"topic", "partition", "offset", "timestamp", "timestampType", "msg
 _EQUAL = (EqualTo, EqualNullSafe)
 _COMPARE = (GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual)
 MAX_OFFSET = 2 ** 63 - 1
+MAX_LOOKUPS = 256  # keys or ids a query may push: each costs every task a Lookup; a longer list is Spark's
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,11 @@ def push(filters, key_index: bool) -> tuple:
         p = None
         if col in ("topic", "partition") and values is not None and all(isinstance(v, str) for v in values):
             p = replace(pushed, **{col + "s": _restrict(getattr(pushed, col + "s"), values)})
-        elif col == "key" and key_index and values is not None and all(_bytes(v) is not None for v in values):
+        elif col == "key" and key_index and values is not None and len(values) <= MAX_LOOKUPS and \
+                all(_bytes(v) is not None for v in values):
             p = replace(pushed, keys=_restrict(pushed.keys, map(_bytes, values)))
-        elif col == "msgId" and values is not None and all(_int(v) is not None for v in values):
+        elif col == "msgId" and values is not None and len(values) <= MAX_LOOKUPS and \
+                all(_int(v) is not None for v in values):
             p = replace(pushed, msg_ids=_restrict(pushed.msg_ids, values))
         elif col == "offset" and values is not None and all(_int(v) is not None for v in values):
             lo, hi = pushed.offsets

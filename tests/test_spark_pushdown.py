@@ -11,7 +11,7 @@ from pyspark.sql.datasource import EqualTo, GreaterThan, In, IsNotNull, LessThan
 
 from conftest import wait_until
 from metaq_broker.client.producer import Producer
-from metaq_spark.pushdown import MAX_OFFSET, Pushed, push
+from metaq_spark.pushdown import MAX_LOOKUPS, MAX_OFFSET, Pushed, push
 from spark_helpers import reader
 
 PUSHDOWN = "spark.sql.python.filterPushdown.enabled"
@@ -44,6 +44,11 @@ def test_push_takes_what_it_answers_exactly_and_hands_back_the_rest():
     pushed, kept = push([offsets, EqualTo(("msgId",), "7"), EqualTo(("key",), None)], key_index=True)
     assert pushed.offsets == (3, 10) and kept == [offsets, EqualTo(("msgId",), "7"), EqualTo(("key",), None)]
     assert push([], key_index=True)[0] == Pushed() and Pushed().offsets == (0, MAX_OFFSET)
+
+    # A list longer than MAX_LOOKUPS costs more lookups than reading: Spark's.
+    many = In(("key",), tuple(b"k%d" % i for i in range(MAX_LOOKUPS + 1)))
+    assert push([many], key_index=True) == (Pushed(), [many])
+    assert push([In(("msgId",), tuple(range(MAX_LOOKUPS)))], key_index=True)[1] == []
 
 
 @pytest.fixture
