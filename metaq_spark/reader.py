@@ -176,7 +176,8 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
 def _look_up(part: MetaqPartition, fetcher: PartitionFetcher, number: int) -> Iterator[pa.RecordBatch]:
     """The messages of the range [start, end) with a pushed key or message id: the broker's lookups
     (``Lookup``, a call per key or id, going on where a full reply stopped), never a read of the range.
-    As a range read, it fails (or with failOnDataLoss=false warns) when retention took offsets it needs."""
+    As a range read, it fails (or with failOnDataLoss=false warns) when retention took offsets it needs or
+    the partition now ends below the range, and waits for transactions open in it to settle."""
     earliest, latest, _ = fetcher.offsets()
     start = part.start
     if earliest > start:
@@ -186,14 +187,20 @@ def _look_up(part: MetaqPartition, fetcher: PartitionFetcher, number: int) -> It
             raise DataLossError(message + "; set failOnDataLoss=false to skip them")
         log.warning("%s; skipping to %d", message, earliest)
         start = earliest
-    if start >= part.end:
+    end, latest = part.end, fetcher.offsets()[1]
+    while latest < end:  # as a range read: wait for open transactions, or the partition lost its tail
+        if not _await_stable(part, fetcher, latest):
+            end = latest
+            break
+        latest = fetcher.offsets()[1]
+    if start >= end:
         return
     columns = part.columns or COLUMNS
     what = [("key", k) for k in sorted(part.keys)] if part.keys is not None else \
         [("msg_id", m) for m in sorted(part.msg_ids)]
     found = []
     for name, value in what:
-        before = part.end
+        before = end
         while True:
             request = LookupRequest(part.topic, partitions=(number,), max_answers=MAX_ANSWERS, first={number: start},
                                     before={number: before}, **{name: value})

@@ -6,6 +6,8 @@ ways and as a scan of the topic finds them; ``explain`` names what was pushed; a
 index keeps key filters with Spark."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from pyspark.sql.datasource import EqualTo, GreaterThan, In, IsNotNull, LessThanOrEqual, StringStartsWith
 
@@ -115,6 +117,23 @@ def test_pushed_filters_give_the_rows_spark_finds_and_explain_names_them(orders,
                 assert "PushedFilters" not in plan, plan
             if "key = cast('order-7'" in where:
                 assert plain and {r[3] for r in plain} == {b"order-7"}  # a query that finds something
+        # A range given by options: lookups answer only within it (and page through it).
+        bounds = {"startingOffsets": json.dumps({subscribe: {"1-0": 300, "2-1": 3}}),
+                  "endingOffsets": json.dumps({subscribe: {"1-0": 600, "2-1": 100, "1-1": 50, "2-0": 1}})}
+        got = {}
+        for setting in ("false", "true"):
+            spark.conf.set(PUSHDOWN, setting)
+            got[setting] = rows(reader(spark, orders, subscribe=subscribe, **bounds).where(
+                "key IN (cast('order-3' as binary), cast('order-4' as binary))"))
+        assert got["true"] == got["false"] and "1-0" in {r[1] for r in got["true"]}
+        limits = {"1-0": (300, 600), "2-1": (3, 100), "1-1": (0, 50), "2-0": (0, 1)}
+        assert all(limits[r[1]][0] <= r[2] < limits[r[1]][1] for r in got["true"])
+        # A range past the partition's end (a broker that lost messages): the same error both ways.
+        for setting in ("false", "true"):
+            spark.conf.set(PUSHDOWN, setting)
+            with pytest.raises(Exception, match="2-0 went backwards"):
+                reader(spark, orders, subscribe=subscribe, endingOffsets=json.dumps({subscribe: {"2-0": 100_000}})) \
+                    .where("key = cast('order-4' as binary)").collect()
         spark.conf.set(PUSHDOWN, "true")
         assert rows(reader(spark, orders, subscribe=subscribe)) == \
             rows(reader(spark, orders, subscribe=subscribe).where("key IS NULL OR key IS NOT NULL"))
