@@ -187,7 +187,7 @@ def _look_up(part: MetaqPartition, fetcher: PartitionFetcher, number: int) -> It
             raise DataLossError(message + "; set failOnDataLoss=false to skip them")
         log.warning("%s; skipping to %d", message, earliest)
         start = earliest
-    end, latest = part.end, fetcher.offsets()[1]
+    end = part.end
     while latest < end:  # as a range read: wait for open transactions, or the partition lost its tail
         if not _await_stable(part, fetcher, latest):
             end = latest
