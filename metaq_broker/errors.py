@@ -29,6 +29,10 @@ class InvalidQueryError(MetaqError, ValueError):
     """A lookup that can never match: a time range whose start is after its end, a non-positive count."""
 
 
+class NoKeyIndexError(InvalidQueryError):
+    """A lookup by key on a topic that keeps no key index (``keyIndex=false``)."""
+
+
 class OffsetOutOfRangeError(MetaqError, LookupError):
     """An offset outside the stored log; carries the valid range. ``latest`` is where reading stops: the
     partition's last stable offset (Kafka's ``latest`` for a read_committed consumer), not its log end."""

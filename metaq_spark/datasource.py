@@ -2,6 +2,7 @@
 source Spark instantiates, handing out the readers (``reader``) and the writers (``sink``)."""
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from pyspark.sql.datasource import DataSource
@@ -9,7 +10,7 @@ from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, St
                                TimestampType)
 
 from metaq_spark.options import OptionError, SourceOptions, parse
-from metaq_spark.reader import MetaqBatchReader, MetaqStreamReader
+from metaq_spark.reader import MetaqBatchReader, MetaqFilteringBatchReader, MetaqStreamReader
 from metaq_spark.sink import writer
 
 # As Kafka's source: ``value`` is null for a null value (a tombstone); ``timestamp`` is the create time where
@@ -55,7 +56,11 @@ class MetaqDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema) -> "MetaqBatchReader":
-        return MetaqBatchReader(_options(self.options, schema, streaming=False))
+        """With filter pushdown on, a reader that answers filters itself (``pushdown``); else the plain one:
+        pyspark 4.3 fails a filtered query whose reader defines ``pushFilters`` while
+        spark.sql.python.filterPushdown.enabled is false, and it says which only by the worker it asks."""
+        opts = _options(self.options, schema, streaming=False)
+        return MetaqFilteringBatchReader(opts) if _pushing_filters() else MetaqBatchReader(opts)
 
     def streamReader(self, schema) -> "MetaqStreamReader":
         return MetaqStreamReader(_options(self.options, schema, streaming=True))
@@ -67,3 +72,17 @@ class MetaqDataSource(DataSource):
     def streamWriter(self, schema, overwrite: bool):
         """``df.writeStream.format("metaq")``: exactly once by default, see ``metaq_spark.sink``."""
         return writer(self.options, schema, streaming=True)
+
+
+def _pushing_filters() -> bool:
+    """Is the reader made by pyspark's filter pushdown worker? It is only started, and so only asks for a
+    reader, with spark.sql.python.filterPushdown.enabled true (the setting itself never reaches Python)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(PUSHDOWN_WORKER):
+            return True
+        frame = frame.f_back
+    return False
+
+
+PUSHDOWN_WORKER = "data_source_pushdown_filters.py"  # pyspark/sql/worker/

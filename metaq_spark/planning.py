@@ -137,6 +137,15 @@ class Planner:
         seen = self.consumer.identities
         return {t: {p: seen.get((t, p), "") for p in ps} for t, ps in offsets.items()}
 
+    def keeps_key_index(self, topics) -> bool:
+        """Do all of ``topics`` keep a key index (``keyIndex``) on every broker that has them? (A broker from
+        before key indexes says nothing: no.)"""
+        for topic in topics:
+            for bid in sorted({b for b, _ in self.consumer.cluster.topic_partitions(topic)}):
+                if self.consumer.topic_config(topic, bid).get("keyIndex") != "true":
+                    return False
+        return True
+
     def offsets_at(self, topic: str, partitions, timestamp_ms: int) -> dict:
         """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
         return {p: r[2] for p, r in self.consumer.offsets(topic, partitions, timestamp_ms=timestamp_ms).items()}
@@ -257,8 +266,9 @@ class MetaqPartition(InputPartition):
     def __init__(self, topic: str, partition: str, address: str, start: int, end: int, fetch_max_bytes: int,
                  fail_on_data_loss: bool, fetch_timeout_ms: int, data_address: Optional[str] = None,
                  security: Optional[ClientSecurity] = None, other_members: tuple = (), columns: Optional[tuple] = None,
-                 identity: str = ""):
+                 identity: str = "", keys: Optional[tuple] = None, msg_ids: Optional[tuple] = None):
         super().__init__((topic, partition, start, end))
+        self.keys, self.msg_ids = keys, msg_ids  # pushed filters: only messages with these keys or ids (lookups)
         self.identity = identity  # of the log the range was planned in ("": not known, not checked)
         self.columns = columns  # the query's columns when it gave a schema (None: all of the source's)
         self.other_members = other_members  # ((address, data address), ...) of its group's other members
@@ -272,13 +282,14 @@ class MetaqPartition(InputPartition):
 
 
 def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dict, identities: Optional[dict] = None,
-                    restarts: Optional[dict] = None) -> list:
+                    restarts: Optional[dict] = None, keys: Optional[tuple] = None, msg_ids: Optional[tuple] = None) -> list:
     """One Spark partition per MetaQ partition range, split further to reach minPartitions. Only the
     offsets given count (a replay reads the same rows): a partition missing from ``start`` has no range
     yet (``latestOffset`` records its start first), and one whose end is below its start (its broker lost
     messages, failOnDataLoss=false) reads nothing. ``restarts`` ({topic: {partition: offset}}, from the
     end offsets) replaces the start of a partition whose log was replaced (``check_identities``);
-    ``identities`` are the logs' the ranges are of, checked by the tasks."""
+    ``identities`` are the logs' the ranges are of, checked by the tasks. ``keys``, ``msg_ids``: pushed
+    filters, answered by each task with lookups in its range instead of reading it."""
     start = {t: {**ps, **(restarts or {}).get(t, {})} for t, ps in start.items()}
     ranges = [(t, p, start[t][p], e) for t, parts in end.items() for p, e in parts.items()
               if p in start.get(t, {}) and e > start[t][p]]
@@ -295,7 +306,7 @@ def plan_partitions(opts: SourceOptions, planner: Planner, start: dict, end: dic
             if b > a:
                 pieces.append(MetaqPartition(t, p, addr, int(a), int(b), opts.fetch_max_bytes, opts.fail_on_data_loss,
                                              opts.fetch_timeout_ms, data_addr, opts.security, others, opts.columns,
-                                             (identities or {}).get(t, {}).get(p, "")))
+                                             (identities or {}).get(t, {}).get(p, ""), keys, msg_ids))
     return pieces
 
 

@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -26,9 +27,12 @@ from metaq_broker.client.dataconn import DataConnectionPool
 from metaq_broker.client.fetcher import PartitionFetcher
 from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import records
-from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
+from metaq_broker.protocol.lookup import MAX_ANSWERS, LookupRequest, pack_request, unpack_reply
+from metaq_broker.protocol.lookup import PATH as LOOKUP_PATH
+from metaq_broker.protocol.status import BrokerUnavailableError, RemoteOffsetOutOfRangeError
 from metaq_spark.group_commit import IDENTITIES, MARKER, RECORDER, RESTARTS, identities_in, mark, unmark
 from metaq_spark.options import LATEST, SourceOptions
+from metaq_spark.pushdown import Pushed, push
 from metaq_spark.planning import (DataLossError, MetaqPartition, Planner, UnsettledTransactionError, _proportional,
                                   _sorted, check_data_loss, check_identities, plan_partitions, resolve_start)
 
@@ -93,7 +97,10 @@ def read_partition(part: MetaqPartition) -> Iterator[pa.RecordBatch]:
                           "fetchTimeoutMs", _members_in_turn(pool, part)) as fetcher:
         if not _same_log(part, fetcher):
             return
-        yield from _read_partition(part, fetcher)
+        if part.keys is None and part.msg_ids is None:
+            yield from _read_partition(part, fetcher)
+        else:
+            yield from _look_up(part, fetcher, number)
         _same_log(part, fetcher)  # a wipe while the range was read: the rows may be the new log's
 
 
@@ -166,6 +173,66 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
             yield to_spark(batch, part.topic, part.partition, columns)
 
 
+def _look_up(part: MetaqPartition, fetcher: PartitionFetcher, number: int) -> Iterator[pa.RecordBatch]:
+    """The messages of the range [start, end) with a pushed key or message id: the broker's lookups
+    (``Lookup``, a call per key or id, going on where a full reply stopped), never a read of the range.
+    As a range read, it fails (or with failOnDataLoss=false warns) when retention took offsets it needs or
+    the partition now ends below the range, and waits for transactions open in it to settle."""
+    earliest, latest, _ = fetcher.offsets()
+    start = part.start
+    if earliest > start:
+        message = (f"offsets {start} to {min(earliest, part.end) - 1} of {part.topic} {part.partition} are gone "
+                   f"(retention removed them)")
+        if part.fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip them")
+        log.warning("%s; skipping to %d", message, earliest)
+        start = earliest
+    end = part.end
+    while latest < end:  # as a range read: wait for open transactions, or the partition lost its tail
+        if not _await_stable(part, fetcher, latest):
+            end = latest
+            break
+        latest = fetcher.offsets()[1]
+    if start >= end:
+        return
+    columns = part.columns or COLUMNS
+    what = [("key", k) for k in sorted(part.keys)] if part.keys is not None else \
+        [("msg_id", m) for m in sorted(part.msg_ids)]
+    found = []
+    for name, value in what:
+        before = end
+        while True:
+            request = LookupRequest(part.topic, partitions=(number,), max_answers=MAX_ANSWERS, first={number: start},
+                                    before={number: before}, **{name: value})
+            batch, complete = _lookup_call(part, request)
+            if not batch.num_rows:
+                break
+            found.append(batch)
+            before = int(pc.min(batch.column("offset")).as_py())
+            if complete and batch.num_rows < MAX_ANSWERS:  # else: stopped by size or count, go on below
+                break
+    if found:
+        table = pa.Table.from_batches(found)
+        table = table.take(pc.sort_indices(table, sort_keys=[("offset", "ascending")])).combine_chunks()
+        for batch in table.to_batches():
+            yield to_spark(batch, part.topic, part.partition, columns)
+
+
+def _lookup_call(part: MetaqPartition, request: LookupRequest) -> tuple:
+    """One ``Lookup`` on the partition's broker group, at its master: while the member asked is not it (a
+    failover), the next member is asked, until fetchTimeoutMs."""
+    deadline = time.monotonic() + part.fetch_timeout_ms / 1000
+    members = [part.address] + [address for address, _ in part.other_members]
+    for turn in itertools.count():
+        try:
+            return unpack_reply(_pool(part.security).get(members[turn % len(members)]).call(
+                LOOKUP_PATH, pack_request(request), retries=3))
+        except BrokerUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _await_stable(part: MetaqPartition, fetcher: PartitionFetcher, offset: int, cause=None) -> bool:
     """The range goes on past the partition's last stable offset. Within the log end a transaction still
     open holds it back: wait for it to settle (up to fetchTimeoutMs, then UnsettledTransactionError), and
@@ -220,6 +287,8 @@ class _PlannerMixin:
 
 
 class MetaqBatchReader(_PlannerMixin, DataSourceReader):
+    pushed = Pushed()  # what pushed filters select (MetaqFilteringBatchReader): nothing is filtered here
+
     def __init__(self, opts: SourceOptions):
         self.opts = opts
 
@@ -234,12 +303,46 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
                    for t, ps in self.opts.ending.items()}
         else:
             end = {t: {p: r[1] for p, r in ps.items()} for t, ps in ranges.items()}
-        return plan_partitions(self.opts, self.planner, start, _sorted(end), identities) or [InputPartition(None)]
+        start, end = self._narrowed(start, _sorted(end))
+        pushed = self.pushed
+        keys = None if pushed.keys is None else tuple(sorted(pushed.keys))
+        msg_ids = None if pushed.msg_ids is None else tuple(sorted(pushed.msg_ids))
+        return plan_partitions(self.opts, self.planner, start, end, identities, keys=keys, msg_ids=msg_ids) or \
+            [InputPartition(None)]
+
+    def _narrowed(self, start: dict, end: dict) -> tuple:
+        """(start, end) of the topics, partitions and offsets the pushed filters leave (all without any)."""
+        pushed = self.pushed
+        if pushed.empty:
+            return {}, {}
+        lo, hi = pushed.offsets
+        narrowed_start, narrowed_end = {}, {}
+        for t, ps in end.items():
+            if pushed.topics is not None and t not in pushed.topics:
+                continue
+            for p, e in ps.items():
+                if p in start.get(t, {}) and (pushed.partitions is None or p in pushed.partitions):
+                    s = max(start[t][p], lo)
+                    narrowed_start.setdefault(t, {})[p], narrowed_end.setdefault(t, {})[p] = s, max(s, min(e, hi))
+        return narrowed_start, narrowed_end
 
     def read(self, partition):
         if partition.value is None:
             return iter(())
         return read_partition(partition)
+
+
+class MetaqFilteringBatchReader(MetaqBatchReader):
+    """A batch reader that answers pushed filters itself (``pushdown``): only made when Spark will call
+    ``pushFilters`` (a reader that defines it fails a query on a session without
+    spark.sql.python.filterPushdown.enabled, so without it queries get the plain ``MetaqBatchReader``)."""
+
+    def pushFilters(self, filters):
+        topics = list(self.planner.partitions(registered=True))
+        self.pushed, kept = push(filters, key_index=bool(topics) and self.planner.keeps_key_index(topics))
+        if self.pushed.shown:
+            log.info("metaq answers these filters itself: %s", ", ".join(self.pushed.shown))
+        return kept
 
 
 class MetaqStreamReader(_PlannerMixin, DataSourceStreamReader, SupportsTriggerAvailableNow):

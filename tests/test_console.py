@@ -195,6 +195,42 @@ def test_message_browser_escapes_values(env, browser):
     wait_until(lambda: browser.find_elements(By.ID, "browse-error"), what="the error of a bad partition")
 
 
+def test_message_browser_finds_by_key_and_by_message_id(env, browser):
+    c, admin, producer, url = env
+    hostile = '<img src=x onerror="window.__pwned = 3">'
+    producer.send_batch(TOPIC, [b"found-1", b"other", b"found-2"], keys=[b"find-me", b"not-me", b"find-me"])
+    producer.send_batch(TOPIC, [b"found-3"], keys=[hostile.encode()])
+    with c.client(Consumer) as consumer:
+        want = [(m.partition, m.offset, m.msg_id) for m in consumer.lookup(TOPIC, key=b"find-me")]
+    assert len(want) == 2
+    open_page(browser, url, "messages", f"?topic={TOPIC}")
+    browser.find_element(By.ID, "key").send_keys("find-me")
+    browser.find_element(By.ID, "find-button").click()
+    wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "tr[data-offset]")) == 2, what="found messages")
+    rows = browser.execute_script("return Array.from(document.querySelectorAll('tr[data-offset]'), "
+                                  "r => [r.dataset.partition, Number(r.dataset.offset)])")
+    assert [tuple(r) for r in rows] == [(p, o) for p, o, _ in want]  # newest first, as the client's lookup
+    assert texts(browser, 'td[data-col="value"]') == ["found-2", "found-1"]
+    assert "find-me" in texts(browser, "#range")[0]
+    screenshot(browser, "messages-find")
+    # by message id: ids pass 2^53, so the page keeps them as text
+    partition, offset, msg_id = want[1]
+    open_page(browser, url, "messages", f"?topic={TOPIC}&msg_id={msg_id}&key=")
+    wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "tr[data-offset]"), what="the message by id")
+    assert texts(browser, 'td[data-col="id"]') == [str(msg_id)]
+    assert cell(browser, f'tr[data-offset="{offset}"][data-partition="{partition}"]', "value") == "found-1"
+    # a key that is markup stays text, in the form, the summary and the table
+    open_page(browser, url, "messages", f"?topic={TOPIC}")
+    browser.find_element(By.ID, "key").send_keys(hostile)
+    browser.find_element(By.ID, "find-button").click()
+    wait_until(lambda: texts(browser, 'td[data-col="value"]') == ["found-3"], what="the hostile key's message")
+    assert texts(browser, 'td[data-col="key"]') == [hostile]
+    assert browser.execute_script("return window.__pwned") is None and not browser.find_elements(By.CSS_SELECTOR,
+                                                                                                 "main img")
+    open_page(browser, url, "messages", f"?topic={TOPIC}&key=&msg_id=12x")  # a bad id: said, not a crash
+    wait_until(lambda: browser.find_elements(By.ID, "browse-error"), what="the error of a bad message id")
+
+
 def test_static_broker_list_without_zookeeper(env):
     """``metaq --brokers ... console``: brokers and topics from the brokers themselves, groups explained."""
     from metaq_broker.console.collector import Clients, Collector

@@ -167,7 +167,8 @@ def test_without_a_login_nothing_of_the_cluster_is_shown(cluster, console, brows
         ".then(r => r.text().then(t => done([r.status, t])))")
     assert answer[0] == 401 and no_secret(answer[1])
     web = Web(console)
-    for path in ("/api/snapshot", "/api/history", "/api/messages?topic=payroll&partition=1-0", "/api/whoami"):
+    for path in ("/api/snapshot", "/api/history", "/api/messages?topic=payroll&partition=1-0", "/api/whoami",
+                 "/api/lookup?topic=payroll&key=k"):
         status, _, body = web.request("GET", path)
         assert status == 401 and no_secret(body) and json.loads(body)["error"] == "log in first", (path, body)
     status, headers, body = web.request("GET", "/static/app.js")
@@ -200,7 +201,8 @@ def test_a_foreign_host_header_gets_nothing_logged_in_or_not(cluster, console):
                what="payroll in admin's snapshot")
     for host in (EVIL, f"{EVIL}:{web.port}", "127.0.0.1.attacker.example", "", "localhost:80@evil"):
         for method, path in (("GET", "/"), ("GET", "/api/snapshot"), ("GET", "/api/messages?topic=payroll&"
-                             "partition=1-0"), ("GET", "/login"), ("HEAD", "/"), ("POST", "/login")):
+                             "partition=1-0"), ("GET", "/api/lookup?topic=payroll&key=k"), ("GET", "/login"),
+                             ("HEAD", "/"), ("POST", "/login")):
             status, _, body = web.request(method, path, headers={"Host": host})
             assert status == 421 and no_secret(body), (host, method, path, status, body)
     for host in ("localhost", f"LOCALHOST:{web.port}", f"[::1]:{web.port}"):  # loopback names are served

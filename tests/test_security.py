@@ -305,6 +305,20 @@ def test_sasl_users_produce_and_consume_as_their_acls_allow(secured, pki, mechan
             c.fetch("orders-eu", "1-0", 0)
 
 
+def test_lookups_need_read_on_the_topic(secured, pki):
+    bs, broker, _ = secured
+    with bs.client(Producer, sasl(pki, "alice"), use_data_port=False) as p:
+        wait_until(lambda: len(p.cluster.topic_partitions("orders-eu")) == 2, what="orders-eu")
+        p.send_batch("orders-eu", [b"found"], keys=[b"lookup-key"], partition="1-0")
+    with bs.client(Consumer, sasl(pki, "bob")) as c:  # Read
+        assert [m.value for m in c.lookup("orders-eu", key=b"lookup-key")] == [b"found"]
+    with bs.client(Consumer, sasl(pki, "dave")) as c:  # Write but not Read: neither by key nor by id
+        with pytest.raises(AuthorizationError, match="User:dave is not allowed Read on topic 'orders-eu'"):
+            c.lookup("orders-eu", key=b"lookup-key")
+        with pytest.raises(AuthorizationError, match="User:dave is not allowed Read on topic 'orders-eu'"):
+            c.lookup("orders-eu", msg_id=1, partitions=["1-0"])
+
+
 @pytest.mark.parametrize("user, password", [("alice", "not-her-password"), ("mallory", "whatever")])
 @pytest.mark.parametrize("mechanism", ["SCRAM-SHA-256", "PLAIN"])
 def test_wrong_password_and_unknown_user_are_refused_alike(secured, pki, user, password, mechanism):

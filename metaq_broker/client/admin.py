@@ -186,9 +186,6 @@ class Admin(ClientBase):
                        for p in d.partitions)
         return out
 
-    def topic_config(self, topic: str, broker_id: int) -> dict:
-        return dict(self.call(broker_id, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3).config)
-
     def create_topic(self, topic: str, num_partitions: int = 0, broker_ids: Optional[list] = None,
                      config: Optional[dict] = None) -> list:
         """Create ``topic`` on the given brokers (default: every live broker), ``num_partitions`` each

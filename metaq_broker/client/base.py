@@ -213,6 +213,10 @@ class ClientBase:
                 error = e
         raise error
 
+    def topic_config(self, topic: str, broker_id: int) -> dict:
+        """The topic's settings on broker ``broker_id`` (its INI keys and values, ``DescribeTopic``)."""
+        return dict(self.call(broker_id, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3).config)
+
     # -- offsets --------------------------------------------------------------------------------------
     def offset_bounds(self, topic: str, partitions: Optional[Iterable[str]] = None,
                       timestamp_ms: Optional[int] = None) -> dict:

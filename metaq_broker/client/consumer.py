@@ -3,21 +3,25 @@ client, end to end) or to message objects; keep a group's offsets in ZooKeeper; 
 share a group's partitions among its members with MetaQ's ids/owners scheme."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from metaq_broker.client.base import ClientBase
 from metaq_broker.client.fetcher import PartitionFetcher
-from metaq_broker.errors import AuthenticationError
-from metaq_broker.names import parse_partition_name
+from metaq_broker.errors import AuthenticationError, InvalidQueryError
+from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.protocol import lookup as lookup_protocol
 from metaq_broker.protocol import records
+from metaq_broker.protocol.lookup import DEFAULT_MAX_ANSWERS, MAX_ANSWERS, LookupRequest
 from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS
 from metaq_broker.zk.group_offsets import GroupStore
 
@@ -60,6 +64,21 @@ class Fetched:
             d["timestampType"])]
 
 
+def _ms(value, name: str) -> Optional[int]:
+    """A time bound as ms since the epoch: an int, or a datetime (naive ones are local time)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return int(value.timestamp() * 1000)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidQueryError(f"{name} must be ms since the epoch or a datetime, got {value!r}")
+    return value
+
+
+_LOOKUP_SCHEMA = pa.schema([f for f in lookup_protocol.REPLY_SCHEMA if f.name != "partition"]).insert(
+    2, pa.field("partition", pa.string(), nullable=False))
+
+
 class Consumer(ClientBase):
     def __init__(self, zk_connect: Optional[str] = None, zk_root: str = "/meta", brokers=None,
                  group: Optional[str] = None, timeout: float = 30.0, security=None):
@@ -96,6 +115,79 @@ class Consumer(ClientBase):
             batches.append(f.batch)
             offset = f.next_offset
         return pa.Table.from_batches(batches, schema=records.schema(timestamp_type=True))
+
+    # -- lookups ----------------------------------------------------------------------------------------
+    def lookup(self, topic: str, key=None, msg_id: Optional[int] = None, start_ms=None, end_ms=None,
+               max_messages: int = DEFAULT_MAX_ANSWERS, partitions: Optional[Iterable[str]] = None,
+               read_uncommitted: bool = False) -> list:
+        """The messages of ``topic`` whose key is ``key`` (bytes, or str as UTF-8), newest first, at most
+        ``max_messages``; or the message with id ``msg_id`` (ids are unique per broker: one answer from each
+        broker at most, and in practice one or none). ``start_ms``/``end_ms`` (ms since the epoch or
+        datetimes, either open) bound their store times. Only committed messages unless ``read_uncommitted``;
+        ``partitions`` (``<brokerId>-<n>`` names): only these. Answered by the brokers' key indexes
+        (``Lookup``), never by reading the topic. Returns ``Message`` objects; ``lookup_arrow`` the same
+        as Arrow."""
+        table = self.lookup_arrow(topic, key, msg_id, start_ms, end_ms, max_messages, partitions, read_uncommitted)
+        d = table.to_pydict()
+        return [Message(topic, *row) for row in zip(
+            d["partition"], d["offset"], d["key"], d["value"], d["timestamp"], d["msgId"], d["flag"],
+            d["attribute"], d["timestampType"])]
+
+    def lookup_arrow(self, topic: str, key=None, msg_id: Optional[int] = None, start_ms=None, end_ms=None,
+                     max_messages: int = DEFAULT_MAX_ANSWERS, partitions: Optional[Iterable[str]] = None,
+                     read_uncommitted: bool = False) -> pa.Table:
+        """``lookup`` as one Arrow table: a fetch's columns with record headers, ``partition``
+        (``<brokerId>-<n>``) and ``storeTime`` (ms), newest first."""
+        if isinstance(key, str):
+            key = key.encode()
+        if (key is None) == (msg_id is None):
+            raise InvalidQueryError("give a key or a message id, one of them")
+        if key is not None and not isinstance(key, (bytes, bytearray, memoryview)):
+            raise InvalidQueryError(f"a key is bytes or str, got {type(key).__name__}")
+        if msg_id is not None and (isinstance(msg_id, bool) or not isinstance(msg_id, int)):
+            raise InvalidQueryError(f"a message id is an integer, got {msg_id!r}")
+        since, until = _ms(start_ms, "start_ms"), _ms(end_ms, "end_ms")
+        if since is not None and until is not None and since > until:
+            raise InvalidQueryError(f"start_ms ({since} ms) is after end_ms ({until} ms): no message can be in that "
+                                    f"time range")
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or not 1 <= max_messages <= MAX_ANSWERS:
+            raise InvalidQueryError(f"max_messages must be an integer from 1 to {MAX_ANSWERS}, got {max_messages!r}")
+        by_broker: dict = {}
+        for name in (list(partitions) if partitions is not None else self.partitions(topic)):
+            bid, n = parse_partition_name(name)
+            by_broker.setdefault(bid, []).append(n)
+        tables = []
+        for bid, numbers in sorted(by_broker.items()):
+            request = LookupRequest(topic, None if key is None else bytes(key), msg_id,
+                                    None if partitions is None else tuple(numbers), since, until, max_messages,
+                                    read_uncommitted)
+            tables += [t.append_column("broker", pa.array([bid] * t.num_rows, pa.int32()))
+                       for t in self._lookup_broker(bid, request)]
+        if not tables:
+            return _LOOKUP_SCHEMA.empty_table()
+        table = pa.concat_tables(tables)
+        table = table.take(pc.sort_indices(table, sort_keys=[("storeTime", "descending"), ("broker", "ascending"),
+                                                             ("partition", "ascending"), ("offset", "descending")]))
+        table = table.slice(0, max_messages)
+        names = [partition_name(b, n) for b, n in zip(table.column("broker").to_pylist(),
+                                                      table.column("partition").to_pylist())]
+        return table.drop_columns(["broker", "partition"]).append_column("partition", pa.array(names, pa.string())) \
+            .select(_LOOKUP_SCHEMA.names)
+
+    def _lookup_broker(self, bid: int, request: LookupRequest) -> list:
+        """Broker ``bid``'s answers, as tables, asking again from where a reply had to stop (its size)."""
+        out, left = [], request.max_answers
+        while True:
+            batch, complete = lookup_protocol.unpack_reply(self.call(bid, lookup_protocol.PATH,
+                                                                     lookup_protocol.pack_request(request), retries=3))
+            out.append(pa.Table.from_batches([batch]))
+            left -= batch.num_rows
+            if complete or left <= 0 or not batch.num_rows:
+                return out
+            before = dict(request.before)
+            for p, o in zip(batch.column("partition").to_pylist(), batch.column("offset").to_pylist()):
+                before[p] = min(o, before.get(p, o))
+            request = dataclasses.replace(request, max_answers=left, before=before)
 
     # -- group offsets (ZooKeeper) --------------------------------------------------------------------
     def _group_store(self):

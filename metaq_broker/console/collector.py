@@ -34,6 +34,15 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+def _shown(d: dict) -> list:
+    """Messages (columns of a decoded batch, as lists) as the message browser shows them."""
+    partitions = d.get("partition", [None] * len(d["offset"]))
+    return [{"partition": p, "offset": o, "timestamp": ts.isoformat(timespec="milliseconds") + "Z" if ts else None,
+             "key": show_bytes(k), "value": show_bytes(v), "msg_id": str(m), "flag": fl, "attribute": a}
+            for p, o, k, v, ts, m, fl, a in zip(partitions, d["offset"], d["key"], d["value"], d["timestamp"],
+                                                d["msgId"], d["flag"], d["attribute"])]
+
+
 def show_bytes(data: Optional[bytes]) -> Optional[dict]:
     """A key or value for the page: ``{"text": ...}`` when it is UTF-8 without control characters (the
     page escapes it by setting it as text), else ``{"hex": ...}``; ``size`` always, cut to
@@ -398,11 +407,16 @@ class Collector:
         if start >= last_stable:
             return out
         f = consumer.fetch(topic, partition, start, max_bytes=4 << 20, max_messages=count)
-        d = f.batch.to_pydict()  # at most MAX_BROWSE rows: shown one by one anyway
         out["next"] = f.next_offset
-        out["messages"] = [
-            {"offset": o, "timestamp": ts.isoformat(timespec="milliseconds") + "Z" if ts else None,
-             "key": show_bytes(k), "value": show_bytes(v), "msg_id": m, "flag": fl, "attribute": a}
-            for o, k, v, ts, m, fl, a in zip(d["offset"], d["key"], d["value"], d["timestamp"], d["msgId"],
-                                             d["flag"], d["attribute"])]
+        out["messages"] = _shown(f.batch.to_pydict())  # at most MAX_BROWSE rows: shown one by one anyway
         return out
+
+    def find(self, topic: str, key: Optional[str], msg_id: Optional[int], partition: Optional[str],
+             count: int) -> dict:
+        """The messages of ``topic`` with ``key`` (UTF-8), newest first, at most ``count``, or the one with
+        ``msg_id``; in ``partition`` or all: the brokers' lookups (``Consumer.lookup_arrow``)."""
+        count = max(1, min(int(count), MAX_BROWSE))
+        table = self.clients.consumer().lookup_arrow(topic, key=key, msg_id=msg_id, max_messages=count,
+                                                      partitions=[partition] if partition else None)
+        return {"topic": topic, "key": key, "msg_id": None if msg_id is None else str(msg_id),  # ids pass 2^53
+                "partition": partition, "messages": _shown(table.to_pydict())}

@@ -1,6 +1,6 @@
 """The console's HTTP server: the pages (static files shipped in the package), and a JSON API the pages
-poll (``/api/snapshot``, ``/api/history``, ``/api/messages``, ``/api/whoami``). Standard library only;
-read-only but for logging in and out. Who may ask is access.py's: every request must name a Host the
+poll (``/api/snapshot``, ``/api/history``, ``/api/messages``, ``/api/lookup``, ``/api/whoami``). Standard
+library only; read-only but for logging in and out. Who may ask is access.py's: every request must name a Host the
 console serves; with a SASL_SSL cluster every page and API needs a login, and a logged-in person's
 answers come from clients acting as them (``UserViews``), so the brokers' ACLs decide what they see."""
 from __future__ import annotations
@@ -324,6 +324,21 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 return self._json(HTTPStatus.OK, collector.browse(arg["topic"], arg["partition"], start, count))
             except Exception as e:  # noqa: BLE001 - e.g. an offset out of range, a broker down, an ACL
+                return self._json(HTTPStatus.OK, {"error": _error(e)})
+        if what == "lookup":
+            arg = {k: v[-1] for k, v in query.items()}
+            key, msg_id = arg.get("key"), arg.get("msg_id", "")
+            if not arg.get("topic") or (key is None) == (msg_id == ""):
+                return self._json(HTTPStatus.BAD_REQUEST, {"error": "give a topic and a key or a message id"})
+            try:
+                msg_id = int(msg_id) if msg_id != "" else None
+                count = int(arg.get("count") or 50)
+            except ValueError:
+                return self._json(HTTPStatus.BAD_REQUEST, {"error": "message id and count must be whole numbers"})
+            try:
+                return self._json(HTTPStatus.OK, collector.find(arg["topic"], key, msg_id, arg.get("partition"),
+                                                                count))
+            except Exception as e:  # noqa: BLE001 - e.g. a topic without a key index, a broker down, an ACL
                 return self._json(HTTPStatus.OK, {"error": _error(e)})
         self._json(HTTPStatus.NOT_FOUND, {"error": f"no API {what!r}"})
 

@@ -346,6 +346,9 @@ class EncodedBody:
     message_sizes: np.ndarray  # bytes each message contributes (for byte budgets)
     max_message_size: int
     metaq_bytes: int = 0  # the batch's bytes in MetaQ's message-set layout (``metaq_sizes``)
+    # Where its keys are, for the key index (``body_keys``): the key Arrow array (``encode_body``), or the
+    # key lengths (-1: null) and where the key bytes start in ``parts[0]`` (``parse_body``); None: no keys.
+    keys: object = None
 
 
 def headers_column(headers, n: int) -> Optional[pa.Array]:
@@ -501,7 +504,7 @@ def encode_body(
     for p in parts:
         body_crc = crc(p, body_crc)
     return EncodedBody(n, bits | layout << LAYOUT_SHIFT, parts, size, body_crc, sizes.astype(np.uint32),
-                       max_message_size, _metaq_total(n, value_bytes, attr_len))
+                       max_message_size, _metaq_total(n, value_bytes, attr_len), key_arr)
 
 
 # A body's integer columns, one row each, in their order: flag, value length, key length, attribute length,
@@ -611,7 +614,8 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
         raise RecordFormatError(f"batch body lengths add up to {end} bytes, the body has {size}", 0)
     column_bytes = sum(entry for _, _, entry, _ in plan)
     return EncodedBody(count, attributes, [body], size, body_crc, (sizes + column_bytes).astype(np.uint32),
-                       int(sizes.max()), _metaq_total(count, value_bytes, attr))
+                       int(sizes.max()), _metaq_total(count, value_bytes, attr),
+                       None if key is None else (key, pos + value_bytes))
 
 
 def _check_headers(body, start: int, counts: np.ndarray, layout: int) -> tuple:
@@ -646,6 +650,46 @@ def _check_utf8(body, start: int, lengths: np.ndarray, what: str) -> None:
                               ).validate(full=True)
     except pa.ArrowInvalid:
         raise RecordFormatError(f"{what} is not valid UTF-8", 0) from None
+
+
+def body_keys(body: EncodedBody) -> Optional[tuple]:
+    """(bytes, starts, lengths) of a body's keys for the key index: key i is ``bytes[starts[i]:][:lengths[i]]``,
+    a length of -1 a null key; None when the body has no keys. Views, a few numpy steps per batch."""
+    keys = body.keys
+    if keys is None:
+        return None
+    if isinstance(keys, pa.Array):
+        n = len(keys)
+        offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4).astype(np.int64)
+        data = keys.buffers()[2]
+        lengths = np.diff(offsets)
+        if keys.null_count:
+            lengths[~np.asarray(keys.is_valid())] = NULL_LENGTH
+        return (np.frombuffer(data, np.uint8) if data is not None else _NO_BYTES), offsets[:-1], lengths
+    lengths, at = keys
+    sized = np.maximum(lengths, 0)
+    return np.frombuffer(body.parts[0], np.uint8), at + np.cumsum(sized) - sized, lengths
+
+
+_NO_BYTES = np.zeros(0, np.uint8)
+
+
+def key_spans(u8: np.ndarray, positions: np.ndarray) -> Optional[tuple]:
+    """(message offsets, starts, lengths) of the keys in the whole batches at ``positions`` of ``u8``
+    (checked batches: a log's or a replica's copy), markers left out, as ``body_keys`` gives them (starts
+    into ``u8``); None when none of them has a key column. Vectorised over the batches."""
+    positions = np.asarray(positions, np.int64)
+    if not len(positions):
+        return None
+    h = headers_at(u8, positions)
+    keyed = ((h["attributes"] & HAS_KEYS) != 0) & ((h["attributes"] & CONTROL) == 0)
+    if not keyed.any():
+        return None
+    L = _batch_layout(u8, positions[keyed])
+    lengths = L.lengths[KEY_COL - VALUE_COL]
+    offsets, region, _ = L.regions[KEY_COL - VALUE_COL]
+    starts = L.per_message(region - offsets[L.first_msg]) + offsets[:-1]
+    return L.numbered(L.h["base_offset"]), starts, lengths
 
 
 def encode_header(body: EncodedBody, base_offset: int, base_msg_id: int, timestamp_ms: int, txn: int = 0,

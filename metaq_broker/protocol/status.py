@@ -8,10 +8,10 @@ import grpc
 
 from metaq_broker.errors import (AuthenticationError, AuthorizationError, ConfigError, CorruptLogError, DiskFullError,
                                  DuplicateSequenceError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
-                                 InvalidTopicError, MessageTooLargeError, MetaqError, NotAcknowledgedError,
-                                 NotEnoughReplicasError, NotMasterError, OffsetOutOfRangeError, OutOfOrderSequenceError,
-                                 PartitionClosedError, ProducerFencedError, StoreClosedError, TransactionError,
-                                 UnknownTopicError)
+                                 InvalidQueryError, InvalidTopicError, MessageTooLargeError, MetaqError,
+                                 NotAcknowledgedError, NotEnoughReplicasError, NotMasterError, OffsetOutOfRangeError,
+                                 OutOfOrderSequenceError, PartitionClosedError, ProducerFencedError, StoreClosedError,
+                                 TransactionError, UnknownTopicError)
 from metaq_broker.protocol.records import RecordFormatError
 
 
@@ -123,8 +123,8 @@ TABLE = [
     ((DiskFullError,), grpc.StatusCode.RESOURCE_EXHAUSTED, RemoteDiskFullError),
     ((UnknownTopicError,), grpc.StatusCode.NOT_FOUND, RemoteUnknownTopicError),
     ((OffsetOutOfRangeError,), grpc.StatusCode.OUT_OF_RANGE, RemoteOffsetOutOfRangeError),
-    ((InvalidPartitionError, InvalidOffsetError, InvalidTopicError, InvalidMessageError, ConfigError,
-      RecordFormatError), grpc.StatusCode.INVALID_ARGUMENT, RemoteInvalidArgumentError),
+    ((InvalidPartitionError, InvalidOffsetError, InvalidTopicError, InvalidMessageError, InvalidQueryError,
+      ConfigError, RecordFormatError), grpc.StatusCode.INVALID_ARGUMENT, RemoteInvalidArgumentError),
     ((CorruptLogError,), grpc.StatusCode.DATA_LOSS, RemoteDataLossError),
     ((StoreClosedError,), grpc.StatusCode.UNAVAILABLE, BrokerUnavailableError),
     ((NotMasterError,), grpc.StatusCode.UNAVAILABLE, RemoteNotMasterError),

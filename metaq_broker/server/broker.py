@@ -342,7 +342,7 @@ class Broker:
             own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
         service = BrokerService(self.handler)
         pb_grpc.add_BrokerServicer_to_server(service, self.server)
-        self.server.add_generic_rpc_handlers((service.raw_handler(), service.auth_handler()))
+        self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), service.auth_handler()))
         if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
             self.server.add_generic_rpc_handlers((
                 GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),

@@ -79,6 +79,7 @@ TOPIC_KEYS: dict = {
     "retentionBytes": ("retention_bytes", _int(-1, 2 ** 62)),
     "minInSyncReplicas": ("min_insync_replicas", _int(1, MAX_REPLICAS)),
     "producer.id.expiration.ms": ("producer_id_expiration_ms", _int(1, 2 ** 62)),
+    "keyIndex": ("key_index", _bool),
 }
 
 # [system]-only keys: INI name -> (BrokerConfig field, parser); defaults live in BrokerConfig.
@@ -168,7 +169,12 @@ def topic_config_from(base: TopicConfig, overrides: Mapping[str, str], where: st
 
 
 def topic_ini_values(topic: TopicConfig) -> dict:
-    return {key: str(getattr(topic, attr)) for key, (attr, _) in TOPIC_KEYS.items()}
+    return {key: _ini(getattr(topic, attr)) for key, (attr, _) in TOPIC_KEYS.items()}
+
+
+def _ini(value) -> str:
+    """A setting as the INI file writes it (``true``/``false`` for booleans)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 _UNROUTABLE = ("0.0.0.0", "::", "[::]")

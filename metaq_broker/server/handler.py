@@ -34,6 +34,7 @@ from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.records import RecordFormatError
 from metaq_broker.security.acl import CLUSTER
+from metaq_broker.server import lookup
 from metaq_broker.server.config import topic_ini_values
 from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
@@ -383,6 +384,18 @@ class RequestHandler:
         self._allow(principal, "Read", "topic", topic)
         self.gate()
         return self._open_partition(topic, partition)
+
+    def lookup(self, principal: str, request) -> bytes:
+        """Messages by key or message id (a ``protocol.lookup`` request), answered by ``server.lookup`` from
+        the topic's partitions asked for (all open ones by default): Read on the topic, as a fetch."""
+        self._allow(principal, "Read", "topic", request.topic)
+        self.gate()
+        if request.partitions is None:
+            parts = [(p.partition, p) for p in self.store.partitions(request.topic)
+                     if (request.topic, p.partition) not in self._closed]
+        else:
+            parts = [(n, self._open_partition(request.topic, n)) for n in request.partitions]
+        return lookup.answer(parts, request, self.limits.max_transfer_size)
 
     def authorize_replica(self, principal: str) -> None:
         """A group member's replica fetch needs ClusterAction on the cluster (Kafka's inter-broker right),

@@ -15,6 +15,7 @@ import grpc
 from metaq_broker.errors import MetaqError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
+from metaq_broker.protocol import lookup as lookup_protocol
 from metaq_broker.protocol import rawfetch, rawput, records
 from metaq_broker.protocol.services import AUTH_SERVICE, AUTHENTICATE
 from metaq_broker.protocol.status import code_of
@@ -105,6 +106,17 @@ class BrokerService(pb_grpc.BrokerServicer):
         fetch = grpc.unary_unary_rpc_method_handler(self.FetchRaw, request_deserializer=pb.FetchRequest.FromString)
         put = grpc.unary_unary_rpc_method_handler(self.Put, response_serializer=pb.PutResponse.SerializeToString)
         return grpc.method_handlers_generic_handler(rawfetch.SERVICE, {rawfetch.METHOD: fetch, rawput.METHOD: put})
+
+    @rpc
+    def Lookup(self, request, context, principal):
+        """Messages by key or message id (``protocol.lookup``: a JSON request, an Arrow reply)."""
+        return self.handler.lookup(principal, lookup_protocol.unpack_request(request))
+
+    def lookup_handler(self) -> grpc.GenericRpcHandler:
+        """Serves ``Lookup`` (not in metaq.proto: a JSON request, an Arrow reply) beside the generated
+        methods."""
+        return grpc.method_handlers_generic_handler(lookup_protocol.SERVICE, {
+            lookup_protocol.METHOD: grpc.unary_unary_rpc_method_handler(self.Lookup)})
 
     @rpc
     def GetOffsets(self, request, context, principal):

@@ -79,6 +79,10 @@ class TopicConfig:
     # Bytes of log between two entries of a segment's sparse offset index (Kafka's index.interval.bytes): a
     # lookup walks at most this much of batch headers; the index costs 32 bytes per this many of log.
     index_interval_bytes: int = 4096
+    # A key index per segment (``<start>.keys``, docs/storage-format.md section 15): lookups by key. About 13
+    # bytes on disk and in memory (the active segment's) for each message with a key; false for a topic that
+    # needs no lookups by key (lookups by message id and offset need none).
+    key_index: bool = True
 
     def __post_init__(self):
         if isinstance(self.delete_policy, str):
@@ -90,7 +94,10 @@ class TopicConfig:
             if f.name == "delete_policy":
                 continue
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool):
+            if f.type in ("bool", bool):
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{f.name} must be true or false, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{f.name} must be an integer, got {v!r}")
         if not 1 <= self.num_partitions <= 10_000:
             raise ConfigError(f"num_partitions must be between 1 and 10000, got {self.num_partitions}")

@@ -34,12 +34,13 @@ import numpy as np
 import pyarrow as pa
 
 from metaq_broker.errors import InvalidQueryError
+from metaq_broker.protocol import records
 from metaq_broker.protocol.records import crc
 from metaq_broker.store.durable import fsync_dir
 
 SUFFIX = ".keys"
 MAGIC = b"MQKEYIX1"
-HEADER = struct.Struct("<8sqqqIIII")  # then a u32 CRC-32C of these 48 bytes, and zeros to 64
+HEADER = struct.Struct("<8sqqqqIIII")  # then a u32 CRC-32C of these 56 bytes, and zeros to 64
 HEADER_SIZE = 64
 
 MIN_SLOT_BITS, MAX_SLOT_BITS = 10, 24  # 2^10 slots at first, four times as many when chains average > LOAD
@@ -73,14 +74,18 @@ def hash_key(key: bytes) -> int:
     return z ^ (z >> 31)
 
 
-def _index_keys(data, offsets, rows, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - compiled
-    """Entries n + 1, n + 2, ... for the keys ``rows[i]`` of an Arrow binary column (``data``, ``offsets``)
-    at offsets ``rels[i]``: the high 32 bits of each key's ``hash_key``, chained behind its slot's head.
-    Returns the new entry count. Run compiled (``_kernels``): a loop per key, in machine code."""
+def _index_keys(data, starts, lengths, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - compiled
+    """Entries n + 1, n + 2, ... for the keys ``data[starts[i]:][:lengths[i]]`` (a length below 0: no key,
+    no entry) of the messages at relative offsets ``rels[i]``: the high 32 bits of each key's
+    ``hash_key``, chained behind its slot's head. Returns the new entry count. Run compiled
+    (``_kernels``): a loop per key, in machine code."""
     golden, m1, m2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)  # local: numba folds them once
     eight, one = np.uint64(8), np.uint64(1)
-    for i in range(rows.shape[0]):
-        a, b = np.int64(offsets[rows[i]]), np.int64(offsets[rows[i] + 1])
+    for i in range(starts.shape[0]):
+        if lengths[i] < 0:
+            continue
+        a = np.int64(starts[i])
+        b = a + np.int64(lengths[i])
         total, place, j = np.uint64(b - a) * golden, one, a
         while j < b:
             x, shift_in = np.uint64(0), np.uint64(0)
@@ -182,27 +187,55 @@ class KeyIndex:
             keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else pa.array(keys, _BINARY)
         if keys.type != _BINARY:
             keys = keys.cast(_BINARY)
-        n = len(keys)
-        rows = np.flatnonzero(np.asarray(keys.is_valid())) if keys.null_count else np.arange(n)
+        spans = records.body_keys(records.EncodedBody(len(keys), 0, [], 0, 0, None, 0, 0, keys))
+        self.add_spans(offsets, *spans, next_offset=next_offset)
+
+    def add_body(self, base_offset: int, body: records.EncodedBody) -> None:
+        """Index an appended batch's keys (``records.body_keys``: views of the body, no Arrow conversion);
+        its messages are at ``base_offset`` on."""
+        spans = records.body_keys(body)
+        if spans is None:
+            self.cover(base_offset + body.count)
+        else:
+            self.add_spans(base_offset, *spans)
+
+    def add_batches(self, u8: np.ndarray, positions: np.ndarray, next_offset: int) -> None:
+        """Index the keys of the whole batches at ``positions`` of ``u8`` (``records.key_spans``: a replica's
+        copy, a rebuild from the log), markers left out; afterwards the index covers below ``next_offset``."""
+        found = records.key_spans(u8, positions)
+        if found is None:
+            self.cover(next_offset)
+        else:
+            offsets, starts, lengths = found
+            self.add_spans(offsets, u8, starts, lengths, next_offset)
+
+    def cover(self, next_offset: int) -> None:
+        """The index covers offsets below ``next_offset`` (messages without keys, markers)."""
+        with self._writing():
+            self.next_offset = max(self.next_offset, next_offset)
+
+    def add_spans(self, offsets, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  next_offset: Optional[int] = None) -> None:
+        """``add`` for keys given as spans of ``data`` (``records.body_keys``): key i is
+        ``data[starts[i]:][:lengths[i]]``, none where the length is below 0."""
+        n = len(starts)
         if isinstance(offsets, (int, np.integer)):
-            rels, last = rows + (int(offsets) - self.base_offset), int(offsets) + n - 1
+            rels, last = np.arange(n, dtype=np.int64) + (int(offsets) - self.base_offset), int(offsets) + n - 1
         else:
             offsets = np.asarray(offsets, np.int64)
             if len(offsets) != n:
                 raise ValueError(f"{len(offsets)} offsets for {n} keys")
-            rels, last = offsets[rows] - self.base_offset, int(offsets[-1]) if n else None
+            rels, last = offsets - self.base_offset, int(offsets[-1]) if n else None
+        keyed = np.flatnonzero(lengths >= 0)
         with self._writing():
-            if len(rows):
-                first, final = int(rels[0]), int(rels[-1])
+            if len(keyed):
+                first, final = int(rels[keyed[0]]), int(rels[keyed[-1]])
                 if self.base_offset + first < self.next_offset or final >= 1 << 32:
                     raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
                                      f"this index's (base offset {self.base_offset}, {self._n} entries)")
-                self._make_room(len(rows))
-                _, key_offsets, data = keys.buffers()
-                self._n = _kernels()[0](np.frombuffer(data, np.uint8) if data is not None and len(data) else _EMPTY,
-                                        np.frombuffer(key_offsets, np.int32, n + 1, keys.offset * 4), rows, rels,
-                                        self._slots, np.uint32(32 - self._bits), self._hash, self._prev, self._off,
-                                        self._n)
+                self._make_room(len(keyed))
+                self._n = _kernels()[0](data if len(data) else _EMPTY, starts, lengths, rels, self._slots,
+                                        np.uint32(32 - self._bits), self._hash, self._prev, self._off, self._n)
             cover = next_offset if next_offset is not None else None if last is None else last + 1
             if cover is not None:
                 self.next_offset = max(self.next_offset, cover)
@@ -220,7 +253,7 @@ class KeyIndex:
         if _bits_for(n + m, self._max_bits) != self._bits:
             self._rebuild(n, _bits_for(n + m, self._max_bits))
         if n + m > len(self._hash):
-            self._hash, self._prev, self._off = (_grown(a, n, max(4 * len(a), n + m))
+            self._hash, self._prev, self._off = (_grown(a, n, max(2 * len(a), n + m))
                                                  for a in (self._hash, self._prev, self._off))
 
     def _rebuild(self, n: int, bits: int) -> None:
@@ -267,22 +300,23 @@ class KeyIndex:
             return out
 
     # -- the file -----------------------------------------------------------------------------------------
-    def encode(self) -> list:
-        """The file's bytes, as parts for one write: header, slots, then the three entry columns."""
+    def encode(self, segment_size: int = 0) -> list:
+        """The file's bytes, as parts for one write: header, slots, then the three entry columns.
+        ``segment_size``: bytes of the segment file it describes (a load checks them)."""
         with self._lock or _NO_LOCK:
             columns = [np.array(self._slots)] + [np.array(c) for c in self.columns()]
             n, bits, next_offset = self._n, self._bits, self.next_offset
-        head = HEADER.pack(MAGIC, self.base_offset, self.start, next_offset, bits, n,
+        head = HEADER.pack(MAGIC, self.base_offset, self.start, next_offset, segment_size, bits, n,
                            crc(memoryview(columns[0]).cast("B")),
                            _crcs(memoryview(c).cast("B") for c in columns[1:]))
         head += struct.pack("<I", crc(head))
         return [head + b"\0" * (HEADER_SIZE - len(head))] + [memoryview(c).cast("B") for c in columns]
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, segment_size: int = 0) -> None:
         """Write the index whole (temporary name, fsync, rename, fsync of the directory)."""
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            for part in self.encode():
+            for part in self.encode(segment_size):
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())
@@ -290,9 +324,11 @@ class KeyIndex:
         fsync_dir(path.parent)
 
     @classmethod
-    def load(cls, path: Path, base_offset: int, start: int) -> "KeyIndex":
+    def load(cls, path: Path, base_offset: int, start: int, segment_size: Optional[int] = None,
+             segment_next: Optional[int] = None) -> "KeyIndex":
         """A sealed segment's index from its file, checked (checksums, chains that point back, offsets in
-        order), memory-mapped read-only. IndexProblem says what is wrong."""
+        order; the segment's size and next offset when given), memory-mapped read-only. IndexProblem says
+        what is wrong."""
         try:
             with open(path, "rb") as f:
                 raw = f.read(HEADER_SIZE)
@@ -301,12 +337,16 @@ class KeyIndex:
             raise IndexProblem("is missing") from None
         if len(raw) < HEADER_SIZE:
             raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
-        magic, base, seg_start, next_offset, bits, n, slots_crc, entries_crc = HEADER.unpack_from(raw)
+        magic, base, seg_start, next_offset, size, bits, n, slots_crc, entries_crc = HEADER.unpack_from(raw)
         if magic != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
             raise IndexProblem("has a bad header (magic or checksum)")
         if (base, seg_start) != (base_offset, start):
             raise IndexProblem(f"belongs to offset {base}, start {seg_start}; the segment is offset {base_offset}, "
                                f"start {start}")
+        if (segment_size is not None and size != segment_size) or (segment_next is not None and
+                                                                     next_offset != segment_next):
+            raise IndexProblem(f"describes a segment of {size} bytes up to offset {next_offset}; the segment has "
+                               f"{segment_size} bytes up to offset {segment_next}")
         if not 0 <= bits <= MAX_SLOT_BITS or file_size != HEADER_SIZE + 4 * (1 << bits) + 12 * n:
             raise IndexProblem(f"is {file_size} bytes for 2^{bits} slots and {n} entries")
         slots = np.memmap(path, np.uint32, "r", HEADER_SIZE, (1 << bits,))
@@ -343,7 +383,8 @@ def _crcs(parts) -> int:
 
 
 def _grown(column: np.ndarray, n: int, capacity: int) -> np.ndarray:
-    """``column``'s first ``n`` values in a new array of ``capacity`` (fourfold growth: few copies)."""
+    """``column``'s first ``n`` values in a new array of ``capacity`` (twofold growth: few copies, at most
+    half of it unused)."""
     out = np.empty(capacity, np.uint32)
     out[:n] = column[:n]
     return out

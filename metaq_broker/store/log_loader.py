@@ -3,7 +3,8 @@ its first read or append, in one place and in this order:
 
 1. its identity (``identity.py``), made before the first segment for a new log;
 2. its segments (``recovery.py``): names, contiguity, each sealed segment's index checked, rebuilt or
-   converted, the tail validated and a torn tail cut; the flush-mode marker kept in step;
+   converted, the tail validated and a torn tail cut; the tail's key index rebuilt from its keys (a sealed
+   segment's is read from its file when a lookup first needs it); the flush-mode marker kept in step;
 3. transaction and idempotent-producer state: their snapshots, then a header scan of the batches written
    after them (``partition_txns.py``, ``producer_state.py``);
 4. the leader epochs (``epochs.py``): entries past the log end dropped, markers missing from the file (or a
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 # until the first recovery after switching back to group commit: recovery must then not assume that every
 # acknowledged batch was fsynced.
 ACKS_BEFORE_FSYNC = "acks-before-fsync"
-READ_CHUNK = 64 << 20  # bytes of batches read at a time by header scans
 
 
 @dataclass
@@ -75,6 +75,8 @@ def load(directory, name: str, config: TopicConfig, ids: MessageIdAllocator, clo
            else None if acks_before_fsync
            else "under group commit no fsync covered them, so none was acknowledged")
     segments = tuple(recover(directory, name, cut, config.index_interval_bytes))
+    if config.key_index:  # the tail's key index lives in memory: rebuilt from its keys (sealed ones: on use)
+        segments[-1].keys = segments[-1].build_keys()
     _record_flush_mode(directory, config)
     active, end = segments[-1], segments[-1].next_offset
     earliest = segments[0].base_offset
@@ -134,10 +136,10 @@ def read_batches(segments: tuple, start: int, stop: int):
     offset = start
     while offset < stop:
         seg = segment_for(segments, offset)
-        first, length, next_offset = seg.plan(offset, stop, READ_CHUNK, stop)
-        u8 = seg.read(first, length)
-        yield u8, batch_starts(u8, seg.path)
-        offset = next_offset
+        if seg.next_offset <= offset:
+            raise CorruptLogError(f"{seg.path}: no segment holds offset {offset}", seg.path)
+        for u8, positions, offset in seg.chunks(offset, min(stop, seg.next_offset)):
+            yield u8, positions
 
 
 def stream_columns(u8: np.ndarray, positions: np.ndarray) -> tuple:

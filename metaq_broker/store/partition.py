@@ -36,8 +36,8 @@ from typing import Callable, Optional
 import numpy as np
 import pyarrow as pa
 
-from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError, OffsetOutOfRangeError,
-                                 StoreClosedError)
+from metaq_broker.errors import (CorruptLogError, InvalidOffsetError, MessageTooLargeError, NoKeyIndexError,
+                                 OffsetOutOfRangeError, StoreClosedError)
 from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.protocol import records
 from metaq_broker.store import epochs as epoch_file
@@ -54,6 +54,7 @@ from metaq_broker.store.retention import archive_segment, removal_reason
 from metaq_broker.store.segment import Segment, batch_starts, segment_for
 
 NO_PRODUCER = (records.NO_PRODUCER,) * 3
+MAX_SEGMENT_OFFSETS = (1 << 32) - 1  # a segment's offsets, relative to its base, fit the key index's u32
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class PartitionLog:
         self._unflushed = 0
         self._last_flush = clock()
         self.fsync_count, self.fsync_seconds = 0, 0.0  # data fsyncs of appends, for the broker's metrics
+        self._keys_due: list = []  # sealed segments whose key index is still to be written (``_write_keys_due``)
 
     @classmethod
     def open(cls, directory, topic: str, partition: int, config: TopicConfig,
@@ -378,6 +380,7 @@ class PartitionLog:
             return [AppendResult(stored.base_offset, stored.count, stored.base_msg_id, stored.timestamp,
                                  self._recovery_point >= end, duplicate=True)]
         self._written()
+        self._write_keys_due()
         if self.config.group_commit and not transactional:
             self._await_durable(end)
         return results
@@ -420,7 +423,9 @@ class PartitionLog:
         nbytes = 0
         for item in items:
             nbytes += records.HEADER_SIZE + item[0].size
-        if seg.count and seg.size + nbytes > self.config.max_segment_size:
+        count = sum(item[0].count for item in items)
+        if seg.count and (seg.size + nbytes > self.config.max_segment_size
+                          or self._log_end_offset + count - seg.base_offset > MAX_SEGMENT_OFFSETS):
             seg = self._roll()
         parts, batches, placed = [], [], []
         offset, position, metaq_end = self._log_end_offset, seg.end, self._metaq_end
@@ -435,7 +440,13 @@ class PartitionLog:
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
         seg.append(parts, nbytes, batches)
+        keys = seg.keys
         for (base, msg_id), (body, txn, flags, commit, producer) in zip(placed, items):
+            if keys is not None:  # before the batch is published: a reader finds what it can read
+                if flags & records.CONTROL:
+                    keys.cover(base + body.count)
+                else:
+                    keys.add_body(base, body)
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing
                     self.txns.on_marker(txn, base, commit)
@@ -516,13 +527,26 @@ class PartitionLog:
             self._epochs_dirty = False
         self._save_txns()  # first: recovery then needs to scan only from the new segment on
         old.seal()  # fsyncs the log and writes the index: all of it is durable now
+        if old.keys is not None:  # its key index is written once the write lock is let go
+            self._keys_due.append(old)
         n = len(old.entries())
         new = Segment.create(self.directory, old.end, self._log_end_offset, self.config.index_interval_bytes,
-                             n + n // 8)
+                             n + n // 8, self.config.key_index)
         self._segments = self._segments + (new,)
         self._unflushed = 0
         log.debug("%s: rolled to segment %s at offset %d", self.name, new.path.name, new.base_offset)
         return new
+
+    def _write_keys_due(self) -> None:
+        """Write the key indexes of segments sealed by this thread's appends, outside the write lock: the
+        next append need not wait for them. Until written, lookups use them from memory; a crash before
+        leaves the file missing, and the first lookup that needs it rebuilds it from the log."""
+        if not self._keys_due:
+            return
+        with self._write_lock:
+            due, self._keys_due = self._keys_due, []
+        for seg in due:
+            seg.write_keys()
 
     def _fsync(self, seg: Segment) -> None:
         """``seg.fsync()``, counted and timed for the broker's metrics."""
@@ -643,10 +667,12 @@ class PartitionLog:
                 raise CorruptLogError(f"{what}: begins at offset {int(h['base_offset'][0])}, the log ends at "
                                       f"{self._log_end_offset}", what, 0)
             found, i = [], 0
+            nexts = h["base_offset"] + h["count"].astype(np.int64)  # each batch's next offset
             while i < len(positions):  # a step per segment written, not per batch
                 seg = self._segments[-1]
                 room = self.config.max_segment_size - seg.size
-                j = int(np.searchsorted(ends, int(positions[i]) + room, "right"))
+                j = min(int(np.searchsorted(ends, int(positions[i]) + room, "right")),
+                        int(np.searchsorted(nexts, seg.base_offset + MAX_SEGMENT_OFFSETS, "right")))
                 if j <= i:
                     if seg.count:
                         self._roll()
@@ -658,6 +684,8 @@ class PartitionLog:
                 # version 2 batches continue the stream as recovery computes it (_stream_end)
                 anchor = self._metaq_end if seg.count else records.METAQ_ANCHOR * seg.start
                 seg.append([u8[lo:hi]], hi - lo, run)
+                if seg.keys is not None:
+                    seg.keys.add_batches(u8, positions[i:j], int(nexts[j - 1]))
                 self._metaq_end = int(records.stream_ends(byte_base[i:j], metaq[i:j], anchor)[-1])
                 self.txns.scan(u8, positions[i:j])
                 self.producers.scan(u8, positions[i:j])
@@ -672,6 +700,7 @@ class PartitionLog:
                 self._unflushed += int(batches["count"].sum())
                 self._publish(end)  # as append: visible once written under unflushThreshold > 0
         self._written()
+        self._write_keys_due()
         return end
 
     def truncate_to(self, offset: int) -> int:
@@ -694,9 +723,8 @@ class PartitionLog:
             self._rebuild_txns(cut, producers=True)
             self._epochs.truncate(cut)
             for dropped in reversed(segs[i + 1:]):  # newest first: a crash leaves a contiguous prefix
-                dropped.path.unlink()
-                dropped.index_path.unlink(missing_ok=True)
-            tail = seg.truncated(cut)
+                _remove_files(dropped)
+            tail = seg.truncated(cut, self.config.key_index)
             self._segments = tuple(segs[:i]) + (tail,)
             fsync_dir(self.directory)
             self._cut_ends(cut)
@@ -725,10 +753,10 @@ class PartitionLog:
             self._epochs.reset(epoch, offset)
             self._epochs_dirty = False
             for dropped in reversed(segs):
-                dropped.path.unlink()
-                dropped.index_path.unlink(missing_ok=True)
+                _remove_files(dropped)
             fsync_dir(self.directory)
-            self._segments = (Segment.create(self.directory, segs[-1].end, offset, self.config.index_interval_bytes),)
+            self._segments = (Segment.create(self.directory, segs[-1].end, offset, self.config.index_interval_bytes,
+                                             keyed=self.config.key_index),)
             self._cut_ends(offset)
             self._metaq_end = records.METAQ_ANCHOR * segs[-1].end
             if identity is not None and identity != self._identity.id:
@@ -888,9 +916,10 @@ class PartitionLog:
             raise OffsetOutOfRangeError(f"{self.name}", offset, segs[0].base_offset, end)
         return segment_for(segs, offset).batch_at(offset, end).timestamp
 
-    def offset_for_timestamp(self, timestamp_ms: int) -> int:
-        """The first offset stored at or after ``timestamp_ms``; the last stable offset if there is none."""
-        end = self.last_stable_offset
+    def offset_for_timestamp(self, timestamp_ms: int, end: Optional[int] = None) -> int:
+        """The first offset stored at or after ``timestamp_ms``; the last stable offset (or ``end``, at most
+        the log end offset) if there is none."""
+        end = self.last_stable_offset if end is None else min(end, self._log_end_offset)
         for seg in self._segments:
             if seg.base_offset >= end:
                 break
@@ -937,16 +966,26 @@ class PartitionLog:
             taken, offset = taken + have, hi
         return offset
 
-    def offset_for_msg_id(self, msg_id: int) -> Optional[int]:
-        """The offset of the message whose id is ``msg_id``, if it is below the last stable offset; None
-        otherwise (exactly one answer or none: ids are unique in a partition)."""
+    def offset_for_msg_id(self, msg_id: int, end: Optional[int] = None) -> Optional[int]:
+        """The offset of the message whose id is ``msg_id``, if it is below the last stable offset (or
+        ``end``, at most the log end offset); None otherwise (exactly one answer or none: ids are unique in
+        a partition)."""
         if isinstance(msg_id, bool) or not isinstance(msg_id, (int, np.integer)):
             raise InvalidOffsetError(f"a message id must be an integer, got {msg_id!r}")
-        end = self.last_stable_offset
+        end = self.last_stable_offset if end is None else min(end, self._log_end_offset)
         for seg in self._segments:
             if seg.count and seg.first_msg_id <= msg_id <= seg.last_msg_id:
                 return seg.offset_for_msg_id(int(msg_id), end)
         return None
+
+    def key_indexes(self, lo: int, hi: int) -> list:
+        """The key indexes of the segments holding offsets [lo, hi), oldest first (a sealed segment's read
+        from its file, or rebuilt, the first time: ``Segment.key_index``). InvalidQueryError for a topic
+        without a key index."""
+        if not self.config.key_index:
+            raise NoKeyIndexError(f"topic {self.topic} keeps no key index (keyIndex=false): lookups by key need "
+                                  f"keyIndex=true; lookups by message id need none")
+        return [seg.key_index() for seg in self._segments if seg.next_offset > lo and seg.base_offset < hi]
 
     def position(self, offset: int) -> int:
         """Logical byte position of the batch holding ``offset`` (the segments' end from the visible end on)."""
@@ -981,7 +1020,20 @@ class PartitionLog:
                 problems.append(f"{seg.index_path}: the index does not match the log ({seg.summary()} has "
                                 f"{len(seg.entries())} entries; the log makes {summary} with {len(entries)}); "
                                 f"remove the file and reopen the partition to rebuild it")
+            problem = None if seg.mutable else seg.keys_problem()
+            if problem:
+                problems.append(f"{seg.keys_path} {problem}; metaq log reindex rebuilds it (or a lookup, when it "
+                                f"first needs it)")
         return problems
+
+    def rebuild_key_indexes(self) -> int:
+        """Write every sealed segment's key index again from its log (``metaq log reindex``: for an index
+        lost or damaged, before the first lookups need it); the tail's is rebuilt at every open. Returns
+        the entries written."""
+        if not self.config.key_index:
+            raise NoKeyIndexError(f"topic {self.topic} keeps no key index (keyIndex=false)")
+        with self._write_lock:
+            return sum(seg.rebuild_keys().size for seg in self._segments if not seg.mutable)
 
     # -- retention ------------------------------------------------------------------------------------
     def apply_retention(self, now_ms: Optional[int] = None) -> list:
@@ -1009,8 +1061,7 @@ class PartitionLog:
                 segs.pop(0)
                 total -= seg.size
                 self._segments = tuple(segs)
-                seg.path.unlink()
-                seg.index_path.unlink(missing_ok=True)
+                _remove_files(seg)
                 # Readers holding the segment keep reading the unlinked file; its descriptor closes when
                 # the last of them lets go.
                 removed.append(info)
@@ -1055,3 +1106,11 @@ class PartitionLog:
         with self._data_cond:
             self._data_cond.notify_all()
 
+
+def _remove_files(seg: Segment) -> None:
+    """Delete a segment's files (retention, cuts): the log first, so a crash leaves indexes without a log,
+    which recovery removes, never a log without its index."""
+    seg.removed = True
+    seg.path.unlink()
+    seg.index_path.unlink(missing_ok=True)
+    seg.keys_path.unlink(missing_ok=True)

@@ -17,8 +17,8 @@ from metaq_broker.protocol import records
 from metaq_broker.store import offset_index
 from metaq_broker.store.durable import fsync_dir, make_dirs
 from metaq_broker.store.offset_index import BATCH_DTYPE, DENSE_SUFFIX, IndexProblem
-from metaq_broker.store.segment import (INDEX_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE, Segment,
-                                        batch_header, decode_segment_header, read_exactly, segment_name)
+from metaq_broker.store.segment import (INDEX_SUFFIX, KEYS_SUFFIX, LOG_SUFFIX, NAME_DIGITS, SEGMENT_HEADER_SIZE,
+                                        Segment, batch_header, decode_segment_header, read_exactly, segment_name)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ def recover(directory: Path, name: str, cut: Optional[str], interval: int = offs
             if start is None:
                 raise CorruptLogError(f"{entry}: a segment file must be named by its 20-digit start position", entry)
             starts.append(start)
-        elif entry.name.endswith((INDEX_SUFFIX + ".tmp", DENSE_SUFFIX + ".tmp")):
+        elif entry.name.endswith((INDEX_SUFFIX + ".tmp", DENSE_SUFFIX + ".tmp", KEYS_SUFFIX + ".tmp")):
             log.info("%s: removing %s left by an interrupted index write", name, entry.name)
             entry.unlink()
     starts.sort()
     for entry in directory.iterdir():  # indexes whose segment is gone (e.g. a crash during deletion)
-        for suffix in (INDEX_SUFFIX, DENSE_SUFFIX):
+        for suffix in (INDEX_SUFFIX, DENSE_SUFFIX, KEYS_SUFFIX):
             if entry.name.endswith(suffix) and _parse_segment_name(entry.name[: -len(suffix)] + LOG_SUFFIX) \
                     not in starts:
                 log.info("%s: removing index %s, whose segment is gone", name, entry.name)

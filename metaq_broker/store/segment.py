@@ -1,5 +1,6 @@
-"""One segment of a partition log: ``<start>.meta`` (header + batches) and its sparse offset index
-``<start>.index`` (``offset_index``).
+"""One segment of a partition log: ``<start>.meta`` (header + batches), its sparse offset index
+``<start>.index`` (``offset_index``) and, for a topic with a key index, its key index ``<start>.keys``
+(``keyindex``).
 
 ``start`` is the segment's position in the partition's logical byte stream (the 20-digit file name), so
 segments are contiguous when each one's start plus its size is the next one's start, as in MetaQ. The
@@ -12,8 +13,10 @@ the batch headers from there: at most one window of ``interval`` bytes, read wit
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import struct
+import threading
 import weakref
 from dataclasses import fields
 from pathlib import Path
@@ -24,13 +27,18 @@ import numpy as np
 from metaq_broker.errors import CorruptLogError
 from metaq_broker.protocol import records
 from metaq_broker.protocol.records import crc
-from metaq_broker.store import offset_index
+from metaq_broker.store import keyindex, offset_index
 from metaq_broker.store.durable import append_or_cut_back, fsync_dir, write_all
+from metaq_broker.store.keyindex import IndexProblem as KeyIndexProblem
+from metaq_broker.store.keyindex import KeyIndex
 from metaq_broker.store.offset_index import BATCH_DTYPE, ENTRY_DTYPE, Summary
 
+log = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".meta"
 INDEX_SUFFIX = offset_index.SUFFIX
+KEYS_SUFFIX = keyindex.SUFFIX
+READ_CHUNK = 64 << 20  # bytes of batches read at a time by header scans and key index rebuilds
 NAME_DIGITS = 20
 # Read with a window, so that a batch starting at its very end brings its header along (headers are at most
 # this long). A walk reads the fields every batch version has in its first bytes (``records.HEADER``).
@@ -105,10 +113,16 @@ class Segment:
 
     Readers take no lock: they bound every lookup by the end offset of their snapshot (``end``), below
     which every batch is wholly written and every index entry in place (an append writes the file, then
-    its entries, then publishes ``_n``; readers read ``_n`` before ``_entries``)."""
+    its entries, then publishes ``_n``; readers read ``_n`` before ``_entries``).
+
+    Its key index (a topic with ``key_index``): ``keys``, built in memory while the segment is appended
+    to (the partition adds each batch's keys under its write lock, before publishing them); once sealed,
+    written to ``<start>.keys`` by ``write_keys`` (outside the partition's write lock) and then read from
+    the file when first asked (``key_index``), rebuilt from the log if the file is missing or damaged.
+    ``_keys_lock`` guards that loading and writing."""
 
     def __init__(self, directory: Path, start: int, base_offset: int, fd: int, size: int, summary: Summary,
-                 entries: np.ndarray, mutable: bool, n: Optional[int] = None):
+                 entries: np.ndarray, mutable: bool, n: Optional[int] = None, keys: Optional[KeyIndex] = None):
         self.directory = directory
         self.start = start
         self.base_offset = base_offset
@@ -126,6 +140,10 @@ class Segment:
                         else -1)
         self.mutable = mutable
         self.closed = False
+        self.removed = False  # set by retention and cuts before the files go: no key index is written then
+        self.keys = keys  # the key index in memory: the active segment's, or a sealed one's once read
+        self._keys_unwritten = False  # sealed, its key index not yet in its file (``write_keys``)
+        self._keys_lock = threading.Lock()
         # The descriptor is closed when the last holder lets go: a reader that took a snapshot can
         # finish reading a segment that retention has just removed.
         self._close_fd = weakref.finalize(self, os.close, fd)
@@ -138,6 +156,10 @@ class Segment:
     @property
     def index_path(self) -> Path:
         return self.directory / (segment_name(self.start) + INDEX_SUFFIX)
+
+    @property
+    def keys_path(self) -> Path:
+        return self.directory / (segment_name(self.start) + KEYS_SUFFIX)
 
     @property
     def end(self) -> int:
@@ -162,9 +184,10 @@ class Segment:
     # -- creation -----------------------------------------------------------------------------------
     @classmethod
     def create(cls, directory: Path, start: int, base_offset: int, interval: int = offset_index.DEFAULT_INTERVAL,
-               capacity: int = 64) -> "Segment":
+               capacity: int = 64, keyed: bool = False) -> "Segment":
         """Create an empty segment; its header and the directory entry are fsynced before it is used.
-        ``capacity``: index entries to make room for at once (a roll passes the last segment's count)."""
+        ``capacity``: index entries to make room for at once (a roll passes the last segment's count);
+        ``keyed``: with a key index."""
         path = directory / (segment_name(start) + LOG_SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -176,7 +199,7 @@ class Segment:
             raise
         return cls(directory, start, base_offset, fd, SEGMENT_HEADER_SIZE,
                    offset_index.summary_of(np.empty(0, BATCH_DTYPE), base_offset, start, SEGMENT_HEADER_SIZE, interval),
-                   np.empty(max(capacity, 64), ENTRY_DTYPE), True, 0)
+                   np.empty(max(capacity, 64), ENTRY_DTYPE), True, 0, KeyIndex(base_offset, start) if keyed else None)
 
     @classmethod
     def from_batches(cls, directory: Path, start: int, base_offset: int, fd: int, size: int, batches: np.ndarray,
@@ -235,7 +258,9 @@ class Segment:
         os.fsync(self.fd)
 
     def seal(self) -> None:
-        """Make the segment immutable: fsync the log, write and fsync the index, map it read-only."""
+        """Make the segment immutable: fsync the log, write and fsync the index, map it read-only. Its key
+        index is complete then, and ``write_keys`` writes it; without one, a file left by an earlier
+        configuration goes (it may describe other bytes once this segment is cut)."""
         if not self.mutable:
             return
         os.fsync(self.fd)
@@ -244,12 +269,114 @@ class Segment:
         self._entries = offset_index.load(self.index_path, self.base_offset, self.start, self.size,
                                           self.next_offset, self.start + SEGMENT_HEADER_SIZE)[1]
         self.mutable = False
+        if self.keys is not None:
+            self.keys.cover(self.next_offset)
+            self._keys_unwritten = True
+        else:
+            self.keys_path.unlink(missing_ok=True)
 
-    def truncated(self, cut: int) -> "Segment":
+    def write_keys(self) -> None:
+        """Write a sealed segment's key index to ``<start>.keys`` (tmp, fsync, rename, directory fsync), then
+        let go of the copy in memory: lookups map the file from then on. A failed write (a full disk) is
+        logged and left to a later lookup, which rebuilds the file from the log."""
+        with self._keys_lock:
+            if not self._keys_unwritten:
+                return
+            self._keys_unwritten = False
+            if self.removed:
+                return
+            try:
+                self.keys.write(self.keys_path, self.size)
+            except OSError as e:
+                log.warning("%s: could not write its key index (%s); a lookup rebuilds it from the log",
+                            self.path, e)
+            if self.removed:  # retention took the segment meanwhile
+                self.keys_path.unlink(missing_ok=True)
+            self.keys = None
+
+    def key_index(self) -> KeyIndex:
+        """The segment's key index: the one in memory, else its file's (read once, checked), else one
+        rebuilt from the log and written (a file missing or damaged: logged). Only for a topic with a key
+        index: the active segment of one without has none to give."""
+        keys = self.keys
+        if keys is not None:
+            return keys
+        with self._keys_lock:
+            if self.keys is None:
+                if self.mutable:
+                    raise ValueError(f"{self.path}: this segment keeps no key index")
+                self.keys = self._read_keys()
+            return self.keys
+
+    def _read_keys(self) -> KeyIndex:
+        try:
+            return KeyIndex.load(self.keys_path, self.base_offset, self.start, self.size, self.next_offset)
+        except KeyIndexProblem as e:
+            log.warning("%s %s; rebuilding it from the log", self.keys_path, e)
+        return self._rebuilt_keys()
+
+    def _rebuilt_keys(self) -> KeyIndex:
+        """The key index built from the log, written to its file and mapped from there (kept in memory if
+        the write fails)."""
+        index = self.build_keys()
+        if self.removed:
+            return index
+        try:
+            index.write(self.keys_path, self.size)
+            return KeyIndex.load(self.keys_path, self.base_offset, self.start, self.size, self.next_offset)
+        except (OSError, KeyIndexProblem) as e:
+            log.warning("%s: could not write the rebuilt key index (%s); using it from memory", self.keys_path, e)
+            return index
+
+    def rebuild_keys(self) -> KeyIndex:
+        """A sealed segment's key index built again from the log and written over its file."""
+        with self._keys_lock:
+            self._keys_unwritten = False
+            self.keys = self._rebuilt_keys()
+            return self.keys
+
+    def keys_problem(self) -> Optional[str]:
+        """What is wrong with a sealed segment's ``.keys`` file, if there is one: it does not load, or it is
+        not the index its log makes. None: no file, or a sound one."""
+        if not self.keys_path.exists():
+            return None
+        try:
+            found = KeyIndex.load(self.keys_path, self.base_offset, self.start, self.size, self.next_offset)
+        except KeyIndexProblem as e:
+            return str(e)
+        made = self.build_keys()
+        if b"".join(map(bytes, found.encode(self.size))) != b"".join(map(bytes, made.encode(self.size))):
+            return f"is not the index its log makes ({found.size} entries; the log makes {made.size})"
+        return None
+
+    def build_keys(self) -> KeyIndex:
+        """A key index of the segment's batches, from the log: read ``READ_CHUNK`` at a time, their keys
+        hashed and chained per chunk (``KeyIndex.add_batches``)."""
+        index = KeyIndex(self.base_offset, self.start)
+        for u8, positions, next_offset in self.chunks(self.base_offset, self.next_offset):
+            index.add_batches(u8, positions, next_offset)
+        return index
+
+    def chunks(self, start: int, stop: int):
+        """(bytes, batch starts in them, the offset after them) of the written batches holding offsets
+        [start, stop) of this segment, ``READ_CHUNK`` at a time."""
+        offset = start
+        while offset < stop:
+            first, length, next_offset = self.plan(offset, stop, READ_CHUNK, stop)
+            u8 = self.read(first, length)
+            yield u8, batch_starts(u8, self.path), next_offset
+            offset = next_offset
+
+    def truncated(self, cut: int, keyed: bool = False) -> "Segment":
         """This segment cut before offset ``cut`` (a batch start), fsynced, and appendable again (a
         replica's truncation). A new object with its own descriptor: readers holding this one keep what
         they took, and its close never writes an index for the cut file. A stale ``.index`` of a sealed
-        segment may stay behind: recovery ignores the tail's, sealing rewrites it."""
+        segment may stay behind: recovery ignores the tail's, sealing rewrites it. Its ``.keys`` goes (a
+        later sealing writes it again); ``keyed``: the new object's key index is this one's, cut."""
+        keys = None
+        if keyed:
+            keys = self.key_index().writable_copy()
+            keys.truncate(cut)
         if cut > self.base_offset:
             last = self.batch_at(cut - 1, cut)
             size = last.end - self.start
@@ -261,6 +388,8 @@ class Segment:
         kept = self.entries(cut)
         entries = np.empty(max(64, 2 * len(kept)), ENTRY_DTYPE)
         entries[:len(kept)] = kept
+        self.removed = True  # no key index is written for the bytes this object knows any more
+        self.keys_path.unlink(missing_ok=True)
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
@@ -268,7 +397,8 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return Segment(self.directory, self.start, self.base_offset, fd, size, summary, entries, True, len(kept))
+        return Segment(self.directory, self.start, self.base_offset, fd, size, summary, entries, True, len(kept),
+                       keys)
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, position: int, length: int) -> np.ndarray:
@@ -411,6 +541,7 @@ class Segment:
         try:
             if self.mutable:
                 self.seal()
+            self.write_keys()
         finally:
             self._close_fd()
 

@@ -1,5 +1,5 @@
-"""The ``metaq`` command line: a local ZooKeeper, topics, produce, consume, offsets, groups, stats, SCRAM
-users and ACLs, the quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 the
+"""The ``metaq`` command line: a local ZooKeeper, topics, produce, consume, lookups by key and message id,
+offsets, groups, stats, SCRAM users and ACLs, the quickstart, and offline inspection of partition logs. Exit codes: 0 success, 1 the
 operation failed (the message says why), 2 bad usage. ``--command-config FILE`` (Kafka's name) gives the
 security settings of every command that connects: zk.* keys for ZooKeeper, the rest for brokers."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import click
 from kazoo.exceptions import KazooException, NoAuthError
@@ -24,6 +25,7 @@ from metaq_broker.console.server import run as run_console
 from metaq_broker.devtools.zookeeper import run_foreground
 from metaq_broker.errors import ConfigError, MetaqError
 from metaq_broker.protocol import records
+from metaq_broker.protocol.lookup import DEFAULT_MAX_ANSWERS, MAX_ANSWERS
 from metaq_broker.security import acl as acl_mod
 from metaq_broker.security.scram import DEFAULT_ITERATIONS, MAX_ITERATIONS, MECHANISM, MIN_ITERATIONS, Credential
 from metaq_broker.security.settings import ClientSecurity, ZkSecurity, load_properties, parse_principal
@@ -307,17 +309,7 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
                     else:
                         pos[p] = f.next_offset
                     for m in messages:
-                        if fmt == "text":
-                            out.write((b"null" if m.value is None else m.value) + b"\n")
-                        else:
-                            out.write(json.dumps({
-                                "topic": m.topic, "partition": m.partition, "offset": m.offset,
-                                "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
-                                "value": None if m.value is None else m.value.decode("utf-8", "backslashreplace"),
-                                "timestamp": m.timestamp.isoformat(),
-                                "timestampType": records.TIMESTAMP_TYPE_NAMES[m.timestamp_type],
-                                "msgId": m.msg_id, "flag": m.flag,
-                                "attribute": m.attribute}).encode() + b"\n")
+                        _print_message(out, m, fmt)
                     printed += len(messages)
                 out.flush()
                 if member is not None and moved:
@@ -330,6 +322,62 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
             if member is not None:
                 out.flush()
                 _run(member.commit)
+
+
+def _print_message(out, m, fmt: str) -> None:
+    """A message as ``consume`` and ``lookup`` print it: its value (text; null for a null value), or one
+    JSON object."""
+    if fmt == "text":
+        out.write((b"null" if m.value is None else m.value) + b"\n")
+        return
+    out.write(json.dumps({
+        "topic": m.topic, "partition": m.partition, "offset": m.offset,
+        "key": None if m.key is None else m.key.decode("utf-8", "backslashreplace"),
+        "value": None if m.value is None else m.value.decode("utf-8", "backslashreplace"),
+        "timestamp": m.timestamp.isoformat(), "timestampType": records.TIMESTAMP_TYPE_NAMES[m.timestamp_type],
+        "msgId": m.msg_id, "flag": m.flag, "attribute": m.attribute}).encode() + b"\n")
+
+
+@main.command()
+@click.argument("topic")
+@click.option("--key", default=None, help="the messages with this key (UTF-8), newest first")
+@click.option("--msg-id", "msg_id", type=int, default=None, help="the message with this id")
+@click.option("--since", default=None, metavar="TIME",
+              help="stored at or after TIME: ISO 8601 (local time without a zone) or ms since the epoch")
+@click.option("--until", default=None, metavar="TIME", help="stored at or before TIME (as --since)")
+@click.option("--max", "max_messages", type=click.IntRange(1, MAX_ANSWERS), default=DEFAULT_MAX_ANSWERS,
+              show_default=True, help="at most this many messages")
+@click.option("--partition", "partitions", multiple=True, help="only these partitions (default: all)")
+@click.option("--read-uncommitted", is_flag=True, help="also messages of transactions not yet committed")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def lookup(obj, topic, key, msg_id, since, until, max_messages, partitions, read_uncommitted, fmt):
+    """Print the messages of TOPIC with a key (--key), newest first, or the message with an id (--msg-id),
+    as consume prints them; found through the brokers' key and offset indexes, not by reading the topic.
+    Exit code 0 also when none is found (nothing is printed then)."""
+    if (key is None) == (msg_id is None):
+        raise click.UsageError("give --key or --msg-id, one of them")
+    with _client(Consumer, obj) as consumer:
+        found = _run(consumer.lookup, topic, key=key, msg_id=msg_id, start_ms=_time(since, "--since"),
+                     end_ms=_time(until, "--until"), max_messages=max_messages,
+                     partitions=list(partitions) or None, read_uncommitted=read_uncommitted)
+    out = click.get_binary_stream("stdout")
+    for m in found:
+        _print_message(out, m, fmt)
+    out.flush()
+
+
+def _time(value: Optional[str], option: str) -> Optional[int]:
+    """``--since``/``--until``: ms since the epoch, or an ISO 8601 date and time (local without a zone)."""
+    if value is None:
+        return None
+    if value.lstrip("-").isdigit():
+        return int(value)
+    try:
+        return int(datetime.fromisoformat(value).timestamp() * 1000)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither ms since the epoch nor an ISO 8601 date and time, e.g. "
+                                 f"2024-05-01T12:00:00", param_hint=option) from None
 
 
 def _share(member: GroupMember) -> tuple:
@@ -727,11 +775,12 @@ def log_group():
     """Inspect partition logs in a broker's data directory (run only while the broker is stopped)."""
 
 
-def _open_partition(directory: Path):
+def _open_partition(directory: Path, key_index: bool = False):
+    """The partition in ``directory``; ``key_index``: with its key indexes (only ``reindex`` builds any)."""
     topic, _, num = directory.name.rpartition("-")
     if not topic or not num.isdigit():
         raise click.BadParameter(f"{directory} is not a <topic>-<partition> directory", param_hint="PARTITION_DIR")
-    return PartitionLog.open(directory, topic, int(num), TopicConfig())
+    return PartitionLog.open(directory, topic, int(num), TopicConfig(key_index=key_index))
 
 
 @log_group.command("describe")
@@ -753,6 +802,10 @@ def describe(partition_dir: Path):
                           for s in segments)
         click.echo(f"  sparse offset index: {sum(s.index_entries for s in segments)} entries, {index_bytes} bytes "
                    f"({100 * index_bytes / max(p.size_bytes, 1):.2f}% of the log; the active segment's in memory)")
+        keys = [f for f in (s.path.with_suffix(".keys") for s in segments[:-1]) if f.exists()]
+        key_bytes = sum(f.stat().st_size for f in keys)
+        click.echo(f"  key index: {len(keys)} of {len(segments) - 1} sealed segments have one, {key_bytes} bytes "
+                   f"({100 * key_bytes / max(p.size_bytes, 1):.2f}% of the log; metaq log reindex writes the others)")
         for s in segments:
             click.echo(f"  {s.path.name}  base offset {s.base_offset:>12}  messages {s.count:>10}  bytes {s.size:>12}"
                        f"  index entries {s.index_entries:>8}"
@@ -761,11 +814,28 @@ def describe(partition_dir: Path):
         p.close()
 
 
+@log_group.command("reindex")
+@click.argument("partition_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+def reindex(partition_dirs):
+    """Build the key indexes of partitions' sealed segments again from their logs (lost or damaged ones,
+    or a topic whose keyIndex was just turned on), so that no lookup has to. The broker must be stopped."""
+    for directory in partition_dirs:
+        p = _run(_open_partition, directory, True)
+        try:
+            start = time.monotonic()
+            entries = _run(p.rebuild_key_indexes)
+            click.echo(f"{directory.name}: key indexes of {len(p.segments()) - 1} sealed segments written, "
+                       f"{entries} keys, in {time.monotonic() - start:.1f}s")
+        finally:
+            p.close()
+
+
 @log_group.command("verify")
 @click.argument("partition_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def verify(partition_dir: Path):
-    """Check every batch's checksums and offsets, and that each segment's offset index is the one its batches
-    make; exit 1 if anything is damaged."""
+    """Check every batch's checksums and offsets, and that each segment's offset index and key index are
+    the ones its batches make; exit 1 if anything is damaged."""
     try:
         p = _open_partition(partition_dir)
     except MetaqError as e:

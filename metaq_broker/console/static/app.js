@@ -273,41 +273,64 @@ function shown(v) {
 
 pages.messages = (snap) => {
   const q = new URLSearchParams(location.search);
-  const topic = q.get("topic") || "", partition = q.get("partition") || "";
+  const topic = q.get("topic") || "", partition = q.get("partition") || "", count = q.get("count") || "50";
+  // find: by message id when one is given, else by key (the empty key too); browse: a partition from an offset
+  const finding = q.has("key") || q.has("msg_id"), msgId = (q.get("msg_id") || "").trim(), key = q.get("key") || "";
   const topicSel = el("select", { name: "topic", id: "topic" }, el("option", { value: "" }, "topic…"),
     ...snap.topics.map((t) => { const o = el("option", { value: t.topic }, t.topic); o.selected = t.topic === topic; return o; }));
   const parts = (snap.topics.find((t) => t.topic === topic) || { partitions: [] }).partitions;
-  const partSel = el("select", { name: "partition", id: "partition" },
+  const partitionSelect = (id, all) => el("select", { name: "partition", id },
+    ...(all ? [el("option", { value: "" }, "all")] : []),
     ...parts.map((p) => { const o = el("option", { value: p.partition }, p.partition); o.selected = p.partition === partition; return o; }));
   topicSel.addEventListener("change", () => { location.search = new URLSearchParams({ topic: topicSel.value }).toString(); });
   const form = el("form", { method: "get", action: "/messages.html", class: "browse" },
-    el("label", {}, "topic ", topicSel), el("label", {}, "partition ", partSel),
+    el("label", {}, "topic ", topicSel), el("label", {}, "partition ", partitionSelect("partition", false)),
     el("label", {}, "from offset ", el("input", { name: "from", id: "from", value: q.get("from") || "", placeholder: "last N", size: 12 })),
-    el("label", {}, "count ", el("input", { name: "count", id: "count", value: q.get("count") || "50", size: 5 })),
+    el("label", {}, "count ", el("input", { name: "count", id: "count", value: count, size: 5 })),
     el("button", { type: "submit" }, "show"));
-  const out = [form];
-  if (!topic || !partition) { out.push(el("p", { class: "empty" }, "choose a topic and a partition")); return out; }
+  const find = el("form", { method: "get", action: "/messages.html", class: "browse", id: "find" },
+    el("input", { type: "hidden", name: "topic", value: topic }),
+    el("label", {}, "find by key ", el("input", { name: "key", id: "key", value: finding ? key : "", size: 20 })),
+    el("label", {}, "or message id ", el("input", { name: "msg_id", id: "msg-id", value: msgId, size: 20 })),
+    el("label", {}, "in ", partitionSelect("find-partition", true)),
+    el("input", { type: "hidden", name: "count", value: count }),
+    el("button", { type: "submit", id: "find-button" }, "find"));
+  const out = [form, find];
+  if (!topic || (!partition && !finding)) {
+    out.push(el("p", { class: "empty" }, "choose a topic and a partition, or find messages by key or message id"));
+    return out;
+  }
   if (!browsed) {
     browsed = { pending: true };
-    fetch("/api/messages?" + new URLSearchParams({ topic, partition, from: q.get("from") || "", count: q.get("count") || "50" }))
-      .then(loggedIn).then((d) => { browsed = d; refresh(); })
+    const ask = !finding ? "/api/messages?" + new URLSearchParams({ topic, partition, from: q.get("from") || "", count })
+      : "/api/lookup?" + new URLSearchParams({ topic, partition, count, ...(msgId !== "" ? { msg_id: msgId } : { key }) });
+    fetch(ask).then(loggedIn).then((d) => { browsed = d; refresh(); })
       .catch((e) => { browsed = { error: String(e) }; refresh(); });
   }
   if (browsed.pending) { out.push(el("p", {}, "fetching…")); return out; }
   if (browsed.error) { out.push(el("div", { class: "error", id: "browse-error" }, browsed.error)); return out; }
   const d = browsed;
-  out.push(el("p", { class: "summary", id: "range" }, `${d.topic} ${d.partition}: offsets ${num(d.earliest)} to ` +
-    `${num(d.last_stable)} (last stable; log end ${num(d.log_end)}) · showing ${d.messages.length} from ${num(d.from)}`,
-    d.next < d.last_stable ? el("span", {}, " · ", link("messages", { topic: d.topic, partition: d.partition, from: d.next,
-      count: q.get("count") || "50" }, `next from ${num(d.next)}`)) : null));
+  if (finding) {
+    out.push(el("p", { class: "summary", id: "range" }, `${d.topic}${d.partition ? " " + d.partition : ""}: ` +
+      (d.msg_id !== null ? `the message with id ${d.msg_id}` : `messages with key "${d.key}", newest first`) +
+      ` · ${d.messages.length} found`));
+  } else {
+    out.push(el("p", { class: "summary", id: "range" }, `${d.topic} ${d.partition}: offsets ${num(d.earliest)} to ` +
+      `${num(d.last_stable)} (last stable; log end ${num(d.log_end)}) · showing ${d.messages.length} from ${num(d.from)}`,
+      d.next < d.last_stable ? el("span", {}, " · ", link("messages", { topic: d.topic, partition: d.partition, from: d.next,
+        count }, `next from ${num(d.next)}`)) : null));
+  }
   out.push(table([
+    ...(finding ? [{ key: "partition", title: "partition" }] : []),
     { key: "offset", title: "offset", num: true }, { key: "timestamp", title: "timestamp (UTC)" }, { key: "key", title: "key" },
-    { key: "value", title: "value" }, { key: "size", title: "bytes", num: true }, { key: "attribute", title: "attribute" }],
+    { key: "value", title: "value" }, { key: "size", title: "bytes", num: true }, { key: "attribute", title: "attribute" },
+    { key: "id", title: "message id", num: true }],
   d.messages.map((m) => ({
-    attrs: { "data-offset": m.offset },
-    cells: { offset: String(m.offset), timestamp: m.timestamp || "", key: shown(m.key), value: shown(m.value),
-      size: m.value === null ? "–" : num(m.value.size), attribute: m.attribute === null ? "" : m.attribute },
-  })), "no committed messages in this range"));
+    attrs: { "data-offset": m.offset, "data-partition": m.partition || partition },
+    cells: { partition: m.partition || "", offset: String(m.offset), timestamp: m.timestamp || "", key: shown(m.key),
+      value: shown(m.value), size: m.value === null ? "–" : num(m.value.size),
+      attribute: m.attribute === null ? "" : m.attribute, id: String(m.msg_id) },
+  })), finding ? "no message found" : "no committed messages in this range"));
   return out;
 };
 
