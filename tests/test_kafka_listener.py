@@ -20,7 +20,7 @@ from metaq_broker.client import Consumer as MetaqConsumer
 from metaq_broker.client import Producer as MetaqProducer
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
-from tests.conftest import wait_until
+from conftest import wait_until
 
 pytestmark = pytest.mark.process
 

@@ -39,6 +39,7 @@ from metaq_broker.protocol.kafka import records as krecords
 from metaq_broker.protocol.kafka.framing import FrameSplitter, FrameTooLargeError
 from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, api_versions_response,
                                                   encode_response, error_response, read_request)
+from metaq_broker.security.acl import CLUSTER
 from metaq_broker.server import kafka_metadata
 from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
 from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
@@ -54,6 +55,7 @@ IDLE_TIMEOUT_S = 600.0
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_CHUNK = 256 << 10  # bytes read per recv
+SASL_MAX_FRAME = 64 << 10  # a request before the login (ApiVersions, SASL) is small: no buffer grows larger
 POLL_SLICE_MS = 100  # a Fetch of several partitions waits on one of them at a time for at most this long
 EARLIEST, LATEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -2, -1, -3, -4  # ListOffsets' special timestamps
 READ_COMMITTED = 1
@@ -210,7 +212,7 @@ class KafkaServer:
         return answer
 
     def describe_cluster(self, conn, request: Request) -> dict:
-        self.handler.auth.authorize(conn.principal, "Describe", "cluster", "kafka-cluster")
+        self.handler.auth.authorize(conn.principal, "Describe", "cluster", CLUSTER)
         return kafka_metadata.describe_cluster(self.cluster(), request.body.get("endpoint_type", 1))
 
     # -- producing ------------------------------------------------------------------------------------
@@ -409,7 +411,7 @@ class KafkaServer:
                 configs = {c["name"]: c["value"] for c in t["configs"]}
                 count = t["num_partitions"]
                 if b.get("validate_only"):
-                    self.handler.auth.authorize_any(conn.principal, "Create", [("cluster", "kafka-cluster"),
+                    self.handler.auth.authorize_any(conn.principal, "Create", [("cluster", CLUSTER),
                                                                                ("topic", name)])
                     validate_topic_name(name)
                 else:
@@ -526,31 +528,102 @@ def to_kafka(result) -> memoryview:
 
 class _Login:
     """A new connection's login, fed by the accepting thread. Without SASL the first bytes log it in (as
-    its client certificate's principal with ``ssl.client.auth=required``, else ANONYMOUS); ``frames``
-    then holds the requests they completed and ``splitter`` the rest."""
+    its client certificate's principal with ``ssl.client.auth=required``, else ANONYMOUS). With SASL_SSL
+    it is Kafka's SASL exchange (KIP-152): ApiVersions answered, then SaslHandshake v1 naming a mechanism
+    the broker enables, then SaslAuthenticate rounds (PLAIN: one; SCRAM-SHA-256: two) checked by the
+    handler against metaq's users; any other request, a failed round, or a v0 handshake (raw tokens, not
+    spoken here) is answered where Kafka answers and the connection closed. ``frames`` then holds the
+    requests that came after the login and ``splitter`` the rest."""
 
     def __init__(self, server: KafkaServer, conn: Connection):
         self.server, self.conn = server, conn
-        self.splitter = FrameSplitter(server.max_frame)
+        self.splitter = FrameSplitter(server.max_frame if not server._sasl else SASL_MAX_FRAME)
         self.frames: list = []
         self._buf = memoryview(bytearray(4096))
+        self._mechanism: Optional[str] = None
+        self._handshake: Optional[str] = None  # the SCRAM exchange's id at the handler
 
     def buffer(self) -> memoryview:
         return self._buf
 
     def received(self, n: int) -> Step:
         try:
-            self.frames = self.splitter.feed(self._buf[:n])
+            frames = self.splitter.feed(self._buf[:n])
         except FrameTooLargeError as e:
             log.debug("kafka: connection from %s refused: %s", self.conn.peer, e)
             return Step(close=True)
-        if self.server._certificates:
+        if self.server._certificates and not self.server._sasl:
             try:
                 self.conn.principal = self.server.handler.principal_of_certificate(self.conn.peer_certificate())
             except AuthenticationError as e:
                 log.info("kafka: connection from %s refused: %s", self.conn.peer, e)
                 return Step(close=True)
         if not self.server._sasl:
+            self.frames = frames
+            self.splitter.max_frame = self.server.max_frame
             return Step(logged_in=True)
-        return GO_ON  # SASL: step 2 of issue 27
+        replies = []
+        for i, frame in enumerate(frames):
+            reply, outcome = self._sasl_step(frame)
+            if reply:
+                replies.append(reply)
+            if outcome is not None:
+                if outcome:
+                    self.frames = frames[i + 1:]
+                    self.splitter.max_frame = self.server.max_frame
+                return Step(b"".join(replies), logged_in=outcome, close=not outcome)
+        return Step(b"".join(replies)) if replies else GO_ON
 
+    def _sasl_step(self, frame) -> tuple:
+        """(bytes to answer, None: go on / True: logged in / False: close)."""
+        try:
+            request = read_request(frame)
+        except KafkaRequestError as e:
+            log.info("kafka: connection from %s before login: %s", self.conn.peer, e)
+            go_on = e.reply is not None and e.kafka_code == codes.UNSUPPORTED_VERSION  # e.g. ApiVersions v5
+            return (b"".join(e.reply) if e.reply else b""), (None if go_on else False)
+        key, body = request.api_key, request.body
+
+        def answer(b: dict) -> bytes:
+            return b"".join(encode_response(request, b))
+        if key == 18:
+            return answer(api_versions_response(request)), None
+        if key == 17 and self._mechanism is None:
+            mechanisms = list(self.server.handler.auth.security.mechanisms)
+            if request.api_version < 1:
+                return answer({"error_code": codes.ILLEGAL_SASL_STATE, "mechanisms": mechanisms}), False
+            if body["mechanism"] not in mechanisms:
+                log.info("kafka: %s asked for SASL mechanism %r; enabled: %s", self.conn.peer, body["mechanism"],
+                         ", ".join(mechanisms))
+                return answer({"error_code": codes.UNSUPPORTED_SASL_MECHANISM, "mechanisms": mechanisms}), False
+            self._mechanism = body["mechanism"]
+            return answer({"error_code": codes.NONE, "mechanisms": mechanisms}), None
+        if key == 36 and self._mechanism is not None:
+            return self._authenticate(request, answer)
+        log.info("kafka: %s sent %s before authenticating; closing the connection", self.conn.peer, request.api.name)
+        return answer(error_response(request, codes.ILLEGAL_SASL_STATE if key in (17, 36) else
+                                     codes.SASL_AUTHENTICATION_FAILED,
+                                     "authenticate first: SaslHandshake v1, then SaslAuthenticate")), False
+
+    def _authenticate(self, request: Request, answer) -> tuple:
+        handler = self.server.handler
+        try:
+            step = {"mechanism": self._mechanism, "message": bytes(request.body["auth_bytes"]).decode("utf-8")}
+            if self._handshake is not None:
+                step["handshake"] = self._handshake
+            result = handler.authenticate(step)
+            token = result.get("session")
+            if token is None:  # SCRAM's first round: the server's challenge
+                self._handshake = result.get("handshake")
+                return answer({"error_code": codes.NONE, "error_message": None,
+                               "auth_bytes": result["message"].encode(), "session_lifetime_ms": 0}), None
+            session = handler.session(token)
+        except (AuthenticationError, UnicodeDecodeError, ValueError, KeyError) as e:
+            self.server.listener.log_once(("sasl", self.conn.peer[0]), logging.INFO,
+                                          "kafka: SASL %s login from %s failed: %s", self._mechanism, self.conn.peer, e)
+            message = str(e) if isinstance(e, AuthenticationError) else f"malformed SASL message: {e}"
+            return answer({"error_code": codes.SASL_AUTHENTICATION_FAILED, "error_message": message,
+                           "auth_bytes": b"", "session_lifetime_ms": 0}), False
+        self.conn.principal, self.conn.session, self.conn.token = session.principal, session, token
+        return answer({"error_code": codes.NONE, "error_message": None, "auth_bytes": result["message"].encode(),
+                       "session_lifetime_ms": 0}), True
