@@ -1,10 +1,11 @@
 """Replication benchmark: produce throughput of a group of one member against a group of three with
 ``acks=1`` and ``acks=all``, the replicas' lag under that load, and the time from a master's ``kill -9`` to
-the first acknowledged put (and from a frozen master), all in one run.
+the first acknowledged put (and from a frozen master, and from a master whose network link is cut), all
+in one run.
 
     python benchmarks/bench_replication.py [--quick] [--batches N] [--rounds R] [--failovers K]
-                                           [--faults "kill -9,SIGSTOP"] [--session-timeout-ms MS]
-                                           [--json PATH] [--dir PATH]
+                                           [--faults "kill -9,SIGSTOP,cut link"] [--session-timeout-ms MS]
+                                           [--loopback] [--json PATH] [--dir PATH]
 
 Real processes on loopback: one ``LocalZooKeeper``, a ``BrokerGroup`` of one member and a ``BrokerGroup``
 of three (same ``brokerId``, separate ZooKeeper roots), every member with the same settings: topic
@@ -30,9 +31,14 @@ covering it, on every member of the ack set under ``acks=all``), ``replicaLagMax
   acknowledged (the producer resends while the group has no master; a put that failed is sent again by
   this script), against the bound the group promises, ``zk.sessionTimeout`` + 2 s: a master's ZooKeeper
   session must expire first (``--session-timeout-ms``, stated in the output). ``--failovers`` rounds of
-  each fault, the member repaired (restarted, resumed) and back in the in-sync set before the next (that
-  rejoin time is shown too). Another fault (a cut network link, with the members in network namespaces)
-  plugs in through ``add_fault`` and ``failover_time``.
+  each fault, the member repaired (restarted, resumed, healed) and back in the in-sync set before the
+  next (that rejoin time is shown too). ``cut link`` needs the members on addresses of their own in
+  network namespaces (``metaq_broker.devtools.netns``: root, ``ip``, ``nft``): the master's link is cut
+  (every packet to and from it dropped: ZooKeeper, its replicas and the client lose it at once, as when its
+  cable is pulled), then healed. Where namespaces can be used (not with ``--loopback``), every fault's
+  failovers run on a third group of three members in namespaces, so the three faults are measured alike;
+  else on the loopback group, and ``cut link`` is left out, saying why. Other faults plug in through
+  ``add_fault`` and ``failover_time``.
 
 Everything is stopped and removed at the end. Figures only: nothing is asserted about them.
 """
@@ -56,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (VALUE_SIZE, add_common_options, log, run_facts, scratch_dir,  # noqa: E402
                                teardown, values_array, write_json)
 from metaq_broker.client.producer import PipelinedSender, Producer  # noqa: E402
+from metaq_broker.devtools import netns  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
 from metaq_broker.proto import metaq_pb2 as pb  # noqa: E402
@@ -253,12 +260,13 @@ def thaw(member) -> None:
 
 # Faults applied to the master: name -> (fault, repair), each a callable taking the master's BrokerProcess.
 # The bound after any single fault is zk.sessionTimeout + 2 s (docs/replication.md, "Failover"). A cut
-# network link needs the members in network namespaces (devtools/netns.py, benchmarks/nemesis.py): it is
-# added with add_fault("cut link", cut, restore) and measured by failover_time like these two.
+# network link needs the members in network namespaces (devtools/netns.py): main() adds it with
+# add_fault(CUT_LINK, *cut_link(network, group)) when it can make them.
 FAULTS = {
     "kill -9": (lambda m: m.kill(), lambda m: m.start()),
     "SIGSTOP": (freeze, thaw),
 }
+CUT_LINK = "cut link"
 
 
 def add_fault(name: str, fault: Callable, repair: Callable) -> None:
@@ -266,9 +274,21 @@ def add_fault(name: str, fault: Callable, repair: Callable) -> None:
     FAULTS[name] = (fault, repair)
 
 
+def cut_link(network: "netns.Network", group: BrokerGroup) -> tuple:
+    """(fault, repair) for a member of ``group`` (in ``network``'s namespaces): every packet to and from it
+    dropped, from ZooKeeper, the other members and the client alike; then healed."""
+    def cut(member) -> None:
+        here = member.host.name
+        for peer in [netns.ZOOKEEPER, netns.CLIENT] + [m.host.name for m in group.members if m is not member]:
+            network.cut(here, peer)
+
+    return cut, lambda _member: network.heal_all()
+
+
 def failover_time(group: BrokerGroup, load: "Load", fault: Callable, repair: Callable, timeout: float) -> dict:
-    """One failover under ``load`` (acks=all puts one after another): ``fault(master)``, then the time to a
-    new master in ZooKeeper and to the first put *sent after the fault* that is acknowledged; then
+    """One failover under ``load`` (acks=all puts one after another): ``fault(master)``, then the time from
+    its start to a new master in ZooKeeper and to the first put *sent once it was applied* that is
+    acknowledged; then
     ``repair(old master)`` and the time until every member is back in the in-sync set. The hook for faults
     other than FAULTS' (a cut link): any pair of callables taking the master's process."""
     group.wait_in_sync(range(len(group.members)), timeout=120)
@@ -277,10 +297,11 @@ def failover_time(group: BrokerGroup, load: "Load", fault: Callable, repair: Cal
     errors_before = len(load.errors)
     t_fault = time.perf_counter()
     fault(group.members[old])
+    t_applied = time.perf_counter()  # a cut takes a few nft calls: a put sent meanwhile may still pass
     new = group.wait_master(timeout=timeout, other_than=old)
     t_master = time.perf_counter()
     deadline = time.monotonic() + timeout
-    while (t_put := load.first_ok_after(t_fault)) is None:
+    while (t_put := load.first_ok_after(t_applied)) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no put acknowledged after the fault of member {old}: {load.errors[-3:]}")
         time.sleep(0.01)
@@ -321,24 +342,31 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=None, help="batches of 10,000 messages per round (default 200)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case (default 5)")
     ap.add_argument("--failovers", type=int, default=None, help="rounds of each fault of the master (default 3)")
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"faults to measure, of: {', '.join(FAULTS)}")
+    known = [*FAULTS, CUT_LINK]
+    ap.add_argument("--faults", default=",".join(known), help=f"faults to measure, of: {', '.join(known)}")
     ap.add_argument("--session-timeout-ms", type=int, default=None,
                     help="every member's zk.sessionTimeout (default 10000, the broker's default; --quick 4000)")
+    ap.add_argument("--loopback", action="store_true",
+                    help="no network namespaces: failovers on the loopback group, without 'cut link'")
     add_common_options(ap, "1g")
     args = ap.parse_args()
     batches = args.batches or (20 if args.quick else 200)
     rounds = args.rounds or (1 if args.quick else 5)
     kills = args.failovers if args.failovers is not None else (1 if args.quick else 3)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    unknown = [f for f in faults if f not in FAULTS]
+    unknown = [f for f in faults if f not in known]
     if unknown:
-        ap.error(f"--faults: unknown {unknown}; known: {', '.join(FAULTS)}")
+        ap.error(f"--faults: unknown {unknown}; known: {', '.join(known)}")
+    no_namespaces = "--loopback" if args.loopback else netns.unavailable()
+    if no_namespaces is not None and CUT_LINK in faults:
+        log(f"'{CUT_LINK}' left out: it needs network namespaces ({no_namespaces})")
+        faults.remove(CUT_LINK)
     session_ms = args.session_timeout_ms or (4000 if args.quick else 10_000)
     results = run_facts(benchmark="replication", quick=args.quick, batches=batches, rows_per_batch=ROWS,
                         value_bytes=VALUE_SIZE, partitions=PARTITIONS, rounds=rounds, failovers=kills, faults=faults,
                         session_timeout_ms=session_ms, flush="unflushThreshold=0 (group commit: fsync before ack)")
     tmp = scratch_dir(args.dir, "replication-")
-    zk = one = three = None
+    zk = one = three = network = spread = None
     try:
         zk = LocalZooKeeper(data_dir=tmp / "zk", tick_time_ms=500).start()  # sessions from 1 s to 10 s
         settings = {"zk.sessionTimeout": session_ms, "replicaLagMaxMs": 10_000}
@@ -375,9 +403,19 @@ def main() -> None:
                            "sample_errors": sum(x["sample_errors"] for x in rs)}
         results["cases"] = cases
 
-        log(f"failover: {kills} round(s) of {', '.join(faults)} of the master of three under acks=all load, "
-            f"zk.sessionTimeout {session_ms} ms, bound {session_ms / 1000 + BOUND_MARGIN_S:g} s")
-        fo = failovers(zk, three, "/bench-three", faults, kills, session_ms / 1000)
+        where, failing, root = "on loopback", three, "/bench-three"
+        if no_namespaces is None:  # every fault on members with addresses of their own, one of them a cut link
+            network = netns.Network()
+            spread = netns.group_in_namespaces(network, tmp / "spread", 1, f"{network.zookeeper.address}:{zk.port}",
+                                               "/bench-spread", members=3, settings=settings, topics=topics).start()
+            spread.wait_master(60)
+            spread.wait_in_sync(range(3), timeout=60)
+            add_fault(CUT_LINK, *cut_link(network, spread))
+            where, failing, root = "in network namespaces", spread, "/bench-spread"
+        results["failover_members"] = where
+        log(f"failover: {kills} round(s) of {', '.join(faults)} of the master of three ({where}) under acks=all "
+            f"load, zk.sessionTimeout {session_ms} ms, bound {session_ms / 1000 + BOUND_MARGIN_S:g} s")
+        fo = failovers(zk, failing, root, faults, kills, session_ms / 1000)
         results["failovers"] = fo
 
         base = cases["1 member"]
@@ -431,6 +469,7 @@ def main() -> None:
         print("lag as DescribeGroup reports it (offsets p50/p95/max): " + (
             "; ".join(f"{n} {s['p50']:,.0f}/{s['p95']:,.0f}/{s['max']:,.0f}" for n, s in reported.items())
             if reported else "not served by this broker (UNIMPLEMENTED); lag from the members' log ends only"))
+        print(f"failovers: members {where}")
         for name, rs in fo.items():
             for i, x in enumerate(rs, 1):
                 print(f"failover {name} {i}: member {x['master']} -> member {x['new_master']} master after "
@@ -443,7 +482,15 @@ def main() -> None:
                 print(f"{f['name']} / {f['baseline']}: {f['value'] / f['baseline_value']:.2f}")
         write_json(args.json, results)
     finally:
-        teardown(tmp, three, one, zk)
+        if spread is not None:
+            for m in spread.members:  # a frozen member cannot stop
+                if m.proc is not None and m.proc.poll() is None:
+                    os.kill(m.proc.pid, signal.SIGCONT)
+        if network is not None:
+            network.heal_all()
+        teardown(tmp, spread, three, one, zk)
+        if network is not None:
+            network.close()
 
 
 if __name__ == "__main__":

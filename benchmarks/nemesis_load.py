@@ -13,8 +13,13 @@ attempt were stored twice by one put (the client's own resend, or the broker).
   master``, ``not enough in-sync replicas``) or ``uncertain`` (anything else: it may or may not be stored).
 * ``Writer`` (``idempotent``): ``Producer(idempotent=True)``; the application never sends a failed put
   again (the producer's own resends are what idempotence makes safe), so any duplicate is a violation.
-* ``TxnWriter``: ``Producer.transaction``: a few batches on every partition, prepare, commit. Outcome
-  ``committed`` (commit returned), ``aborted`` (rolled back, or never prepared) or ``uncertain``.
+* ``TxnWriter``: ``Producer.transaction``: a few batches on every partition, prepare, commit. Like an XA
+  transaction manager it finishes what it decided: commit once the prepare was answered (outcome
+  ``committed``), rollback once anything before failed, the prepare included (``aborted``). A
+  transaction without a decision record waits on the broker for that call (docs/transactions.md), so
+  the writer sends it until it is answered, and a writer that stops first leaves it due in
+  ``History.txns`` for the next one (``recover``) or the harness's final recovery: a transaction left
+  prepared would hold its partitions' readers forever.
 * ``Reader``: a consumer reading every partition continuously from the earliest offset; every message it
   was shown is recorded with its offset.
 * ``Observer``: the group's state in ZooKeeper (epoch, master, in-sync set) sampled every 100 ms.
@@ -31,8 +36,9 @@ from typing import Optional
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
 from metaq_broker.names import parse_partition_name
-from metaq_broker.protocol.status import STORED_NOTHING, RemoteOffsetOutOfRangeError
+from metaq_broker.protocol.status import STORED_NOTHING, RemoteOffsetOutOfRangeError, RemoteTransactionError
 
 PAD = b"." * 24
 ACKS_ALL, ACKS_ONE, IDEMPOTENT, TXN = "acks=all", "acks=1", "idempotent", "transactional"
@@ -83,6 +89,8 @@ class Txn:
     messages: list = field(default_factory=list)  # (topic, partition, offset, value)
     outcome: str = "open"  # committed | aborted | uncertain
     error: str = ""
+    xids: list = field(default_factory=list)  # [[brokerId, xid]] begun
+    decision: str = ""  # COMMIT or ROLLBACK once decided, until the broker answered it ("": none due)
 
 
 class History:
@@ -174,7 +182,8 @@ class Writer(_Client):
 
 
 class TxnWriter(_Client):
-    """Transactions of one batch per partition of ``topic``: begin, put, prepare, commit."""
+    """Transactions of one batch per partition of ``topic``: begin, put, prepare, commit; first it settles
+    the transactions an earlier writer decided and could not settle (``recover``)."""
 
     def __init__(self, name: str, history: History, topic: str, client: dict, seed: int, timeout: float,
                  pace: float = 0.05, txn_timeout_ms: int = 10_000):
@@ -190,6 +199,7 @@ class TxnWriter(_Client):
     def loop(self) -> None:
         writer, seq, n = self.name.removeprefix("nemesis-"), 0, 0
         with self.producer:
+            recover(self.producer, self.history, self.stop_event)
             partitions = []
             while not partitions and not self.stop_event.is_set():
                 partitions = sorted(self.producer.partitions(self.topic))
@@ -198,7 +208,6 @@ class TxnWriter(_Client):
                 t = Txn(writer, f"nem-{self.seed}-{writer}-{n}", time.monotonic())
                 n += 1
                 txn = self.producer.transaction(t.xid_prefix, timeout_ms=self.txn_timeout_ms)
-                prepared = False
                 try:
                     for name in partitions:
                         count = self.rng.randint(1, 3)
@@ -206,24 +215,55 @@ class TxnWriter(_Client):
                         seq += count
                         for pname, body in self.producer.encode_batches(self.topic, values, partition=name):
                             xid = txn.xid_on(parse_partition_name(pname)[0])
+                            t.xids = sorted(txn.xids.items())
                             r = self.producer.start_put(self.topic, pname, body, xid).result()
                             t.messages += [(self.topic, pname, r.base_offset + i, v) for i, v in enumerate(values)]
+                    t.decision = ROLLBACK  # until the prepare is answered: it may be stored either way
                     txn.prepare()
-                    prepared = True
-                    txn.commit()
-                    t.outcome = "committed"
+                    t.decision = COMMIT
                 except Exception as e:  # noqa: BLE001 - recorded; the checker says whether it was kept all or nothing
                     t.error = f"{type(e).__name__}: {e}"
-                    t.outcome = "uncertain"
-                    if not prepared:  # never prepared: rolled back here, or aborted by the broker
-                        try:
-                            txn.rollback()
-                        except Exception:  # noqa: BLE001 - its timeout or a new master aborts it
-                            pass
-                        t.outcome = "aborted"
-                with self.history.lock:
+                    t.decision = ROLLBACK
+                finish(self.producer, t, self.stop_event)
+                with self.history.lock:  # the checker judges it once its partitions' readers pass it
                     self.history.txns.append(t)
                 self.stop_event.wait(self.pace)
+
+
+def finish(producer: Producer, t: Txn, stop_event: Optional[threading.Event] = None, wait_s: float = 120.0) -> None:
+    """Send ``t``'s decision until a broker answers it (or ``stop_event``, or ``wait_s``: it stays due).
+    The outcome the checker holds it to is the decision's: nobody else decides a transaction without a
+    decision record, so a commit decided once the prepare was answered must end up ``committed``, and a
+    rollback ``aborted``, whatever the answers on the way (an answer refusing it for good is noted)."""
+    if not t.decision:
+        return
+    t.outcome = "committed" if t.decision == COMMIT else "aborted"
+    if not t.xids:  # nothing was begun
+        t.decision = ""
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            settle(producer, t.xids, t.decision, wait_s=producer.pool.timeout)
+        except RemoteTransactionError as e:  # e.g. unknown to a new master (an open one it aborted)
+            t.error += f"; {t.decision}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - no master, ZooKeeper away: sent again
+            t.error = t.error[:2000] + f"; {t.decision} not answered yet: {type(e).__name__}: {str(e)[:200]}"
+            if stop_event is not None and stop_event.wait(0.5):
+                return
+            continue
+        t.decision = ""
+        return
+
+
+def recover(producer: Producer, history: History, stop_event: Optional[threading.Event] = None) -> int:
+    """Settle every transaction whose decision is still due (a writer stopped before a broker answered it);
+    returns how many are still due."""
+    with history.lock:
+        due = [t for t in history.txns if t.decision]
+    for t in due:
+        finish(producer, t, stop_event)
+    return sum(1 for t in due if t.decision)
 
 
 class Reader(_Client):

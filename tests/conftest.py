@@ -1,4 +1,61 @@
+"""Shared fixtures of the test suite, and its lanes.
+
+Lanes: every test is marked with what it needs (the markers are registered in pytest.ini):
+
+    unit     nothing but this process: no broker, ZooKeeper, Spark or browser. ``pytest -m unit`` runs
+             them in well under a minute: what to run while editing.
+    process  real broker or ZooKeeper processes (or another long-lived child: the CLI, a notebook).
+    spark    a real SparkSession.
+    browser  headless Chromium (Debian's chromium and chromium-driver; skipped, saying so, without them).
+
+How a test gets its lanes:
+  * a test that uses the ``zookeeper``, ``own_zookeeper`` or ``cluster`` fixture (also through a fixture
+    of its own that uses them) is ``process``, one that uses ``spark`` is ``spark``, one that uses
+    ``browser`` is ``browser``: automatically, see NEEDS below;
+  * every test module says the lane of its other tests at the top: ``pytestmark = pytest.mark.unit``,
+    or ``pytest.mark.process`` where they start processes themselves (BrokerProcess, BrokerGroup,
+    LocalZooKeeper, subprocess: the CLI, a script); a test adds what it needs besides
+    (``@pytest.mark.process`` in a unit module, ``@pytest.mark.spark`` for a Spark job it starts), or
+    says ``@pytest.mark.unit`` in a process module when it needs nothing;
+  * ``unit`` means needing nothing else: a test with any other lane is not ``unit``.
+A test with no lane fails the collection, and so does a test marked ``unit`` itself that uses one of
+those fixtures. ``pytest -m unit`` runs no test of another lane; ``-m "not browser"`` all the others.
+A module whose tests all use those fixtures needs no mark.
+"""
 import pytest
+
+# fixture -> the lane of every test that uses it (directly or through other fixtures)
+NEEDS = {"zookeeper": "process", "own_zookeeper": "process", "cluster": "process", "spark": "spark",
+         "browser": "browser"}
+LANES = ("unit", "process", "spark", "browser")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    problems, lanes_of = {}, {}
+    for item in items:
+        own = {m.name for m in item.own_markers if m.name in LANES}
+        declared = own if "unit" in own else {m.name for m in item.iter_markers() if m.name in LANES}
+        needed = {NEEDS[f] for f in item.fixturenames if f in NEEDS}
+        lanes = declared | needed
+        if not lanes:
+            problems.setdefault(item.nodeid.split("::")[0], []).append(f"{item.name} has no lane")
+        elif "unit" in own and needed:
+            problems.setdefault(item.nodeid.split("::")[0], []).append(
+                f"{item.name} is marked unit but uses {', '.join(sorted(needed))} fixtures")
+        lanes_of[item] = lanes - {"unit"} if lanes - {"unit"} else lanes
+    if problems:
+        raise pytest.UsageError("every test needs a lane (pytestmark = pytest.mark.unit, or process, spark, "
+                                "browser; see tests/conftest.py):\n" + "\n".join(
+                                    f"  {path}: {'; '.join(found[:3])}" + (f" (and {len(found) - 3} more)"
+                                                                           if len(found) > 3 else "")
+                                    for path, found in problems.items()))
+    # The lanes move from modules and classes onto each test, so that -m selects by the test's own.
+    for node in {n for item in items for n in item.listchain()}:
+        node.own_markers[:] = [m for m in node.own_markers if m.name not in LANES]
+    for item, lanes in lanes_of.items():
+        for lane in sorted(lanes):
+            item.add_marker(lane)
 
 
 class FakeClock:
@@ -36,6 +93,42 @@ def zookeeper(tmp_path_factory):
     zk.start()
     yield zk
     zk.stop()
+
+
+@pytest.fixture
+def zk_clients(zookeeper, zk_root):
+    """(make, ZkPaths of zk_root): ``make()`` is a new started kazoo client (its own session), closed at teardown."""
+    from kazoo.client import KazooClient
+    from metaq_broker.zk.paths import ZkPaths
+    made = []
+
+    def make():
+        c = KazooClient(zookeeper.connect_string)
+        c.start(10)
+        made.append(c)
+        return c
+
+    yield make, ZkPaths(zk_root)
+    for c in made:
+        c.stop()
+        c.close()
+
+
+@pytest.fixture
+def own_zookeeper(tmp_path):
+    """A ZooKeeper of the test's own, for tests that stop, restart or empty it (the shared one stays up)."""
+    from metaq_broker.devtools.zookeeper import LocalZooKeeper
+    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """One throwaway PKI for the run (tests/certs.py): a CA, broker and client certificates, and the bad
+    cases (expired, another host's, a stranger CA's). Tests read its files; none changes them."""
+    from certs import make_pki
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
@@ -93,6 +186,15 @@ def spark():
     session = metaq_session()
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (tests/webconsole.py), one per test module; without Debian's chromium and
+    chromium-driver the tests using it are skipped, saying how to get them."""
+    from webconsole import chromium
+    with chromium() as driver:
+        yield driver
 
 
 # -- small disks that fill up ----------------------------------------------------------------------------

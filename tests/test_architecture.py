@@ -4,6 +4,10 @@ imports stand at the top of each module, and each of the few inside a function s
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("metaq_broker", "metaq_spark")
 GENERATED = ROOT / "metaq_broker" / "proto"  # protoc's output, not edited by hand

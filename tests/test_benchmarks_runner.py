@@ -13,6 +13,8 @@ from conftest import wait_until
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import run_all  # noqa: E402
@@ -148,6 +150,7 @@ def runner(*args, timeout=120):
                           timeout=timeout)
 
 
+@pytest.mark.process
 def test_runner_reports_a_crash_and_a_missing_benchmark_and_goes_on(tmp_path):
     bench = tmp_path / "bench"
     bench.mkdir()
@@ -180,6 +183,7 @@ def test_runner_reports_a_crash_and_a_missing_benchmark_and_goes_on(tmp_path):
     assert text.endswith(f"{run_all.END}\nrest\n") and "| bench_fine | fine case |" in text
 
 
+@pytest.mark.process
 @pytest.mark.timeout(180)
 def test_runner_runs_bench_store_quick_for_real(tmp_path):
     r = runner("--quick", "--only", "bench_store", "--log-dir", str(tmp_path), "--results", str(tmp_path / "R.md"),
@@ -193,6 +197,7 @@ def test_runner_runs_bench_store_quick_for_real(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_runner_runs_bench_replication_quick_for_real(tmp_path):
     """Groups of one and of three as real processes, a master killed and one frozen: the figures reach the

@@ -8,6 +8,8 @@ from metaq_broker.errors import ConfigError
 from metaq_broker.server.config import load
 from metaq_broker.store import DeletePolicy
 
+pytestmark = pytest.mark.unit
+
 
 def write(tmp_path, text):
     path = tmp_path / "broker.ini"
@@ -76,6 +78,7 @@ def test_missing_file_is_refused(tmp_path):
         load(str(tmp_path / "nope.ini"))
 
 
+@pytest.mark.process
 def test_broker_command_refuses_bad_config_with_exit_code_2(tmp_path):
     path = write(tmp_path, "[system]\nserverPort=abc\n")
     proc = subprocess.run([sys.executable, "-m", "metaq_broker.server.main", "--config", path],

@@ -19,6 +19,8 @@ from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.protocol import records
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
+pytestmark = pytest.mark.process
+
 STRACE = shutil.which("strace")
 _CALL = re.compile(r'^(\d+)\s+(\w+)\((.*)\)\s+=\s+(-?\d+)')
 

@@ -17,6 +17,9 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.status import (RemoteInvalidArgumentError, RemoteMessageTooLargeError,
                                           RemoteOffsetOutOfRangeError, RemoteUnknownTopicError)
+from metaq_broker.zk.paths import ZkPaths
+
+pytestmark = pytest.mark.process
 
 
 def read_all(consumer, topic):
@@ -91,7 +94,7 @@ def test_broker_restart_and_crash_keep_data_and_registration(cluster):
     zk = KazooClient(cluster.zk_connect)
     zk.start()
     try:
-        node = f"{cluster.zk_root}/brokers/ids/1"
+        node = ZkPaths(cluster.zk_root).broker(1)
         assert json.loads(zk.get(node)[0])["port"] == b.port
         with cluster.client(Producer) as producer:
             wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic")
@@ -253,23 +256,22 @@ def test_fuzzed_requests_never_hurt_the_broker_or_its_data(cluster):
     assert not (b.workdir / "data" / "..").joinpath("evil-0").exists()
 
 
-def test_broker_registers_again_after_zookeeper_restarts(tmp_path):
+def test_broker_registers_again_after_zookeeper_restarts(tmp_path, own_zookeeper):
     from conftest import Cluster
 
-    from metaq_broker.devtools.zookeeper import LocalZooKeeper
-    with LocalZooKeeper(data_dir=tmp_path / "zk") as zk_server:
+    with own_zookeeper as zk_server:
         c = Cluster(tmp_path, zk_server.connect_string, "/meta")
         try:
             c.start_broker(1, topics={"t": {}})
             watcher = KazooClient(zk_server.connect_string)
             watcher.start()
-            wait_until(lambda: watcher.exists("/meta/brokers/ids/1"), what="registration")
+            wait_until(lambda: watcher.exists(ZkPaths("/meta").broker(1)), what="registration")
             watcher.stop()
             zk_server.restart(down_for=5.0)  # longer than the broker's 4 s session timeout
             watcher = KazooClient(zk_server.connect_string)
             watcher.start()
             try:
-                wait_until(lambda: watcher.exists("/meta/brokers/ids/1"), timeout=40, what="registration after restart")
+                wait_until(lambda: watcher.exists(ZkPaths("/meta").broker(1)), timeout=40, what="registration after restart")
             finally:
                 watcher.stop()
             with c.client(Producer) as producer, c.client(Consumer) as consumer:

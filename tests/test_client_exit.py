@@ -9,20 +9,20 @@ import textwrap
 import pytest
 
 from metaq_broker.devtools.broker_process import BrokerProcess
-from metaq_broker.devtools.zookeeper import LocalZooKeeper
+
+pytestmark = pytest.mark.process
 
 BOUND_S = 60  # "exits in bounded time": far above what it takes, far below forever
 
 
 @pytest.fixture
-def doomed_zookeeper(tmp_path):
+def doomed_zookeeper(tmp_path, own_zookeeper):
     """A ZooKeeper of this test's own (the session's shared one must not be stopped) and one broker."""
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    zk = own_zookeeper
     broker = BrokerProcess(tmp_path / "broker", 1, zk.connect_string, settings={"zk.sessionTimeout": 4000},
                            topics={"t": {"numPartitions": 2}}).start()
     yield zk
     broker.kill()
-    zk.stop()
 
 
 def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -113,6 +113,7 @@ SPARK_DRIVER = """
 """
 
 
+@pytest.mark.spark
 def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zookeeper, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SPARK_DRIVER), doomed_zookeeper.connect_string,
                              str(tmp_path / "checkpoint")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -128,3 +129,34 @@ def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zo
         raise AssertionError(f"the driver did not exit in time after ZooKeeper stopped:\n{out}\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert "stopped" in out
+
+
+def test_a_client_closed_by_two_threads_at_once_closes_cleanly(tmp_path):
+    """A client's own thread and the interpreter's exit hook may close one cluster view at the same time
+    (the nemesis saw it: ``Cannot close connection until it is stopped`` from the exit hook). With
+    ZooKeeper gone, kazoo's stop takes a while, and a second caller's close used to raise meanwhile."""
+    import threading
+    import time
+
+    from metaq_broker.client.cluster import ClusterView
+
+    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    views = [ClusterView(zk.connect_string) for _ in range(3)]
+    zk.stop()
+    time.sleep(2.0)  # the sessions are reconnecting now, between retries
+    errors = []
+
+    def close(view):
+        try:
+            view.close()
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            errors.append(repr(e))
+
+    for view in views:
+        threads = [threading.Thread(target=close, args=(view,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=BOUND_S)
+        assert not any(t.is_alive() for t in threads), "a close did not return"
+    assert not errors, errors

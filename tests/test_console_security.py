@@ -14,10 +14,9 @@ import time
 from urllib.parse import urlencode, urlsplit
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from selenium.webdriver.common.by import By
-from test_console import browser, chromium, texts  # noqa: F401 - the browser fixture is used by name
+from webconsole import chromium, texts
 
 from metaq_broker.client import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
@@ -33,12 +32,12 @@ ZK_AUTH = "digest:metaq:cluster-pw"
 PASSWORDS = {"alice": "alice-pw-1", "admin": "admin-pw-2", "carol": "carol-pw-3"}
 SECRETS = ("payroll", "salary", "payroll-audit")  # what alice may not see, nor anyone without a login
 EVIL = "rebind.attacker.example"
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, zookeeper):
+def cluster(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("console-sec")
-    pki = make_pki(work / "pki")
     root = f"/console-sec-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string, security=ZkSecurity.from_properties({"zk.auth": ZK_AUTH}))
     zk.start(15)
@@ -208,6 +207,7 @@ def test_a_foreign_host_header_gets_nothing_logged_in_or_not(cluster, console):
         assert web.request("GET", "/api/whoami", headers={"Host": host})[0] == 200, host
 
 
+@pytest.mark.browser
 def test_dns_rebinding_in_chromium_gets_nothing(console):
     """A page of rebind.attacker.example whose name now points at this machine: Chromium sends Host:
     rebind.attacker.example, and the console answers nothing of the cluster."""
@@ -221,6 +221,7 @@ def test_dns_rebinding_in_chromium_gets_nothing(console):
 
 
 # -- logged in ----------------------------------------------------------------------------------------------
+@pytest.mark.browser
 def test_each_person_sees_what_their_acls_allow(cluster, console):
     with chromium() as driver:
         log_in(driver, console, "alice")

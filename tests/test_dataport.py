@@ -23,6 +23,9 @@ from metaq_broker.protocol import dataport, rawput, records
 from metaq_broker.protocol.status import BrokerError
 from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
+from metaq_broker.zk.paths import ZkPaths
+
+pytestmark = pytest.mark.unit
 
 
 def free_port():
@@ -234,7 +237,7 @@ def registration(zookeeper, zk_root):
     zk = KazooClient(zookeeper.connect_string)
     zk.start()
     try:
-        return json.loads(zk.get(f"{zk_root}/brokers/ids/1")[0])
+        return json.loads(zk.get(ZkPaths(zk_root).broker(1))[0])
     finally:
         zk.stop()
 

@@ -15,6 +15,8 @@ from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.errors import DiskFullError, MessageTooLargeError
 from metaq_broker.protocol.status import RemoteDiskFullError, RemoteMessageTooLargeError, error_of
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4096
 BIG = b"v" * (3 * PAGE)  # more than the free end of any page a file already has: needs new pages
 
@@ -57,6 +59,7 @@ def refused(send):
     raise AssertionError("the disk never refused a write")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("via", ["grpc", "dataport"])
 def test_a_full_disk_is_refused_plainly_counted_shown_in_health_and_writes_resume(tmp_path, small_disk, via, request):
     """``grpc``: a static broker list and a producer told to put with ``PutRaw`` calls; ``dataport``: found

@@ -25,6 +25,8 @@ from metaq_broker.server.config import SYSTEM_KEYS, TOPIC_KEYS, BrokerConfig, lo
 from metaq_broker.store import TopicConfig
 from metaq_broker.tools import container
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 
@@ -62,6 +64,7 @@ def entrypoint(env: dict, *args, **kw):
 
 
 # -- Dockerfiles ----------------------------------------------------------------------------------------
+@pytest.mark.process
 @pytest.mark.parametrize("name", ["Dockerfile", "spark-job.Dockerfile"])
 def test_hadolint_passes(name):
     r = subprocess.run(["hadolint", str(DOCKER / name)], capture_output=True, text=True, timeout=120)
@@ -169,6 +172,7 @@ def test_unknown_variables_and_bad_values_fail_naming_the_variable(env, names):
         assert text in str(e.value)
 
 
+@pytest.mark.process
 def test_entrypoint_refuses_a_typo_with_exit_2_naming_it():
     r = entrypoint(clean_env(METAQ_ZK_CONECT="zookeeper:2181", METAQ_SERVER_PORT="0"))
     assert r.returncode == 2
@@ -186,6 +190,7 @@ def test_arguments_after_the_image_name_reach_the_broker_as_flags():
 
 
 # -- the real entrypoint on the host ---------------------------------------------------------------------
+@pytest.mark.process
 def test_entrypoint_starts_the_broker_with_the_mapped_config_and_stops_cleanly_on_sigterm(tmp_path):
     port, data = free_port(), tmp_path / "data"
     env = clean_env(METAQ_BROKER_ID="7", METAQ_ZK_CONNECT="none", METAQ_HOST_NAME="127.0.0.1",

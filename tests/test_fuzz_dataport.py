@@ -9,7 +9,6 @@ import struct
 import time
 
 import pytest
-from certs import make_pki
 from fuzzing import bodies, fuzz_settings, mutated
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,10 +23,9 @@ ANSWER_WITHIN_S = 15.0  # a half-closed connection is answered and closed by the
 
 
 @pytest.fixture(scope="module")
-def brokers(tmp_path_factory, zookeeper):
+def brokers(tmp_path_factory, zookeeper, pki):
     """{"plain": ..., "sasl": ...}: (process, data port, client security, a session token for AUTH)."""
     from test_security import Brokers
-    pki = make_pki(tmp_path_factory.mktemp("pki"))
     bs = Brokers.made(tmp_path_factory, zookeeper, "fuzz", users={"alice": "alice-pw"},
                       acls=[Acl("User:alice", "Allow", "All", "topic", "t")])
     topics = {"t": {"numPartitions": 1, "maxMessageSize": 1000}}

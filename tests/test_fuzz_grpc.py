@@ -7,7 +7,6 @@ import json
 
 import grpc
 import pytest
-from certs import make_pki
 from fuzzing import bodies, fuzz_settings, mutated
 from hypothesis import given
 from hypothesis import strategies as st
@@ -81,9 +80,8 @@ def calls(draw) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def brokers(tmp_path_factory, zookeeper):
+def brokers(tmp_path_factory, zookeeper, pki):
     from test_security import Brokers
-    pki = make_pki(tmp_path_factory.mktemp("pki"))
     bs = Brokers.made(tmp_path_factory, zookeeper, "fuzz-grpc", users={"alice": "alice-pw"},
                       acls=[Acl("User:alice", "Allow", "All", "topic", "t"),
                             Acl("User:alice", "Allow", "Read", "group", "g"),

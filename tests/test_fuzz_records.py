@@ -5,11 +5,14 @@ broker's put check accepts, a reader can decode to the same messages; an untouch
 was encoded. Mutated bodies get fresh checksums, so the checks behind the CRCs are reached too. (Readers
 do not check attributes for UTF-8: the broker's put check does, once.)"""
 import numpy as np
+import pytest
 from fuzzing import bodies, fuzz_settings, mutated
 from hypothesis import given
 from hypothesis import strategies as st
 
 from metaq_broker.protocol import rawput, records
+
+pytestmark = pytest.mark.unit
 
 
 def batch_bytes(body: records.EncodedBody, base_offset: int = 0) -> bytes:

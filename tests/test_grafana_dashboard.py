@@ -6,6 +6,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import wait_until
 
 from metaq_broker.client.admin import Admin
@@ -13,6 +14,8 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.zk.group_offsets import GroupStore
+
+pytestmark = pytest.mark.unit
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docker" / "grafana-dashboard.json"
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -17,9 +18,11 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import records
-from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteOutOfOrderSequenceError,
-                                          RemoteProducerFencedError)
+from metaq_broker.protocol.status import (STORED_NOTHING, BrokerUnavailableError, RemoteNotAcknowledgedError,
+                                          RemoteOutOfOrderSequenceError, RemoteProducerFencedError)
 from conftest import wait_until
+
+pytestmark = pytest.mark.process
 
 
 class CuttingProxy:
@@ -190,6 +193,40 @@ def test_producer_ids_are_unique_across_brokers_and_restarts(cluster):
     assert len(set(ids)) == len(ids)
 
 
+def test_producer_ids_in_use_are_never_given_out_again_after_zookeeper_lost_them(cluster):
+    """ZooKeeper loses the last producer id block (its data wiped): a broker restarted after that, and a new
+    broker that knows nothing, give out ids above every id the first broker's partitions keep state for. An
+    id given out again would make the new producer's first batch look like the old producer's stored one:
+    acknowledged as a duplicate and never written."""
+    from kazoo.client import KazooClient
+    from metaq_broker.zk.paths import ZkPaths
+    cluster.start_broker(1, topics={"t": {}})
+    with cluster.client(Producer) as first:
+        wait_until(lambda: first.cluster.topic_partitions("t"), what="topic routed")
+        first.send_batch("t", [b"old producer"])
+        old_id = first.producer_id
+    zk = KazooClient(hosts=cluster.zk_connect)
+    zk.start()
+    try:
+        zk.delete(ZkPaths(cluster.zk_root).producer_id_block())  # what a ZooKeeper that lost its data has
+        cluster.brokers[1].kill()
+        cluster.start_broker(1, topics={"t": {}})
+        cluster.start_broker(2, topics={"u": {}})
+        with cluster.client(Producer) as producer:
+            wait_until(lambda: len(producer.cluster.brokers()) == 2, what="both brokers")
+            fresh = [producer.call(b, "InitProducerId", pb.InitProducerIdRequest(), retries=5).producer_id
+                     for b in (2, 1)]
+        assert min(fresh) > old_id, (fresh, old_id)
+        with cluster.client(Producer) as second:
+            wait_until(lambda: second.cluster.topic_partitions("t"), what="topic routed")
+            second.send_batch("t", [b"new producer"])
+            assert second.producer_id > old_id
+    finally:
+        zk.stop()
+        zk.close()
+    assert read_values(cluster.brokers[1].address) == [b"old producer", b"new producer"]
+
+
 def test_a_group_master_killed_under_an_idempotent_producer_loses_and_doubles_nothing(tmp_path, zookeeper, zk_root):
     group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
                         topics={"t": {"numPartitions": 2}}).start()
@@ -228,5 +265,45 @@ def test_a_group_master_killed_under_an_idempotent_producer_loses_and_doubles_no
                 seen += consumer.read_range("t", p, 0, end).column("value").to_pylist()
         assert len(seen) == len(set(seen)), "duplicates"
         assert set(acked) <= set(seen), "acknowledged messages lost"
+    finally:
+        group.stop()
+
+
+def test_a_put_left_in_doubt_is_never_reported_as_stored_nothing(tmp_path, zookeeper, zk_root):
+    """Both replicas frozen under minInSyncReplicas=2: the master stores an idempotent acks=all put and
+    answers ``not acknowledged`` once the in-sync set shrinks; the producer sends it again and every resend
+    is refused ``not enough in-sync replicas ... nothing was written``, true of the resend only. At the
+    producer's timeout the put must fail as may-or-may-not-be-stored (it used to fail with the last
+    refusal, which tells an application it may send the messages again: a duplicate once the replicas
+    are back), and within that timeout. Thawed, the group has the put, once."""
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
+                        topics={"t": {"numPartitions": 1, "minInSyncReplicas": 2}}).start()
+    try:
+        master = group.wait_master()
+        group.wait_in_sync(range(3))
+        z = dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
+        replicas = [m for r, m in enumerate(group.members) if r != master]
+        with Producer(timeout=8.0, **z) as producer, Consumer(**z) as consumer:
+            wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic routed")
+            producer.send_batch("t", [b"before"])
+            for m in replicas:
+                os.kill(m.proc.pid, signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                with pytest.raises(BrokerUnavailableError) as failed:
+                    producer.send_batch("t", [b"in doubt"])
+                took = time.monotonic() - began
+            finally:
+                for m in replicas:
+                    os.kill(m.proc.pid, signal.SIGCONT)
+            assert not isinstance(failed.value, STORED_NOTHING), failed.value
+            assert isinstance(failed.value, RemoteNotAcknowledgedError), failed.value
+            assert "may or may not be stored" in str(failed.value) and "nothing was written" in str(failed.value)
+            assert took < 8.0 + 1.0, f"the put took {took:.1f} s, over the producer's timeout of 8 s"
+            group.wait_in_sync(range(3), timeout=30)
+            producer.send_batch("t", [b"after"])
+            end = consumer.offsets("t", ["1-0"])["1-0"][1]
+            seen = consumer.read_range("t", "1-0", 0, end).column("value").to_pylist()
+        assert seen.count(b"in doubt") == 1 and seen[-1] == b"after", seen
     finally:
         group.stop()

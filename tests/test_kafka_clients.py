@@ -21,6 +21,8 @@ from metaq_broker.protocol.kafka.framing import FrameSplitter
 from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, api_versions_response, encode_response,
                                                   error_response, read_request)
 
+pytestmark = pytest.mark.process
+
 confluent_kafka = pytest.importorskip("confluent_kafka", reason="pip install -e .[test] installs confluent-kafka")
 kafka = pytest.importorskip("kafka", reason="pip install -e .[test] installs kafka-python")
 aiokafka = pytest.importorskip("aiokafka", reason="pip install -e .[test] installs aiokafka")

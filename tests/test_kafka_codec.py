@@ -18,6 +18,8 @@ from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, api_version
 from metaq_broker.protocol.kafka.schema import F, KafkaDecodeError, decode, encode
 from metaq_broker.protocol.records import RecordFormatError
 
+pytestmark = pytest.mark.unit
+
 ALL_VERSIONS = [(a.key, v) for a in APIS.values() for v in range(a.known[0], a.known[1] + 1)]
 
 

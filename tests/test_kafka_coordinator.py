@@ -16,6 +16,8 @@ from metaq_broker.server.kafka_coordinator import (COMPLETING, DEAD, EMPTY, PREP
                                                     Persistence)
 from metaq_broker.zk.kafka_group_records import GroupMovedError, GroupRecord, MemberRecord
 
+pytestmark = pytest.mark.unit
+
 JOIN, SYNC, HEARTBEAT, LEAVE, DESCRIBE = 11, 14, 12, 13, 15
 SESSION, REBALANCE = 10_000, 30_000
 

@@ -14,6 +14,8 @@ from metaq_broker.server import kafka_metadata as km
 from metaq_broker.zk.kafka_cluster import ClusterSnapshot, KafkaBroker, kafka_endpoint
 from metaq_broker.zk.kafka_partitions import TopicMap
 
+pytestmark = pytest.mark.unit
+
 METADATA, FIND_COORDINATOR, DESCRIBE_CLUSTER = 3, 10, 60
 ID_T, ID_U = bytes(range(16)), bytes(range(16, 32))
 

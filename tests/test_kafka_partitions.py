@@ -21,21 +21,7 @@ from metaq_broker.zk.kafka_cluster import KafkaBroker, KafkaClusterCache
 from metaq_broker.zk.kafka_partitions import KafkaMapError, TopicMap, uuid_from_str, uuid_to_str
 from metaq_broker.zk.paths import ZkPaths
 
-
-@pytest.fixture
-def clients(zookeeper, zk_root):
-    made = []
-
-    def make():
-        c = KazooClient(zookeeper.connect_string)
-        c.start(10)
-        made.append(c)
-        return c
-
-    yield make, ZkPaths(zk_root)
-    for c in made:
-        c.stop()
-        c.close()
+pytestmark = pytest.mark.unit
 
 
 def test_uuid_strings_are_kafkas():
@@ -46,8 +32,8 @@ def test_uuid_strings_are_kafkas():
             uuid_from_str(bad)
 
 
-def test_numbers_are_appended_and_never_move(clients):
-    make, paths = clients
+def test_numbers_are_appended_and_never_move(zk_clients):
+    make, paths = zk_clients
     zk = make()
     assert kafka_partitions.read(zk, paths, "t") is None
     m = kafka_partitions.number(zk, paths, "t", ["2-1", "2-0", "10-0", "2-10", "2-2"])
@@ -64,8 +50,8 @@ def test_numbers_are_appended_and_never_move(clients):
     assert other.topic_id != m.topic_id and other.partitions == ("2-0",)
 
 
-def test_brokers_numbering_at_once_never_lose_or_renumber(clients):
-    make, paths = clients
+def test_brokers_numbering_at_once_never_lose_or_renumber(zk_clients):
+    make, paths = zk_clients
     workers, results, errors = 8, {}, []
     start = threading.Barrier(workers)
 
@@ -94,8 +80,8 @@ def test_brokers_numbering_at_once_never_lose_or_renumber(clients):
             assert final.partitions[:len(m.partitions)] == m.partitions
 
 
-def test_a_damaged_map_is_refused_and_left_alone(clients):
-    make, paths = clients
+def test_a_damaged_map_is_refused_and_left_alone(zk_clients):
+    make, paths = zk_clients
     zk = make()
     for data in (b"not json", b'{"version": 2}', b'{"version": 1, "topicId": "x", "partitions": []}',
                  json.dumps({"version": 1, "topicId": uuid_to_str(bytes(16)), "partitions": ["1-0", "1-0"]}).encode(),
@@ -107,8 +93,8 @@ def test_a_damaged_map_is_refused_and_left_alone(clients):
         zk.delete(paths.kafka_topic("bad"))
 
 
-def test_the_cluster_id_is_made_once(clients):
-    make, paths = clients
+def test_the_cluster_id_is_made_once(zk_clients):
+    make, paths = zk_clients
     got, start = [], threading.Barrier(6)
 
     def ask():
@@ -134,8 +120,8 @@ def register(zookeeper, root, broker_id, topics, kafka_port=9090):
     return BrokerRegistration(zookeeper.connect_string, root, broker_id, address, topics, session_timeout=4.0).start()
 
 
-def test_registration_numbers_and_metadata_follows_brokers_joining_leaving_and_forgotten(zookeeper, zk_root, clients):
-    make, paths = clients
+def test_registration_numbers_and_metadata_follows_brokers_joining_leaving_and_forgotten(zookeeper, zk_root, zk_clients):
+    make, paths = zk_clients
     zk = make()
     r1 = register(zookeeper, zk_root, 1, {"t": 2})
     cache = KafkaClusterCache(zk, zk_root)
@@ -177,13 +163,13 @@ def test_registration_numbers_and_metadata_follows_brokers_joining_leaving_and_f
             r.stop()
 
 
-def test_a_damaged_map_does_not_stop_registration(zookeeper, zk_root, clients):
-    make, paths = clients
+def test_a_damaged_map_does_not_stop_registration(zookeeper, zk_root, zk_clients):
+    make, paths = zk_clients
     zk = make()
     zk.create(paths.kafka_topic("t"), b"damaged", makepath=True)
     r = register(zookeeper, zk_root, 3, {"t": 1})
     try:
-        assert zk.exists(paths.broker(3)) and zk.exists(paths.topic_pub_broker("t", 3))
+        assert zk.exists(paths.broker(3)) and zk.exists(paths.topic_entry("t", 3))
         assert zk.get(paths.kafka_topic("t"))[0] == b"damaged"
     finally:
         r.stop()

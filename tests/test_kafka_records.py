@@ -18,6 +18,8 @@ from metaq_broker.protocol.kafka import codes, records
 from metaq_broker.protocol.kafka.records import HEADERS_TYPE, KafkaRecordError
 from metaq_broker.protocol.records import crc
 
+pytestmark = pytest.mark.unit
+
 aiokafka_records = pytest.importorskip("aiokafka.record.default_records",
                                        reason="pip install -e .[test] installs aiokafka")
 

@@ -1,6 +1,6 @@
 """The broker's Kafka settings (``kafkaPort``, ``advertisedHostName``) and the address a broker registers for
-Kafka clients: checked at load naming the key, ``host`` in ``/brokers/ids/<b>`` is the advertised name for
-every listener, ``kafkaPort`` is there only while a Kafka listener is up (a real broker, a real ZooKeeper,
+Kafka clients: checked at load naming the key, ``host`` in the master node (``brokers/metaq/ids/<b>``) is the
+advertised name for every listener, ``kafkaPort`` is there only while a Kafka listener is up (a real broker, a real ZooKeeper,
 read back through the cache Metadata is answered from)."""
 import json
 
@@ -15,6 +15,8 @@ from metaq_broker.server.config import load
 from metaq_broker.zk import kafka_partitions
 from metaq_broker.zk.kafka_cluster import KafkaBroker, KafkaClusterCache
 from metaq_broker.zk.paths import ZkPaths
+
+pytestmark = pytest.mark.unit
 
 
 def test_defaults_and_values():

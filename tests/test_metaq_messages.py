@@ -14,6 +14,8 @@ from metaq_broker.protocol import records
 from metaq_broker.protocol.metaq.messages import (MessageSetError, decode_message_set, encode_message_set,
                                                   message_sizes)
 
+pytestmark = pytest.mark.unit
+
 
 def reference_message(payload: bytes, attribute, flag: int, msg_id: int) -> bytes:
     """One message written straight from the reference's table."""

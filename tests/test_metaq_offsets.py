@@ -10,6 +10,8 @@ from hypothesis import given, settings, strategies as st
 from metaq_broker.protocol.metaq.offsets import (INT64_MAX, Moved, NotFound, Serve, Window, answer_get,
                                                  nearest_position)
 
+pytestmark = pytest.mark.unit
+
 
 @st.composite
 def partitions(draw):

@@ -13,6 +13,8 @@ from metaq_broker.protocol.metaq import text as T
 from metaq_broker.protocol.metaq.text import (Code, Get, LocalTxKey, OffsetQuery, Put, Quit, Rejected, RequestParser,
                                               Stats, Transaction, TxType, Version, XaTxKey)
 
+pytestmark = pytest.mark.unit
+
 MAX = 1000
 PROBE = b"version 77\r\n"  # after any non-fatal refusal, the next request must still parse
 

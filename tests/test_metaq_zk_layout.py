@@ -7,6 +7,8 @@ from metaq_broker.zk.metaq_layout import (MetaqZkLayout, broker_entry, broker_ur
                                           parse_broker_entry, parse_broker_uri, parse_group_offset,
                                           parse_topic_entry, topic_entry)
 
+pytestmark = pytest.mark.unit
+
 
 def test_paths_as_metaq_clients_read_them():
     z = MetaqZkLayout("/meta")

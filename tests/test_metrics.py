@@ -16,13 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from metaq_broker import __version__
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import LocalZooKeeper
 from metaq_broker.errors import ConfigError
 from metaq_broker.protocol import records
 from metaq_broker.protocol.status import RemoteMessageTooLargeError, RemoteOffsetOutOfRangeError
 from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
+
+pytestmark = pytest.mark.unit
 
 
 class Scrape:
@@ -123,8 +124,8 @@ def test_traffic_storage_latency_and_zookeeper_are_exported(tmp_path, zookeeper,
         broker.stop()
 
 
-def test_zookeeper_state_follows_the_session(tmp_path):
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()  # not the shared one: we stop it
+def test_zookeeper_state_follows_the_session(tmp_path, own_zookeeper):
+    zk = own_zookeeper  # not the shared one: we stop it
     broker = None
     try:
         broker = start_broker(tmp_path, **{"zk.connect": zk.connect_string, "zk.sessionTimeout": 4000})
@@ -202,6 +203,7 @@ def test_metrics_port_setting_in_the_ini_file(tmp_path):
     assert load(str(path), {"metricsPort": "0"}).metrics_port == 0
 
 
+@pytest.mark.process
 def test_metrics_port_flag_of_the_broker_process(tmp_path):
     log = tmp_path / "broker.log"
     base = [sys.executable, "-m", "metaq_broker.server.main", "--brokerId", "7", "--serverPort", "0",

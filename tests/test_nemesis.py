@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.nemesis import FAULTS, schedule  # noqa: E402
 from benchmarks.nemesis_check import Checker, compare_member_logs  # noqa: E402
@@ -20,15 +22,18 @@ from metaq_broker.client.producer import Producer  # noqa: E402
 from metaq_broker.store import MessageStore  # noqa: E402
 from metaq_broker.store.config import TopicConfig  # noqa: E402
 
+pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
-# The CI schedule: seven kinds of fault, once each, in the order seed 20 gives them (ZooKeeper's data lost
-# with a replica lagging, kill -9 of the master, ZooKeeper restarted, the master cut from ZooKeeper, the
-# master frozen past its session, the master's data wiped, retention passing a replica that is down): 85 s
-# of faults, under three minutes with the start, recovery waits, final checks and the log comparison.
+# The CI schedule: seven kinds of fault, once each, in the order seed 383 gives them (the master cut from
+# ZooKeeper, retention passing a replica that is down, kill -9 of the master, the master frozen past its
+# session, ZooKeeper restarted, the master's data wiped (after retention: it starts over mid-epoch), and
+# last, since it takes 30 s, ZooKeeper's data lost with a replica lagging): about 95 s in all with the
+# start, recovery waits, final checks and the log comparison, under three minutes on a loaded machine.
 CI_FAULTS = "kill-master,pause-master-long,cut-master-zk,zk-restart,zk-data-loss,retention,wipe-member"
-CI_SEED = 20
+CI_SEED = 383
 
 
+@pytest.mark.process
 def test_a_short_nemesis_schedule_keeps_every_promise(tmp_path):
     """``python -m benchmarks.nemesis`` for a minute of faults; its verdict must be PASS (exit code 0).
     On failure the message carries the harness's violations and member log lines (the reproduction:

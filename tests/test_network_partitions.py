@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.nemesis import settled  # noqa: E402
 from benchmarks.nemesis_check import Checker, compare_member_logs, summarize  # noqa: E402
@@ -296,6 +298,42 @@ def test_client_cut_from_the_master_only(group, network):
     load.finish()
 
 
+def test_a_replica_connecting_to_a_cut_off_master_follows_the_next_at_once(tmp_path, network):
+    """A replica whose fetch to a cut-off master timed out connects again, and the SYN is dropped; when a new
+    master is elected meanwhile, ``follow`` must end that connect at once. It could not: the replica waited
+    out the connect timeout (5 s) first, and the new master's acks=all puts with it (bench_replication's cut
+    link: 15 s instead of 10 after the cut, with zk.sessionTimeout 10 s). Here the fetcher runs in this
+    process, the old master is a host whose link to this one is cut, the new one a listening socket."""
+    import socket
+    import uuid
+
+    from metaq_broker.server.replica_fetcher import CONNECT_TIMEOUT, ReplicaFetcher
+    from metaq_broker.store import MessageStore, TopicConfig
+
+    dead = network.add_host("dead")
+    network.cut(netns.CLIENT, "dead")
+    live = socket.create_server(("127.0.0.1", 0))
+    live.settimeout(CONNECT_TIMEOUT + 5)
+    store = MessageStore(tmp_path / "replica", {TOPIC: TopicConfig(num_partitions=1)}, background_interval=None)
+    fetcher = ReplicaFetcher(store, None, 7, uuid.uuid4().hex, sync_topics=lambda m, l: 0,
+                             on_fenced=lambda e: None, fetch_timeout_s=10.0)
+    try:
+        fetcher.follow(1, {"host": dead.address, "port": 8123, "dataPort": 8124})
+        wait_until(lambda: dead.address in subprocess.run(["ss", "-tn", "state", "syn-sent"], capture_output=True,
+                                                          text=True).stdout, what="a connect to the dead one")
+        followed = time.monotonic()
+        fetcher.follow(2, {"host": "127.0.0.1", "port": 8123, "dataPort": live.getsockname()[1]})
+        conn, _ = live.accept()
+        waited = time.monotonic() - followed
+        conn.close()
+        assert waited < CONNECT_TIMEOUT / 2, (f"the replica connected to its new master {waited:.1f} s after "
+                                              f"following it: it waited out its connect to the cut-off one")
+    finally:
+        fetcher.stop()
+        store.close()
+        live.close()
+
+
 # -- the namespaces themselves -------------------------------------------------------------------------
 ECHO = "import socket,sys\ns=socket.socket(); s.bind((sys.argv[1], 7000)); s.listen()\n" \
        "while True:\n    c,_=s.accept(); c.sendall(b'ok'); c.close()\n"
@@ -336,7 +374,7 @@ def test_a_cut_drops_exactly_the_link_named_and_heals():
         tag, namespaces = net.tag, [h.namespace for h in (a, b, c)]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert not any(ns in left for ns in namespaces) and f"mqnem{tag}" not in links
+    assert not any(ns in left for ns in namespaces) and f"{netns.PREFIX}{tag}" not in links
 
 
 def test_sweep_removes_what_a_killed_run_left():
@@ -351,7 +389,7 @@ def test_sweep_removes_what_a_killed_run_left():
     with netns.Network() as mine:
         mine.add_host("y")
         removed = netns.sweep()
-        assert namespace in removed and f"mqnem{tag}b" in removed
+        assert namespace in removed and f"{netns.PREFIX}{tag}b" in removed
         assert mine.hosts["y"].namespace in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                            text=True).stdout
-    assert f"mqnem{tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"{netns.PREFIX}{tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

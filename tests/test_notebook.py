@@ -19,6 +19,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+pytestmark = [pytest.mark.process, pytest.mark.spark]
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 

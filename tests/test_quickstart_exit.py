@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.spark]
+
 PROBE = textwrap.dedent("""
     import ctypes, json, os, threading, time
 

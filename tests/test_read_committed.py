@@ -22,6 +22,8 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawfetch, records
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
 
+pytestmark = pytest.mark.unit
+
 TOPIC = "tx"
 BIG = 700  # messages of 1000 bytes in each batch of 1-1's aborted transaction: one batch fills a 1 MiB fetch
 

@@ -6,6 +6,8 @@ import pytest
 from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records
 
+pytestmark = pytest.mark.unit
+
 
 def encode(values, keys=None, attributes=None, flags=None, base=0, msg_id=1000, ts=1_700_000_000_000):
     body = records.encode_body(values, keys, attributes, flags)

@@ -16,6 +16,8 @@ from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records
 from metaq_broker.protocol.metaq.messages import decode_message_set, encode_message_set, message_sizes
 
+pytestmark = pytest.mark.unit
+
 STORE_TIME = 1_700_000_000_000
 
 

@@ -10,6 +10,8 @@ from record_v2 import v2_batch
 from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records
 
+pytestmark = pytest.mark.unit
+
 
 def v3(values, base=0, msg_id=1, ts=5, producer=(-1, -1, -1), byte_base=0, **kw):
     body = records.encode_body(values, **kw)

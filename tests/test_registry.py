@@ -18,21 +18,22 @@ from metaq_broker.zk.group_offsets import ConsumerIdInUseError, GroupStore, rang
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import ZooKeeperUnavailableError
 
+pytestmark = pytest.mark.unit
+
 
 # -- paths (no server) ----------------------------------------------------------------------------------
 def test_paths_follow_the_metaq_layout():
     p = ZkPaths()
     assert p.root == "/meta"
-    assert p.broker_ids() == "/meta/brokers/ids" and p.broker(3) == "/meta/brokers/ids/3"
-    assert p.topics_pub() == "/meta/brokers/topics-pub" and p.topic_pub("orders") == "/meta/brokers/topics-pub/orders"
-    assert p.topic_pub_broker("orders", 3) == "/meta/brokers/topics-pub/orders/3-m"
-    assert p.topics_sub() == "/meta/brokers/topics-sub" and p.topic_sub("orders") == "/meta/brokers/topics-sub/orders"
-    assert p.topic_sub_broker("orders", 3) == "/meta/brokers/topics-sub/orders/3-m"
+    # metaq's own nodes are where MetaQ 1.4 clients never look (MetaQ's own: tests/test_metaq_zk_layout.py)
+    assert p.broker_ids() == "/meta/brokers/metaq/ids" and p.broker(3) == "/meta/brokers/metaq/ids/3"
+    assert p.topics() == "/meta/brokers/metaq/topics" and p.topic("orders") == "/meta/brokers/metaq/topics/orders"
+    assert p.topic_entry("orders", 3) == "/meta/brokers/metaq/topics/orders/3-m"
     assert p.consumers() == "/meta/consumers" and p.group("g") == "/meta/consumers/g"
     assert p.group_ids("g") == "/meta/consumers/g/ids" and p.group_member("g", "c1") == "/meta/consumers/g/ids/c1"
-    assert p.group_offset_topics("g") == "/meta/consumers/g/offsets"
-    assert p.group_offsets("g", "t") == "/meta/consumers/g/offsets/t"
-    assert p.group_offset("g", "t", "3-12") == "/meta/consumers/g/offsets/t/3-12"
+    assert p.group_offset_topics("g") == "/meta/consumers/g/metaq/offsets"
+    assert p.group_offsets("g", "t") == "/meta/consumers/g/metaq/offsets/t"
+    assert p.group_offset("g", "t", "3-12") == "/meta/consumers/g/metaq/offsets/t/3-12"
     assert p.group_owners("g", "t") == "/meta/consumers/g/owners/t"
     assert p.group_owner("g", "t", "3-12") == "/meta/consumers/g/owners/t/3-12"
     assert p.sinks() == "/meta/sinks" and p.sink_batches("s") == "/meta/sinks/s/batches"
@@ -42,9 +43,9 @@ def test_paths_follow_the_metaq_layout():
 
 def test_root_is_normalised():
     assert ZkPaths("/meta/").root == ZkPaths("meta").root == ZkPaths("//meta").root == "/meta"
-    assert ZkPaths("/a/b/").broker(1) == "/a/b/brokers/ids/1"
+    assert ZkPaths("/a/b/").broker(1) == "/a/b/brokers/metaq/ids/1"
     for no_prefix in ("", "/", None):
-        assert ZkPaths(no_prefix).broker(1) == "/brokers/ids/1"
+        assert ZkPaths(no_prefix).broker(1) == "/brokers/metaq/ids/1"
     with pytest.raises(ValueError, match="'..'"):
         ZkPaths("/a/../b")
 
@@ -64,7 +65,7 @@ def test_partition_names():
 
 def test_names_that_cannot_be_path_components_are_refused():
     p = ZkPaths()
-    for kind, call in [("topic", p.topic_pub), ("group", p.group), ("sink id", p.sink_batches)]:
+    for kind, call in [("topic", p.topic), ("group", p.group), ("sink id", p.sink_batches)]:
         for bad, problem in [("a/b", "contains '/'"), ("..", "reserved"), (".", "reserved"), ("", "empty"),
                              ("a\x00b", "control")]:
             with pytest.raises(ValueError, match=f"^{kind} .*ZooKeeper path: .*{problem}"):
@@ -122,6 +123,7 @@ def exists(zk, path):
         return None
 
 
+@pytest.mark.process
 def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, topics={"orders": 2, "logs": 1}).start()
@@ -130,16 +132,15 @@ def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_
         data, stat = zk.get(p.broker(1))
         assert json.loads(data) == {"host": "127.0.0.1", "port": 9000, "brokerId": 1, "version": "test"}
         assert stat.ephemeralOwner == reg.client.client_id[0]
-        for path in (p.topic_pub_broker("orders", 1), p.topic_sub_broker("orders", 1)):
-            data, stat = zk.get(path)
-            assert json.loads(data) == {"numPartitions": 2, "brokerId": 1} and stat.ephemeralOwner == 0
-        assert json.loads(zk.get(p.topic_pub_broker("logs", 1))[0])["numPartitions"] == 1
+        data, stat = zk.get(p.topic_entry("orders", 1))
+        assert json.loads(data) == {"numPartitions": 2, "brokerId": 1} and stat.ephemeralOwner == 0
+        assert json.loads(zk.get(p.topic_entry("logs", 1))[0])["numPartitions"] == 1
 
         reg.add_topic("events", 4)  # a topic created at runtime
-        assert json.loads(zk.get(p.topic_sub_broker("events", 1))[0]) == {"numPartitions": 4, "brokerId": 1}
+        assert json.loads(zk.get(p.topic_entry("events", 1))[0]) == {"numPartitions": 4, "brokerId": 1}
         reg.set_topics({"orders": 3, "events": 4})  # resize one, drop "logs"
-        assert json.loads(zk.get(p.topic_pub_broker("orders", 1))[0])["numPartitions"] == 3
-        assert zk.exists(p.topic_pub_broker("logs", 1)) is None and zk.exists(p.topic_sub_broker("logs", 1)) is None
+        assert json.loads(zk.get(p.topic_entry("orders", 1))[0])["numPartitions"] == 3
+        assert zk.exists(p.topic_entry("logs", 1)) is None
         with pytest.raises(ValueError, match="ZooKeeper path"):
             reg.add_topic("a/b", 1)
     finally:
@@ -147,17 +148,18 @@ def test_registration_writes_the_nodes_and_stop_removes_the_broker_node_only(zk_
     assert not reg.connected
     assert zk.exists(p.broker(1)) is None
     # the topic entries stay: a stopped broker's partitions are down, not gone (keys keep their partition)
-    for path in (p.topic_pub_broker("orders", 1), p.topic_sub_broker("orders", 1), p.topic_pub_broker("events", 1)):
+    for path in (p.topic_entry("orders", 1), p.topic_entry("events", 1)):
         assert zk.exists(path), path
     # started again without "events" (dropped while it was down): its stale entries go at registration
     reg = registration(zk_server, root, topics={"orders": 3}).start()
     try:
-        assert zk.exists(p.topic_pub_broker("orders", 1))
-        assert zk.exists(p.topic_pub_broker("events", 1)) is None and zk.exists(p.topic_sub_broker("events", 1)) is None
+        assert zk.exists(p.topic_entry("orders", 1))
+        assert zk.exists(p.topic_entry("events", 1)) is None
     finally:
         reg.stop()
 
 
+@pytest.mark.process
 def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
     first = registration(zk_server, root, broker_id=7, port=9000).start()
     try:
@@ -170,11 +172,12 @@ def test_second_registration_with_the_same_id_is_refused(zk_server, zk, root):
         assert not dup.connected
         # The refused one did not touch the holder's nodes.
         assert zk.get(ZkPaths(root).broker(7))[1].ephemeralOwner == first.client.client_id[0]
-        assert zk.exists(ZkPaths(root).topic_pub_broker("orders", 7))
+        assert zk.exists(ZkPaths(root).topic_entry("orders", 7))
     finally:
         first.stop()
 
 
+@pytest.mark.process
 def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
     """A crashed previous run of this broker leaves its ephemeral node until its session expires."""
     ghost = KazooClient(zk_server.connect_string)
@@ -190,6 +193,7 @@ def test_a_stale_node_with_our_own_address_is_waited_out(zk_server, zk, root):
         reg.stop()
 
 
+@pytest.mark.process
 def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=2).start()
@@ -198,7 +202,7 @@ def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
         wait_until(lambda: KazooState.SUSPENDED in reg.state_history and reg.connected, timeout=30,
                    what="the registration reconnecting")
         wait_until(lambda: exists(zk, p.broker(2)), timeout=30, what="broker node after restart")
-        assert json.loads(zk.get(p.topic_pub_broker("orders", 2))[0])["numPartitions"] == 2
+        assert json.loads(zk.get(p.topic_entry("orders", 2))[0])["numPartitions"] == 2
 
         # A reconnect without expiry still checks the node: remove it behind the broker's back, then
         # make it reconnect; it must put the node back.
@@ -210,6 +214,7 @@ def test_registration_comes_back_after_a_zookeeper_restart(zk_server, zk, root):
         reg.stop()
 
 
+@pytest.mark.process
 def test_registration_comes_back_after_session_expiry(zk_server, zk, root):
     p = ZkPaths(root)
     reg = registration(zk_server, root, broker_id=4).start()
@@ -230,7 +235,7 @@ def test_registration_comes_back_after_session_expiry(zk_server, zk, root):
         assert json.loads(zk.get(p.broker(4))[0])["port"] == 9000
         # Topics added after the expiry are written by the new session too.
         reg.add_topic("late", 2)
-        assert json.loads(zk.get(p.topic_pub_broker("late", 4))[0])["numPartitions"] == 2
+        assert json.loads(zk.get(p.topic_entry("late", 4))[0])["numPartitions"] == 2
     finally:
         reg.stop()
     assert zk.exists(p.broker(4)) is None
@@ -266,6 +271,7 @@ def test_cluster_view_static_list():
         ClusterView()
 
 
+@pytest.mark.process
 def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
     reg1 = registration(zk_server, root, 1, {"orders": 2}, port=9001).start()
     reg2 = registration(zk_server, root, 2, {"orders": 1, "logs": 3}, port=9002).start()
@@ -277,7 +283,7 @@ def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
         assert view.topic_partitions("logs") == [(2, 0), (2, 1), (2, 2)]
         # Asking about a topic that does not exist creates nothing, and it is picked up once it does.
         assert view.topic_partitions("later") == []
-        assert zk.exists(ZkPaths(root).topic_pub("later")) is None
+        assert zk.exists(ZkPaths(root).topic("later")) is None
         changes = []
         view.on_change(lambda: changes.append(1))
         reg1.add_topic("later", 2)
@@ -307,6 +313,7 @@ def test_cluster_view_follows_brokers_and_topics(zk_server, zk, root):
 
 
 # -- consumer groups ------------------------------------------------------------------------------------
+@pytest.mark.process
 def test_group_offsets_round_trip(zk, root):
     g = GroupStore(zk, root)
     assert g.fetch("g1", "t") == {} and g.groups() == [] and g.group_topics("g1") == []
@@ -314,7 +321,7 @@ def test_group_offsets_round_trip(zk, root):
     g.commit("g1", "t", {"1-0": 6})  # a partial commit leaves the others
     assert g.fetch("g1", "t") == {"1-0": 6, "1-1": 7, "10-0": 0}
     assert list(g.fetch("g1", "t")) == ["1-0", "1-1", "10-0"]
-    assert zk.get(f"{root}/consumers/g1/offsets/t/1-0")[0] == b"6"  # ASCII decimal, as MetaQ
+    assert zk.get(f"{root}/consumers/g1/metaq/offsets/t/1-0")[0] == b"6"  # ASCII decimal, beside MetaQ's node
     g.commit("g1", "u", {"2-0": 1})
     g.commit("g2", "t", {"1-0": 1})
     g.commit("g2", "t", {})
@@ -323,10 +330,13 @@ def test_group_offsets_round_trip(zk, root):
         with pytest.raises(ValueError, match=match):
             g.commit("g1", "t", bad)
     assert g.fetch("g1", "t")["1-0"] == 6  # a refused commit wrote nothing
-    zk.create(f"{root}/consumers/g1/offsets/t/junk", b"x")  # foreign children are skipped
+    zk.create(f"{root}/consumers/g1/metaq/offsets/t/junk", b"x")  # foreign children are skipped
+    zk.create(f"{root}/consumers/g1/offsets/t/junk", b"5", makepath=True)
+    zk.create(f"{root}/consumers/g1/offsets/t/10-0", b"77-1234")  # MetaQ's form: its master translates it
     assert g.fetch("g1", "t") == {"1-0": 6, "1-1": 7, "10-0": 0}
 
 
+@pytest.mark.process
 def test_group_membership_assignment_and_ownership(zk_server, zk, root):
     other = KazooClient(zk_server.connect_string)  # the second consumer has its own session
     other.start(15)

@@ -16,6 +16,8 @@ from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load, topic_config_from, topic_ini_values
 from metaq_broker.store import TopicConfig
 
+pytestmark = pytest.mark.unit
+
 
 def write(tmp_path, text):
     path = tmp_path / "broker.ini"

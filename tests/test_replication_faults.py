@@ -19,6 +19,8 @@ from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotEnoug
 from conftest import wait_until
 from test_replication_basic import log_bytes, read_all
 
+pytestmark = pytest.mark.process
+
 TOPICS = {"orders": {"numPartitions": 2}}
 
 
@@ -244,13 +246,12 @@ def test_a_member_restarted_at_once_takes_over_its_own_stale_nodes(tmp_path, zoo
         g.stop()
 
 
-def test_zookeeper_gone_a_group_of_one_serves_on_a_replicated_master_refuses(tmp_path):
+def test_zookeeper_gone_a_group_of_one_serves_on_a_replicated_master_refuses(tmp_path, own_zookeeper):
     """A broker that has only ever been its group's member needs no lease: nobody else can be elected, so
     it serves puts and reads through a ZooKeeper outage as a broker without replicas always did. The
     master of a group of three refuses once its lease runs out (another member might be elected); both
     serve again once ZooKeeper is back."""
-    from metaq_broker.devtools.zookeeper import LocalZooKeeper
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()  # not the shared one: we stop it
+    zk = own_zookeeper  # not the shared one: we stop it
     single = group = None
     try:
         single = BrokerProcess(tmp_path / "single", 1, zk.connect_string, settings={"zk.sessionTimeout": 4000},

@@ -17,8 +17,7 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.tools.cli import main
 from conftest import wait_until
-import test_console
-from test_console import cell, open_page, start_console, stop_console, texts
+from webconsole import cell, open_page, start_console, stop_console, texts
 
 TOPICS = {"orders": {"numPartitions": 2}}
 
@@ -139,11 +138,8 @@ def test_a_stopped_replica_lags_then_catches_up(env):
     assert scrape(group.members[master])[("metaq_replication_replica_lag_messages", (("replica", str(r)),))] == 0
 
 
-browser = test_console.browser  # its headless Chromium, as a fixture of this module too
-
-
 def test_the_console_shows_the_members(env, browser):
-    """The brokers page of ``metaq console`` in a real headless Chromium (tests/test_console.py's)."""
+    """The brokers page of ``metaq console`` in a real headless Chromium."""
     group, _, _ = env
     master = group.master_id()
     proc, url = start_console(group.zk_connect, group.paths.root)

@@ -20,6 +20,8 @@ from metaq_broker.protocol.status import (STORED_NOTHING, BrokerUnavailableError
                                           RemoteNotEnoughReplicasError, RemoteNotMasterError,
                                           RemotePartitionClosedError, code_of, error_of)
 
+pytestmark = pytest.mark.unit
+
 UUID = uuid_module.UUID("3f2a0000-0000-4000-8000-00000000beef").bytes
 
 

@@ -28,6 +28,8 @@ from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
 
+pytestmark = pytest.mark.process
+
 TOPICS = {"orders": {"numPartitions": 2}}
 REPLICATOR, REPLICATOR_PASSWORD = "replicator", "replicator-secret-1"
 ADMIN_PASSWORD = "admin-secret-2"

@@ -23,6 +23,8 @@ from metaq_broker.zk import decisions as txn_decisions
 from conftest import wait_until
 from test_replication_basic import log_bytes, read_all
 
+pytestmark = pytest.mark.unit
+
 TOPICS = {"orders": {"numPartitions": 2}}
 
 

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from test_security import registered_data_port
 
@@ -103,11 +102,6 @@ class Legit:
         self._thread.join(60)
         self.producer.close()
         self.consumer.close()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

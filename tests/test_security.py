@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 
 from metaq_broker.client import Admin, Consumer, Producer
@@ -21,15 +20,13 @@ from metaq_broker.security.acl import Acl, AclTable
 from metaq_broker.security.scram import Credential, ScramClient
 from metaq_broker.security.settings import BrokerSecurity, ClientSecurity
 from metaq_broker.zk.acls import add_acls
+from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import delete_user, put_user
 
+pytestmark = pytest.mark.unit
+
 PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-2", "admin": "admin-secret-3", "dave": "dave-secret-4"}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_settings(pki, cert=None, **more):
@@ -98,7 +95,7 @@ def _zk_client(zk_connect: str):
 def registered_data_port(zk_connect: str, root: str, broker_id: int) -> int:
     """The data port broker ``broker_id`` registered under ``root``."""
     with _zk_client(zk_connect) as zk:
-        return json.loads(zk.get(f"{root}/brokers/ids/{broker_id}")[0])["dataPort"]
+        return json.loads(zk.get(ZkPaths(root).broker(broker_id))[0])["dataPort"]
 
 
 def login(broker, security):
@@ -419,6 +416,7 @@ def test_a_flood_of_bad_logins_and_handshakes_leaves_good_clients_served(secured
     assert refused  # the flood really was refused meanwhile
 
 
+@pytest.mark.process
 def test_broker_refuses_sasl_without_zookeeper_and_bad_settings(tmp_path, pki):
     b = BrokerProcess(tmp_path / "b", 1, "none", settings={"security.protocol": "SASL_SSL",
                                                            "ssl.certificate.location": pki.broker.cert,
@@ -452,7 +450,7 @@ def test_group_offsets_go_through_the_broker_which_checks_the_group_acl(secured,
         assert c.committed("orders-eu") == {"1-0": 1}
         with pytest.raises(AuthorizationError, match="User:bob is not allowed Read on topic 'other'"):
             c.commit("other", {"1-0": 1})
-    data, _ = zk.get(f"{bs.root}/consumers/billing/offsets/orders-eu/1-0")  # written by the broker
+    data, _ = zk.get(ZkPaths(bs.root).group_offset("billing", "orders-eu", "1-0"))  # written by the broker
     assert data == b"1"
 
 

@@ -34,7 +34,9 @@ from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.users import put_user
 from test_security import registered_data_port
-from test_security_dataport import pki, zk  # noqa: F401 - fixtures: a throwaway CA, a ZooKeeper client
+from test_security_dataport import zk  # noqa: F401 - a fixture: a ZooKeeper client
+
+pytestmark = pytest.mark.unit
 
 
 def tls(pki, protocol="SSL", **more) -> dict:

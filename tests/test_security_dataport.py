@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from kazoo.client import KazooClient
 from test_metrics import Scrape
@@ -34,13 +33,11 @@ from metaq_broker.server.broker import Broker
 from metaq_broker.server.config import load
 from metaq_broker.zk import acls as zk_acls
 from metaq_broker.zk import users as zk_users
+from metaq_broker.zk.paths import ZkPaths
+
+pytestmark = pytest.mark.unit
 
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
@@ -80,7 +77,7 @@ def start(cluster, settings, **kw):
     zk = KazooClient(hosts=cluster.zk_connect)
     zk.start(15)
     try:
-        reg = json.loads(zk.get(f"{cluster.zk_root}/brokers/ids/1")[0])
+        reg = json.loads(zk.get(ZkPaths(cluster.zk_root).broker(1))[0])
     finally:
         zk.stop()
         zk.close()

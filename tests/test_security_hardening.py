@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-from certs import make_pki
 
 from metaq_broker.client import Consumer, Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
@@ -19,6 +18,8 @@ from metaq_broker.errors import AuthenticationError
 from metaq_broker.security.scram import MAX_ITERATIONS, Credential, ScramClient
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
+
+pytestmark = pytest.mark.unit
 
 
 # -- the SCRAM client against a rogue broker --------------------------------------------------------------
@@ -42,6 +43,7 @@ def test_scram_client_refuses_iteration_counts_outside_the_bound_before_any_work
         ScramClient("user", "pencil", nonce="abc").final(_server_first("abcX", count))
 
 
+@pytest.mark.process
 def test_credentials_and_the_cli_keep_within_the_bound_clients_accept(tmp_path):
     Credential.make("pw", MAX_ITERATIONS)
     with pytest.raises(ValueError, match=f"from 4096 to {MAX_ITERATIONS}"):
@@ -63,11 +65,10 @@ def _modes(root):
     return out
 
 
-def test_files_are_private_whatever_the_umask_and_what_cannot_be_fixed_is_warned_about(tmp_path, zookeeper):
+def test_files_are_private_whatever_the_umask_and_what_cannot_be_fixed_is_warned_about(tmp_path, zookeeper, pki):
     """An operator's umask 000, a data directory of an older version (0755 directories, 0644 files), a
     dataPath open to others, a private key others may read, SASL without zk.auth: every file and directory
     below dataPath ends 0600/0700, and the rest is named in warnings at start."""
-    pki = make_pki(tmp_path / "pki")
     key = tmp_path / "broker-key.pem"
     shutil.copy(pki.broker.key, key)
     os.chmod(key, 0o644)
@@ -115,8 +116,8 @@ def test_files_are_private_whatever_the_umask_and_what_cannot_be_fixed_is_warned
         zk.close()
 
 
-def test_a_flood_of_failed_tls_handshakes_leaves_no_line_per_handshake_in_the_log(tmp_path):
-    pki = make_pki(tmp_path / "pki")
+@pytest.mark.process
+def test_a_flood_of_failed_tls_handshakes_leaves_no_line_per_handshake_in_the_log(tmp_path, pki):
     broker = BrokerProcess(tmp_path / "b", 1, "none", settings={
         "security.protocol": "SSL", "ssl.certificate.location": pki.broker.cert,
         "ssl.key.location": pki.broker.key}).start(ready_by_log=True)

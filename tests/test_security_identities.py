@@ -9,7 +9,6 @@ cover only consumer groups and decision records. Real broker processes, ZooKeepe
 import time
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from kazoo.exceptions import NoAuthError
 
@@ -24,6 +23,8 @@ from metaq_broker.zk.acls import add_acls, list_acls, remove_acls
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
+
+pytestmark = pytest.mark.unit
 
 CLUSTER = "digest:metaq:cluster-pw"  # brokers and the admin
 CLIENTS = "digest:apps:apps-pw"  # the clients' identity: groups and decision records only
@@ -48,9 +49,8 @@ def the_attack_fails(zk, root):
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory, zookeeper):
+def secured(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("identities")
-    pki = make_pki(work / "pki")
     root = f"/identities-{time.time_ns()}"
     admin_zk = session(zookeeper, CLUSTER)
     for user, password in (("etl", "etl-pw"), ("admin", "admin-pw")):

@@ -10,7 +10,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from certs import make_pki
 from prometheus_client.parser import text_string_to_metric_families
 
 from metaq_broker.client import Producer
@@ -55,9 +54,8 @@ def labels_seen(text: str, label: str) -> set:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, zookeeper):
+def setup(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("sec-metrics")
-    pki = make_pki(work / "pki")
     root = f"/sec-metrics-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string)
     zk.start()

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 
 from metaq_broker.client import Consumer, Producer
@@ -23,6 +22,8 @@ from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.session import new_client
 from metaq_broker.zk.users import put_user
 from metaq_spark.options import is_secret, redaction_regex
+
+pytestmark = pytest.mark.unit
 
 SECRET = "hunter2-zx"
 # Every Python process of the job (the driver, the workers that plan and read and write) logs metaq at
@@ -50,9 +51,8 @@ def test_secret_options_are_recognised_and_the_regex_is_added_once():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, zookeeper):
+def cluster(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("secrets")
-    pki = make_pki(work / "pki")
     root = f"/secrets-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string)
     zk.start()
@@ -82,6 +82,7 @@ def cluster(tmp_path_factory, zookeeper):
     zk.close()
 
 
+@pytest.mark.spark
 def test_a_secret_shows_in_no_plan_progress_error_log_or_checkpoint(cluster, tmp_path):
     args = {"zk": cluster["zk"], "root": cluster["root"], "ca": cluster["ca"], "secret": SECRET,
             "checkpoint": str(tmp_path / "cp"), "failing_checkpoint": str(tmp_path / "cp-failing"),

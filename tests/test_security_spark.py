@@ -4,7 +4,6 @@ progress report or error; a user without the sink's ACL is refused, naming it.""
 import time
 
 import pytest
-from certs import make_pki
 from conftest import wait_until
 from spark_helpers import metaq_session
 
@@ -21,9 +20,8 @@ ROWS = 3000
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, zookeeper):
+def setup(tmp_path_factory, zookeeper, pki):
     work = tmp_path_factory.mktemp("sec-spark")
-    pki = make_pki(work / "pki")
     root = f"/sec-spark-{time.time_ns()}"
     zk = new_client(zookeeper.connect_string)
     zk.start()

@@ -20,6 +20,8 @@ from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import new_client
 
+pytestmark = pytest.mark.process
+
 ZK_AUTH = "digest:metaq:zk-s3cret"
 
 
@@ -284,15 +286,15 @@ def test_with_zk_auth_strangers_cannot_touch_metaq_nodes_but_find_brokers(cluste
     # broker registrations stay readable (clients without credentials find brokers), but not writable
     assert stranger.get_children(paths.broker_ids()) == ["1"]
     assert json.loads(stranger.get(paths.broker(1))[0])["brokerId"] == 1
-    assert stranger.get_children(paths.topics_pub()) == ["orders"]
-    assert stranger.get_children(paths.topic_pub("orders")) == ["1-m"]
-    assert json.loads(stranger.get(paths.topic_sub_broker("orders", 1))[0])["numPartitions"] == 2
+    assert stranger.get_children(paths.topics()) == ["orders"]
+    assert stranger.get_children(paths.topic("orders")) == ["1-m"]
+    assert json.loads(stranger.get(paths.topic_entry("orders", 1))[0])["numPartitions"] == 2
     with pytest.raises(NoAuthError):
-        stranger.set(paths.topic_pub_broker("orders", 1), b'{"numPartitions": 99, "brokerId": 1}')
+        stranger.set(paths.topic_entry("orders", 1), b'{"numPartitions": 99, "brokerId": 1}')
     with pytest.raises(NoAuthError):
         stranger.create(paths.broker(2), b"{}", ephemeral=True)
     with pytest.raises(NoAuthError):
-        stranger.delete(paths.topic_pub_broker("orders", 1))
+        stranger.delete(paths.topic_entry("orders", 1))
 
 
 def test_without_zk_auth_nodes_stay_open(zookeeper, zk_root, stranger):
@@ -310,11 +312,8 @@ def test_without_zk_auth_nodes_stay_open(zookeeper, zk_root, stranger):
 
 # -- ZooKeeper over TLS (its secureClientPort, PEM key store) ------------------------------------------
 @pytest.fixture(scope="module")
-def tls_zookeeper(tmp_path_factory):
-    from certs import make_pki
-
+def tls_zookeeper(tmp_path_factory, pki):
     from metaq_broker.devtools.zookeeper import LocalZooKeeper
-    pki = make_pki(tmp_path_factory.mktemp("zk-pki"))
     zk = LocalZooKeeper(data_dir=tmp_path_factory.mktemp("zk-tls"), tick_time_ms=500, tls_cert=pki.broker.cert,
                         tls_key=pki.broker.key, tls_ca=pki.ca, tls_client_auth="need")
     zk.start()

@@ -6,6 +6,8 @@ import pytest
 from metaq_broker.zk.decisions import BATCH_WRITE_PREFIX
 from metaq_spark.options import OptionError, SinkOptions, parse, parse_sink
 
+pytestmark = pytest.mark.unit
+
 ZK = {"metaq.zk.connect": "zk:2181"}
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from metaq_broker.store import MessageStore, TopicConfig
 
+pytestmark = pytest.mark.unit
+
 THREADS = 8
 MODES = {
     "group_commit": dict(unflush_threshold=0),

@@ -11,6 +11,8 @@ from metaq_broker.protocol.records import crc
 from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store.epochs import FILE_NAME, Epoch, EpochFile, decode, encode
 
+pytestmark = pytest.mark.unit
+
 
 def log_of(tmp_path, name, *entries):
     directory = tmp_path / name

@@ -3,14 +3,17 @@ and nothing already stored is touched (contents, offsets and the bytes of every 
 Also Arrow input of every accepted shape round-trips exactly."""
 import re
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from metaq_broker import errors
 from metaq_broker.errors import (ConfigError, InvalidMessageError, InvalidOffsetError, InvalidPartitionError,
                                  InvalidTopicError, MessageTooLargeError, OffsetOutOfRangeError, UnknownTopicError)
+from metaq_broker.protocol.status import RemoteInvalidArgumentError, RemoteMessageTooLargeError, code_of, error_of
 from metaq_broker.store import DeletePolicy, MessageStore, TopicConfig, validate_topic_name
+
+pytestmark = pytest.mark.unit
 
 LIMIT = 100  # max_message_size of topic "t"
 
@@ -23,6 +26,15 @@ def raises_exactly(exc_class, call, *patterns):
     for pattern in patterns:
         assert re.search(pattern, str(info.value)), f"{pattern!r} not in {str(info.value)!r}"
     return info.value
+
+
+def assert_reaches_a_client_as(e, code, remote_class):
+    """What an error's place in errors.py is for: a broker answers it with ``code`` (protocol/status.py's
+    table goes by isinstance) and a client raises ``remote_class`` carrying the store's message unchanged."""
+    assert code_of(e) == code
+    remote = error_of(code, str(e), "127.0.0.1:1")
+    assert type(remote) is remote_class and str(e) in str(remote)
+    return remote
 
 
 def dump(p):
@@ -196,7 +208,8 @@ def test_oversize_messages_are_rejected_and_the_whole_batch_is_not_stored(store,
     before = snapshot(store)
     e = raises_exactly(MessageTooLargeError, lambda: p.append(**kwargs),
                        rf"message {index} of the batch is {size} bytes", rf"limit for topic t is {LIMIT}\b")
-    assert isinstance(e, InvalidMessageError)
+    remote = assert_reaches_a_client_as(e, grpc.StatusCode.RESOURCE_EXHAUSTED, RemoteMessageTooLargeError)
+    assert isinstance(remote, MessageTooLargeError)  # ``except MessageTooLargeError`` works in a client too
     raises_exactly(MessageTooLargeError, lambda: store.append("t", 0, **kwargs), rf"{size} bytes")
     check_untouched(store, before)
 
@@ -432,7 +445,8 @@ def test_reading_below_earliest_after_retention_names_the_valid_range(tmp_path, 
 ])
 def test_bad_topic_config_values_name_the_key(kwargs, key):
     e = raises_exactly(ConfigError, lambda: TopicConfig(**kwargs), re.escape(key))
-    assert isinstance(e, errors.MetaqError)
+    remote = assert_reaches_a_client_as(e, grpc.StatusCode.INVALID_ARGUMENT, RemoteInvalidArgumentError)
+    assert isinstance(remote, ValueError)  # as ConfigError is one
     base = TopicConfig()
     raises_exactly(ConfigError, lambda: base.with_(**kwargs), re.escape(key))
 

@@ -27,6 +27,8 @@ from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store import keyindex
 from metaq_broker.store.keyindex import IndexProblem, KeyIndex, hash_key, lookup, offset_range
 
+pytestmark = pytest.mark.unit
+
 keys_st = st.lists(st.one_of(st.none(), st.binary(max_size=90)), min_size=1, max_size=40)
 
 

@@ -7,10 +7,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from metaq_broker.errors import InvalidTopicError
 from metaq_broker.store import MessageStore, PartitionLog, TopicConfig
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
+
+pytestmark = pytest.mark.unit
 
 
 def open_log(path, config=TopicConfig(), **kw):
@@ -140,6 +143,7 @@ class FsyncSpy:
 
     def __init__(self, monkeypatch, delay=0.0):
         self.calls = 0
+        self.paths = set()  # of the files fsynced
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
@@ -151,6 +155,7 @@ class FsyncSpy:
         if self.delay:
             time.sleep(self.delay)
         self.calls += 1
+        self.paths.add(os.readlink(f"/proc/self/fd/{fd}"))
         self.real(fd)
 
 
@@ -259,8 +264,11 @@ def test_background_thread_flushes_interval_topics(tmp_path, monkeypatch):
     with MessageStore(tmp_path, {"t": TopicConfig(unflush_threshold=10 ** 6, unflush_interval_ms=50)},
                       background_interval=0.02) as store:
         spy = FsyncSpy(monkeypatch)
+        spy.gate.clear()  # fsyncs wait: the append below is acknowledged, not yet durable
+        p = store.partition("t", 0)
         store.append("t", 0, [b"a"])
-        deadline = time.time() + 5
-        while spy.calls == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert spy.calls >= 1
+        assert p.recovery_point == 0 and spy.calls == 0
+        spy.gate.set()
+        # nothing but the background thread fsyncs now (no append, flush or close follows)
+        wait_until(lambda: p.recovery_point == 1, timeout=5, what="the background fsync covering the append")
+        assert spy.calls >= 1 and str(p.segments()[-1].path) in spy.paths

@@ -30,6 +30,8 @@ from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store import offset_index
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
+pytestmark = pytest.mark.unit
+
 
 class Model:
     """Every message of a partition: offset -> (segment start, batch position, batch length, store time,
@@ -315,6 +317,7 @@ def metaq_log(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.process
 def test_metaq_log_describe_and_verify_check_the_index(tmp_path):
     part = tmp_path / "t-0"
     clock, model = FakeClock(), Model()

@@ -15,6 +15,8 @@ from metaq_broker.store import identity as identity_file
 from metaq_broker.store.producer_state import MAX_BATCHES, SNAPSHOT
 from metaq_broker.store.segment import LOG_SUFFIX
 
+pytestmark = pytest.mark.unit
+
 
 def open_log(path, clock=None, **config):
     kw = {"clock": clock} if clock else {}

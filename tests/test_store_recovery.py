@@ -13,6 +13,8 @@ from metaq_broker.errors import CorruptLogError
 from metaq_broker.store import PartitionLog, TopicConfig
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
+pytestmark = pytest.mark.unit
+
 SMALL = TopicConfig(max_segment_size=4096)
 
 
@@ -260,6 +262,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_process_killed_while_appending_loses_no_acknowledged_message(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     acked = 0

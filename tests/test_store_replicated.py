@@ -13,6 +13,8 @@ from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, PartitionLog, TopicConfig
 from metaq_broker.store.epochs import Epoch, EpochFile
 
+pytestmark = pytest.mark.unit
+
 SMALL = TopicConfig(max_segment_size=4096)
 
 

@@ -9,6 +9,8 @@ from metaq_broker.protocol import records
 from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store.segment import SEGMENT_HEADER_SIZE
 
+pytestmark = pytest.mark.unit
+
 T0 = 1_700_000_000.0  # the conftest clock's start
 MIN = 60
 HOUR = 3600

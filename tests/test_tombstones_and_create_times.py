@@ -17,6 +17,8 @@ from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records
 from metaq_broker.store import PartitionLog, TopicConfig
 
+pytestmark = pytest.mark.unit
+
 CREATED = 1_600_000_000_000  # long before any store time of this run
 
 

@@ -15,6 +15,8 @@ from metaq_broker.store.journal_frames import frame, split
 from metaq_broker.store.transactions import TransactionError, TransactionManager
 from metaq_broker.store.txn_journal import COMMIT, DONE, FINISHED, PREPARE
 
+pytestmark = pytest.mark.unit
+
 PARTS = 3
 
 

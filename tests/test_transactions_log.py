@@ -17,6 +17,8 @@ from metaq_broker.store import journal_v1
 from metaq_broker.store.journal_frames import frame
 from metaq_broker.store.transactions import TransactionError, TransactionManager
 
+pytestmark = pytest.mark.unit
+
 
 def open_all(path, clock=None, **config):
     kw = {"clock": clock} if clock else {}
@@ -164,6 +166,7 @@ CRASH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("step,outcome", [("open", "rolled back"), ("prepare", "rolled back"),
                                           ("prepared", "prepared"), ("commit", "committed")])
 def test_a_broker_killed_at_each_step_of_a_transaction_settles_it_all_or_nothing(tmp_path, step, outcome):
@@ -302,6 +305,7 @@ def test_a_data_directory_with_an_old_journal_opens_and_settles(tmp_path):
     store.close()
 
 
+@pytest.mark.process
 def test_metaq_log_describe_and_verify_understand_markers(tmp_path):
     store, tx = open_all(tmp_path)
     for xid, end in (("c", "commit"), ("a", "rollback"), ("o", None)):

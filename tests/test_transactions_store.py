@@ -9,6 +9,8 @@ from metaq_broker.store import MessageStore, TopicConfig
 from metaq_broker.store.transactions import TransactionError, TransactionManager, UnknownTransactionError
 from metaq_broker.store.txn_journal import COMMIT, JOURNAL
 
+pytestmark = pytest.mark.unit
+
 
 def markers(store, partition):
     """(transaction number, commit?) of every marker in the partition, in log order."""

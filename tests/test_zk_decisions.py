@@ -11,6 +11,8 @@ from metaq_broker.zk import decisions
 from metaq_broker.zk.decisions import BATCH_WRITE_PREFIX
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 DAY = 86_400
 
 

@@ -5,29 +5,14 @@ import json
 import threading
 
 import pytest
-from kazoo.client import KazooClient
 
 from metaq_broker.zk import groups
 from metaq_broker.zk.groups import ElectionLostError, GroupState, MemberHeldError, StaleStateError
 from metaq_broker.zk.paths import ZkPaths
 
+pytestmark = pytest.mark.unit
+
 U0, U1, U2 = "0" * 31 + "a", "1" * 31 + "b", "2" * 31 + "c"
-
-
-@pytest.fixture
-def clients(zookeeper, zk_root):
-    made = []
-
-    def make():
-        c = KazooClient(zookeeper.connect_string)
-        c.start(10)
-        made.append(c)
-        return c
-
-    yield make, ZkPaths(zk_root)
-    for c in made:
-        c.stop()
-        c.close()
 
 
 def test_paths_of_a_group():
@@ -54,8 +39,8 @@ def test_state_json_round_trip():
             GroupState.from_json(bad)
 
 
-def test_bootstrap_then_failover(clients):
-    make, paths = clients
+def test_bootstrap_then_failover(zk_clients):
+    make, paths = zk_clients
     a, b = make(), make()
     assert groups.read_state(a, paths, 1) is None
     s1 = groups.elect(a, paths, 1, 0, U0, b'{"replicaId": 0}', None)
@@ -74,8 +59,8 @@ def test_bootstrap_then_failover(clients):
     assert groups.read_state(b, paths, 1) == s3 and b.get(paths.broker(1))[0] == b'{"replicaId": 1}'
 
 
-def test_election_keeps_members_other_than_the_old_master(clients):
-    make, paths = clients
+def test_election_keeps_members_other_than_the_old_master(zk_clients):
+    make, paths = zk_clients
     a = make()
     s = groups.elect(a, paths, 2, 0, U0, b"{}", None)
     s = groups.alter_isr(a, paths, 2, s, [(0, U0), (1, U1), (2, U2)])
@@ -109,8 +94,8 @@ def _race(clients_and_args):
     return out
 
 
-def test_bootstrap_race_has_one_winner(clients):
-    make, paths = clients
+def test_bootstrap_race_has_one_winner(zk_clients):
+    make, paths = zk_clients
     zks = [make() for _ in range(3)]
     uuids = (U0, U1, U2)
     out = _race([(zk, paths, 3, r, uuids[r], b'{"r": %d}' % r, None) for r, zk in enumerate(zks)])
@@ -122,8 +107,8 @@ def test_bootstrap_race_has_one_winner(clients):
     assert data == b'{"r": %d}' % state.master and stat.ephemeralOwner == zks[state.master].client_id[0]
 
 
-def test_election_race_on_the_same_state_has_one_winner(clients):
-    make, paths = clients
+def test_election_race_on_the_same_state_has_one_winner(zk_clients):
+    make, paths = zk_clients
     zks = [make() for _ in range(3)]
     s = groups.elect(zks[0], paths, 4, 0, U0, b"{}", None)
     s = groups.alter_isr(zks[0], paths, 4, s, [(0, U0), (1, U1), (2, U2)])
@@ -142,8 +127,8 @@ def test_election_race_on_the_same_state_has_one_winner(clients):
     assert zks[1].get(paths.broker(4))[1].ephemeralOwner == zks[state.master].client_id[0]
 
 
-def test_election_fails_while_the_master_node_is_held(clients):
-    make, paths = clients
+def test_election_fails_while_the_master_node_is_held(zk_clients):
+    make, paths = zk_clients
     a, b = make(), make()
     s = groups.elect(a, paths, 5, 0, U0, b"{}", None)
     s = groups.alter_isr(a, paths, 5, s, [(0, U0), (1, U1)])
@@ -154,16 +139,16 @@ def test_election_fails_while_the_master_node_is_held(clients):
     assert a.exists(paths.broker(5)) is not None
 
 
-def test_alter_isr_must_keep_the_master(clients):
-    make, paths = clients
+def test_alter_isr_must_keep_the_master(zk_clients):
+    make, paths = zk_clients
     a = make()
     s = groups.elect(a, paths, 6, 0, U0, b"{}", None)
     with pytest.raises(ValueError, match="must hold its master 0"):
         groups.alter_isr(a, paths, 6, s, [(1, U1)])
 
 
-def test_member_nodes(clients):
-    make, paths = clients
+def test_member_nodes(zk_clients):
+    make, paths = zk_clients
     a, b = make(), make()
     assert groups.members(a, paths, 7) == {}
     groups.register_member(a, paths, 7, 0, {"host": "h", "port": 1, "uuid": U0})
@@ -179,10 +164,10 @@ def test_member_nodes(clients):
     assert groups.members(b, paths, 7) == {1: {"host": "h", "port": 3, "uuid": U1}}
 
 
-def test_take_over_stale_deletes_only_nodes_naming_this_run(clients):
+def test_take_over_stale_deletes_only_nodes_naming_this_run(zk_clients):
     """A restarted member deletes the member and master nodes its dead previous run's session holds: only
     where replicaId, uuid and instance (the locked data directory) are its own, never its own session's."""
-    make, paths = clients
+    make, paths = zk_clients
     old, new, other = make(), make(), make()
     mine = {"replicaId": 0, "uuid": U0, "instance": "boot:1:42"}
     groups.register_member(old, paths, 8, 0, mine)
@@ -200,8 +185,8 @@ def test_take_over_stale_deletes_only_nodes_naming_this_run(clients):
     assert groups.take_over_stale(new, paths, 8, 0, U0, "boot:1:42") == []
 
 
-def test_starting_members_master_node_and_addresses(clients):
-    make, paths = clients
+def test_starting_members_master_node_and_addresses(zk_clients):
+    make, paths = zk_clients
     zk = make()
     assert groups.starting(zk, paths, 1) == set() and groups.master_node(zk, paths, 1) is None
     zk.create(paths.group_starting(1, 2), b"{}", makepath=True)

@@ -12,6 +12,8 @@ from kazoo.client import KazooClient
 
 from metaq_broker.devtools.zookeeper import LocalZooKeeper, free_port, java_available
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def zk_server(tmp_path_factory):

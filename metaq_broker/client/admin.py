@@ -14,7 +14,7 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol.services import DESCRIBE_GROUPS, groups_path
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
 from metaq_broker.zk import groups as zk_groups
-from metaq_broker.zk import topic_entries
+from metaq_broker.zk import layout_upgrade, metaq_nodes, topic_entries
 from metaq_broker.zk.starting import waiting_brokers
 
 
@@ -336,7 +336,9 @@ class Admin(ClientBase):
         topics = topic_entries.topics_of(zk, self.cluster.paths, broker_id)
         for topic in topics:
             topic_entries.delete(zk, self.cluster.paths, topic, broker_id)
-        return topics
+        older = layout_upgrade.forget(zk, self.cluster.paths, broker_id)  # entries of the layout before issue 28
+        metaq_nodes.forget(zk, self.cluster.layout, broker_id)  # MetaQ's brokers/ids/<b>, without a live child
+        return sorted(set(topics) | set(older))
 
 
 def _children(zk, path: str) -> list:

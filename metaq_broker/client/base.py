@@ -126,18 +126,25 @@ class ClientBase:
                                       f"is set to {self.security.protocol}")
         return self.pool.get(addr)
 
-    def call(self, broker_id: int, method: str, request, timeout: Optional[float] = None, retries: int = 0):
+    def call(self, broker_id: int, method: str, request, timeout: Optional[float] = None, retries: int = 0,
+             deadline: Optional[float] = None):
         """``method`` on broker ``broker_id``, that is on its group's current master. While the group has no
         master (an election, a restart) or the member called answers ``not master:`` or ``not enough
         in-sync replicas`` (it did nothing), the call is sent again, each time to wherever
         ``/brokers/ids/<b>`` points then, until the client's timeout; ``retries`` as for
-        ``BrokerConnection.call`` (transient errors, idempotent calls only)."""
-        deadline = time.monotonic() + self.pool.timeout
+        ``BrokerConnection.call`` (transient errors, idempotent calls only). With ``deadline`` (a
+        ``time.monotonic()``) the whole call ends by then: each send waits only what is left, and transient
+        errors are raised, not retried (the caller, bounded by the same deadline, decides)."""
+        bounded = deadline is not None
+        deadline = time.monotonic() + self.pool.timeout if deadline is None else deadline
         while True:
             conn = None
             try:
                 conn = self.connection(broker_id)
-                return conn.call(method, request, timeout, retries)
+                if not bounded:
+                    return conn.call(method, request, timeout, retries)
+                left = max(deadline - time.monotonic(), 0.05)
+                return conn.call(method, request, min(timeout or left, left), 0)
             except InvalidPartitionError:
                 if not self.cluster.known(broker_id):
                     raise

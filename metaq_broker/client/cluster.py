@@ -1,11 +1,16 @@
 """Where brokers and partitions are, for clients: a read-only view of the cluster.
 
 With ZooKeeper the view is a cache kept current by kazoo watches, so routing a message costs no
-ZooKeeper round trip: a ChildrenWatch on ``brokers/ids`` plus a DataWatch per broker (address, and
-whether it is alive), a ChildrenWatch on ``topics-pub`` (topic names), and, for each topic a caller
-asked about, a ChildrenWatch on ``topics-pub/<topic>`` plus a DataWatch per ``<brokerId>-m`` entry
-(its partition count). Topic entries are persistent, so a topic's partitions are those of entries
-whose broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
+ZooKeeper round trip: a ChildrenWatch on ``brokers/metaq/ids`` plus a DataWatch per broker (address, and
+whether it is alive), a ChildrenWatch on ``brokers/metaq/topics`` (topic names), and, for each topic a
+caller asked about, a ChildrenWatch on its entries plus a DataWatch per ``<brokerId>-m`` entry (its
+partition count). Topic entries are persistent, so a topic's partitions are those of entries whose
+broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
+
+The same watches follow the layout before issue 28 (``SOURCES``: master nodes with metaq's JSON at
+``brokers/ids/<b>``, entries with metaq's JSON in ``topics-pub``), so a client upgraded first keeps
+finding the brokers not upgraded yet in a rolling upgrade; a broker's node or entry in metaq's own
+nodes wins over the older one.
 
 Without ZooKeeper (a static broker list) the caller supplies how to learn topics and data ports (the
 gRPC client asks the brokers): ``static_topics``, a callable returning {topic: [(brokerId, n)]}, and
@@ -28,6 +33,7 @@ from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.zk import groups
+from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, start_client
 
@@ -54,6 +60,7 @@ def _track(view: "ClusterView") -> None:
 STATIC_TTL = 1.0  # seconds a ``static_topics`` map is reused before asking the brokers again
 STATIC_DATA_TTL = 10.0  # seconds a ``static_data`` answer (or its failure) is reused before asking again
 _TOPIC_ENTRY = re.compile(r"(0|[1-9][0-9]*)-m")
+SOURCES = ("metaq", "legacy")  # metaq's own nodes, then the layout before issue 28 (by precedence)
 
 
 class ClusterView:
@@ -65,6 +72,7 @@ class ClusterView:
             raise ValueError("give exactly one of zk_connect (ZooKeeper) or brokers (a static broker list)")
         self.root = root
         self.paths = ZkPaths(root)
+        self.layout = MetaqZkLayout(root)
         self.zk = None
         self._static = {int(b): str(a) for b, a in (brokers or {}).items()}
         self._static_topics = static_topics
@@ -72,20 +80,24 @@ class ClusterView:
         self._static_data = static_data
         self._static_data_cache: dict = {}  # brokerId -> (when asked, its data address or None)
         self._lock = threading.RLock()
+        self._close_lock = threading.Lock()
         self._listeners: list = []
         self._brokers: dict = {}           # live brokerId -> "host:port"
         self._data: dict = {}              # live brokerId -> "host:dataPort" of brokers with a data port
         self._protocols: dict = {}         # live brokerId -> its securityProtocol (PLAINTEXT if unsaid)
         self._zk_acl: dict = {}            # live brokerId -> whether it keeps ZooKeeper protected (zk.auth)
-        self._broker_watched: set = set()  # every brokerId registered at some time while this view ran
+        self._registrations: dict = {}     # brokerId -> {source: its master node's JSON}
+        self._broker_watched: set = set()  # every (source, brokerId) registered at some time while this view ran
         self._last: dict = {}              # brokerId -> its last "host:port" (kept while it is down)
         self._last_data: dict = {}         # brokerId -> its last "host:dataPort", or None
         self._moved_listeners: list = []
-        self._topic_names: list = []       # children of topics-pub
+        self._topic_names: list = []       # topics with entries in any source
+        self._names: dict = {s: set() for s in SOURCES}  # source -> its topics
         self._wanted: set = set()          # topics a caller asked about (watched while they exist)
-        self._topic_watch: dict = {}       # topic -> token of its current ChildrenWatch
-        self._parts: dict = {}             # topic -> {brokerId: numPartitions}
-        self._entry_watched: set = set()   # (topic, brokerId) with a DataWatch
+        self._topic_watch: dict = {}       # (source, topic) -> token of its current ChildrenWatch
+        self._counts: dict = {}            # (source, topic) -> {brokerId: numPartitions}
+        self._parts: dict = {}             # topic -> {brokerId: numPartitions}, by source precedence
+        self._entry_watched: set = set()   # (source, topic, brokerId) with a DataWatch
         if zk_connect is not None:
             self.zk = new_client(zk_connect, security=zk_security)
             self.zk.share_below(*client_subtrees(root))  # group offsets and members, an admin's resets
@@ -94,13 +106,16 @@ class ClusterView:
             try:
                 try:
                     self.zk.ensure_path(self.paths.broker_ids())  # a watch needs its node to exist
-                    self.zk.ensure_path(self.paths.topics_pub())
+                    self.zk.ensure_path(self.paths.topics())
                 except NoAuthError:
                     raise AuthenticationError(
                         f"ZooKeeper refused to create {self.paths.broker_ids()} (NoAuth): no broker has registered "
                         f"under {root} yet, which is protected by zk.auth; start a broker first or set zk.auth") from None
-                ChildrenWatch(self.zk, self.paths.broker_ids(), self._on_broker_ids)
-                ChildrenWatch(self.zk, self.paths.topics_pub(), self._on_topic_names)
+                for source in SOURCES:
+                    if source == "legacy" and not self._ensure_legacy_roots():
+                        continue
+                    ChildrenWatch(self.zk, self._ids_root(source), functools.partial(self._on_broker_ids, source))
+                    ChildrenWatch(self.zk, self._topics_root(source), functools.partial(self._on_topic_names, source))
             except BaseException:
                 self.close()
                 raise
@@ -144,7 +159,7 @@ class ClusterView:
         """Sorted (brokerId, partition number) pairs of ``topic`` on live brokers; [] if unknown."""
         if self.zk is None:
             return sorted(self._static_map().get(topic, [])) if self._static_topics else []
-        self.paths.topic_pub(topic)  # ValueError for a name that cannot be a topic
+        self.paths.topic(topic)  # ValueError for a name that cannot be a topic
         self._want(topic)
         with self._lock:
             counts = dict(self._parts.get(topic, {}))
@@ -158,7 +173,7 @@ class ClusterView:
         drops no partition."""
         if self.zk is None:
             return self.topic_partitions(topic)
-        self.paths.topic_pub(topic)
+        self.paths.topic(topic)
         self._want(topic)
         with self._lock:
             counts = dict(self._parts.get(topic, {}))
@@ -207,11 +222,14 @@ class ClusterView:
 
     def close(self) -> None:
         """Stops the ZooKeeper session; returns within seconds also when ZooKeeper is gone (pending
-        watch callbacks then fail and end)."""
+        watch callbacks then fail and end). Callers at once (a client's own thread and the exit hook) take
+        turns: kazoo's second ``stop`` returns before the first has stopped the connection, and its
+        ``close`` then raises "Cannot close connection until it is stopped"."""
         _OPEN.discard(self)
         if self.zk is not None:
-            self.zk.stop()
-            self.zk.close()
+            with self._close_lock:
+                self.zk.stop()
+                self.zk.close()
 
     def __enter__(self) -> "ClusterView":
         return self
@@ -219,34 +237,74 @@ class ClusterView:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- where each source keeps what -------------------------------------------------------------------
+    def _ids_root(self, source: str) -> str:
+        return self.paths.broker_ids() if source == "metaq" else self.layout.broker_ids()
+
+    def _topics_root(self, source: str) -> str:
+        return self.paths.topics() if source == "metaq" else self.layout.topics_pub()
+
+    def _entries(self, source: str, topic: str) -> str:
+        return self.paths.topic(topic) if source == "metaq" else self.layout.topic_pub(topic)
+
+    def _ensure_legacy_roots(self) -> bool:
+        """The older layout's roots exist (a watch needs them); False when this client may not make them."""
+        try:
+            self.zk.ensure_path(self.layout.broker_ids())
+            self.zk.ensure_path(self.layout.topics_pub())
+            return True
+        except NoAuthError:
+            log.debug("not following the ZooKeeper layout before issue 28: %s may not be created here", self.root)
+            return False
+
     # -- brokers --------------------------------------------------------------------------------------
-    def _on_broker_ids(self, children) -> None:
+    def _on_broker_ids(self, source: str, children) -> None:
         ids = {int(c) for c in children if c.isdigit()}  # skips e.g. master_config_checksum
         with self._lock:
-            new = ids - self._broker_watched
-            self._broker_watched |= new
+            new = {b for b in ids if (source, b) not in self._broker_watched}
+            self._broker_watched |= {(source, b) for b in new}
         # Each DataWatch follows its node for good (through deletes and re-creates) and alone keeps
         # _brokers, so the order in which the two kinds of watch fire cannot leave a stale entry.
         for bid in sorted(new):
-            DataWatch(self.zk, self.paths.broker(bid), functools.partial(self._on_broker_data, bid))
+            path = self.paths.broker(bid) if source == "metaq" else self.layout.broker(bid)
+            DataWatch(self.zk, path, functools.partial(self._on_broker_data, source, bid))
 
-    def _on_broker_data(self, bid: int, data, stat, event=None) -> None:
-        address = data_address = protocol = None
-        zk_acl = False
-        if data is not None:
+    def _on_broker_data(self, source: str, bid: int, data, stat, event=None) -> None:
+        info = None
+        if data is not None and (source == "metaq" or stat.ephemeralOwner):  # MetaQ's persistent node is not one
             try:
                 info = json.loads(data)
+                if not isinstance(info, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError:
+                info = None
+                if source == "metaq":
+                    log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
+        with self._lock:
+            regs = self._registrations.setdefault(bid, {})
+            if info is None:
+                regs.pop(source, None)
+            else:
+                regs[source] = info
+            info = next((regs[s] for s in SOURCES if s in regs), None)
+        self._apply_broker(bid, info)
+
+    def _apply_broker(self, bid: int, info: Optional[dict]) -> None:
+        address = data_address = protocol = None
+        zk_acl = False
+        if info is not None:
+            try:
                 address = f"{info['host']}:{int(info['port'])}"
                 protocol = str(info.get("securityProtocol", "PLAINTEXT"))
                 zk_acl = info.get("zkAcl") is True
             except (ValueError, KeyError, TypeError):
-                log.warning("ignoring broker %d: unreadable registration %r", bid, data[:200])
+                log.warning("ignoring broker %d: unreadable registration %r", bid, info)
             else:
                 try:
                     if int(info.get("dataPort", 0)) > 0:
                         data_address = f"{info['host']}:{int(info['dataPort'])}"
                 except (ValueError, TypeError):
-                    log.warning("broker %d: unreadable dataPort in %r; fetching with FetchRaw", bid, data[:200])
+                    log.warning("broker %d: unreadable dataPort in %r; fetching with FetchRaw", bid, info)
         with self._lock:
             old, old_data = self._last.get(bid), self._last_data.get(bid)
             if address is None:
@@ -272,60 +330,66 @@ class ClusterView:
         self._changed()
 
     # -- topics ---------------------------------------------------------------------------------------
-    def _on_topic_names(self, children) -> None:
-        names = sorted(children)
+    def _on_topic_names(self, source: str, children) -> None:
         with self._lock:
+            self._names[source] = set(children)
+            names = sorted(set().union(*self._names.values()))
             self._topic_names = names
-            for t in list(self._topic_watch):
-                if t not in names:  # deleted: its ChildrenWatch has stopped; watch again if it returns
-                    del self._topic_watch[t]
-            start = [t for t in names if t in self._wanted and t not in self._topic_watch]
+            for key in list(self._topic_watch):
+                if key[0] == source and key[1] not in children:  # deleted: its ChildrenWatch has stopped
+                    del self._topic_watch[key]
+            start = [t for t in children if t in self._wanted and (source, t) not in self._topic_watch]
         for t in start:
-            self._watch_topic(t)
+            self._watch_topic(source, t)
         self._changed()
 
     def _want(self, topic: str) -> None:
         with self._lock:
-            if topic in self._topic_watch:
-                return
+            if topic in self._wanted:
+                return  # watched, or _on_topic_names starts the watch when the topic appears
             self._wanted.add(topic)
-            exists = topic in self._topic_names
-        if exists:
-            self._watch_topic(topic)
-        # otherwise _on_topic_names starts the watch when the topic appears
+            present = [s for s in SOURCES if topic in self._names[s]]
+        for source in present:
+            self._watch_topic(source, topic)
 
-    def _watch_topic(self, topic: str) -> None:
+    def _watch_topic(self, source: str, topic: str) -> None:
         token = object()
         with self._lock:
-            if topic in self._topic_watch:
+            if (source, topic) in self._topic_watch:
                 return
-            self._topic_watch[topic] = token
-        ChildrenWatch(self.zk, self.paths.topic_pub(topic), functools.partial(self._on_topic_entries, topic, token))
+            self._topic_watch[(source, topic)] = token
+        ChildrenWatch(self.zk, self._entries(source, topic),
+                      functools.partial(self._on_topic_entries, source, topic, token))
 
-    def _on_topic_entries(self, topic: str, token, children):
+    def _on_topic_entries(self, source: str, topic: str, token, children):
         with self._lock:
-            if self._topic_watch.get(topic) is not token:
+            if self._topic_watch.get((source, topic)) is not token:
                 return False  # superseded: stop this watch
             ids = {int(m.group(1)) for m in map(_TOPIC_ENTRY.fullmatch, children) if m}
-            new = [b for b in sorted(ids) if (topic, b) not in self._entry_watched]
-            self._entry_watched.update((topic, b) for b in new)
+            new = [b for b in sorted(ids) if (source, topic, b) not in self._entry_watched]
+            self._entry_watched.update((source, topic, b) for b in new)
         for bid in new:  # the entry's DataWatch alone keeps _parts: present with data, or absent
-            DataWatch(self.zk, self.paths.topic_pub_broker(topic, bid),
-                      functools.partial(self._on_topic_entry_data, topic, bid))
+            DataWatch(self.zk, f"{self._entries(source, topic)}/{bid}-m",
+                      functools.partial(self._on_topic_entry_data, source, topic, bid))
 
-    def _on_topic_entry_data(self, topic: str, bid: int, data, stat, event=None) -> None:
+    def _on_topic_entry_data(self, source: str, topic: str, bid: int, data, stat, event=None) -> None:
         count = None
         if data is not None:
             try:
                 count = int(json.loads(data)["numPartitions"])
             except (ValueError, KeyError, TypeError):
-                log.warning("ignoring topic %s on broker %d: unreadable entry %r", topic, bid, data[:200])
+                if source == "metaq":  # MetaQ's own entries ({"numParts", "broker"}) are not metaq's
+                    log.warning("ignoring topic %s on broker %d: unreadable entry %r", topic, bid, data[:200])
         with self._lock:
-            parts = self._parts.setdefault(topic, {})
+            counts = self._counts.setdefault((source, topic), {})
             if count is None or count <= 0:
-                parts.pop(bid, None)
+                counts.pop(bid, None)
             else:
-                parts[bid] = count
+                counts[bid] = count
+            merged = {}
+            for s in reversed(SOURCES):
+                merged.update(self._counts.get((s, topic), {}))
+            self._parts[topic] = merged
         self._changed()
 
     # -- helpers --------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.dataport import ProtocolError
-from metaq_broker.protocol.status import STORED_NOTHING, BrokerError, BrokerUnavailableError, to_error
+from metaq_broker.protocol.status import (NOT_ACKNOWLEDGED, STORED_NOTHING, BrokerError, BrokerUnavailableError,
+                                          RemoteNotAcknowledgedError, to_error)
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,11 @@ class _GrpcPut:
     """A ``PutRaw`` in flight over gRPC: the body's parts joined once (a ``PutRequest`` cost two more
     copies, ~1 ms per MB in all). The call waits for a restarting broker (wait-for-ready)."""
 
-    def __init__(self, conn, topic: str, name: str, parts: list):
+    def __init__(self, conn, topic: str, name: str, parts: list, timeout: Optional[float] = None):
         self.conn, self.topic, self.name = conn, topic, name
         request = b"".join(parts)
         self.size = len(request)
-        self._future = conn.future("PutRaw", request)
+        self._future = conn.future("PutRaw", request, timeout=timeout)
 
     def result(self) -> "PutResult":
         try:
@@ -98,18 +99,25 @@ class _GrpcPut:
         self._future.cancel()
 
 
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until ``deadline`` (a ``time.monotonic()``; None: the connection's own timeout), at
+    least a moment, so that a wait past it still fails as a timeout rather than never starting."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.05)
+
+
 class _DataPortPut:
     """A put in flight over the broker's data port (``dataconn``): the parts sent with one scatter-gather
     write, no copy in Python, and no HTTP/2 framing on either side. One per connection at a time."""
 
-    def __init__(self, pool: DataConnectionPool, conn: DataConnection, topic: str, name: str, parts: list):
-        self.pool, self.conn, self.topic, self.name = pool, conn, topic, name
+    def __init__(self, pool: DataConnectionPool, conn: DataConnection, topic: str, name: str, parts: list,
+                 deadline: Optional[float] = None):
+        self.pool, self.conn, self.topic, self.name, self.deadline = pool, conn, topic, name, deadline
         self.size = sum(len(p) for p in parts)
-        conn.send_put(parts)  # raises if nothing could be sent: the caller may still use gRPC
+        conn.send_put(parts, _left(deadline))  # raises if nothing could be sent: the caller may still use gRPC
 
     def result(self) -> "PutResult":
         try:
-            base_offset, base_msg_id, timestamp, _, count, fsynced = self.conn.receive_put()
+            base_offset, base_msg_id, timestamp, _, count, fsynced = self.conn.receive_put(_left(self.deadline))
         except (OSError, ProtocolError) as e:  # the request was sent: it may or may not be stored
             if self.conn.retired:
                 raise BrokerUnavailableError(
@@ -129,17 +137,21 @@ class _DataPortPut:
 class _ResendingPut:
     """A put that is sent again while the group answers a refusal that stored nothing (``not master:``
     during a failover, ``not enough in-sync replicas``), until the producer's timeout. An idempotent
-    producer's put (``producer.sequences``: its id, epoch and sequence) is also sent again when it may have
-    been stored (a lost connection, ``not acknowledged:``, no answer in time): the broker answers a batch
-    it has with its first offsets. Without one, such a put is never sent again. It uses the producer
-    through ``put_once``, ``sequences``, ``cluster`` and ``pool`` only."""
+    producer's put (``producer.sequences``: its id, epoch and sequence) is also sent again when it may have been
+    stored (a lost connection, ``not acknowledged:``, no answer in time): the broker answers a batch it has
+    with its first offsets. Without one, such a put is never sent again. Once a send may have stored the
+    put, a later refusal that stored nothing does not make it "stored nothing": the put fails as ``not
+    acknowledged``. The producer's timeout bounds the whole put: every send, connection and wait in it
+    gets what is left of it (``deadline``). It uses the producer through ``put_once``,
+    ``sequences``, ``cluster`` and ``pool`` only."""
 
     def __init__(self, producer: "Producer", topic: str, name: str, body: records.EncodedBody, xid: str,
-                 idempotent: bool = False):
+                 idempotent: bool = False, deadline: Optional[float] = None):
         self.producer, self.topic, self.name, self.body, self.xid = producer, topic, name, body, xid
         self.sequences = producer.sequences if idempotent else None
         self.stamp = self.sequences.stamp(self) if idempotent else None  # (producer id, epoch, base sequence)
-        self.deadline = time.monotonic() + producer.pool.timeout
+        self.deadline = time.monotonic() + producer.pool.timeout if deadline is None else deadline
+        self.maybe_stored: Optional[BaseException] = None  # the first answer that left it in doubt
         try:
             self._put = self._start()
         except BaseException:
@@ -151,7 +163,7 @@ class _ResendingPut:
         """Send it; while its broker group has no master registered (a failover), wait for one."""
         while True:
             try:
-                return self.producer.put_once(self.topic, self.name, self.body, self.xid, self.stamp)
+                return self.producer.put_once(self.topic, self.name, self.body, self.xid, self.stamp, self.deadline)
             except InvalidPartitionError:
                 known = self.producer.cluster.known(parse_partition_name(self.name)[0])
                 if not known or time.monotonic() + RESEND_WAIT > self.deadline:
@@ -167,12 +179,16 @@ class _ResendingPut:
                     return result
                 except STORED_NOTHING as e:
                     if self.xid or time.monotonic() + RESEND_WAIT > self.deadline:
+                        if self.maybe_stored is not None:
+                            raise self._in_doubt(e) from e
                         raise
                     log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
                 except (BrokerUnavailableError, OutOfOrderSequenceError) as e:
                     if self.stamp is None or time.monotonic() + RESEND_WAIT > self.deadline or (
                             isinstance(e, OutOfOrderSequenceError) and not self.sequences.earlier_in_flight(self)):
                         raise
+                    if not isinstance(e, OutOfOrderSequenceError):
+                        self.maybe_stored = self.maybe_stored or e
                     log.info("idempotent put to %s of %r (sequence %d) got %s; sending it again", self.name,
                              self.topic, self.stamp[2], e)
                 time.sleep(RESEND_WAIT)
@@ -180,6 +196,14 @@ class _ResendingPut:
         except BaseException:
             self._done(failed=True)
             raise
+
+    def _in_doubt(self, last: BrokerError) -> RemoteNotAcknowledgedError:
+        """The error for a put whose last send stored nothing but an earlier one may have stored it."""
+        first = self.maybe_stored
+        return RemoteNotAcknowledgedError(
+            last.code, f"{NOT_ACKNOWLEDGED} the put to {self.name} of {self.topic!r} may or may not be stored: it "
+            f"was sent again after {first}; the last send was refused: {last.details}",
+            first.address)
 
     def _done(self, failed: bool) -> None:
         if self.stamp is not None:
@@ -205,9 +229,9 @@ class Sequences:
         self._in_flight: dict = {}  # (topic, partition name) -> {put: sequence}
         self._stale = False
 
-    def ensure_id(self, call, broker_id: int, timeout: float) -> bool:
+    def ensure_id(self, call, broker_id: int, deadline: float) -> bool:
         """Take a producer id (or bump the epoch after a failed put) from ``broker_id``'s group with
-        ``call`` (``ClientBase.call``), waiting up to ``timeout`` while ZooKeeper is away; False if the
+        ``call`` (``ClientBase.call``), waiting until ``deadline`` while ZooKeeper is away; False if the
         broker does not know ``InitProducerId`` (an older metaq)."""
         with self._lock:
             if self.producer_id is not None and not self._stale:
@@ -215,10 +239,9 @@ class Sequences:
             bump = self.producer_id is not None
             request = pb.InitProducerIdRequest(producer_id=self.producer_id, producer_epoch=self.epoch) \
                 if bump else pb.InitProducerIdRequest()
-            deadline = time.monotonic() + timeout
             while True:
                 try:
-                    r = call(broker_id, "InitProducerId", request, retries=3)
+                    r = call(broker_id, "InitProducerId", request, retries=3, deadline=deadline)
                     break
                 except BrokerUnavailableError:  # ZooKeeper away for a moment: ids cannot be given out
                     if time.monotonic() + RESEND_WAIT > deadline:
@@ -359,9 +382,10 @@ class Producer(ClientBase):
         the broker's data port when it has one and it takes the connection; else ``PutRaw`` over gRPC.
         An idempotent producer stamps it with its id, epoch and the partition's next sequence (not a
         transaction's put: the transaction is all or nothing itself)."""
+        deadline = time.monotonic() + self.pool.timeout  # the whole put, the producer id included
         if self.idempotent and not xid:
-            self._ensure_producer_id(parse_partition_name(name)[0])  # may find the broker predates them
-        return _ResendingPut(self, topic, name, body, xid, idempotent=self.idempotent and not xid)
+            self._ensure_producer_id(parse_partition_name(name)[0], deadline)  # may find the broker predates them
+        return _ResendingPut(self, topic, name, body, xid, idempotent=self.idempotent and not xid, deadline=deadline)
 
     # -- idempotence ----------------------------------------------------------------------------------
     @property
@@ -372,17 +396,20 @@ class Producer(ClientBase):
     def producer_epoch(self) -> Optional[int]:
         return self.sequences.epoch
 
-    def _ensure_producer_id(self, broker_id: int) -> None:
+    def _ensure_producer_id(self, broker_id: int, deadline: Optional[float] = None) -> None:
         """A broker that does not give out producer ids (an older metaq) makes this producer a plain one,
         with a warning: it would store a batch sent again twice."""
-        if not self.sequences.ensure_id(self.call, broker_id, self.pool.timeout):
+        deadline = time.monotonic() + self.pool.timeout if deadline is None else deadline
+        if not self.sequences.ensure_id(self.call, broker_id, deadline):
             log.warning("broker %d does not give out producer ids (an older metaq): this producer is not "
                         "idempotent, and puts that may have been stored are not sent again", broker_id)
             self.idempotent = False
 
-    def put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str = "", stamp: Optional[tuple] = None):
+    def put_once(self, topic: str, name: str, body: records.EncodedBody, xid: str = "", stamp: Optional[tuple] = None,
+                 deadline: Optional[float] = None):
         """Send one encoded batch once, never again (``start_put`` resends): ``stamp`` is an idempotent
-        put's (producer id, epoch, base sequence). Returns the put in flight."""
+        put's (producer id, epoch, base sequence); every wait in it ends by ``deadline`` (None: each
+        connection's own timeout). Returns the put in flight."""
         conn, number = self.route(name)
         parts = rawput.pack_parts(topic, number, xid, body.count, body.attributes, body.crc, body.parts,
                                   acks=self.acks, producer=stamp)
@@ -390,10 +417,10 @@ class Producer(ClientBase):
         if address is not None:
             data = self.data_pool.acquire(address, session=conn.session_token)  # SASL_SSL: the AUTH frame's token
             try:
-                return _DataPortPut(self.data_pool, data, topic, name, parts)
+                return _DataPortPut(self.data_pool, data, topic, name, parts, deadline)
             except (OSError, ProtocolError) as e:  # not sent (the broker is down or restarting): gRPC waits
                 log.debug("data port %s: %s; putting with PutRaw", address, e)
-        return _GrpcPut(conn, topic, name, parts)
+        return _GrpcPut(conn, topic, name, parts, _left(deadline))
 
     def send_batch(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
                    headers=None, timestamps=None) -> list:

@@ -18,10 +18,11 @@ well, but its drop action (``act_gact``) and ``netem`` are modules many kernels 
 has neither), while nf_tables is built into Debian's kernels; the rules live in the member's namespace,
 so deleting the namespace deletes them.
 
-Cleanup. Names carry the ``mqnem`` prefix and the creating process's pid; ``close()`` deletes the
-namespaces (with their veth ends and tables) and the bridge, and runs at interpreter exit for a network
-left open; ``sweep()`` removes what a run that was killed (its pid gone) left behind. Needs root, ``ip``
-(iproute2) and ``nft`` (nftables): ``unavailable()`` says what is missing.
+Cleanup. Names carry the ``mqnem`` prefix (or ``METAQ_NETNS_PREFIX``, up to 5 letters and digits, on
+a machine several people share) and the creating process's pid; ``close()`` deletes the namespaces (with
+their veth ends and tables) and the bridge, and runs at interpreter exit for a network left open;
+``sweep()`` removes what a run that was killed (its pid gone) left behind. Needs root, ``ip`` (iproute2)
+and ``nft`` (nftables): ``unavailable()`` says what is missing.
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ from metaq_broker.devtools.group import BrokerGroup
 
 log = logging.getLogger(__name__)
 
-PREFIX = "mqnem"
+PREFIX = os.environ.get("METAQ_NETNS_PREFIX", "mqnem")  # link names have 15 characters at most
+if not re.fullmatch(r"[a-z][a-z0-9]{0,4}", PREFIX):
+    raise ValueError(f"METAQ_NETNS_PREFIX must be 1 to 5 lower-case letters and digits, starting with a letter, "
+                     f"got {PREFIX!r}")
 CLIENT, ZOOKEEPER = "client", "zookeeper"  # the two hosts in the root namespace
 SERVER_PORT, DATA_PORT = 8123, 8124  # every member has an address of its own, so all use the same ports
 _RULES = """table inet mqnem {

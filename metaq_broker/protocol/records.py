@@ -1038,6 +1038,13 @@ def index_columns(u8: np.ndarray, positions: np.ndarray):
             layout.metaq_bytes(), v3["byte_base"])
 
 
+def metaq_message_sizes(u8: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Every message's size in MetaQ's message-set layout (``metaq_sizes``), markers and transactional ones
+    included, of the whole batches at ``positions``: what a message adds to a MetaQ byte position."""
+    layout = _batch_layout(u8, np.asarray(positions, dtype=np.int64))
+    return metaq_sizes(layout.lengths[0], layout.lengths[2])
+
+
 def stream_ends(byte_base: np.ndarray, metaq_bytes: np.ndarray, anchor: int) -> np.ndarray:
     """Where each batch ends in the partition's MetaQ message stream: a version 3 batch starts at its
     ``byte_base``, a version 2 batch (``byte_base`` -1) where the batch before it ends, the first one at

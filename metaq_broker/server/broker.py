@@ -9,6 +9,7 @@ import fcntl
 import io
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -25,6 +26,7 @@ from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawput
 from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
+from metaq_broker.server import kafka_metadata
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values
 from metaq_broker.server.data_server import DataServer, data_listener
@@ -32,7 +34,6 @@ from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.group_offsets_service import GroupOffsetsService
 from metaq_broker.server.handler import Limits, RequestHandler
-from metaq_broker.server import kafka_metadata
 from metaq_broker.server.kafka_groups import KafkaGroups
 from metaq_broker.server.kafka_listener import KafkaServer, kafka_listener
 from metaq_broker.server.listener import Listener
@@ -40,6 +41,7 @@ from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
 from metaq_broker.server.member_role import MASTER, GroupMember
 from metaq_broker.server.metrics import BrokerMetrics
+from metaq_broker.server.offset_bridge import OffsetBridge
 from metaq_broker.server.producer_ids import ProducerIds
 from metaq_broker.server.registration import BrokerRegistration
 from metaq_broker.server.replica_fetcher import ReplicaFetcher
@@ -55,6 +57,7 @@ from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.kafka_cluster import KafkaClusterCache
+from metaq_broker.zk.metaq_layout import broker_uri
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
 from metaq_broker.zk.users import UserCache, scram_secret
@@ -129,7 +132,8 @@ class Broker:
     undo the same parts in the reverse order (servers before the store they read, the data directory's
     lock last, so a successor takes over only nodes of a run that holds it no more)."""
 
-    STAGES = ("data", "store", "auth", "listeners", "group", "handler", "serving", "cluster", "kafka", "resolver")
+    STAGES = ("data", "store", "auth", "listeners", "group", "handler", "serving", "cluster", "kafka", "bridge",
+              "resolver")
 
     def __init__(self, config: BrokerConfig, repair: bool = False):
         self.config = config
@@ -141,6 +145,11 @@ class Broker:
         self.kafka_port: Optional[int] = None
         self.kafka_server: Optional[KafkaServer] = None
         self._kafka_listener: Optional[Listener] = None
+        # metaqPort >= 0: the MetaQ listener's port, bound (not listening yet: a connection is refused, not left
+        # hanging) and registered in MetaQ's layout; the listener itself (issue 28, phase 2) listens on it
+        self.metaq_port: Optional[int] = None
+        self._metaq_socket: Optional[socket.socket] = None
+        self.offset_bridge: Optional[OffsetBridge] = None  # group offsets in metaq's and MetaQ's forms (metaqPort)
         self.data_server: Optional[DataServer] = None
         self.put_limit: Optional[int] = None  # the largest put request taken, once started (max_put_bytes)
         self.stats, self.metrics = BrokerStats(), None
@@ -150,6 +159,7 @@ class Broker:
         self.auth: Optional[BrokerAuth] = None  # TLS, SASL and ACLs (security.*, authorizer)
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
+        self.producer_ids: Optional[ProducerIds] = None  # InitProducerId's ids (server/producer_ids.py)
         self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
         self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
@@ -255,7 +265,8 @@ class Broker:
 
     def _start_listeners(self, stack: contextlib.ExitStack) -> None:
         """The gRPC port and the data port, listening (so their ports are known to the parts that register
-        them), not serving yet."""
+        them), not serving yet; with metaqPort, the MetaQ listener's port bound (not listening: a connection
+        is refused, not left hanging), registered in MetaQ's layout by the group stage."""
         cfg = self.config
         executor = futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="metaq-grpc")
         stack.callback(executor.shutdown, wait=False)
@@ -288,6 +299,13 @@ class Broker:
             stack.callback(self._stop_listener, listener)
             self.kafka_port = listener.port
             self._kafka_listener = listener
+        if cfg.metaq_port >= 0:
+            try:
+                self._metaq_socket = _bind(cfg.host_name, cfg.metaq_port)
+            except OSError as e:
+                raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
+            stack.callback(self._metaq_socket.close)
+            self.metaq_port = self._metaq_socket.getsockname()[1]
 
     def _start_group(self, stack: contextlib.ExitStack) -> None:
         """With ZooKeeper, the replicated group's parts, built, not started: this member's identity, the
@@ -310,7 +328,8 @@ class Broker:
             cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
             {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
             session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
-            replica_id=cfg.replica_id, on_registered=calls.wake, before_register=self._before_register)
+            replica_id=cfg.replica_id, on_registered=self._registered, before_register=self._before_register,
+            metaq_uri=None if self.metaq_port is None else broker_uri(cfg.advertised_host, self.metaq_port))
         self.group = calls.member = GroupMember(
             self.registration, cfg.zk_root, cfg.broker_id, cfg.replica_id, self.identity.uuid,
             cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
@@ -330,8 +349,7 @@ class Broker:
             self.store, cfg.broker_id, Limits(cfg.max_transfer_size, cfg.max_fetch_wait_ms, self.put_limit),
             self.auth, self.stats, self.disk, create_topic=self.create_topic, transactions=self.transactions,
             group=self.group, replicas=self.replicas,
-            producer_ids=ProducerIds(cfg.broker_id, cfg.data_path, self._groups_zk if self.uses_zookeeper else None,
-                                     cfg.zk_root),
+            producer_ids=self._new_producer_ids(),
             settle_ahead=self._settle_ahead, observe=self.metrics.observe_rpc if self.metrics else None,
             paths=ZkPaths(cfg.zk_root),
             own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
@@ -402,6 +420,17 @@ class Broker:
         ids = {t: kafka_metadata.topic_id_of(self.store.partition(t, 0).identity) for t in topics}
         return kafka_metadata.static_snapshot(self.config.broker_id, self.config.advertised_host, self.kafka_port,
                                               topics, ids, f"metaq-{self.config.broker_id}")
+
+    def _start_bridge(self, stack: contextlib.ExitStack) -> None:
+        """With ZooKeeper and metaqPort: group offsets kept in metaq's and MetaQ's forms (``OffsetBridge``),
+        stopped before the store closes (it reads the logs)."""
+        if not (self.uses_zookeeper and self.metaq_port is not None):
+            return
+        cfg = self.config
+        self.offset_bridge = OffsetBridge(self.store, cfg.broker_id, cfg.zk_root, self._groups_zk,
+                                          lambda: self.is_master)
+        stack.callback(self.offset_bridge.stop)
+        self.offset_bridge.start()
 
     def _start_resolver(self, stack: contextlib.ExitStack) -> None:
         stack.callback(self.resolver.stop)
@@ -489,11 +518,29 @@ class Broker:
                 "lastEpoch": last_epoch, "logEnd": log_end,
                 **({"instance": self.instance} if self.instance is not None else {}),
                 **({"dataPort": self.data_port} if self.data_port is not None else {}),
+                **({"metaqPort": self.metaq_port} if self.metaq_port is not None else {}),
                 **({"kafkaPort": self.kafka_port} if self.kafka_port is not None else {})}
 
     def _standing(self) -> tuple:
         parts = self.store.all_partitions()
         return (max([p.last_epoch for p in parts], default=0), sum(p.log_end_offset for p in parts))
+
+    def _new_producer_ids(self) -> ProducerIds:
+        cfg = self.config
+        self.producer_ids = ProducerIds(
+            cfg.broker_id, cfg.data_path, self._groups_zk if self.uses_zookeeper else None, cfg.zk_root,
+            in_use=lambda: [pid for p in self.store.all_partitions() for pid in p.producer_ids()])
+        return self.producer_ids
+
+    def _registered(self) -> None:
+        """Registered in ZooKeeper (again): the group looks at its roles, and the producer id floor is made
+        known (after ZooKeeper lost its data, no broker may give out ids this one's partitions use)."""
+        if self.group is not None:
+            self.group.wake()
+        try:
+            self.producer_ids.publish_floor()
+        except Exception as e:  # noqa: BLE001 - a later block is still taken above this broker's floor
+            log.warning("could not write the producer id floor to ZooKeeper: %s", e)
 
     def _promote(self, state) -> None:
         """Become master of ``state.epoch``: stop copying, stamp the epoch in the log (the first append of
@@ -521,6 +568,7 @@ class Broker:
     def _demote(self, why: str) -> None:
         self.replicas.deactivate()
         self.transactions.follow()
+        self.registration.set_publishing(False)  # MetaQ's master nodes go (metaq's own went with the election)
 
     def _replicas_caught_up(self) -> bool:
         """Every other in-sync member has fetched the whole log, durably, and the whole journal (the
@@ -688,3 +736,16 @@ class Broker:
 def _close_zookeeper(client) -> None:
     client.stop()
     client.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port), SO_REUSEADDR as a listener's, not listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

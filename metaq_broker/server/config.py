@@ -73,6 +73,7 @@ SYSTEM_KEYS: dict = {
     "hostName": ("host_name", _str),
     "advertisedHostName": ("advertised_host_name", _str),
     "kafkaPort": ("kafka_port", _int(-1, 65535)),
+    "metaqPort": ("metaq_port", _int(-1, 65535)),
     "serverPort": ("server_port", _int(0, 65535)),
     "metricsPort": ("metrics_port", _int(-1, 65535)),
     "dataPort": ("data_port", _int(-1, 65535)),
@@ -101,6 +102,7 @@ class BrokerConfig:
     # 0.0.0.0 in a container and be reached by its DNS name
     advertised_host_name: Optional[str] = None
     kafka_port: int = 9092  # Kafka's wire protocol on hostName: -1 off, 0 any free port (docs/kafka.md)
+    metaq_port: int = -1  # MetaQ 1.4's text protocol on hostName: -1 off, 0 any free port (docs/metaq-protocol.md)
     server_port: int = 8123
     metrics_port: int = -1  # Prometheus /metrics on hostName: -1 off, 0 any free port
     data_port: int = 0  # bulk fetches (sendfile) and puts over plain TCP (data_server.py): -1 off, 0 any free port

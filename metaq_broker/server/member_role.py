@@ -1,8 +1,8 @@
 """A member of a replicated broker group (docs/replication.md): its role, elections and the master's lease.
 
-Every member registers an ephemeral member node; the master is whoever holds ``/brokers/ids/<b>``, which
-is created only in the same ZooKeeper multi-op that raises the group's epoch, so clients (which route by
-that node) and the epoch always agree. A member may stand when it is in the in-sync set with its own uuid
+Every member registers an ephemeral member node; the master is whoever holds the master node
+(``ZkPaths.broker``), which is created only in the same ZooKeeper multi-op that raises the group's epoch,
+so clients (which route by that node) and the epoch always agree. A member may stand when it is in the in-sync set with its own uuid
 (a wiped data directory is a new uuid, so never electable), or when the group has no state yet.
 
 The master serves only while its *lease* holds: ZooKeeper answered a ``sync`` sent less than 0.75 of the
@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import KazooException
 
 from metaq_broker.errors import NotMasterError
 from metaq_broker.zk import groups
@@ -213,10 +213,7 @@ class GroupMember:
                 return
             zk = self.zk
             state = groups.read_state(zk, self.paths, self.broker_id)
-            try:
-                data, stat = zk.get(self.paths.broker(self.broker_id))
-            except NoNodeError:
-                data = stat = None
+            data, stat = groups.master_data(zk, self.paths, self.broker_id)  # also a master of the older layout
             self.state = state
             mine = stat is not None and stat.ephemeralOwner == zk.client_id[0]
             if mine:

@@ -1,15 +1,23 @@
-"""The broker's presence in ZooKeeper (MetaQ's ``registerBrokerInZk`` / ``registerTopicsInZk``).
+"""The broker's presence in ZooKeeper (MetaQ's ``registerBrokerInZk`` / ``registerTopicsInZk``), in
+metaq's own nodes and, with a MetaQ listener, MetaQ's (docs/protocol.md, "ZooKeeper layout").
 
-* ``<root>/brokers/ids/<id>``: ephemeral, JSON address. Ephemeral so that a broker that dies drops out
-  of every client's view by itself when its session expires.
-* ``<root>/brokers/topics-pub|topics-sub/<topic>/<id>-m``: persistent, ``{"numPartitions": n,
-  "brokerId": id}``. Clients route to the entries of brokers that are alive; keys hash over all of them,
-  so the entries stay when the broker stops (as when it crashes) and go only with ``metaq brokers
+* ``<root>/brokers/groups/<id>/members/<replicaId>``: ephemeral, this member's JSON addresses; the group's
+  master node ``<root>/brokers/metaq/ids/<id>`` is created by its election (``server/member_role.py``).
+  Ephemeral so that a broker that dies drops out of every client's view by itself when its session expires.
+* ``<root>/brokers/metaq/topics/<topic>/<id>-m``: persistent, ``{"numPartitions": n, "brokerId": id}``,
+  written by the master. Clients route to the entries of brokers that are alive; keys hash over all of
+  them, so the entries stay when the broker stops (as when it crashes) and go only with ``metaq brokers
   forget`` or when the broker no longer has the topic.
+* MetaQ's nodes, with ``metaqPort``: the master's ``brokers/ids/<id>/master`` and topic entries
+  (``brokers/topics``, ``topics-pub``, ``topics-sub``), a replica's ``brokers/ids/<id>/slave<replicaId>``,
+  all ephemeral (``zk/metaq_nodes.py``); the master's follow its election and go when it steps down.
 * ``<root>/kafka/topics/<topic>``: with each topic entry, Kafka's numbers for the broker's partitions of it
   that have none yet (``zk/kafka_partitions.py``: append-only, so numbers never move).
-* The broker node's JSON (made by the broker) holds its addresses: ``host`` (``advertisedHostName``),
-  ``port``, ``dataPort``, and ``kafkaPort`` while its Kafka listener is up.
+* The node's JSON (made by the broker) holds its addresses: ``host`` (``advertisedHostName``),
+  ``port``, ``dataPort``, ``metaqPort`` with a MetaQ listener, and ``kafkaPort`` while its Kafka listener is up.
+
+Before its first registration the broker moves what a broker of the layout before issue 28 left where
+MetaQ clients read (``zk/layout_upgrade.py``).
 
 Registration must outlive ZooKeeper trouble: after a restart of ZooKeeper or an expired session the
 ephemeral node is gone, so every reconnect re-checks and re-creates it (on a worker thread, because
@@ -35,7 +43,8 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from metaq_broker.errors import MetaqError
 from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.names import partition_name
-from metaq_broker.zk import kafka_partitions, topic_entries
+from metaq_broker.zk import kafka_partitions, layout_upgrade, metaq_nodes, topic_entries
+from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import ensure_public_path, new_client, public_acl, start_client
 
@@ -53,8 +62,11 @@ class BrokerIdInUseError(MetaqError):
 class BrokerRegistration:
     def __init__(self, zk_connect: str, root: str, broker_id: int, address: dict, topics: dict,
                  session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None,
-                 replica_id: Optional[int] = None, on_registered=lambda: None, before_register=lambda client: None):
+                 replica_id: Optional[int] = None, on_registered=lambda: None, before_register=lambda client: None,
+                 metaq_uri: Optional[str] = None):
         self.paths = ZkPaths(root)
+        self.layout = MetaqZkLayout(root)
+        self.metaq_uri = metaq_uri  # meta://host:port of this broker's MetaQ listener (metaqPort), or None
         self.broker_id = broker_id
         # In a replicated group the node is the member's (``groups/<b>/members/<r>``); ``/brokers/ids/<b>`` is
         # the master's, created by the election (``server/member_role.py``), and only the master publishes topics.
@@ -113,11 +125,25 @@ class BrokerRegistration:
                 self.client.set(self.node, data, version=stat.version)
 
     def set_publishing(self, publish: bool) -> None:
-        """The group's master publishes the topic entries; a replica leaves them alone."""
+        """The group's master publishes the topic entries (and MetaQ's master nodes); a replica leaves them
+        alone (and has MetaQ's ``slave<replicaId>``)."""
         with self._lock:
-            self.publish_topics = publish
-            if publish and self._started and not self._stopped and self.connected:
+            was, self.publish_topics = self.publish_topics, publish
+            if not self._started or self._stopped or not self.connected:
+                return
+            if publish:
+                self._withdraw_slave()
                 self._write_topics()
+                return
+            try:
+                if was:
+                    self._withdraw_master()
+                if self.metaq_uri is not None and self.replica_id is not None:
+                    metaq_nodes.publish_slave(self.client, self.layout, self.broker_id, self.replica_id,
+                                              self.metaq_uri, self._acl)
+            except KazooException as e:  # they are ephemeral: they go with this session at the latest
+                log.warning("broker %d member %d: could not withdraw MetaQ's master nodes now (%s)", self.broker_id,
+                            self.replica_id, type(e).__name__)
 
     @property
     def connected(self) -> bool:
@@ -130,6 +156,9 @@ class BrokerRegistration:
         self.client.add_listener(self._on_state)
         start_client(self.client, self.zk_connect, timeout)
         self._before_register(self.client)
+        moved = layout_upgrade.upgrade(self.client, self.paths, self.broker_id, self._acl)
+        if moved:
+            log.info("moved from the ZooKeeper layout before issue 28: %s", moved)
         stale_deadline = time.monotonic() + 2 * self.session_timeout + 2
         try:
             while True:
@@ -195,9 +224,12 @@ class BrokerRegistration:
             if self._stopped:
                 return  # stop() won the lock: writing now would leave topic nodes behind
             if self._acl is not None:
-                containers = [self.paths.broker_ids(), self.paths.topics_pub(), self.paths.topics_sub()]
+                containers = [self.paths.broker_ids(), self.paths.topics()]
                 if self.replica_id is not None:
                     containers.append(self.paths.group_members(self.broker_id))
+                if self.metaq_uri is not None:
+                    containers += [self.layout.broker_ids(), self.layout.topics_legacy(), self.layout.topics_pub(),
+                                   self.layout.topics_sub()]
                 for container in containers:
                     ensure_public_path(self.client, container, self.zk_security)
             while True:
@@ -226,6 +258,9 @@ class BrokerRegistration:
                     if topic not in self.topics:  # a topic this broker had before its restart, and has no more
                         topic_entries.delete(self.client, self.paths, topic, self.broker_id)
                 self._write_topics()
+            elif self.metaq_uri is not None and self.replica_id is not None:
+                metaq_nodes.publish_slave(self.client, self.layout, self.broker_id, self.replica_id, self.metaq_uri,
+                                          self._acl)
             self.registrations += 1
             self._registered_session = self.client.client_id
         self._on_registered()
@@ -234,17 +269,38 @@ class BrokerRegistration:
 
     def _write_topics(self) -> None:
         for topic, n in list(self.topics.items()):
-            self._write_topic(topic, n)
+            self._write_topic(topic, n, metaq=False)
+        self._publish_metaq(self.topics)
 
-    def _write_topic(self, topic: str, num_partitions: int) -> None:
-        data = json.dumps({"numPartitions": int(num_partitions), "brokerId": self.broker_id}).encode()
-        for path in (self.paths.topic_pub_broker(topic, self.broker_id),
-                     self.paths.topic_sub_broker(topic, self.broker_id)):
-            try:
-                self.client.create(path, data, acl=self._acl, makepath=True)
-            except NodeExistsError:
-                if self.client.get(path)[0] != data:
-                    self.client.set(path, data)
+    def _publish_metaq(self, topics: dict) -> None:
+        """MetaQ's master nodes and entries of ``topics``, while this member is master (a group's replicas
+        write none; a master without a MetaQ listener only empties ``brokers/ids/<b>`` of an earlier
+        master's URI: one that crashed, or this broker's run before ``metaqPort`` was turned off)."""
+        if self.replica_id is None:
+            return
+        if not metaq_nodes.publish_master(self.client, self.paths, self.layout, self.broker_id, self.replica_id,
+                                          self.metaq_uri, topics, self._acl):
+            log.info("broker %d member %d is not master (any more): MetaQ's master nodes are not written",
+                     self.broker_id, self.replica_id)
+
+    def _withdraw_master(self) -> None:
+        if self.metaq_uri is not None:
+            metaq_nodes.withdraw_master(self.client, self.layout, self.broker_id, self.metaq_uri, list(self.topics))
+
+    def _withdraw_slave(self) -> None:
+        if self.metaq_uri is not None and self.replica_id is not None:
+            metaq_nodes.withdraw_slave(self.client, self.layout, self.broker_id, self.replica_id)
+
+    def _write_topic(self, topic: str, num_partitions: int, metaq: bool = True) -> None:
+        data = topic_entries.entry(num_partitions, self.broker_id)
+        path = self.paths.topic_entry(topic, self.broker_id)
+        try:
+            self.client.create(path, data, acl=self._acl, makepath=True)
+        except NodeExistsError:
+            if self.client.get(path)[0] != data:
+                self.client.set(path, data)
+        if metaq:
+            self._publish_metaq({topic: num_partitions})
         names = [partition_name(self.broker_id, n) for n in range(int(num_partitions))]
         try:  # Kafka's numbers for partitions that have none yet (zk/kafka_partitions.py)
             kafka_partitions.number(self.client, self.paths, topic, names)
@@ -263,7 +319,7 @@ class BrokerRegistration:
 
     def _update(self, topics: dict, only) -> None:
         for t in topics:
-            self.paths.topic_pub(t)  # ValueError now for a name that cannot be a znode
+            self.paths.topic(t)  # ValueError now for a name that cannot be a znode
         with self._lock:
             removed = [t for t in self.topics if t not in topics]
             self.topics = topics
@@ -274,6 +330,7 @@ class BrokerRegistration:
                     self._write_topic(t, topics[t])
                 for t in removed:
                     topic_entries.delete(self.client, self.paths, t, self.broker_id)
+                    metaq_nodes.withdraw_topic(self.client, self.layout, self.broker_id, t)
             except KazooException as e:
                 # Not connected: the re-registration that follows the reconnect writes self.topics.
                 log.warning("could not publish topics of broker %d now (%s); will on reconnect",
@@ -338,6 +395,9 @@ class BrokerRegistration:
         try:
             if self._started and self.connected:
                 try:
+                    if self.publish_topics:
+                        self._withdraw_master()
+                    self._withdraw_slave()
                     try:
                         _, stat = self.client.get(self.node)
                         if stat.ephemeralOwner == self.client.client_id[0]:

@@ -21,7 +21,10 @@ configured, a handshake or login refused, a missing ACL) is logged as an error, 
 retried every ``REFUSED_RETRY_S``, not in a tight loop."""
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import select
 import socket
 import ssl
 import threading
@@ -51,6 +54,7 @@ REFUSED_RETRY_S = 5.0  # after a refusal (security, ACLs): a misconfiguration is
 REFUSED_RELOG_S = 300.0  # the same refusal is logged again after this long
 FAILURES_TOLD = 50  # connection failures in a row (about 10 s of retries) before one is logged as a warning
 CONNECT_TIMEOUT = 5.0
+CONNECT_POLL_S = 0.05  # how soon a connect in progress notices that the member follows another master
 CALL_TIMEOUT = 10.0  # gRPC calls to the master: login, topics
 _CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a connection going away
 
@@ -211,7 +215,7 @@ class ReplicaFetcher:
                     sock, connected_to = None, None
                     if link is None or link.address != f"{master['host']}:{master['port']}":
                         link = _replace_link(link, self._link(master))
-                    sock = self._connect(master, link)
+                    sock = self._connect(master, link, target)
                     connected_to = target
                     with self._lock:
                         if self._target != target:
@@ -280,11 +284,11 @@ class ReplicaFetcher:
             raise ConfigError(self._problem)
         return MasterLink(self.security, master)
 
-    def _connect(self, master: dict, link: MasterLink) -> socket.socket:
+    def _connect(self, master: dict, link: MasterLink, target: tuple) -> socket.socket:
         """A connection to the master's data port: TLS (the master's host name checked) and the AUTH frame
         as the broker's protocol wants."""
         host, port = master["host"], int(master["dataPort"])
-        sock = socket.create_connection((host, port), min(CONNECT_TIMEOUT, self.fetch_timeout_s))
+        sock = self._open(host, port, target)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.security.uses_tls:
@@ -303,6 +307,38 @@ class ReplicaFetcher:
             sock.close()
             raise
         return sock
+
+    def _open(self, host: str, port: int, target: tuple) -> socket.socket:
+        """A TCP connection within CONNECT_TIMEOUT (and replicaLagMaxMs), given up as soon as ``target`` is
+        no longer followed: ``follow`` cannot interrupt a connect, and a cut-off master drops the SYN, so
+        a replica that had started connecting to it just before a new master was elected would otherwise
+        wait out the timeout before following, holding the new master's acks=all puts meanwhile."""
+        deadline = time.monotonic() + min(CONNECT_TIMEOUT, self.fetch_timeout_s)
+        error: BaseException = OSError(f"cannot resolve {host}:{port}")
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                code = sock.connect_ex(address)
+                while code in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise socket.timeout(f"connecting to {host}:{port} timed out")
+                    if not self._following(target):
+                        raise StaleReply(f"the master changed while connecting to {host}:{port}")
+                    if select.select([], [sock], [], min(left, CONNECT_POLL_S))[1]:
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, f"connecting to {host}:{port}: {os.strerror(code)}")
+                sock.settimeout(min(CONNECT_TIMEOUT, self.fetch_timeout_s))  # the TLS handshake's, as before
+                return sock
+            except StaleReply:
+                sock.close()
+                raise
+            except OSError as e:
+                sock.close()
+                error = e
+        raise error
 
     def _login(self, sock: socket.socket, link: MasterLink, where: str) -> None:
         """The AUTH frame with the session's token; a token the master no longer knows is renewed once."""
@@ -339,7 +375,7 @@ class ReplicaFetcher:
         if self.transactions is not None and (journal or head.flags & rp.FLAG_JOURNAL_SNAPSHOT):
             self.transactions.apply(journal, head.journal_first_seq, head.journal_last_seq,
                                     bool(head.flags & rp.FLAG_JOURNAL_SNAPSHOT))
-        written = []
+        written, learned = [], []
         for pf, sec in zip(req.partitions, sections):
             key = (pf.topic, pf.partition)
             part = self.store.partition(pf.topic, pf.partition)
@@ -347,10 +383,14 @@ class ReplicaFetcher:
                 if part.identity_adopted:  # ours was given to an older data directory: the logs may agree
                     part.adopt_identity(sec.identity)
                 else:
+                    # Start over where the master's log starts, with the epoch it has there: a RESET names it;
+                    # else from offset 0, so that the master's next answer is a RESET naming it, or the log
+                    # from its start with every epoch marker. (Started at the earliest offset with epoch 0,
+                    # a log whose first epoch's marker retention removed parted from the master's forever.)
+                    offset, epoch = (sec.offset, sec.epoch) if sec.status == rp.RESET else (0, 0)
                     log.warning("%s: the master's log is another one (identity %s, ours %s): starting the "
-                                "partition over at the master's earliest offset %d", part.name, sec.identity,
-                                part.identity, sec.earliest)
-                    part.reset_to(sec.earliest, identity=sec.identity)
+                                "partition over at offset %d", part.name, sec.identity, part.identity, offset)
+                    part.reset_to(offset, identity=sec.identity, epoch=epoch)
                     continue
             if sec.status == rp.DIVERGING:
                 self._truncate(part, sec.epoch, sec.offset)
@@ -363,8 +403,15 @@ class ReplicaFetcher:
                 written.append(part)
             if sec.status != rp.SECTION_UNKNOWN:
                 self.learned_hw[key] = sec.hw
+                learned.append((part, sec.hw))
         for part in written:
             part.make_durable(part.log_end_offset)
+        for part, hw in learned:
+            if part.high_watermark is not None:
+                # A member that was master keeps its readers' cap (its late fetches must not see past what
+                # the group acknowledged); as Kafka's follower it moves it with the master's HW, else its
+                # DescribeTopic would report its old HW as latest for as long as it runs.
+                part.set_high_watermark(min(hw, part.log_end_offset))
         if self.transactions is not None:
             self.transactions.apply_pending()
         return bool(head.flags & rp.FLAG_TOPICS_CHANGED)

@@ -237,6 +237,11 @@ class PartitionLog:
         """This log's identity: 32 hex digits made with it (``store/identity.py``)."""
         return self._identity.id
 
+    def producer_ids(self) -> list:
+        """The idempotent producers' ids this partition keeps state for (under the write lock)."""
+        with self._write_lock:
+            return self.producers.ids()
+
     @property
     def identity_adopted(self) -> bool:
         """The identity was not made with this log (an older data directory's, or taken over from a

@@ -69,6 +69,10 @@ class ProducerStates:
     def __len__(self) -> int:
         return len(self._producers)
 
+    def ids(self) -> list:
+        """The producer ids this partition keeps state for."""
+        return list(self._producers)
+
     def entry(self, producer_id: int) -> Optional[tuple]:
         """(epoch, [Stored, ...]) of a producer, or None (for tests and the console)."""
         p = self._producers.get(producer_id)

@@ -1,14 +1,19 @@
-"""Consumer-group state in ZooKeeper, in MetaQ's layout (``<root>/consumers/<group>/...``):
+"""Consumer-group state in ZooKeeper (``<root>/consumers/<group>/...``), where MetaQ keeps it:
 
-* ``offsets/<topic>/<brokerId>-<n>``: the committed offset as ASCII decimal, as MetaQ's ZooKeeper
-  offset storage writes it, so the tools can read it without a schema. One topic's offsets are
-  written in one ZooKeeper transaction, so a commit is all-or-nothing.
-* ``offsets/<topic>/<brokerId>-<n>/identity``: the identity of the partition log the offset was committed
-  for (32 hex digits, ``store/identity.py``), written in the same transaction. An offset recorded for
-  another log (a wiped data directory, a topic made again) is not applied to this one (``fetch`` with the
-  partitions' identities leaves it out); an offset without one (committed before identities existed, or
+* ``metaq/offsets/<topic>/<brokerId>-<n>``: metaq's committed (logical) offset as ASCII decimal, so the
+  tools can read it without a schema. One topic's offsets are written in one ZooKeeper transaction, so a
+  commit is all-or-nothing.
+* ``metaq/offsets/<topic>/<brokerId>-<n>/identity``: the identity of the partition log the offset was
+  committed for (32 hex digits, ``store/identity.py``), written in the same transaction. An offset recorded
+  for another log (a wiped data directory, a topic made again) is not applied to this one (``fetch`` with
+  the partitions' identities leaves it out); an offset without one (committed before identities existed, or
   by a tool that does not know the log's) applies to any log.
-* ``ids/<consumerId>`` (ephemeral): a live member; data = its topics, comma-separated.
+* ``offsets/<topic>/<brokerId>-<n>``: MetaQ's node, ``<msgId>-<byteOffset>``, which MetaQ consumers read and
+  write themselves; the partition's master keeps it and metaq's in step (``server/offset_bridge.py``).
+  Before issue 28 metaq kept its own offsets there, as bare decimals: such an offset written after
+  metaq's node (an older broker or client during a rolling upgrade) is the group's offset
+  (``legacy_offset``), until it is copied over.
+* ``ids/<consumerId>`` (ephemeral): a live member; data = its topics, comma-separated (as MetaQ's).
 * ``owners/<topic>/<partition>`` (ephemeral): the member consuming that partition. Ephemeral so a
   member that dies frees its partitions when its session ends.
 
@@ -26,6 +31,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.names import parse_partition_name
+from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths, check_component
 
 COMMIT_ATTEMPTS = 10
@@ -40,6 +46,15 @@ def _as_offset(data: bytes) -> int:
         return int(data)
     except ValueError:
         return -1
+
+
+def legacy_offset(data) -> Optional[int]:
+    """The offset in a bare ASCII decimal at MetaQ's offset node: metaq's own, as metaq kept it before issue
+    28; None for anything else (MetaQ 1.4 clients write ``<msgId>-<offset>``; the bare byte offsets of
+    MetaQ clients before 1.4 are not told apart from these, and are not supported)."""
+    if isinstance(data, (bytes, bytearray)) and 0 < len(data) <= 19 and data.isdigit():
+        return int(data)
+    return None
 
 
 class ConsumerIdInUseError(MetaqError):
@@ -72,6 +87,7 @@ class GroupStore:
         self.zk = zk
         self.root = root
         self.paths = ZkPaths(root)
+        self.layout = MetaqZkLayout(root)
 
     # -- offsets --------------------------------------------------------------------------------------
     def commit(self, group: str, topic: str, offsets: dict, forward_only: bool = False,
@@ -100,18 +116,22 @@ class GroupStore:
                 try:
                     data, stat = self.zk.get(path)
                 except NoNodeError:
+                    data = stat = None
+                own, id_stat = self._identity(path) if stat is not None else ("", None)
+                old, recorded = self._newer_legacy(group, topic, p, stat) or (
+                    (_as_offset(data), own) if stat is not None else (-1, ""))
+                if forward_only and old >= o and (not ident or not recorded or recorded == ident):
+                    continue
+                if stat is None:
                     tx.create(path, str(o).encode("ascii"))
                     if ident:
                         tx.create(f"{path}/{IDENTITY}", ident.encode("ascii"))
                     written[p] = o
                     continue
-                recorded, id_stat = self._identity(path)
-                if forward_only and _as_offset(data) >= o and (not ident or not recorded or recorded == ident):
-                    continue
                 tx.set_data(path, str(o).encode("ascii"), version=stat.version)
                 if ident and id_stat is None:
                     tx.create(f"{path}/{IDENTITY}", ident.encode("ascii"))
-                elif ident and recorded != ident:
+                elif ident and own != ident:
                     tx.set_data(f"{path}/{IDENTITY}", ident.encode("ascii"), version=id_stat.version)
                 elif not ident and id_stat is not None:
                     tx.delete(f"{path}/{IDENTITY}", version=id_stat.version)
@@ -134,24 +154,45 @@ class GroupStore:
         except NoNodeError:
             return "", None
 
+    def _newer_legacy(self, group: str, topic: str, partition: str, than) -> Optional[tuple]:
+        """(offset, identity) of a bare offset at MetaQ's node written after metaq's node (``than``, its stat or
+        None: none), or None: an older broker or client committed it during a rolling upgrade."""
+        path = self.layout.group_offset(group, topic, partition)
+        try:
+            data, stat = self.zk.get(path)
+        except NoNodeError:
+            return None
+        offset = legacy_offset(data)
+        if offset is None or (than is not None and stat.mzxid < than.mzxid):
+            return None
+        return offset, self._identity(path)[0]
+
     def fetch(self, group: str, topic: str, identities: Optional[dict] = None) -> dict:
         """``{partition name: committed offset}``; {} if the group never committed for the topic. With
         ``identities`` (``{partition name: identity}`` of the logs now), an offset recorded for another log
         of a partition is left out, with a warning: it means nothing in this one."""
-        try:
-            children = self.zk.get_children(self.paths.group_offsets(group, topic))
-        except NoNodeError:
-            return {}
+        names = set(_children(self.zk, self.paths.group_offsets(group, topic)))
+        names |= set(_children(self.zk, self.layout.group_offsets(group, topic)))  # bare offsets of older versions
         out = {}
-        for p in children:
+        for p in names:
+            if not _is_partition(p):
+                continue  # not ours
+            path = self.paths.group_offset(group, topic, p)
             try:
-                path = self.paths.group_offset(group, topic, p)
-                offset = int(self.zk.get(path)[0])
-            except (NoNodeError, ValueError):
-                continue  # vanished, or not ours (a foreign child or a non-number)
+                data, stat = self.zk.get(path)
+                offset, recorded = int(data), None
+            except NoNodeError:
+                stat = None
+            except ValueError:
+                continue  # not a number
+            legacy = self._newer_legacy(group, topic, p, stat)
+            if legacy is not None:
+                offset, recorded = legacy
+            elif stat is None:
+                continue  # no offset of metaq's: MetaQ's <msgId>-<offset> alone (its master translates it)
             now = (identities or {}).get(p)
             if now:
-                recorded = self._identity(path)[0]
+                recorded = self._identity(path)[0] if recorded is None else recorded
                 if recorded and recorded != now:
                     log.warning("group %s: the offset %d of %s %s was committed for another log of the partition "
                                 "(identity %s; now %s: a wiped data directory or a topic made again); not "
@@ -161,17 +202,57 @@ class GroupStore:
         return dict(sorted(out.items(), key=lambda kv: parse_partition_name(kv[0])))
 
     def groups(self) -> list:
-        try:
-            return sorted(self.zk.get_children(self.paths.consumers()))
-        except NoNodeError:
-            return []
+        return sorted(_children(self.zk, self.paths.consumers()))
 
     def group_topics(self, group: str) -> list:
-        """Topics the group has committed offsets for."""
-        try:
-            return sorted(self.zk.get_children(self.paths.group_offset_topics(group)))
-        except NoNodeError:
-            return []
+        """Topics the group has committed offsets for (also MetaQ's offsets only, or an older version's)."""
+        return sorted(set(_children(self.zk, self.paths.group_offset_topics(group)))
+                      | set(_children(self.zk, self.layout.group_offset_topics(group))))
+
+    def adopt_legacy(self, broker_id: int) -> int:
+        """Copy into metaq's nodes the bare offsets (the layout before issue 28) of ``broker_id``'s partitions
+        that are newer than metaq's, identities with them, each in one transaction; MetaQ's node keeps its
+        data (the partition's master replaces it with MetaQ's form). Returns how many were copied."""
+        prefix, copied = f"{int(broker_id)}-", 0
+        for group in self.groups():
+            for topic in _children(self.zk, self.layout.group_offset_topics(group)):
+                try:
+                    names = [p for p in _children(self.zk, self.layout.group_offsets(group, topic))
+                             if p.startswith(prefix) and _is_partition(p)]
+                except ValueError:
+                    continue  # a topic name that cannot be ours
+                for p in names:
+                    copied += self._adopt(group, topic, p)
+        return copied
+
+    def _adopt(self, group: str, topic: str, partition: str) -> int:
+        path = self.paths.group_offset(group, topic, partition)
+        for _ in range(COMMIT_ATTEMPTS):
+            try:
+                stat = self.zk.exists(path)
+                legacy = self._newer_legacy(group, topic, partition, stat)
+                if legacy is None:
+                    return 0
+                offset, ident = legacy
+                self.zk.ensure_path(self.paths.group_offsets(group, topic))
+                tx = self.zk.transaction()
+                if stat is None:
+                    tx.create(path, str(offset).encode("ascii"))
+                else:
+                    tx.set_data(path, str(offset).encode("ascii"), version=stat.version)
+                    own, id_stat = self._identity(path)
+                    if id_stat is not None:
+                        tx.delete(f"{path}/{IDENTITY}", version=id_stat.version)
+                if ident:
+                    tx.create(f"{path}/{IDENTITY}", ident.encode("ascii"))
+                failures = [r for r in tx.commit() if isinstance(r, Exception)]
+                if not failures:
+                    return 1
+            except (NoNodeError, NodeExistsError, BadVersionError):
+                pass
+        log.warning("group %s: could not copy the offset of %s %s from the layout before issue 28 (it changed "
+                    "%d times meanwhile); readers still find it there", group, topic, partition, COMMIT_ATTEMPTS)
+        return 0
 
     # -- membership -----------------------------------------------------------------------------------
     def join(self, group: str, consumer_id: str, topics: Iterable[str]) -> None:
@@ -266,7 +347,7 @@ class GroupStore:
         return self.zk.exists(self.paths.group(group)) is not None
 
     def delete(self, group: str) -> None:
-        """Remove the group: its offsets, owners and member nodes (a live member's node too)."""
+        """Remove the group: its offsets (metaq's and MetaQ's), owners and member nodes (a live member's too)."""
         try:
             self.zk.delete(self.paths.group(group), recursive=True)
         except NoNodeError:
@@ -275,15 +356,16 @@ class GroupStore:
 
 class GroupOffsetWatcher:
     """Every group's committed offsets for the partitions of one broker (``<brokerId>-<n>``), kept in step
-    with ZooKeeper for the broker's lag metrics. Each node read sets a one-shot watch that only marks the
-    node stale; ``offsets()`` re-reads just the stale nodes, level by level, each level's reads sent
-    together. So a scrape costs no ZooKeeper request when nothing was committed since the last one, and a
-    group that commits a hundred times between two scrapes costs one read of each node it changed. A new
-    session (the old one expired, and its watches with it) starts from a full read."""
+    with ZooKeeper for the broker's lag metrics (metaq's nodes) and its offset bridge (both trees). Each node
+    read sets a one-shot watch that only marks the node stale; ``offsets()`` re-reads just the stale nodes,
+    level by level, each level's reads sent together. So a scrape costs no ZooKeeper request when nothing was
+    committed since the last one, and a group that commits a hundred times between two scrapes costs one read
+    of each node it changed. A new session (the old one expired, and its watches with it) starts from a full
+    read. ``tree``: whose offset nodes (``ZkPaths``, metaq's, by default; ``MetaqZkLayout``, MetaQ's)."""
 
-    def __init__(self, zk: KazooClient, root: str, broker_id: int):
+    def __init__(self, zk: KazooClient, root: str, broker_id: int, tree=None):
         self.zk = zk
-        self.paths = ZkPaths(root)
+        self.paths = tree if tree is not None else ZkPaths(root)
         self.prefix = f"{int(broker_id)}-"
         self._lock = threading.Lock()  # guards _stale (watches fire on kazoo's thread)
         self._refresh_lock = threading.Lock()  # one refresh at a time (scrapes may run concurrently)
@@ -291,25 +373,39 @@ class GroupOffsetWatcher:
         self._session = None
         self._keys: dict = {}  # watched path -> key
         self._children: dict = {}  # ("g",) | ("t", group) | ("p", group, topic) -> set of child names
-        self._offsets: dict = {}  # (group, topic, partition) -> committed offset
+        self._nodes: dict = {}  # (group, topic, partition) -> (data, mzxid) of its offset node
+        self._changed: set = set()  # keys of _nodes changed since the last ``changes()``
 
     def offsets(self) -> dict:
-        """``{(group, topic, partition): committed offset}`` for this broker's partitions; raises kazoo's
-        errors when ZooKeeper cannot be read (the next call then reads everything again)."""
+        """``{(group, topic, partition): committed offset}`` for this broker's partitions (-1 for a node that
+        holds no number); raises kazoo's errors when ZooKeeper cannot be read (the next call then reads
+        everything again)."""
         with self._refresh_lock:
-            if self._session != self.zk.client_id:
-                with self._lock:
-                    self._stale = {("g",)}
-                self._keys, self._children, self._offsets = {}, {}, {}
-                self._session = self.zk.client_id
+            self._update()
+            return {k: _as_offset(data) for k, (data, _) in self._nodes.items()}
+
+    def changes(self) -> dict:
+        """``{(group, topic, partition): (data, mzxid) or None (gone)}`` of the nodes changed since the last
+        call (every node after a new session)."""
+        with self._refresh_lock:
+            self._update()
+            changed, self._changed = self._changed, set()
+            return {k: self._nodes.get(k) for k in changed}
+
+    def _update(self) -> None:
+        if self._session != self.zk.client_id:
             with self._lock:
-                stale, self._stale = self._stale, set()
-            try:
-                self._refresh(stale)
-            except BaseException:
-                self._session = None
-                raise
-            return dict(self._offsets)
+                self._stale = {("g",)}
+            self._changed |= set(self._nodes)
+            self._keys, self._children, self._nodes = {}, {}, {}
+            self._session = self.zk.client_id
+        with self._lock:
+            stale, self._stale = self._stale, set()
+        try:
+            self._refresh(stale)
+        except BaseException:
+            self._session = None
+            raise
 
     def _watch(self, event) -> None:
         key = self._keys.get(event.path)
@@ -341,9 +437,11 @@ class GroupOffsetWatcher:
                 calls = [(k, self.zk.get_async(self._path(k), watch=self._watch)) for k in level]
                 for k, call in calls:
                     try:
-                        self._offsets[k[1:]] = _as_offset(call.get()[0])
+                        data, stat = call.get()
+                        self._nodes[k[1:]] = (data, stat.mzxid)
                     except NoNodeError:
-                        self._offsets.pop(k[1:], None)  # the parent's watch drops it from the tree
+                        self._nodes.pop(k[1:], None)  # the parent's watch drops it from the tree
+                    self._changed.add(k[1:])
                 continue
             calls = [(k, self.zk.get_children_async(self._path(k), watch=self._watch)) for k in level]
             child_kind = {"g": "t", "t": "p", "p": "o"}[kind]
@@ -373,9 +471,16 @@ class GroupOffsetWatcher:
     def _drop(self, key: tuple) -> None:
         for name in self._children.pop(key, ()):
             self._drop(({"t": "p", "p": "o"}[key[0]],) + key[1:] + (name,))
-        if key[0] == "o":
-            self._offsets.pop(key[1:], None)
+        if key[0] == "o" and self._nodes.pop(key[1:], None) is not None:
+            self._changed.add(key[1:])
         self._path(key, watched=False)
+
+
+def _children(zk, path: str) -> list:
+    try:
+        return zk.get_children(path)
+    except NoNodeError:
+        return []
 
 
 def _is_partition(name: str) -> bool:

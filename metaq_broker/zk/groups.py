@@ -2,8 +2,12 @@
 
 ``<root>/brokers/groups/<b>/state`` holds the epoch, the master and the in-sync set; it changes only by
 versioned writes, so of two members acting on the same state exactly one succeeds. An election is one
-multi-op that also creates the ephemeral ``/brokers/ids/<b>`` clients route by: the epoch bump and the
-master's node appear together or not at all. ``members/<r>`` are the live members' ephemeral nodes.
+multi-op that also creates the ephemeral master node clients route by (``ZkPaths.broker``,
+``brokers/metaq/ids/<b>``): the epoch bump and the master's node appear together or not at all. Before
+issue 28 that node was ``brokers/ids/<b>``, now MetaQ's persistent node: every election makes sure it
+exists, so a member of that older layout can never create its master node there beside a newer master,
+and a newer member follows (``master_data``) but never stands against an older master that holds it.
+``members/<r>`` are the live members' ephemeral nodes.
 The broker's group logic (server/member_role.py) decides who may stand; this module only reads and writes."""
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ from typing import Optional
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError, RuntimeInconsistency
 
 from metaq_broker.errors import ElectionLostError, MetaqError, StaleStateError
+from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
 
 __all__ = ["GroupState", "ElectionLostError", "StaleStateError", "MemberHeldError", "read_state", "elect",
-           "alter_isr", "register_member", "members", "starting", "master_node", "addresses", "resign",
-           "take_over_stale"]
+           "alter_isr", "register_member", "members", "starting", "master_node", "master_data", "addresses",
+           "resign", "delete_own", "take_over_stale"]
 
 
 class MemberHeldError(MetaqError):
@@ -125,7 +130,7 @@ def elect(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, broker
           recovered: Optional[GroupState] = None) -> GroupState:
     """Become master of the group in one multi-op: the state written at ``prior``'s version (created when
     ``prior`` is None: the first election ever, or after ZooKeeper lost the group's state) and
-    ``/brokers/ids/<b>`` created ephemeral with ``broker_node_data``. The new in-sync set is ``prior``'s
+    the master node created ephemeral with ``broker_node_data``. The new in-sync set is ``prior``'s
     less its master (not known to be caught up) and with this member; with ``unclean`` only this member.
     ``recovered`` (with ``prior`` None): the last state the members kept of a group whose ZooKeeper state
     is lost; its in-sync set (the caller checked every member of it is alive with the same data) and
@@ -138,6 +143,12 @@ def elect(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, broker
                          f"{list(prior.isr)}: only an unclean election may make it master")
     zk.ensure_path(paths.broker_group(broker_id), acl)
     zk.ensure_path(paths.broker_ids(), acl)
+    fence = MetaqZkLayout(paths.root).broker(broker_id)
+    zk.ensure_path(fence, acl)
+    fence_stat = zk.exists(fence)
+    if fence_stat is None or fence_stat.ephemeralOwner:
+        raise ElectionLostError(f"group {broker_id}: {fence} is the master node of a broker of the layout before "
+                                f"issue 28: it is master")
     me = (replica_id, uuid)
     now = time.time()
     t = zk.transaction()
@@ -153,6 +164,7 @@ def elect(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, broker
         state = GroupState(max(prior.epoch + 1, min_epoch), replica_id, _isr(kept + (me,)),
                            tuple(sorted(set(prior.replicas) | {replica_id})), unclean, now)
         t.set_data(paths.group_state(broker_id), state.to_json(), prior.version)
+    t.check(fence, fence_stat.version)
     t.create(paths.broker(broker_id), broker_node_data, acl, ephemeral=True)
     results = t.commit()
     error = _failure(results)
@@ -229,12 +241,24 @@ def starting(zk, paths: ZkPaths, broker_id: int) -> set:
         return set()
 
 
-def master_node(zk, paths: ZkPaths, broker_id: int) -> Optional[dict]:
-    """The JSON of ``/brokers/ids/<b>`` (the master's addresses, its ``replicaId``), None without a master."""
+def master_data(zk, paths: ZkPaths, broker_id: int) -> tuple:
+    """(data, stat) of the group's master node, or of a master of the layout before issue 28 (its ephemeral
+    node at MetaQ's ``brokers/ids/<b>``: a rolling upgrade); (None, None) without a master."""
     try:
-        return json.loads(zk.get(paths.broker(broker_id))[0])
+        return zk.get(paths.broker(broker_id))
     except NoNodeError:
-        return None
+        pass
+    try:
+        data, stat = zk.get(MetaqZkLayout(paths.root).broker(broker_id))
+    except NoNodeError:
+        return None, None
+    return (data, stat) if stat.ephemeralOwner else (None, None)
+
+
+def master_node(zk, paths: ZkPaths, broker_id: int) -> Optional[dict]:
+    """The JSON of the master node (the master's addresses, its ``replicaId``), None without a master."""
+    data, _ = master_data(zk, paths, broker_id)
+    return None if data is None else json.loads(data)
 
 
 def addresses(node: dict) -> tuple:
@@ -246,8 +270,12 @@ def addresses(node: dict) -> tuple:
 
 
 def resign(zk, paths: ZkPaths, broker_id: int) -> bool:
-    """Delete ``/brokers/ids/<b>`` if our session holds it (a master stepping down); True if deleted."""
-    path = paths.broker(broker_id)
+    """Delete the master node if our session holds it (a master stepping down); True if deleted."""
+    return delete_own(zk, paths.broker(broker_id))
+
+
+def delete_own(zk, path: str) -> bool:
+    """Delete ``path`` if it is this session's ephemeral node; True if it did."""
     try:
         stat = zk.exists(path)
         if stat is None or stat.ephemeralOwner != zk.client_id[0]:
@@ -259,15 +287,17 @@ def resign(zk, paths: ZkPaths, broker_id: int) -> bool:
 
 
 def take_over_stale(zk, paths: ZkPaths, broker_id: int, replica_id: int, uuid: str, instance: str) -> list:
-    """Delete this member's member node and master node (``/brokers/ids/<b>``) where another session holds
-    them with this member's ``uuid`` and ``instance``; returns ``[(path, session), ...]`` deleted.
+    """Delete this member's member node and master node (also one at ``brokers/ids/<b>``, the layout before
+    issue 28) where another session holds them with this member's ``uuid`` and ``instance``; returns
+    ``[(path, session), ...]`` deleted.
 
     ``instance`` names the data directory's lock file (boot id, device, inode) that the caller holds locked:
     the run that wrote it into those nodes held the same lock, so it is dead, and its session, which
     ZooKeeper would expire only after the session timeout, can act no more. Another process sharing the
     uuid (a copied data directory, here or on another host) has another instance: its nodes stay."""
     taken = []
-    for path in (paths.group_replica(broker_id, replica_id), paths.broker(broker_id)):
+    for path in (paths.group_replica(broker_id, replica_id), paths.broker(broker_id),
+                 MetaqZkLayout(paths.root).broker(broker_id)):
         try:
             data, stat = zk.get(path)
         except NoNodeError:

@@ -1,11 +1,11 @@
 """What a Kafka listener answers from, kept in step with ZooKeeper: live brokers with their Kafka addresses,
 each broker group's epoch, every topic's entries, the partition maps (zk/kafka_partitions.py) and the
 cluster id. ``KafkaClusterCache`` follows the nodes with watches (kazoo's TreeCache on
-``brokers/ids``, ``brokers/groups``, ``brokers/topics-pub`` and ``kafka/topics``), so answering Metadata costs
+``brokers/metaq/ids``, ``brokers/groups``, ``brokers/metaq/topics`` and ``kafka/topics``), so answering Metadata costs
 no ZooKeeper request; ``snapshot()`` hands out an immutable ``ClusterSnapshot`` built again only after a
 change. ``server/kafka_metadata.py`` turns a snapshot into Kafka's answers (pure functions).
 
-A broker's Kafka address is in its registration JSON (``/brokers/ids/<b>``): ``host`` (its
+A broker's Kafka address is in its master node's JSON (``brokers/metaq/ids/<b>``): ``host`` (its
 ``advertisedHostName``) and ``kafkaPort``, present while its Kafka listener is up."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class ClusterSnapshot:
     """The cluster at one moment. Treat the dicts as read-only: snapshots are shared."""
 
     cluster_id: str
-    live: frozenset  # broker ids registered now (``/brokers/ids``), Kafka listener or not
+    live: frozenset  # broker ids registered now (``brokers/metaq/ids``), Kafka listener or not
     brokers: dict  # brokerId -> KafkaBroker, the live brokers with a Kafka listener
     epochs: dict  # brokerId -> its group's epoch (``brokers/groups/<b>/state``)
     topics: dict  # topic -> {brokerId: numPartitions}: its entries, the brokers' that are down included
@@ -66,7 +66,7 @@ def kafka_endpoint(broker_id: int, info) -> Optional[KafkaBroker]:
 
 def build(cluster_id: str, nodes: dict, paths: ZkPaths) -> ClusterSnapshot:
     """A snapshot from ``{path: data}`` of the watched nodes; unreadable nodes are left out (and logged)."""
-    ids, groups, pub, maps_root = (paths.broker_ids() + "/", paths.broker_groups() + "/", paths.topics_pub() + "/",
+    ids, groups, pub, maps_root = (paths.broker_ids() + "/", paths.broker_groups() + "/", paths.topics() + "/",
                                    paths.kafka_topics() + "/")
     live, brokers, epochs, topics, maps = set(), {}, {}, {}, {}
     for path, data in nodes.items():
@@ -108,7 +108,7 @@ class KafkaClusterCache:
         self._nodes: dict = {}  # path -> data of every watched node below the four roots
         self._snapshot: Optional[ClusterSnapshot] = None
         self._listeners: list = []
-        roots = (self.paths.broker_ids(), self.paths.broker_groups(), self.paths.topics_pub(),
+        roots = (self.paths.broker_ids(), self.paths.broker_groups(), self.paths.topics(),
                  self.paths.kafka_topics())
         self._trees, ready = [], []
         for path in roots:

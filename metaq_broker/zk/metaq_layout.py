@@ -12,8 +12,9 @@ Pure: no ZooKeeper session. MetaQ clients read, under the same root as metaq (``
     <root>/brokers/topics-sub/<topic>/<brokerId>-m  the same
     <root>/consumers/<group>/offsets/<topic>/<b>-<n>   <msgId>-<offset> (before 1.4: <offset>)
 
-``/brokers/ids/<brokerId>`` is metaq's own ephemeral JSON node today and ``topics-pub``/``sub`` hold
-metaq's JSON (``zk/paths.py``): docs/metaq-protocol.md has the plan that moves metaq's data aside.
+metaq's own nodes are elsewhere (``zk/paths.py``); a broker with a MetaQ listener writes these too
+(``zk/metaq_nodes.py``), and brokers keep the group offsets of both in step (``server/offset_bridge.py``).
+Before issue 28 metaq's own data sat at some of these paths (``zk/layout_upgrade.py`` moves it).
 """
 from __future__ import annotations
 
@@ -52,28 +53,45 @@ class MetaqZkLayout:
     def master_config_checksum(self, broker_id: int) -> str:
         return f"{self.broker(broker_id)}/master_config_checksum"
 
+    def topics_legacy(self) -> str:
+        return f"{self.root}/brokers/topics"
+
     def topic_legacy(self, topic: str) -> str:
-        return f"{self.root}/brokers/topics/{check_component('topic', topic)}"
+        return f"{self.topics_legacy()}/{check_component('topic', topic)}"
 
     def topic_legacy_broker(self, topic: str, broker_id: int) -> str:
         return f"{self.topic_legacy(topic)}/{broker_entry(broker_id)}"
 
+    def topics_pub(self) -> str:
+        return f"{self.root}/brokers/topics-pub"
+
     def topic_pub(self, topic: str) -> str:
-        return f"{self.root}/brokers/topics-pub/{check_component('topic', topic)}"
+        return f"{self.topics_pub()}/{check_component('topic', topic)}"
 
     def topic_pub_broker(self, topic: str, broker_id: int, slave_id: int | None = None) -> str:
         return f"{self.topic_pub(topic)}/{broker_entry(broker_id, slave_id)}"
 
+    def topics_sub(self) -> str:
+        return f"{self.root}/brokers/topics-sub"
+
     def topic_sub(self, topic: str) -> str:
-        return f"{self.root}/brokers/topics-sub/{check_component('topic', topic)}"
+        return f"{self.topics_sub()}/{check_component('topic', topic)}"
 
     def topic_sub_broker(self, topic: str, broker_id: int, slave_id: int | None = None) -> str:
         return f"{self.topic_sub(topic)}/{broker_entry(broker_id, slave_id)}"
 
+    def consumers(self) -> str:
+        return f"{self.root}/consumers"
+
+    def group_offset_topics(self, group: str) -> str:
+        return f"{self.consumers()}/{check_component('group', group)}/offsets"
+
+    def group_offsets(self, group: str, topic: str) -> str:
+        return f"{self.group_offset_topics(group)}/{check_component('topic', topic)}"
+
     def group_offset(self, group: str, topic: str, partition_name: str) -> str:
         parse_partition_name(partition_name)
-        return (f"{self.root}/consumers/{check_component('group', group)}/offsets/"
-                f"{check_component('topic', topic)}/{partition_name}")
+        return f"{self.group_offsets(group, topic)}/{partition_name}"
 
 
 def broker_entry(broker_id: int, slave_id: int | None = None) -> str:

@@ -1,19 +1,22 @@
-"""Every ZooKeeper path metaq uses, in one place.
+"""Every ZooKeeper path metaq uses for its own state, in one place.
 
-The layout is MetaQ's (``MetaZookeeper``) under a configurable root (``zk.root``, default ``/meta``), so
-brokers, clients, the CLI and the Spark connector cannot drift apart on a path spelling::
+The root is configurable (``zk.root``, default ``/meta``) and shared with MetaQ 1.4's own layout, which
+brokers with a MetaQ listener write beside metaq's (``zk/metaq_layout.py`` spells those nodes: MetaQ's
+``brokers/ids/<b>`` with ``master``/``slave<n>`` children, ``brokers/topics``, ``topics-pub|sub`` and the
+``<msgId>-<byteOffset>`` group offsets). metaq's own nodes are below paths MetaQ clients never read, so
+their data can be metaq's JSON (docs/protocol.md, "ZooKeeper layout"). Brokers, clients, the CLI and the
+Spark connector cannot drift apart on a path spelling::
 
-    <root>/brokers/ids/<brokerId>                         ephemeral, JSON address of a live broker
+    <root>/brokers/metaq/ids/<brokerId>                   ephemeral, JSON addresses of a group's master
+    <root>/brokers/metaq/topics/<topic>/<brokerId>-m      JSON {"numPartitions": n, "brokerId": id}
     <root>/brokers/starting/<brokerId>                    ephemeral, JSON: a restarted broker waiting for the
                                                           session of its previous run to expire
     <root>/brokers/groups/<brokerId>/state                JSON: the replicated group's epoch, master, in-sync set
     <root>/brokers/groups/<brokerId>/members/<replicaId>  ephemeral, JSON: a live member of the group
     <root>/brokers/groups/<brokerId>/starting/<replicaId> ephemeral, JSON: a member waiting for its old session
-    <root>/brokers/topics-pub/<topic>/<brokerId>-m        JSON {"numPartitions": n, "brokerId": id}
-    <root>/brokers/topics-sub/<topic>/<brokerId>-m        same
     <root>/consumers/<group>/ids/<consumerId>             ephemeral, comma-separated topics (a Kafka member's:
                                                           {"kafka": true, "broker": <its coordinator>})
-    <root>/consumers/<group>/offsets/<topic>/<b>-<n>      ASCII decimal committed offset
+    <root>/consumers/<group>/metaq/offsets/<topic>/<b>-<n>  ASCII decimal committed (logical) offset
     <root>/consumers/<group>/owners/<topic>/<b>-<n>       ephemeral, owning consumerId
     <root>/consumers/<group>/kafka                        JSON: a Kafka consumer group's generation, protocol and
                                                           members, written by its coordinator (docs/kafka.md)
@@ -26,6 +29,10 @@ brokers, clients, the CLI and the Spark connector cannot drift apart on a path s
     <root>/config/scram-secret                            32 random bytes: the brokers' key for the salts
                                                           of unknown SCRAM users (zk/users.py)
     <root>/acls/<resourceType>/<patternType>/<quoted name>  the ACLs of one resource pattern (security.acl)
+
+Before issue 28 metaq kept its master node at ``brokers/ids/<b>``, its topic entries in ``topics-pub|sub``
+and its group offsets at ``consumers/<group>/offsets``, where MetaQ clients read theirs; brokers move
+such data on start (``zk/layout_upgrade.py``).
 
 Names that become one path component are checked here, so a bad topic or group name fails with a
 clear ValueError instead of silently addressing some other node (``a/b``, ``..``).
@@ -73,11 +80,15 @@ class ZkPaths:
     def __repr__(self) -> str:
         return f"ZkPaths({self.root or '/'!r})"
 
-    # -- brokers --------------------------------------------------------------------------------------
+    # -- brokers: metaq's own nodes, below ``brokers/metaq`` (MetaQ's are in zk/metaq_layout.py) ---------
+    def brokers_metaq(self) -> str:
+        return f"{self.root}/brokers/metaq"
+
     def broker_ids(self) -> str:
-        return f"{self.root}/brokers/ids"
+        return f"{self.brokers_metaq()}/ids"
 
     def broker(self, broker_id: int) -> str:
+        """A broker group's master node (created by its election, ``zk/groups.py``)."""
         return f"{self.broker_ids()}/{whole_number('broker id', broker_id)}"
 
     def brokers_starting(self) -> str:
@@ -85,6 +96,16 @@ class ZkPaths:
 
     def broker_starting(self, broker_id: int) -> str:
         return f"{self.brokers_starting()}/{whole_number('broker id', broker_id)}"
+
+    def topics(self) -> str:
+        """Parent of every topic's entries (its children are the topics brokers have)."""
+        return f"{self.brokers_metaq()}/topics"
+
+    def topic(self, topic: str) -> str:
+        return f"{self.topics()}/{check_component('topic', topic)}"
+
+    def topic_entry(self, topic: str, broker_id: int) -> str:
+        return f"{self.topic(topic)}/{whole_number('broker id', broker_id)}-m"
 
     # -- replicated broker groups (zk/groups.py); ``group``/``group_member`` name consumer groups below ------
     def broker_groups(self) -> str:
@@ -109,24 +130,6 @@ class ZkPaths:
     def group_starting(self, broker_id: int, replica_id: int) -> str:
         return f"{self.group_startings(broker_id)}/{whole_number('replica id', replica_id)}"
 
-    def topics_pub(self) -> str:
-        return f"{self.root}/brokers/topics-pub"
-
-    def topic_pub(self, topic: str) -> str:
-        return f"{self.topics_pub()}/{check_component('topic', topic)}"
-
-    def topic_pub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_pub(topic)}/{whole_number('broker id', broker_id)}-m"
-
-    def topics_sub(self) -> str:
-        return f"{self.root}/brokers/topics-sub"
-
-    def topic_sub(self, topic: str) -> str:
-        return f"{self.topics_sub()}/{check_component('topic', topic)}"
-
-    def topic_sub_broker(self, topic: str, broker_id: int) -> str:
-        return f"{self.topic_sub(topic)}/{whole_number('broker id', broker_id)}-m"
-
     # -- consumer groups ------------------------------------------------------------------------------
     def consumers(self) -> str:
         return f"{self.root}/consumers"
@@ -141,8 +144,9 @@ class ZkPaths:
         return f"{self.group_ids(group)}/{check_component('consumer id', consumer_id)}"
 
     def group_offset_topics(self, group: str) -> str:
-        """Parent of the per-topic offset nodes (its children are the topics the group committed for)."""
-        return f"{self.group(group)}/offsets"
+        """Parent of metaq's per-topic offset nodes (its children are the topics the group committed for);
+        MetaQ's ``<msgId>-<byteOffset>`` are at ``MetaqZkLayout.group_offset``."""
+        return f"{self.group(group)}/metaq/offsets"
 
     def group_offsets(self, group: str, topic: str) -> str:
         return f"{self.group_offset_topics(group)}/{check_component('topic', topic)}"

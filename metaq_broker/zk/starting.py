@@ -8,6 +8,7 @@ import json
 
 from kazoo.exceptions import NoNodeError
 
+from metaq_broker.zk.groups import master_data
 from metaq_broker.zk.paths import ZkPaths
 
 
@@ -22,10 +23,8 @@ def waiting_brokers(zk, paths: ZkPaths) -> dict:
             info, bid = json.loads(data), int(name)
         except (NoNodeError, ValueError):
             continue  # registered meanwhile, or not a broker's
-        try:
-            registered = zk.get(paths.broker(bid))[1].ephemeralOwner == stat.ephemeralOwner
-        except NoNodeError:
-            registered = False  # the old session is gone: registering any moment
+        master = master_data(zk, paths, bid)[1]  # a broker of the layout before issue 28 registers there too
+        registered = master is not None and master.ephemeralOwner == stat.ephemeralOwner
         if not registered:
             out[bid] = info
     return out

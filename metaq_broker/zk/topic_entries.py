@@ -1,7 +1,9 @@
-"""A broker's topic entries (``<root>/brokers/topics-pub|topics-sub/<topic>/<brokerId>-m``): persistent,
-so a broker that is down keeps its partitions in the cluster's view (keys do not move, queries keep
-their offsets). The broker writes them when it registers; these are the reads and removals the broker
-(stale entries at registration) and ``metaq brokers forget`` share."""
+"""A broker's topic entries (``<root>/brokers/metaq/topics/<topic>/<brokerId>-m``, JSON ``{"numPartitions",
+"brokerId"}``): persistent, so a broker that is down keeps its partitions in the cluster's view (keys do
+not move, queries keep their offsets). The broker writes them when it registers; these are the reads
+and removals the broker (stale entries at registration) and ``metaq brokers forget`` share. (MetaQ's own
+entries in ``topics-pub|sub`` are ephemeral, written only by a broker with a MetaQ listener:
+``zk/metaq_nodes.py``.)"""
 from __future__ import annotations
 
 import json
@@ -11,37 +13,46 @@ from kazoo.exceptions import NoNodeError
 from metaq_broker.zk.paths import ZkPaths
 
 
+def entry(num_partitions: int, broker_id: int) -> bytes:
+    """The JSON of an entry."""
+    return json.dumps({"numPartitions": int(num_partitions), "brokerId": int(broker_id)}).encode()
+
+
+def parse_entry(data: bytes) -> tuple:
+    """(brokerId, numPartitions) of an entry's JSON; ValueError, KeyError or TypeError when it is none."""
+    m = json.loads(data)
+    return int(m["brokerId"]), int(m["numPartitions"])
+
+
 def topics_of(zk, paths: ZkPaths, broker_id: int) -> list:
-    """The topics with an entry of ``broker_id`` (in topics-pub), sorted."""
+    """The topics with an entry of ``broker_id``, sorted."""
     try:
-        topics = zk.get_children(paths.topics_pub())
+        topics = zk.get_children(paths.topics())
     except NoNodeError:
         return []
-    return sorted(t for t in topics if zk.exists(paths.topic_pub_broker(t, broker_id)))
+    return sorted(t for t in topics if zk.exists(paths.topic_entry(t, broker_id)))
 
 
 def partition_counts(zk, paths: ZkPaths, topic: str) -> dict:
     """``{brokerId: numPartitions}`` of ``topic`` from its entries (brokers down at the moment included);
     {} for a topic no broker has. An unreadable entry counts as none."""
     try:
-        entries = zk.get_children(paths.topic_pub(topic))
+        entries = zk.get_children(paths.topic(topic))
     except NoNodeError:
         return {}
     counts = {}
-    for entry in entries:
+    for name in entries:
         try:
-            data, _ = zk.get(f"{paths.topic_pub(topic)}/{entry}")
-            m = json.loads(data)
-            counts[int(m["brokerId"])] = int(m["numPartitions"])
+            broker_id, n = parse_entry(zk.get(f"{paths.topic(topic)}/{name}")[0])
+            counts[broker_id] = n
         except (NoNodeError, ValueError, KeyError, TypeError):
             continue
     return counts
 
 
 def delete(zk, paths: ZkPaths, topic: str, broker_id: int) -> None:
-    """Remove ``broker_id``'s entries of ``topic`` (both trees); missing ones are fine."""
-    for path in (paths.topic_pub_broker(topic, broker_id), paths.topic_sub_broker(topic, broker_id)):
-        try:
-            zk.delete(path)
-        except NoNodeError:
-            pass
+    """Remove ``broker_id``'s entry of ``topic``; a missing one is fine."""
+    try:
+        zk.delete(paths.topic_entry(topic, broker_id))
+    except NoNodeError:
+        pass

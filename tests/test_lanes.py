@@ -1,0 +1,82 @@
+"""The suite's lanes (tests/conftest.py): a test without one fails the collection, fixtures put a test into
+theirs even in a module marked unit, a test's own unit mark may not hide a fixture's needs, and ``-m unit``
+selects only what needs nothing else. Run on small suites in a temporary directory with this conftest."""
+from pathlib import Path
+
+import pytest
+from conftest import LANES
+
+pytestmark = pytest.mark.unit
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+INI = (Path(__file__).parent.parent / "pytest.ini").read_text()
+
+
+@pytest.fixture
+def suite(pytester):
+    pytester.makeconftest(CONFTEST + '''
+@pytest.fixture
+def zookeeper():  # stands for the real one: only its name puts a test into a lane
+    return None
+''')
+    pytester.makeini(INI)
+    return pytester
+
+
+def test_a_test_without_a_lane_fails_the_collection_naming_it(suite):
+    suite.makepyfile(test_a="def test_forgotten():\n    pass\n\ndef test_also():\n    pass\n")
+    r = suite.runpytest("-q")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*every test needs a lane*", "*test_a.py: test_forgotten has no lane; test_also has no lane*"])
+
+
+def test_a_misspelt_lane_is_an_error_too(suite):
+    suite.makepyfile(test_a="import pytest\npytestmark = pytest.mark.unti\n\ndef test_x():\n    pass\n")
+    r = suite.runpytest("-q")
+    assert r.ret != pytest.ExitCode.OK
+    r.stdout.fnmatch_lines(["*'unti' not found in `markers` configuration option*"])
+
+
+def test_fixtures_put_a_test_into_their_lane_even_in_a_unit_module(suite):
+    suite.makepyfile(test_a='''
+import pytest
+pytestmark = pytest.mark.unit
+
+def test_plain():
+    pass
+
+def test_with_zookeeper(zookeeper):
+    pass
+
+@pytest.mark.process
+def test_starts_a_broker():
+    pass
+
+@pytest.mark.spark
+def test_spark_job():
+    pass
+''', test_b='''
+import pytest
+pytestmark = pytest.mark.process
+
+@pytest.mark.unit
+def test_needs_nothing():
+    pass
+
+@pytest.mark.spark
+def test_spark_with_brokers():
+    pass
+''')
+    items, _ = suite.inline_genitems()
+    lanes = {item.name: {m.name for m in item.iter_markers() if m.name in LANES} for item in items}
+    assert lanes == {"test_plain": {"unit"}, "test_with_zookeeper": {"process"}, "test_starts_a_broker": {"process"},
+                     "test_spark_job": {"spark"}, "test_needs_nothing": {"unit"},
+                     "test_spark_with_brokers": {"process", "spark"}}
+    r = suite.runpytest("-q", "-m", "unit")
+    r.assert_outcomes(passed=2, deselected=4)
+
+
+def test_a_test_marked_unit_may_not_use_a_process_fixture(suite):
+    suite.makepyfile(test_a="import pytest\n\n@pytest.mark.unit\ndef test_liar(zookeeper):\n    pass\n")
+    r = suite.runpytest("-q")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*test_a.py: test_liar is marked unit but uses process fixtures*"])
