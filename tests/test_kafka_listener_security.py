@@ -19,7 +19,7 @@ from metaq_broker.security.acl import Acl
 from metaq_broker.security.scram import Credential
 from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.users import put_user
-from test_security_dataport import pki, zk  # noqa: F401 - fixtures: a throwaway CA, a ZooKeeper client
+from test_security_dataport import zk  # noqa: F401 - a fixture: a ZooKeeper client (pki: conftest)
 
 pytestmark = pytest.mark.process
 
