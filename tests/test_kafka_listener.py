@@ -355,3 +355,15 @@ def test_unknown_topic_and_partition_answers(broker):
     p.flush(10)
     assert failed and failed[0].code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._MSG_TIMED_OUT,
                                            KafkaError._UNKNOWN_TOPIC)
+
+
+def test_auto_create_topics_only_where_the_broker_allows_it(cluster):
+    off = cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    on = cluster.start_broker(2, {"autoCreateTopics": "true", "numPartitions": 3})
+    for b in (off, on):
+        wait_until(lambda: _partitions(b.bootstrap, "t") == 1, what="t in metadata")
+    assert _partitions(off.bootstrap, "fresh-1") == 0  # refused: autoCreateTopics is false on broker 1
+    assert _produce(on.bootstrap, "fresh-2", [(None, b"x", None, None)]) == []  # created by its Metadata request
+    assert _partitions(on.bootstrap, "fresh-2") == 3
+    assert _partitions(off.bootstrap, "fresh-2") == 3  # created on broker 2, seen from every broker
+    assert [m.value() for m in _consume(off.bootstrap, "fresh-2", 3, 1)] == [b"x"]

@@ -410,7 +410,8 @@ class Broker:
             cluster = cache.snapshot
         else:
             cluster = self._static_cluster
-        self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups)
+        self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
+                                        auto_create=cfg.auto_create_topics)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
 

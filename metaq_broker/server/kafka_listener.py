@@ -75,12 +75,14 @@ class KafkaServer:
     ``ClusterSnapshot`` (``KafkaClusterCache.snapshot``, or a static one without ZooKeeper); ``groups`` is
     the broker's ``KafkaGroups`` (None without ZooKeeper: no consumer groups)."""
 
-    def __init__(self, handler: RequestHandler, listener: Listener, cluster: Callable, groups=None):
+    def __init__(self, handler: RequestHandler, listener: Listener, cluster: Callable, groups=None,
+                 auto_create: bool = False):
         self.handler = handler
         self.listener = listener
         self.port = listener.port
         self.cluster = cluster
         self.groups = groups
+        self.auto_create = auto_create  # autoCreateTopics: Metadata creates the unknown topics it names
         self.broker_id = handler.broker_id
         security = handler.auth.security
         self._sasl = security.uses_sasl
@@ -199,10 +201,14 @@ class KafkaServer:
     def metadata(self, conn, request: Request) -> dict:
         snap = self.cluster()
         asked = request.body["topics"]
+        created = self._auto_create(conn, snap, asked) if asked and request.body.get(
+            "allow_auto_topic_creation", True) else set()
         answer = kafka_metadata.metadata(snap, asked)
         allows = self._allows(conn)
         topics = []
         for t in answer["topics"]:
+            if t["name"] in created and t["error_code"] == codes.UNKNOWN_TOPIC_OR_PARTITION:
+                t = {**t, "error_code": codes.LEADER_NOT_AVAILABLE}  # created, not numbered yet: the client retries
             if t["error_code"] in (codes.UNKNOWN_TOPIC_OR_PARTITION, codes.INVALID_TOPIC_EXCEPTION) \
                     or allows("Describe", "topic", t["name"]):
                 topics.append(t)
@@ -210,6 +216,24 @@ class KafkaServer:
                 topics.append({**t, "error_code": codes.TOPIC_AUTHORIZATION_FAILED, "partitions": []})
         answer["topics"] = topics
         return answer
+
+    def _auto_create(self, conn, snap, asked) -> set:
+        """With ``autoCreateTopics``: create the named topics no broker has, here, with the broker's
+        numPartitions (Create on the cluster or the topic, as CreateTopics); the names created."""
+        if not self.auto_create:
+            return set()
+        created = set()
+        for t in asked:
+            name = t.get("name")
+            if not name or name in snap.topics or name in self.handler.store.topics():
+                continue
+            try:
+                self.handler.create_topic(conn.principal, name, 0, {})
+                created.add(name)
+                log.info("kafka: created topic %s for a Metadata request of %s (autoCreateTopics)", name, conn.peer)
+            except Exception as e:  # noqa: BLE001 - the topic is answered as unknown (or refused) below
+                log.info("kafka: could not create topic %r for %s: %s", name, conn.principal, e)
+        return created
 
     def describe_cluster(self, conn, request: Request) -> dict:
         self.handler.auth.authorize(conn.principal, "Describe", "cluster", CLUSTER)
