@@ -367,3 +367,14 @@ def test_auto_create_topics_only_where_the_broker_allows_it(cluster):
     assert _partitions(on.bootstrap, "fresh-2") == 3
     assert _partitions(off.bootstrap, "fresh-2") == 3  # created on broker 2, seen from every broker
     assert [m.value() for m in _consume(off.bootstrap, "fresh-2", 3, 1)] == [b"x"]
+
+
+def test_describe_configs_and_cluster(broker):
+    from confluent_kafka.admin import ConfigResource
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap, **QUIET})
+    (res, fut), = admin.describe_configs([ConfigResource("topic", "t")]).items()
+    configs = {k: v.value for k, v in fut.result(15).items()}
+    assert configs["numPartitions"] == "2" and configs["max.message.bytes"] == configs["maxMessageSize"]
+    assert configs["retention.ms"] == str(168 * 3_600_000)
+    described = admin.describe_cluster().result(15)
+    assert [(n.id, n.host, n.port) for n in described.nodes] == [(1, "127.0.0.1", broker.kafka_port)]

@@ -94,7 +94,8 @@ class KafkaServer:
                       13: self._group_call("leave_group"), 14: self.sync_group,
                       15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
                       17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
-                      22: self.init_producer_id, 23: self.offset_for_leader_epoch, 36: self.sasl_again,
+                      22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
+                      36: self.sasl_again,
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
 
     def start(self) -> "KafkaServer":
@@ -448,6 +449,31 @@ class KafkaServer:
             out.append(entry)
         return {"throttle_time_ms": 0, "topics": out}
 
+    def describe_configs(self, conn, request: Request) -> dict:
+        """A topic's settings under metaq's names (what ``[topic=...]`` takes), and under Kafka's where one
+        means the same (``KAFKA_TOPIC_CONFIGS``); broker resources are refused, naming where they are."""
+        results = []
+        for r in request.body["resources"]:
+            out = {"error_code": codes.NONE, "error_message": None, "resource_type": r["resource_type"],
+                   "resource_name": r["resource_name"], "configs": []}
+            try:
+                if r["resource_type"] != RESOURCE_TOPIC:
+                    raise _Refused(codes.INVALID_REQUEST, "metaq describes topics only: a broker's settings are its "
+                                                          "INI file's [system] keys (docs/kafka.md)")
+                config = self.handler.describe_topic(conn.principal, r["resource_name"]).config
+                values = {**config, **kafka_topic_configs(config)}
+                keys = r["configuration_keys"]
+                out["configs"] = [{"name": k, "value": v, "read_only": True, "is_default": False,
+                                   "config_source": CONFIG_SOURCE_TOPIC, "is_sensitive": False, "synonyms": [],
+                                   "config_type": 0, "documentation": None}
+                                  for k, v in sorted(values.items()) if keys is None or k in keys]
+            except _Refused as e:
+                out.update(error_code=e.code, error_message=e.message)
+            except Exception as e:  # noqa: BLE001
+                out["error_code"], out["error_message"] = self._code(e, "Kafka DescribeConfigs")
+            results.append(out)
+        return {"throttle_time_ms": 0, "results": results}
+
     # -- consumer groups ------------------------------------------------------------------------------
     def _no_groups(self, request: Request) -> dict:
         return error_response(request, codes.INVALID_REQUEST, kafka_metadata.GROUPS_WITHOUT_ZOOKEEPER)
@@ -492,6 +518,21 @@ def _wait(conn: Connection, future) -> dict:
         except FutureTimeout:
             if not conn.active:
                 raise ConnectionError("the listener is stopping") from None
+
+
+RESOURCE_TOPIC = 2  # DescribeConfigs' resource types: 2 topic, 4 broker
+CONFIG_SOURCE_TOPIC = 1  # DYNAMIC_TOPIC_CONFIG: set for this topic
+
+
+def kafka_topic_configs(config: dict) -> dict:
+    """Kafka's names for the topic settings (INI values) that mean the same in metaq."""
+    out = {"max.message.bytes": config["maxMessageSize"], "retention.bytes": config["retentionBytes"],
+           "min.insync.replicas": config["minInSyncReplicas"], "segment.bytes": config["maxSegmentSize"],
+           "cleanup.policy": "delete"}
+    policy = config["deletePolicy"].split(",")
+    if len(policy) == 2 and policy[1].strip().isdigit():
+        out["retention.ms"] = str(int(policy[1]) * 3_600_000)
+    return out
 
 
 # -- records, per batch -----------------------------------------------------------------------------
