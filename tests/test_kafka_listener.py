@@ -378,3 +378,39 @@ def test_describe_configs_and_cluster(broker):
     assert configs["retention.ms"] == str(168 * 3_600_000)
     described = admin.describe_cluster().result(15)
     assert [(n.id, n.host, n.port) for n in described.nodes] == [(1, "127.0.0.1", broker.kafka_port)]
+
+
+def test_aiokafka_produce_and_consume_in_a_group(broker):
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    async def run():
+        producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, enable_idempotence=True,
+                                    compression_type="lz4")
+        await producer.start()
+        try:
+            for i in range(20):
+                await producer.send_and_wait("t", b"aio%d" % i, key=b"k%d" % i, headers=[("via", b"aiokafka")])
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer("t", bootstrap_servers=broker.bootstrap, group_id="aio-group",
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        await consumer.start()
+        got = {}
+        try:
+            async def take():
+                async for m in consumer:
+                    got[m.value] = (m.key, list(m.headers))
+                    if len(got) == 20:
+                        return
+            await asyncio.wait_for(take(), 60)
+            await consumer.commit()
+            committed = {p: await consumer.committed(p) for p in consumer.assignment()}
+        finally:
+            await consumer.stop()
+        return got, committed
+
+    got, committed = asyncio.run(run())
+    assert got == {b"aio%d" % i: (b"k%d" % i, [("via", b"aiokafka")]) for i in range(20)}
+    assert sum(committed.values()) == 20
