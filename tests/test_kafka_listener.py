@@ -4,12 +4,14 @@ consume by assignment and in a group that rebalances, commit and resume, seek by
 Kafka clients write is what metaq's own client reads, and the other way round."""
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import struct
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -414,3 +416,21 @@ def test_aiokafka_produce_and_consume_in_a_group(broker):
     got, committed = asyncio.run(run())
     assert got == {b"aio%d" % i: (b"k%d" % i, [("via", b"aiokafka")]) for i in range(20)}
     assert sum(committed.values()) == 20
+
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+
+
+def test_kafkajs_produce_and_consume_in_a_group(broker):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (apt-get install nodejs npm; then npm install --prefix tests/node "
+                    "kafkajs@2, as .ci/run does)")
+    assert (NODE_DIR / "node_modules" / "kafkajs").is_dir(), \
+        "kafkajs is missing: npm install --prefix tests/node kafkajs@2 (.ci/run does it)"
+    r = subprocess.run([node, str(NODE_DIR / "kafkajs_roundtrip.js"), broker.bootstrap, "t", "10"],
+                       capture_output=True, text=True, timeout=120, cwd=NODE_DIR)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted((x["key"], x["value"], x["via"]) for x in rows) == sorted(
+        (f"k{i}", f"js{i}", "kafkajs") for i in range(10))
