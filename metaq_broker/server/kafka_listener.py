@@ -119,7 +119,9 @@ class KafkaServer:
                 for frame in frames:
                     if not self._serve_one(conn, frame):
                         return
-                if splitter.buffered:  # the rest of a request whose first bytes came
+                if frames and splitter.buffered:  # a request's first bytes came with the last read
+                    deadline = conn.deadline()
+                if splitter.buffered:  # the rest of that request
                     n = conn.recv_some(buf, deadline)
                 else:
                     n = conn.wait_request(buf)
@@ -317,8 +319,7 @@ class KafkaServer:
         waiting = [i for i, a in enumerate(asked) if not isinstance(a[3], _Refused)]
         turn = 0
         while True:
-            results = [self._fetch_partition(conn, topic, local, p, committed, budget, 0)
-                       for _, p, topic, local in asked]
+            results = self._fetch_round(conn, asked, committed, budget)
             got = sum(r[1] for r in results)
             left_ms = int((deadline - time.monotonic()) * 1000)
             if got >= max(min_bytes, 1) or left_ms <= 0 or not waiting or not conn.active \
@@ -338,17 +339,32 @@ class KafkaServer:
             responses[t_index]["partitions"].append(entry)
         return {"throttle_time_ms": 0, "error_code": codes.NONE, "session_id": 0, "responses": responses}
 
-    def _fetch_partition(self, conn, topic, local, p: dict, committed: bool, budget: int, wait_ms: int) -> tuple:
+    def _fetch_round(self, conn, asked: list, committed: bool, budget: int) -> list:
+        """Each asked partition's (answer, record bytes), in order, within the request's ``max_bytes``
+        (the first partition with records gets at least one batch, as Kafka's KIP-74)."""
+        results = []
+        for _, p, topic, local in asked:
+            entry = self._fetch_partition(conn, topic, local, p, committed, max(budget, 1)) if budget > 0 \
+                else (self._empty_partition(p, committed), 0)
+            budget -= entry[1]
+            results.append(entry)
+        return results
+
+    @staticmethod
+    def _empty_partition(p: dict, committed: bool) -> dict:
+        return {"partition_index": p["partition"], "error_code": codes.NONE, "high_watermark": -1,
+                "last_stable_offset": -1, "log_start_offset": -1,
+                "aborted_transactions": [] if committed else None, "preferred_read_replica": -1, "records": b""}
+
+    def _fetch_partition(self, conn, topic, local, p: dict, committed: bool, budget: int) -> tuple:
         """(the partition's answer, its record bytes)."""
-        out = {"partition_index": p["partition"], "error_code": codes.NONE, "high_watermark": -1,
-               "last_stable_offset": -1, "log_start_offset": -1, "aborted_transactions": [] if committed else None,
-               "preferred_read_replica": -1, "records": b""}
+        out = self._empty_partition(p, committed)
         if isinstance(local, _Refused):
             out["error_code"] = local.code
             return out, 0
         try:
             max_bytes = max(min(p["partition_max_bytes"], budget), 1)
-            f = self.handler.fetch(conn.principal, FetchRequest(topic, local, p["fetch_offset"], max_bytes, 0, wait_ms),
+            f = self.handler.fetch(conn.principal, FetchRequest(topic, local, p["fetch_offset"], max_bytes),
                                    lambda: conn.active)
         except Exception as e:  # noqa: BLE001
             out["error_code"] = self._code(e, "Kafka Fetch")[0]
