@@ -208,7 +208,7 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
     out["read_partition_s"] = min(t)
     out["broker_cpu_s"] = bc[int(np.argmin(t))]
 
-    conn = src._pool().get(part.address)
+    conn = src._pool(part.security).get(part.address)
     _, number = parse_partition_name(part.partition)
     out["data_address"] = part.data_address
     if part.data_address:  # the fetches alone over the data port, as read_partition makes them
@@ -232,7 +232,7 @@ def profile(zk_connect: str, broker_pid: int, arrow_batch_rows: int) -> dict:
                                                       max_bytes=part.fetch_max_bytes,
                                                       max_messages=part.end - offset), retries=5)
             t1 = time.perf_counter()
-            decoded = records.decode(r.records, r.start_offset, r.end_offset, verify=True)
+            decoded = records.decode(r.records, r.start_offset, r.end_offset, verify=True, timestamp_type=True)
             t2 = time.perf_counter()
             records.decode(r.records, r.start_offset, r.end_offset, verify=False)
             t3 = time.perf_counter()

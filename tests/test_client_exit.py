@@ -131,7 +131,7 @@ def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zo
     assert "stopped" in out
 
 
-def test_a_client_closed_by_two_threads_at_once_closes_cleanly(tmp_path):
+def test_a_client_closed_by_two_threads_at_once_closes_cleanly(own_zookeeper):
     """A client's own thread and the interpreter's exit hook may close one cluster view at the same time
     (the nemesis saw it: ``Cannot close connection until it is stopped`` from the exit hook). With
     ZooKeeper gone, kazoo's stop takes a while, and a second caller's close used to raise meanwhile."""
@@ -140,7 +140,7 @@ def test_a_client_closed_by_two_threads_at_once_closes_cleanly(tmp_path):
 
     from metaq_broker.client.cluster import ClusterView
 
-    zk = LocalZooKeeper(data_dir=tmp_path / "zk", tick_time_ms=500).start()
+    zk = own_zookeeper
     views = [ClusterView(zk.connect_string) for _ in range(3)]
     zk.stop()
     time.sleep(2.0)  # the sessions are reconnecting now, between retries

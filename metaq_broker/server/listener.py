@@ -1,5 +1,5 @@
 """A broker port's connections: accepting, TLS, the login, a thread per logged-in connection with request
-deadlines and an idle limit. Every listener (the data port; next the Kafka and MetaQ listeners) is one
+deadlines and an idle limit. Every listener (the data port, the Kafka listener; next the MetaQ listener) is one
 ``Listener`` with its own framing plugged in (``Framing``), which turns bytes into the request handler's
 calls: a new listener adds framing, not a second broker.
 

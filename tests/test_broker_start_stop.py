@@ -1,0 +1,160 @@
+"""A broker's start and stop undo the same parts in the same order (server/broker.py, ``Broker.STAGES``):
+a start that fails at any stage, by an injected failure right after the stage or by a real fault inside
+one (a port taken, the data directory locked by another broker), leaves no thread, port, lock,
+ZooKeeper session or node behind, and a broker started right after on the same ports and data comes up
+and serves. A real ZooKeeper with ACLs on (its own session for users and ACLs), the data port and the
+metrics port, so that every stage has something to undo."""
+import fcntl
+import os
+import socket
+import threading
+
+import pytest
+from conftest import wait_until
+from kazoo.client import KazooClient
+from test_metrics import port_is_free
+
+from metaq_broker.client import Admin
+from metaq_broker.errors import ConfigError
+from metaq_broker.server.broker import Broker
+from metaq_broker.server.config import load
+from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
+
+
+class Injected(Exception):
+    pass
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def setup(tmp_path, zookeeper, zk_root):
+    grpc_port, data_port, metrics_port = free_ports(3)
+    settings = {"brokerId": 7, "serverPort": grpc_port, "dataPort": data_port, "metricsPort": metrics_port,
+                "zk.connect": zookeeper.connect_string, "zk.root": zk_root, "zk.sessionTimeout": 6000,
+                "dataPath": tmp_path / "data", "authorizer": "acl", "super.users": "User:ANONYMOUS"}
+    zk = KazooClient(zookeeper.connect_string)
+    zk.start()
+    yield settings, (grpc_port, data_port, metrics_port), zk
+    zk.stop()
+    zk.close()
+
+
+def config(settings):
+    return load(None, {k: str(v) for k, v in settings.items()})
+
+
+def ephemeral_nodes(zk, path):
+    """Every ephemeral node below ``path`` (a live session's)."""
+    found = []
+    if not zk.exists(path):
+        return found
+    for child in zk.get_children(path):
+        node = f"{path}/{child}"
+        if zk.exists(node).ephemeralOwner:
+            found.append(node)
+        found += ephemeral_nodes(zk, node)
+    return found
+
+
+def lock_is_free(data_path):
+    path = data_path / MEMBER_DIRECTORY / "lock"
+    if not path.exists():
+        return True
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def assert_nothing_left(before, ports, zk, settings):
+    wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()], timeout=30,
+               what=f"no thread left: {[t.name for t in threading.enumerate() if t not in before]}")
+    for port in ports:
+        assert port_is_free(port), port
+    assert lock_is_free(settings["dataPath"])
+    assert ephemeral_nodes(zk, settings["zk.root"]) == []
+
+
+def assert_a_broker_starts_after(settings):
+    broker = Broker(config(settings)).start()
+    try:
+        with Admin(brokers={7: broker.address}) as admin:
+            admin.create_topic("after", 1)
+            assert "after" in admin.topics()
+    finally:
+        broker.stop(grace=1)
+
+
+@pytest.mark.parametrize("stage", Broker.STAGES)
+def test_a_start_that_fails_after_any_stage_leaves_nothing_behind(setup, monkeypatch, stage):
+    settings, ports, zk = setup
+    before = set(threading.enumerate())
+    original = getattr(Broker, f"_start_{stage}")
+
+    def failing(self, stack):
+        original(self, stack)
+        raise Injected(stage)
+    monkeypatch.setattr(Broker, f"_start_{stage}", failing)
+    with pytest.raises(Injected):
+        Broker(config(settings)).start()
+    monkeypatch.undo()
+    assert_nothing_left(before, ports, zk, settings)
+    assert_a_broker_starts_after(settings)
+    assert_nothing_left(before, ports, zk, settings)
+
+
+@pytest.mark.parametrize("taken", ["serverPort", "dataPort", "metricsPort"])
+def test_a_port_taken_refuses_the_start_and_leaves_nothing_behind(setup, taken):
+    settings, ports, zk = setup
+    before = set(threading.enumerate())
+    squatter = socket.create_server(("127.0.0.1", settings[taken]))
+    try:
+        with pytest.raises(ConfigError, match=rf"{taken}: cannot listen on 127.0.0.1:{settings[taken]}|"
+                                              rf"metrics port"):
+            Broker(config(settings)).start()
+    finally:
+        squatter.close()
+    assert_nothing_left(before, ports, zk, settings)
+    assert_a_broker_starts_after(settings)
+
+
+def test_a_data_directory_in_use_refuses_the_start_and_leaves_the_owner_alone(setup):
+    settings, ports, zk = setup
+    owner = Broker(config(settings)).start()
+    try:
+        before = set(threading.enumerate())
+        other = dict(settings, brokerId=8, serverPort=0, dataPort=0, metricsPort=0)
+        with pytest.raises(ConfigError, match="is in use by another running broker"):
+            Broker(config(other)).start()
+        wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+                   what="no thread left by the refused start")
+        assert not lock_is_free(settings["dataPath"])  # still the owner's
+        with Admin(brokers={7: owner.address}) as admin:  # the owner serves on
+            admin.create_topic("still", 1)
+            assert "still" in admin.topics()
+    finally:
+        owner.stop(grace=1)
+    assert_nothing_left(before, ports, zk, settings)
+
+
+def test_stop_undoes_a_full_start(setup):
+    settings, ports, zk = setup
+    before = set(threading.enumerate())
+    broker = Broker(config(settings)).start()
+    assert zk.exists(f"{settings['zk.root']}/brokers/ids/7")
+    broker.stop(grace=1)
+    broker.stop(grace=1)  # twice is harmless
+    assert_nothing_left(before, ports, zk, settings)
