@@ -221,7 +221,8 @@ def test_metaq_producer_to_kafka_consumer(broker, cluster):
         p.close()
     got = _consume(broker.bootstrap, "t", 2, 3)
     assert sorted((m.key() or b"", m.value() or b"", m.headers(), m.timestamp()) for m in got) == sorted([
-        (b"ka", b"a", [("h1", b"1")], (1, ts)), (b"", b"b", None, (1, ts + 1)), (b"kc", b"", [("h2", None)], (1, ts + 2))])
+        (b"ka", b"a", [("h1", b"1")], (1, ts)), (b"", b"b", None, (1, ts + 1)),
+        (b"kc", b"", [("h2", None)], (1, ts + 2))])
     assert {m.partition() for m in got} == {1}
 
 
