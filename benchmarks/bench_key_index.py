@@ -93,7 +93,7 @@ def key_index_files(broker_dir: Path, topic: str) -> dict:
     with a key) and bytes per entry. (The active segment's index is in memory until the segment is sealed.)"""
     files = sorted((broker_dir / "data").glob(f"{topic}-0/*.keys"))
     size = sum(f.stat().st_size for f in files)
-    entries = sum(struct.unpack_from("<I", f.read_bytes()[:64], 44)[0]  # storage-format.md §15 for f in files)
+    entries = sum(struct.unpack_from("<I", f.read_bytes()[:64], 44)[0] for f in files)  # storage-format.md §15
     return {"files": len(files), "bytes": size, "entries": entries, "per_entry": size / entries if entries else None}
 
 

@@ -6,11 +6,11 @@ import sys
 from typing import Optional
 
 from pyspark.sql.datasource import DataSource
-from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, StructField, StructType,
+from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType,
                                TimestampType)
 
 from metaq_spark.options import OptionError, SourceOptions, parse
-from metaq_spark.reader import MetaqBatchReader, MetaqFilteringBatchReader, MetaqStreamReader
+from metaq_spark.reader import COLUMNS, HEADERS, MetaqBatchReader, MetaqFilteringBatchReader, MetaqStreamReader
 from metaq_spark.sink import writer
 
 # As Kafka's source: ``value`` is null for a null value (a tombstone); ``timestamp`` is the create time where
@@ -20,13 +20,25 @@ SCHEMA = StructType([StructField("key", BinaryType()), StructField("value", Bina
                      StructField("offset", LongType()), StructField("timestamp", TimestampType()),
                      StructField("timestampType", IntegerType()), StructField("msgId", LongType()),
                      StructField("flag", IntegerType()), StructField("attribute", StringType())])
+# includeHeaders=true adds Kafka's record headers, as Kafka's source does (null: a message without headers)
+HEADERS_FIELD = StructField(HEADERS, ArrayType(StructType([StructField("key", StringType()),
+                                                           StructField("value", BinaryType())])))
 
 
-def columns_of(schema: StructType) -> Optional[tuple]:
+def source_schema(include_headers: bool) -> StructType:
+    return StructType(SCHEMA.fields + [HEADERS_FIELD]) if include_headers else SCHEMA
+
+
+def _include_headers(options) -> bool:
+    """includeHeaders as given (checked with the other options by ``parse`` when the query starts)."""
+    return any(k.lower() == "includeheaders" and str(v).strip().lower() == "true" for k, v in options.items())
+
+
+def columns_of(schema: StructType, full: StructType = SCHEMA) -> Optional[tuple]:
     """The columns a query asked for by giving a schema (``.schema("value binary, offset long")``): some
-    of ``SCHEMA``'s, with their types, in any order; None for the whole schema. Anything else is an
-    OptionError naming the column."""
-    types = {f.name: f.dataType for f in SCHEMA.fields}
+    of ``full``'s (``SCHEMA``, with ``headers`` under includeHeaders), with their types, in any order;
+    None for the whole schema. Anything else is an OptionError naming the column."""
+    types = {f.name: f.dataType for f in full.fields}
     names = tuple(f.name for f in schema.fields)
     for f in schema.fields:
         if f.name not in types:
@@ -43,7 +55,9 @@ def columns_of(schema: StructType) -> Optional[tuple]:
 
 def _options(options, schema, streaming: bool) -> SourceOptions:
     opts = parse(options, streaming=streaming)
-    opts.columns = columns_of(schema)
+    opts.columns = columns_of(schema, source_schema(opts.include_headers))
+    if opts.columns is None and opts.include_headers:
+        opts.columns = COLUMNS + (HEADERS,)
     return opts
 
 
@@ -53,7 +67,7 @@ class MetaqDataSource(DataSource):
         return "metaq"
 
     def schema(self) -> StructType:
-        return SCHEMA
+        return source_schema(_include_headers(self.options))
 
     def reader(self, schema) -> "MetaqBatchReader":
         """With filter pushdown on, a reader that answers filters itself (``pushdown``); else the plain one:

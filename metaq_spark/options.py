@@ -30,6 +30,7 @@ SOURCE_OPTIONS = SECURITY_OPTIONS | {
     "startingTimestamp", "startingOffsetsByTimestamp", "startingOffsetsByTimestampStrategy", "endingOffsets",
     "endingTimestamp", "maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
     "failOnDataLoss", "minPartitions", "group", "commitOffsets", "fetchMaxBytes", "fetchTimeoutMs",
+    "includeHeaders",
 }
 SINK_OPTIONS = SECURITY_OPTIONS | {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId",
                                    "transactionTimeoutMs"}
@@ -72,6 +73,7 @@ class SourceOptions:
     min_offsets: Optional[int] = None
     max_trigger_delay_ms: int = 15 * 60 * 1000
     fail_on_data_loss: bool = True
+    include_headers: bool = False  # a ``headers`` column (Kafka record headers), as Kafka's source's option
     min_partitions: Optional[int] = None
     group: Optional[str] = None  # None: each streaming query gets its own (``default_group``)
     commit_offsets: bool = True
@@ -293,6 +295,8 @@ def parse(options, streaming: bool) -> SourceOptions:
         o.max_trigger_delay_ms = _duration_ms("maxTriggerDelay", opts["maxTriggerDelay"])
     if "failOnDataLoss" in opts:
         o.fail_on_data_loss = _bool("failOnDataLoss", opts["failOnDataLoss"])
+    if "includeHeaders" in opts:
+        o.include_headers = _bool("includeHeaders", opts["includeHeaders"])
     if "minPartitions" in opts:
         o.min_partitions = integer_option("minPartitions", opts["minPartitions"], 1)
     if "group" in opts:

@@ -64,6 +64,20 @@ def _constant_strings(value: str, n: int) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
 
 
+# The Arrow type Spark expects of the headers column (datasource.HEADERS_FIELD): its names and nullability
+_SPARK_HEADERS = pa.list_(pa.field("element", pa.struct([("key", pa.string()), ("value", pa.binary())])))
+
+def _spark_headers(col: pa.Array) -> pa.Array:
+    """Record headers as Spark's Kafka source gives them: null for a message without any."""
+    col = col.cast(_SPARK_HEADERS)
+    offsets = col.offsets.to_numpy()
+    empty = (np.diff(offsets) == 0) | (col.is_null().to_numpy(zero_copy_only=False) if col.null_count else False)
+    if not empty.any():
+        return col
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), col.values, type=_SPARK_HEADERS,
+                                    mask=pa.array(empty))
+
+
 _BUILD = {
     "key": lambda b, topic, partition: b.column("key"),
     "value": lambda b, topic, partition: b.column("value"),
@@ -75,8 +89,10 @@ _BUILD = {
     "msgId": lambda b, topic, partition: b.column("msgId"),
     "flag": lambda b, topic, partition: b.column("flag"),
     "attribute": lambda b, topic, partition: b.column("attribute"),
+    "headers": lambda b, topic, partition: _spark_headers(b.column("headers")),  # only with includeHeaders
 }
-COLUMNS = tuple(_BUILD)  # the source's schema, in order (datasource.SCHEMA)
+HEADERS = "headers"
+COLUMNS = tuple(c for c in _BUILD if c != HEADERS)  # the source's schema, in order (datasource.SCHEMA)
 
 
 def to_spark(batch: pa.RecordBatch, topic: str, partition: str, columns=COLUMNS) -> pa.RecordBatch:
@@ -168,7 +184,7 @@ def _read_partition(part: MetaqPartition, fetcher: PartitionFetcher) -> Iterator
         pending = fetcher.send(offset, part.end - offset) if offset < part.end else None
         columns = part.columns or COLUMNS
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted,
-                               timestamp_type="timestampType" in columns)
+                               headers=HEADERS in columns, timestamp_type="timestampType" in columns)
         if batch.num_rows:  # none: the reply held only markers and aborted messages
             yield to_spark(batch, part.topic, part.partition, columns)
 

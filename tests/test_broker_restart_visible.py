@@ -30,8 +30,9 @@ def test_a_restarted_broker_is_shown_starting_until_its_old_session_expires(clus
         assert admin.brokers_status()[0].address == first.address
         out = CliRunner().invoke(main, cli)
         assert out.exit_code == 0, out.output
-        assert [line.split() for line in out.output.splitlines()[1:]] == [
-            ["0", first.address, "live"], ["1", cluster.brokers[1].address, "live"]]
+        assert [line.split() for line in out.output.splitlines()[1:]] == [  # the Kafka listener's address too
+            ["0", first.address, first.bootstrap, "live"],
+            ["1", cluster.brokers[1].address, cluster.brokers[1].bootstrap, "live"]]
 
         first.kill()  # no deregistration: ZooKeeper keeps broker 0's node until the session times out
         # A restart on the same data would take its dead run's nodes over at once (docs/replication.md,

@@ -37,13 +37,14 @@ def free_ports(n):
 
 @pytest.fixture
 def setup(tmp_path, zookeeper, zk_root):
-    grpc_port, data_port, metrics_port = free_ports(3)
+    grpc_port, data_port, metrics_port, kafka_port = free_ports(4)
     settings = {"brokerId": 7, "serverPort": grpc_port, "dataPort": data_port, "metricsPort": metrics_port,
+                "kafkaPort": kafka_port,
                 "zk.connect": zookeeper.connect_string, "zk.root": zk_root, "zk.sessionTimeout": 6000,
                 "dataPath": tmp_path / "data", "authorizer": "acl", "super.users": "User:ANONYMOUS"}
     zk = KazooClient(zookeeper.connect_string)
     zk.start()
-    yield settings, (grpc_port, data_port, metrics_port), zk
+    yield settings, (grpc_port, data_port, metrics_port, kafka_port), zk
     zk.stop()
     zk.close()
 

@@ -35,7 +35,7 @@ def free_port():
 
 
 def start_broker(tmp_path, name="b", **settings):
-    overrides = {"brokerId": 1, "serverPort": 0, "zk.connect": "none", "dataPath": tmp_path / name,
+    overrides = {"brokerId": 1, "serverPort": 0, "kafkaPort": 0, "zk.connect": "none", "dataPath": tmp_path / name,
                  "maxFetchWait": 5000, **settings}
     broker = Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
     broker.create_topic("t", None, {})  # a no-op when it is there from an earlier run

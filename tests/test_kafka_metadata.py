@@ -122,7 +122,7 @@ def test_find_coordinator_every_version():
                     ("secret", -1, codes.GROUP_AUTHORIZATION_FAILED)]
     txn = readable(FIND_COORDINATOR, km.find_coordinator_response(snap, {"key_type": 1, "coordinator_keys": ["tx"]}, 4),
                    range(4, 7))
-    assert txn["coordinators"][0]["error_code"] == codes.INVALID_REQUEST
+    assert txn["coordinators"][0]["error_code"] == codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED  # fatal to the client
     assert "transactional.id" in txn["coordinators"][0]["error_message"]
 
 

@@ -49,12 +49,11 @@ def zk(zookeeper):
     client.close()
 
 
-def start(tmp_path, zookeeper, zk_root, kafka_port=None, **settings):
-    overrides = {"brokerId": 4, "serverPort": 0, "dataPort": 0, "zk.connect": zookeeper.connect_string,
-                 "zk.root": zk_root, "zk.sessionTimeout": 4000, "dataPath": tmp_path / "b", **settings}
-    broker = Broker(load(None, {k: str(v) for k, v in overrides.items()}))
-    broker.kafka_port = kafka_port  # what the Kafka listener sets once it listens (it is still to come)
-    return broker.start()
+def start(tmp_path, zookeeper, zk_root, kafka_port=-1, **settings):
+    overrides = {"brokerId": 4, "serverPort": 0, "dataPort": 0, "kafkaPort": kafka_port,
+                 "zk.connect": zookeeper.connect_string, "zk.root": zk_root, "zk.sessionTimeout": 4000,
+                 "dataPath": tmp_path / "b", **settings}
+    return Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
 
 
 def test_the_registered_address_is_the_advertised_one(tmp_path, zookeeper, zk_root, zk):
@@ -62,7 +61,7 @@ def test_the_registered_address_is_the_advertised_one(tmp_path, zookeeper, zk_ro
     try:
         info = json.loads(zk.get(ZkPaths(zk_root).broker(4))[0])
         assert (info["host"], info["port"], info["dataPort"]) == ("localhost", broker.port, broker.data_port)
-        assert "kafkaPort" not in info  # no Kafka listener: no Kafka address
+        assert "kafkaPort" not in info and broker.kafka_port is None  # kafkaPort=-1: no listener, no Kafka address
         broker.create_topic("orders", 2, {})
         cache = KafkaClusterCache(zk, zk_root)
         try:
@@ -76,16 +75,16 @@ def test_the_registered_address_is_the_advertised_one(tmp_path, zookeeper, zk_ro
 
 
 def test_a_kafka_listener_port_is_registered_with_the_advertised_host(tmp_path, zookeeper, zk_root, zk):
-    broker = start(tmp_path, zookeeper, zk_root, kafka_port=19092, advertisedHostName="localhost",
-                   numPartitions=1)
+    broker = start(tmp_path, zookeeper, zk_root, kafka_port=0, advertisedHostName="localhost", numPartitions=1)
+    assert broker.kafka_port > 0  # kafkaPort=0: any free port, the one the listener took is registered
     cache = KafkaClusterCache(zk, zk_root)
     try:
         broker.create_topic("orders", 1, {})
         snap = wait_until(lambda: (s := cache.snapshot()).maps.get("orders") and s.brokers and s,
                           what="broker and topic in the cache")
-        assert snap.brokers == {4: KafkaBroker(4, "localhost", 19092)}
+        assert snap.brokers == {4: KafkaBroker(4, "localhost", broker.kafka_port)}
         meta = km.metadata(snap, [{"name": "orders"}])
-        assert [(b["node_id"], b["host"], b["port"]) for b in meta["brokers"]] == [(4, "localhost", 19092)]
+        assert [(b["node_id"], b["host"], b["port"]) for b in meta["brokers"]] == [(4, "localhost", broker.kafka_port)]
         p = meta["topics"][0]["partitions"][0]
         assert (p["leader_id"], p["leader_epoch"], p["error_code"]) == (4, snap.epochs[4], 0) and snap.epochs[4] >= 1
         assert meta["cluster_id"] == kafka_partitions.cluster_id(zk, ZkPaths(zk_root))

@@ -32,7 +32,7 @@ def key(name, group, topic, partition):
 
 @pytest.fixture
 def broker(tmp_path, zookeeper, zk_root):
-    overrides = {"brokerId": 1, "serverPort": 0, "metricsPort": 0, "zk.connect": zookeeper.connect_string,
+    overrides = {"brokerId": 1, "serverPort": 0, "kafkaPort": 0, "metricsPort": 0, "zk.connect": zookeeper.connect_string,
                  "zk.root": zk_root, "dataPath": tmp_path / "b"}
     b = Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
     yield b

@@ -47,7 +47,7 @@ class Scrape:
 
 
 def start_broker(tmp_path, name="b", **settings):
-    overrides = {"brokerId": 1, "serverPort": 0, "metricsPort": 0, "zk.connect": "none",
+    overrides = {"brokerId": 1, "serverPort": 0, "kafkaPort": 0, "metricsPort": 0, "zk.connect": "none",
                  "dataPath": tmp_path / name, **settings}
     return Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
 

@@ -73,3 +73,4 @@ def test_quickstart_returns_only_when_every_process_it_started_is_gone(tmp_path)
     assert "Spark read 2000 messages from quickstart-events" in out
     assert "quickstart-upper now holds 2000 messages" in out
     assert "web console at http://127.0.0.1:" in out and "stopped the broker and ZooKeeper" in out
+    assert "Kafka clients: bootstrap.servers=127.0.0.1:" in out  # the Kafka listener, on a free port

@@ -102,7 +102,7 @@ def test_min_insync_replicas_round_trips_through_topic_ini_values():
 
 
 def start_broker(tmp_path, **settings):
-    overrides = {"brokerId": 1, "replicaId": 2, "serverPort": 0, "zk.connect": "none",
+    overrides = {"brokerId": 1, "replicaId": 2, "serverPort": 0, "kafkaPort": 0, "zk.connect": "none",
                  "dataPath": tmp_path / "data", **settings}
     return Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
 

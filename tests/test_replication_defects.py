@@ -393,7 +393,7 @@ def test_the_group_thread_and_a_replica_fetch_take_their_locks_in_one_order(tmp_
     down: it must not wait on the fetch thread."""
     port, data_port = free_port(), free_port()
     config = load(None, {"brokerId": "1", "replicaId": "0", "hostName": "127.0.0.1", "serverPort": str(port),
-                         "dataPort": str(data_port), "dataPath": str(tmp_path / "m0"),
+                         "kafkaPort": "0", "dataPort": str(data_port), "dataPath": str(tmp_path / "m0"),
                          "zk.connect": zookeeper.connect_string, "zk.root": zk_root, "zk.sessionTimeout": "4000",
                          "replicaLagMaxMs": "3000"})
     master = Broker(config).start()

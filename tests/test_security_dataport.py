@@ -179,7 +179,7 @@ def test_a_plaintext_client_is_refused_by_a_tls_data_port(cluster, pki):
     ("plaintext", "does not speak TLS"),
 ])
 def test_bad_broker_certificates_fail_in_words(tmp_path, pki, case, why):
-    overrides = {"brokerId": 1, "serverPort": 0, "dataPort": 0, "zk.connect": "none", "dataPath": tmp_path / "b"}
+    overrides = {"brokerId": 1, "serverPort": 0, "kafkaPort": 0, "dataPort": 0, "zk.connect": "none", "dataPath": tmp_path / "b"}
     if case != "plaintext":
         overrides.update(broker_tls(pki, getattr(pki, case)))
     broker = Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
@@ -348,7 +348,7 @@ def test_an_ended_session_closes_its_open_data_port_connection_at_once(tmp_path,
     if change == "expired":
         monkeypatch.setattr(auth, "SESSION_LIFETIME_S", 3.0)
     zk_users.put_user(zk, zk_root, "alice", Credential.make("alice-pw"))
-    overrides = {"brokerId": 1, "serverPort": 0, "dataPort": 0, "zk.connect": zookeeper.connect_string,
+    overrides = {"brokerId": 1, "serverPort": 0, "kafkaPort": 0, "dataPort": 0, "zk.connect": zookeeper.connect_string,
                  "zk.root": zk_root, "dataPath": tmp_path / "b", **broker_tls(pki, protocol="SASL_SSL")}
     broker = Broker(load(None, {k: str(v) for k, v in overrides.items()})).start()
     broker.create_topic("t", None, {})

@@ -133,7 +133,7 @@ def test_mutual_tls_metrics_take_the_principal_from_the_client_certificate(setup
 
 def test_plaintext_with_acls_serves_metrics_on_loopback_only_as_anonymous(setup, tmp_path):
     add_acls(setup["zkc"], setup["root"], [Acl("User:ANONYMOUS", "Allow", "Describe", "topic", "orders-eu")])
-    settings = {"brokerId": 3, "hostName": "0.0.0.0", "serverPort": 0, "metricsPort": 0, "dataPort": -1,
+    settings = {"brokerId": 3, "hostName": "0.0.0.0", "serverPort": 0, "kafkaPort": 0, "metricsPort": 0, "dataPort": -1,
                 "zk.connect": setup["zk"], "zk.root": setup["root"], "zk.sessionTimeout": 4000,
                 "authorizer": "acl", "dataPath": tmp_path / "data"}
     broker = Broker(load(None, {k: str(v) for k, v in settings.items()})).start()

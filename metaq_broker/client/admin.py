@@ -1,6 +1,7 @@
 """Administration across brokers: topics, partitions, offsets, consumer groups and their lag, stats."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,6 +16,7 @@ from metaq_broker.protocol.services import DESCRIBE_GROUPS, groups_path
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk import layout_upgrade, metaq_nodes, topic_entries
+from metaq_broker.zk.kafka_cluster import kafka_endpoint
 from metaq_broker.zk.starting import waiting_brokers
 
 
@@ -319,6 +321,24 @@ class Admin(ClientBase):
         for bid in self._masterless_groups():  # members alive, none master: an election, or none may stand
             out.setdefault(bid, BrokerStatus(bid, "", "no master"))
         return [out[bid] for bid in sorted(out)]
+
+    def kafka_addresses(self) -> dict:
+        """{brokerId: "host:port"} of the live brokers' Kafka listeners, as Kafka clients are given them
+        (the registration's ``host``, i.e. advertisedHostName, and ``kafkaPort``); empty without ZooKeeper."""
+        zk = self.cluster.zk
+        if zk is None:
+            return {}
+        out = {}
+        for name in _children(zk, self.cluster.paths.broker_ids()):
+            if not name.isdigit():
+                continue
+            try:
+                endpoint = kafka_endpoint(int(name), json.loads(zk.get(self.cluster.paths.broker(int(name)))[0]))
+            except (NoNodeError, ValueError):
+                continue
+            if endpoint is not None:
+                out[endpoint.node_id] = f"{endpoint.host}:{endpoint.port}"
+        return out
 
     def forget_broker(self, broker_id: int) -> list:
         """Remove a broker for good: its topic entries, which stay while it is down (so keys keep their

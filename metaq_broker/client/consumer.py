@@ -91,17 +91,18 @@ class Consumer(ClientBase):
 
     # -- reading --------------------------------------------------------------------------------------
     def fetch(self, topic: str, partition: str, offset: int, max_bytes: int = 1 << 20,
-              max_messages: Optional[int] = None, max_wait_ms: int = 0) -> Fetched:
+              max_messages: Optional[int] = None, max_wait_ms: int = 0, headers: bool = False) -> Fetched:
         """Whole batches from ``offset`` on, within ``max_bytes`` and ``max_messages`` (``FetchRaw``, with the
         fetch policy of ``fetcher.PartitionFetcher``); waits up to ``max_wait_ms`` at the log end. Bulk
-        readers (the Spark source) add the broker's data port."""
+        readers (the Spark source) add the broker's data port. ``headers``: the batch has a ``headers``
+        column too (Kafka record headers, ``records.schema(headers=True, ...)``)."""
         conn, number = self.route(partition)
         r = PartitionFetcher(conn, topic, partition, number, conn.timeout, max_bytes,
                              reroute=functools.partial(self._master_of, parse_partition_name(partition)[0]),
                              wait_for_master=self.cluster.zk is not None).fetch(
             offset, max_messages or 0, max_wait_ms)
         batch = records.decode(r.records, r.start_offset, r.end_offset, verify=True, aborted=r.aborted,
-                               timestamp_type=True)
+                               headers=headers, timestamp_type=True)
         return Fetched(topic, partition, batch, r.start_offset, r.end_offset, r.earliest_offset, r.latest_offset)
 
     def read_range(self, topic: str, partition: str, start: int, end: int, max_bytes: int = 8 << 20) -> pa.Table:

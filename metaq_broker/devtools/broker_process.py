@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -23,15 +25,42 @@ class BrokerProcess:
         self.workdir = Path(workdir)
         self.broker_id = broker_id
         self.port = port or free_port()
-        self.settings = {"brokerId": broker_id, "hostName": "127.0.0.1", "serverPort": self.port,
+        # kafkaPort 0 unless given: brokers on one machine never clash on Kafka's 9092 (``kafka_port`` reads it)
+        self.settings = {"brokerId": broker_id, "hostName": "127.0.0.1", "serverPort": self.port, "kafkaPort": 0,
                          "dataPath": str(self.workdir / "data"), "zk.connect": zk_connect, **(settings or {})}
         self.topics = topics or {}
         self.health_certificate = health_certificate  # (cert, key) PEM paths when ssl.client.auth=required
         self._child: Optional[ChildProcess] = None
+        self._log_start = 0  # where the current run's lines begin in the log
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def kafka_port(self) -> Optional[int]:
+        """The Kafka listener's port of the current run, from its log line "listening on ... Kafka port N"
+        (None before it listens, or with kafkaPort=-1)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        found = re.findall(r"listening on \S+.*?, Kafka port (\d+)", text)
+        return int(found[-1]) if found else None
+
+    @property
+    def bootstrap(self) -> str:
+        """``bootstrap.servers`` for a Kafka client."""
+        deadline = time.monotonic() + 10  # the line follows the health check's SERVING by a moment
+        port = self.kafka_port
+        while port is None and self.proc is not None and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            port = self.kafka_port
+        if port is None:
+            raise RuntimeError(f"broker {self.broker_id} has no Kafka listener (kafkaPort=-1, or not started)")
+        return f"127.0.0.1:{port}"
 
     @property
     def log_path(self) -> Path:
@@ -56,6 +85,7 @@ class BrokerProcess:
         listens, for a broker whose certificate no client trusts); ``args`` are extra ``metaq-broker``
         flags, ``wrapper`` a command the broker runs under (e.g. ``strace -f -o FILE``)."""
         config = self.write_config()
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
         self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -25,6 +25,7 @@ from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawput
 from metaq_broker.protocol.status import to_error
 from metaq_broker.security.settings import private_key_warning, read_pem
+from metaq_broker.server import kafka_metadata
 from metaq_broker.server.auth import BrokerAuth
 from metaq_broker.server.config import BrokerConfig, topic_config_from, topic_ini_values, topic_names
 from metaq_broker.server.data_server import DataServer, data_listener
@@ -32,6 +33,8 @@ from metaq_broker.server.disk import DiskState
 from metaq_broker.server.group_listing import GroupListingService
 from metaq_broker.server.group_offsets_service import GroupOffsetsService
 from metaq_broker.server.handler import Limits, RequestHandler
+from metaq_broker.server.kafka_groups import KafkaGroups
+from metaq_broker.server.kafka_listener import KafkaServer, kafka_listener
 from metaq_broker.server.listener import Listener
 from metaq_broker.server.member import DIRECTORY as MEMBER_DIRECTORY
 from metaq_broker.server.member import StateCopy, load_or_create
@@ -53,6 +56,7 @@ from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.acls import AclCache
+from metaq_broker.zk.kafka_cluster import KafkaClusterCache
 from metaq_broker.zk.metaq_layout import broker_uri
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, share_client_nodes, start_client
@@ -128,7 +132,8 @@ class Broker:
     undo the same parts in the reverse order (servers before the store they read, the data directory's
     lock last, so a successor takes over only nodes of a run that holds it no more)."""
 
-    STAGES = ("data", "store", "auth", "listeners", "group", "handler", "serving", "cluster", "bridge", "resolver")
+    STAGES = ("data", "store", "auth", "listeners", "group", "handler", "serving", "cluster", "kafka", "bridge",
+              "resolver")
 
     def __init__(self, config: BrokerConfig, repair: bool = False):
         self.config = config
@@ -136,9 +141,10 @@ class Broker:
         self.port: Optional[int] = None
         self.metrics_port: Optional[int] = None  # the Prometheus port once started (metricsPort >= 0)
         self.data_port: Optional[int] = None  # the data port once started (dataPort >= 0)
-        # The Kafka listener's port once it listens (kafkaPort >= 0), registered for Kafka clients; the listener
-        # itself is issue 27's, still to come: until it sets this, no Kafka address is registered
+        # The Kafka listener's port once it listens (kafkaPort >= 0), registered for Kafka clients
         self.kafka_port: Optional[int] = None
+        self.kafka_server: Optional[KafkaServer] = None
+        self._kafka_listener: Optional[Listener] = None
         # metaqPort >= 0: the MetaQ listener's port, bound (not listening yet: a connection is refused, not left
         # hanging) and registered in MetaQ's layout; the listener itself (issue 28, phase 2) listens on it
         self.metaq_port: Optional[int] = None
@@ -185,8 +191,9 @@ class Broker:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._write_health(self.disk.full)
-        log.info("metaq broker %d listening on %s%s (data in %s)", self.config.broker_id, self.address,
+        log.info("metaq broker %d listening on %s%s%s (data in %s)", self.config.broker_id, self.address,
                  f", data port {self.data_port}" if self.data_port is not None else "",
+                 f", Kafka port {self.kafka_port}" if self.kafka_port is not None else "",
                  Path(self.config.data_path).resolve())
         return self
 
@@ -284,6 +291,15 @@ class Broker:
             stack.callback(self._stop_listener, listener)  # no reply is sent from a segment file once the store closes
             self.data_port = listener.port
             self._data_listener = listener
+        if cfg.kafka_port >= 0:
+            try:
+                listener = kafka_listener(cfg.host_name, cfg.kafka_port, self.auth)
+            except OSError as e:
+                raise ConfigError(f"kafkaPort: cannot listen on {cfg.host_name}:{cfg.kafka_port}: {e} (kafkaPort=0 "
+                                  f"takes any free port, -1 turns the Kafka listener off)") from None
+            stack.callback(self._stop_listener, listener)
+            self.kafka_port = listener.port
+            self._kafka_listener = listener
         if cfg.metaq_port >= 0:
             check_security(cfg.security, topic_names(cfg.metaq_anonymous_topics))
             try:
@@ -386,6 +402,35 @@ class Broker:
         if role not in ("master", "replica"):
             log.warning("group %d member %d has no role yet: no master is alive and this member may not "
                         "stand (see metaq brokers)", cfg.broker_id, cfg.replica_id)
+
+    def _start_kafka(self, stack: contextlib.ExitStack) -> None:
+        """The Kafka listener serves (it listens since the listeners stage, so its port is registered): with
+        ZooKeeper, from the cluster cache and with the consumer groups' coordinator; without, from this
+        broker's own topics (no groups). Stopped before the groups and the cache it calls."""
+        if self._kafka_listener is None:
+            return
+        cfg = self.config
+        groups = None
+        if self.uses_zookeeper:
+            cache = KafkaClusterCache(self.registration.client, cfg.zk_root)
+            stack.callback(cache.close)
+            groups = KafkaGroups(self._groups_zk, cfg.zk_root, cfg.broker_id, cache.snapshot).start()
+            stack.callback(groups.close)
+            cache.on_change(groups.cluster_changed)
+            cluster = cache.snapshot
+        else:
+            cluster = self._static_cluster
+        self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
+                                        auto_create=cfg.auto_create_topics)
+        stack.callback(self._stop_listener, self._kafka_listener)
+        self.kafka_server.start()
+
+    def _static_cluster(self):
+        """The cluster of a broker without ZooKeeper, as Kafka clients see it (``kafka_metadata.static_snapshot``)."""
+        topics = {t: self.store.topic_config(t).num_partitions for t in self.store.topics()}
+        ids = {t: kafka_metadata.topic_id_of(self.store.partition(t, 0).identity) for t in topics}
+        return kafka_metadata.static_snapshot(self.config.broker_id, self.config.advertised_host, self.kafka_port,
+                                              topics, ids, f"metaq-{self.config.broker_id}")
 
     def _start_bridge(self, stack: contextlib.ExitStack) -> None:
         """With ZooKeeper and metaqPort: group offsets kept in metaq's and MetaQ's forms (``OffsetBridge``),

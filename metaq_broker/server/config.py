@@ -107,6 +107,7 @@ SYSTEM_KEYS: dict = {
     "transactionMaxTimeout": ("transaction_max_timeout_ms", _int(100, 86_400_000)),
     "replicaLagMaxMs": ("replica_lag_max_ms", _int(1, 86_400_000)),
     "uncleanElection": ("unclean_election", _bool),
+    "autoCreateTopics": ("auto_create_topics", _bool),
 }
 
 
@@ -142,6 +143,9 @@ class BrokerConfig:
     # transaction.max.timeout.ms): open, rolled back after it; prepared in-doubt, abort recorded after it
     replica_lag_max_ms: int = 10_000  # a replica not caught up for this long leaves the in-sync set
     unclean_election: bool = False  # elect an out-of-sync member when no in-sync one is alive (loses data)
+    # Kafka's auto.create.topics.enable: a Kafka Metadata request that allows it creates the unknown topics it
+    # names, with numPartitions (docs/kafka.md). False, MetaQ's way: unknown topics are refused
+    auto_create_topics: bool = False
     security: BrokerSecurity = field(default_factory=BrokerSecurity)  # TLS, SASL, ACLs (docs/security.md)
     zk_security: ZkSecurity = field(default_factory=ZkSecurity)  # zk.auth, zk.ssl.*
     topic_defaults: TopicConfig = field(default_factory=TopicConfig)

@@ -1,11 +1,11 @@
 """The broker's one request handler: what a request does, whichever transport brought it.
 
-gRPC (``service.py``) and the data port (``data_server.py``), and next the Kafka and MetaQ listeners, turn
-their frames into the typed requests below, call the handler with the caller's principal, and turn its
-typed results, or the error it raised, into their replies: a new listener adds framing, not a second
-broker. The handler holds the broker's core: logins (SASL steps, sessions), ACL checks, puts (round robin,
-idempotent producers, acks, the master's lease, "not acknowledged" after an append), fetches (long poll),
-offsets, topics, transactions, producer ids and the group's description.
+gRPC (``service.py``), the data port (``data_server.py``) and the Kafka listener (``kafka_listener.py``),
+and next the MetaQ listener, turn their frames into the typed requests below, call the handler with the
+caller's principal, and turn its typed results, or the error it raised, into their replies: a new listener
+adds framing, not a second broker. The handler holds the broker's core: logins (SASL steps, sessions), ACL
+checks, puts (round robin, idempotent producers, acks, the master's lease, "not acknowledged" after an
+append), fetches (long poll), offsets, topics, transactions, producer ids and the group's description.
 
 Each call checks the caller's rights first, then that this member serves clients (a replica of a group
 answers ``not master:``), then does its work. ``refusal`` is the one function from a failure to what every

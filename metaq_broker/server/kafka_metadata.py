@@ -135,7 +135,7 @@ def find_coordinator(snap: ClusterSnapshot, keys: list, key_type: int, refused=f
         elif key_type == COORDINATOR_GROUP and key in refused:
             out.append(_no_coordinator(key, codes.GROUP_AUTHORIZATION_FAILED, f"not authorized to describe group {key!r}"))
         elif key_type == COORDINATOR_TRANSACTION:
-            out.append(_no_coordinator(key, codes.INVALID_REQUEST, TRANSACTIONS_REFUSED))
+            out.append(_no_coordinator(key, codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, TRANSACTIONS_REFUSED))
         elif key_type != COORDINATOR_GROUP:
             out.append(_no_coordinator(key, codes.INVALID_REQUEST, f"unknown coordinator key type {key_type}"))
         elif not key:

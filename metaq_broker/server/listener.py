@@ -1,7 +1,7 @@
 """A broker port's connections: accepting, TLS, the login, a thread per logged-in connection with request
-deadlines and an idle limit. Every listener (the data port; next the Kafka and MetaQ listeners) is one
-``Listener`` with its own framing plugged in (``Framing``), which turns bytes into the request handler's
-calls: a new listener adds framing, not a second broker.
+deadlines and an idle limit. Every listener (the data port, the Kafka listener; next the MetaQ listener) is
+one ``Listener`` with its own framing plugged in (``Framing``), which turns bytes into the request
+handler's calls: a new listener adds framing, not a second broker.
 
 Two stages, so that nobody holds a thread or a buffer of the broker's before it is authenticated. One
 thread (``metaq-<name>-accept``) accepts, runs the TLS handshakes without blocking and drives each new

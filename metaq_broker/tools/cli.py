@@ -136,7 +136,8 @@ def zookeeper(port, data_dir):
 def brokers(obj, fmt, forget):
     """Brokers, live and starting: one restarted after a crash waits until ZooKeeper expires the session
     of its previous run (about zk.sessionTimeout) before it registers. A stopped broker's partitions stay
-    in its topics (down, not gone) until --forget. Then the members of replicated broker groups: replicaId,
+    in its topics (down, not gone) until --forget. "kafka" is its Kafka listener's address (bootstrap.servers),
+    "-" without one. Then the members of replicated broker groups: replicaId,
     address, role, epoch, in the in-sync set or not, lag in offsets behind the master (--format json: every
     broker's "members", groups of one included)."""
     with _client(Admin, obj) as admin:
@@ -146,20 +147,22 @@ def brokers(obj, fmt, forget):
             return
         rows, now = _run(admin.brokers_status), time.time()
         members = _run(admin.brokers)
+        kafka = _run(admin.kafka_addresses)
     by_broker: dict = {}
     for m in members:
         by_broker.setdefault(m["brokerId"], []).append(m)
     if fmt == "json":
-        click.echo(json.dumps([{"brokerId": r.broker_id, "address": r.address, "state": r.state,
+        click.echo(json.dumps([{"brokerId": r.broker_id, "address": r.address, "kafka": kafka.get(r.broker_id),
+                                "state": r.state,
                                 "since": r.since, "expectedExpiry": r.expected_expiry,
                                 "secondsLeft": None if r.seconds_left(now) is None else round(r.seconds_left(now), 1),
                                 "status": r.describe(now),
                                 "members": [{k: v for k, v in m.items() if k != "brokerId"}
                                             for m in by_broker.get(r.broker_id, [])]} for r in rows]))
         return
-    click.echo(f"{'broker':>6}  {'address':<22} state")
+    click.echo(f"{'broker':>6}  {'address':<22} {'kafka':<22} state")
     for r in rows:
-        click.echo(f"{r.broker_id:>6}  {r.address:<22} {r.describe(now)}")
+        click.echo(f"{r.broker_id:>6}  {r.address:<22} {kafka.get(r.broker_id, '-'):<22} {r.describe(now)}")
     if not rows:
         click.echo("(no broker is registered)")
     replicated = [m for r in rows for m in by_broker.get(r.broker_id, []) if len(by_broker[r.broker_id]) > 1]

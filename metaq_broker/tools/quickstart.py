@@ -46,7 +46,8 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False, spar
         say(f"ZooKeeper is up at {zk.connect_string}")
         broker = BrokerProcess(workdir / "broker", broker_id=0, zk_connect=zk.connect_string,
                                settings={"numPartitions": 4}).start()
-        say(f"broker 0 is up at {broker.address} (log: {broker.log_path})")
+        say(f"broker 0 is up at {broker.address} (log: {broker.log_path}); Kafka clients: "
+            f"bootstrap.servers={broker.bootstrap}")
         if console_port is not None:
             console = _start_console(zk.connect_string, console_port)
         with Admin(zk_connect=zk.connect_string) as admin, Producer(zk_connect=zk.connect_string) as producer, \
@@ -93,12 +94,15 @@ def run(workdir: Optional[Path], messages: int, keep_running: bool = False, spar
             if keep_running:
                 say(f"leaving ZooKeeper ({zk.connect_string}), the broker" + (
                     f" and the console ({console.url})" if console else "") + " running; Ctrl-C stops them")
+                say(f"Kafka clients: bootstrap.servers={broker.bootstrap} (e.g. kcat -b {broker.bootstrap} -C -t "
+                    f"{TOPIC} -e)")
                 try:
                     while True:
                         time.sleep(1)
                 except KeyboardInterrupt:
                     pass
-            return {"produced": messages, "consumed": sum(counts.values()), "lag": lag}
+            return {"produced": messages, "consumed": sum(counts.values()), "lag": lag,
+                    "bootstrap_servers": broker.bootstrap}
     finally:
         if console is not None:
             console.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metaq_broker.protocol.kafka.schema import F, versions
+from metaq_broker.protocol.kafka.schema import INF, F, versions
 
 # fmt: off
 API_VERSIONS_REQUEST = (
@@ -651,7 +651,8 @@ class Api:
 
 
 def _api(key, name, known, supported, flexible, request, response, advertised=None) -> Api:
-    return Api(key, name, versions(known), versions(supported), versions(flexible)[0], request, response,
+    lo, hi = versions(flexible)  # "none" (SaslHandshake): no version is flexible
+    return Api(key, name, versions(known), versions(supported), lo if lo <= hi else INF, request, response,
                versions(advertised) if advertised else None)
 
 

@@ -1,0 +1,181 @@
+"""Kafka clients against metaq's Kafka listener, beside metaq's own client, same broker, same run.
+
+    python benchmarks/bench_kafka.py [--quick] [--messages N] [--rounds R] [--json PATH] [--dir PATH]
+
+Cases, for values of 100 B and 1 KiB (no keys), acks=all, the broker's default durability (group commit:
+acknowledged after the fsync covering it):
+
+* produce: confluent-kafka's ``Producer`` (librdkafka; ``linger.ms`` 5, ``batch.size`` 1 MB, lz4 off) into
+  the Kafka listener, against metaq's ``Producer.send_batch`` with batches of 10,000 (the baseline), each
+  into a topic of its own with 2 partitions; msgs/s, and the broker's CPU (user + system) per message.
+* consume: confluent-kafka's ``Consumer`` (assign, ``consume(10000)``) reading every message of a topic,
+  against metaq's ``Consumer.read_range`` of the same topic (the baseline); msgs/s.
+
+Goals (issue 27): Kafka produce >= 0.7 x metaq's msgs/s, Kafka consume >= 0.7 x metaq's, broker CPU per
+Kafka-produced message <= 1.5 x per metaq put message. Figures only, best of ``--rounds``; nothing is
+asserted. One ``BrokerProcess`` and a ``LocalZooKeeper`` on loopback, stopped and removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (add_common_options, log, proc_cpu_s, run_facts, scratch_dir,  # noqa: E402
+                               teardown, write_json)
+from metaq_broker.client import Consumer as MetaqConsumer  # noqa: E402
+from metaq_broker.client import Producer as MetaqProducer  # noqa: E402
+from metaq_broker.devtools.broker_process import BrokerProcess  # noqa: E402
+from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
+
+BATCH = 10_000
+SIZES = (100, 1024)
+PARTITIONS = ("1-0", "1-1")
+
+
+def values(n: int, size: int) -> list:
+    return [(b"%08d" % i).ljust(size, b"x") for i in range(n)]
+
+
+def wait_topic(producer: MetaqProducer, topic: str) -> None:
+    deadline = time.monotonic() + 30
+    while len(producer.partitions(topic)) != 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {topic} never showed in ZooKeeper")
+        time.sleep(0.05)
+
+
+def produce_metaq(z: dict, broker: BrokerProcess, topic: str, data: list) -> dict:
+    with MetaqProducer(**z) as p:
+        wait_topic(p, topic)
+        p.send_batch(topic, data[:10])  # connections made, outside the timing
+        cpu0, t0 = proc_cpu_s(broker.proc.pid), time.perf_counter()
+        for i in range(0, len(data), BATCH):
+            p.send_batch(topic, pa.array(data[i:i + BATCH], pa.binary()))
+        seconds = time.perf_counter() - t0
+        cpu = proc_cpu_s(broker.proc.pid) - cpu0
+    return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6}
+
+
+def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
+    from confluent_kafka import Producer  # lazy: only this benchmark needs it
+    p = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "linger.ms": 5, "batch.size": 1 << 20,
+                  "queue.buffering.max.messages": 1_000_000, "log_level": 3})
+    p.produce(topic, data[0])  # connections and metadata, outside the timing
+    p.flush(30)
+    failed = []
+
+    def report(err, msg):
+        if err:
+            failed.append(err)
+    cpu0, t0 = proc_cpu_s(broker.proc.pid), time.perf_counter()
+    for v in data:
+        try:
+            p.produce(topic, v, on_delivery=report)
+        except BufferError:
+            p.poll(0.01)
+            p.produce(topic, v, on_delivery=report)
+    if p.flush(120):
+        raise RuntimeError("confluent-kafka did not deliver every message within 120 s")
+    seconds = time.perf_counter() - t0
+    cpu = proc_cpu_s(broker.proc.pid) - cpu0
+    if failed:
+        raise RuntimeError(f"{len(failed)} messages failed: {failed[:3]}")
+    return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6}
+
+
+def consume_metaq(z: dict, topic: str, n: int) -> dict:
+    with MetaqConsumer(**z) as c:
+        ends = c.offsets(topic, list(PARTITIONS))
+        t0 = time.perf_counter()
+        got = sum(c.read_range(topic, p, 0, ends[p][1]).num_rows for p in PARTITIONS)
+        seconds = time.perf_counter() - t0
+    if got < n:
+        raise RuntimeError(f"metaq's consumer read {got} of {n}")
+    return {"msgs_per_s": got / seconds}
+
+
+def consume_kafka(broker: BrokerProcess, topic: str, n: int) -> dict:
+    from confluent_kafka import Consumer, TopicPartition  # lazy: only this benchmark needs it
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "bench", "enable.auto.commit": False,
+                  "fetch.max.bytes": 8 << 20, "max.partition.fetch.bytes": 4 << 20, "log_level": 3})
+    ends = sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=15)[1] for p in (0, 1))
+    c.assign([TopicPartition(topic, p, 0) for p in (0, 1)])
+    got, t0 = 0, time.perf_counter()
+    deadline = t0 + 300
+    while got < ends and time.perf_counter() < deadline:
+        got += sum(1 for m in c.consume(10_000, 1.0) if m.error() is None)
+    seconds = time.perf_counter() - t0
+    c.close()
+    if got < n:
+        raise RuntimeError(f"confluent-kafka's consumer read {got} of {n}")
+    return {"msgs_per_s": got / seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer messages and rounds")
+    ap.add_argument("--messages", type=int, default=None, help="messages per case (default 300,000)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 2)")
+    add_common_options(ap, "1g")
+    args = ap.parse_args()
+    n = args.messages or (50_000 if args.quick else 300_000)
+    rounds = args.rounds or (1 if args.quick else 2)
+    results = run_facts(benchmark="kafka", messages=n, rounds=rounds)
+    tmp = scratch_dir(args.dir, "kafka-")
+    zk = broker = None
+    try:
+        zk = LocalZooKeeper(data_dir=tmp / "zk").start()
+        topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka") for size in SIZES
+                  for r in range(rounds)}
+        broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"zk.root": "/bench"},
+                               topics=topics).start()
+        z = {"zk_connect": zk.connect_string, "zk_root": "/bench"}
+        runs: dict = {}
+        for r in range(rounds):
+            for size in SIZES:
+                data = values(n, size)
+                cases = {
+                    f"produce {size} B metaq send_batch": lambda: produce_metaq(z, broker, f"metaq-{size}-{r}", data),
+                    f"produce {size} B confluent-kafka": lambda: produce_kafka(broker, f"kafka-{size}-{r}", data),
+                    f"consume {size} B metaq Consumer": lambda: consume_metaq(z, f"metaq-{size}-{r}", n),
+                    f"consume {size} B confluent-kafka": lambda: consume_kafka(broker, f"metaq-{size}-{r}", n),
+                }
+                for name, case in cases.items():
+                    runs.setdefault(name, []).append(case())
+                    log(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name][-1].items()))
+        best = {name: {k: (max if k == "msgs_per_s" else min)(x[k] for x in rs) for k in rs[0]}
+                for name, rs in runs.items()}
+        results["cases"] = best
+        figures = []
+        for size in SIZES:
+            pm, pk = best[f"produce {size} B metaq send_batch"], best[f"produce {size} B confluent-kafka"]
+            cm, ck = best[f"consume {size} B metaq Consumer"], best[f"consume {size} B confluent-kafka"]
+            figures += [
+                {"name": f"confluent-kafka produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
+                 "baseline": "metaq send_batch", "baseline_value": pm["msgs_per_s"], "goal": ">= 0.7"},
+                {"name": f"confluent-kafka consume {size} B", "value": ck["msgs_per_s"], "unit": "msgs/s",
+                 "baseline": "metaq Consumer", "baseline_value": cm["msgs_per_s"], "goal": ">= 0.7"},
+                {"name": f"broker CPU per Kafka-produced message {size} B", "value": pk["broker_us_per_msg"],
+                 "unit": "us/msg", "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"],
+                 "goal": "<= 1.5", "note": "lower is better"},
+            ]
+        results["figures"] = figures
+        print(f"\n{'case':<36} {'msgs/s':>12} {'broker us/msg':>14}")
+        for name, b in best.items():
+            cpu = b.get("broker_us_per_msg")
+            print(f"{name:<36} {b['msgs_per_s']:>12,.0f} {'' if cpu is None else f'{cpu:.2f}':>14}")
+        print()
+        for f in figures:
+            print(f"{f['name']} / {f['baseline']}: {f['value'] / f['baseline_value']:.2f} (goal {f['goal']})")
+        write_json(args.json, results)
+    finally:
+        teardown(tmp, broker, zk)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,711 @@
+"""The Kafka listener: Kafka's wire protocol on ``kafkaPort``, one more framing on a ``Listener``
+(``listener.py``: accepting, TLS, the login stage, a thread per connection, deadlines) that calls the one
+``RequestHandler`` (``handler.py``): a new listener adds framing, not a second broker.
+
+Per request: ``protocol/kafka/protocol.py`` parses the frame, a method here turns the body into the
+handler's calls (or the cluster snapshot's answers, ``kafka_metadata.py``, or the group coordinator's,
+``kafka_groups.py``), and the answer is encoded at the version asked for. A failure is answered with
+``codes.code_of(handler.refusal(...))`` in the fields the answer has for it; a frame that cannot be read
+closes the connection (Kafka does the same). Requests of one connection are served in order, one at a
+time, as Kafka's broker does.
+
+Records: a Produce partition's Kafka batches become one metaq batch (``protocol/kafka/records.decode``,
+then ``protocol/records.encode_body``: columns, no loop per record) stored by ``RequestHandler.put``; a
+Fetch's metaq batches are decoded (aborted transactions and markers left out) and written as Kafka batches
+(``protocol/kafka/records.encode``), one per run of messages with the same timestamp type (and, for
+LogAppendTime, the same store time). Offsets metaq leaves out at the end of a fetched range (markers,
+aborted transactions) are covered by one Kafka control batch, which every Kafka consumer skips, so a
+consumer moves past them instead of asking for the same offset again. docs/kafka.md gives the mapping.
+
+Lock order: none held across calls; each connection's state is its own thread's.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from metaq_broker.errors import AuthenticationError, InvalidPartitionError, NotMasterError, UnknownTopicError
+from metaq_broker.names import parse_partition_name
+from metaq_broker.protocol import rawput
+from metaq_broker.protocol import records as mrecords
+from metaq_broker.protocol.kafka import codes
+from metaq_broker.protocol.kafka import records as krecords
+from metaq_broker.protocol.kafka.framing import FrameSplitter, FrameTooLargeError
+from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, api_versions_response,
+                                                  encode_response, error_response, read_request)
+from metaq_broker.security.acl import CLUSTER
+from metaq_broker.server import kafka_metadata
+from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
+from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
+from metaq_broker.store import validate_topic_name
+
+log = logging.getLogger(__name__)
+
+# The Kafka listener's limits (docs/security.md, "Limits"): Kafka's connections.max.idle.ms is 10 minutes
+LOGIN_TIMEOUT_S = 10.0
+MAX_UNAUTHENTICATED = 64
+REQUEST_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 600.0
+SEND_TIMEOUT_S = 60.0
+LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
+READ_CHUNK = 256 << 10  # bytes read per recv
+SASL_MAX_FRAME = 64 << 10  # a request before the login (ApiVersions, SASL) is small: no buffer grows larger
+POLL_SLICE_MS = 100  # a Fetch of several partitions waits on one of them at a time for at most this long
+EARLIEST, LATEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -2, -1, -3, -4  # ListOffsets' special timestamps
+READ_COMMITTED = 1
+_CONTROL_KEY = struct.pack(">hh", 0, 1)  # a control record: version 0, type 1 (COMMIT)
+_CONTROL_VALUE = struct.pack(">hi", 0, 0)  # version 0, coordinator epoch 0
+
+
+def kafka_listener(host: str, port: int, auth) -> Listener:
+    """The Kafka listener on ``host:port`` (0: any free port), listening, not serving yet: TLS unless the
+    broker's ``security.protocol`` is PLAINTEXT."""
+    return Listener("kafka", host, port, LIMITS, auth.data_port_context(),
+                    sessions=auth if auth.security.uses_sasl else None)
+
+
+class KafkaServer:
+    """Kafka's framing on ``listener`` (``kafka_listener``). ``cluster()`` gives the current
+    ``ClusterSnapshot`` (``KafkaClusterCache.snapshot``, or a static one without ZooKeeper); ``groups`` is
+    the broker's ``KafkaGroups`` (None without ZooKeeper: no consumer groups)."""
+
+    def __init__(self, handler: RequestHandler, listener: Listener, cluster: Callable, groups=None,
+                 auto_create: bool = False):
+        self.handler = handler
+        self.listener = listener
+        self.port = listener.port
+        self.cluster = cluster
+        self.groups = groups
+        self.auto_create = auto_create  # autoCreateTopics: Metadata creates the unknown topics it names
+        self.broker_id = handler.broker_id
+        security = handler.auth.security
+        self._sasl = security.uses_sasl
+        self._certificates = security.client_auth == "required"
+        self.max_frame = max(handler.limits.max_put_bytes, 1 << 20)
+        self._apis = {0: self.produce, 1: self.fetch, 2: self.list_offsets, 3: self.metadata,
+                      8: self._group_call("offset_commit"), 9: self._group_call("offset_fetch"),
+                      10: self.find_coordinator, 11: self.join_group, 12: self._group_call("heartbeat"),
+                      13: self._group_call("leave_group"), 14: self.sync_group,
+                      15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
+                      17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
+                      22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
+                      36: self.sasl_again,
+                      42: self._group_call("delete_groups"), 60: self.describe_cluster}
+
+    def start(self) -> "KafkaServer":
+        krecords.warm_up()  # the compiled record walks loaded (or compiled) now, not in a client's first fetch
+        self.listener.start(self)
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.listener.stop(grace)
+
+    # -- Framing --------------------------------------------------------------------------------------
+    def login(self, conn: Connection) -> "_Login":
+        return _Login(self, conn)
+
+    def serve(self, conn: Connection, login: "_Login") -> None:
+        splitter, frames = login.splitter, login.frames
+        buf = memoryview(bytearray(READ_CHUNK))
+        deadline = conn.deadline()
+        try:
+            while conn.active:
+                for frame in frames:
+                    if not self._serve_one(conn, frame):
+                        return
+                if frames and splitter.buffered:  # a request's first bytes came with the last read
+                    deadline = conn.deadline()
+                if splitter.buffered:  # the rest of that request
+                    n = conn.recv_some(buf, deadline)
+                else:
+                    n = conn.wait_request(buf)
+                    if not n:
+                        return
+                    deadline = conn.deadline()
+                frames = splitter.feed(buf[:n])
+        except FrameTooLargeError as e:
+            self.listener.log_once(("frame", conn.peer[0]), logging.WARNING, "kafka: closing a connection from %s: "
+                                   "%s", conn.peer, e)
+
+    def _serve_one(self, conn: Connection, frame) -> bool:
+        """Answer one request frame; False: close the connection."""
+        start = time.perf_counter()
+        try:
+            request = read_request(frame)
+        except KafkaRequestError as e:
+            self.listener.log_once(("request", conn.peer[0]), logging.INFO, "kafka: %s from %s", e, conn.peer)
+            if e.reply is None:
+                return False
+            conn.send(b"".join(e.reply))
+            return True
+        conn.replying()
+        body = self.answer(conn, request)
+        self.handler.observe(f"Kafka{request.api.name}", time.perf_counter() - start)
+        if request.expects_response:
+            conn.send(b"".join(encode_response(request, body)))
+        return True
+
+    def answer(self, conn: Connection, request: Request) -> dict:
+        """The response body to ``request``: its API's method, or the error it raised in the answer's error
+        fields (``handler.refusal`` logs what is unexpected)."""
+        try:
+            return self._apis.get(request.api_key, self.unsupported)(conn, request)
+        except Exception as e:  # noqa: BLE001 - every failure is answered in the request's layout
+            error = self.handler.refusal(e, f"Kafka {request.api.name}")
+            return error_response(request, codes.code_of(error), str(error))
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _allows(self, conn: Connection) -> Callable:
+        auth, principal = self.handler.auth, conn.principal
+        return lambda operation, resource_type, name: auth.allows(principal, operation, resource_type, name)
+
+    def _local(self, snap, topic: Optional[str], number: int) -> int:
+        """metaq's partition ``n`` of this broker for Kafka's partition ``number`` of ``topic``; raises what
+        a client must be told (unknown, or led by another broker)."""
+        if topic is None:
+            raise UnknownTopicError("unknown topic id")
+        tmap = snap.maps.get(topic)
+        name = tmap.name_of(number) if tmap is not None else None
+        if name is None:
+            if topic not in self.handler.store.topics() and topic not in snap.topics:
+                raise UnknownTopicError(f"unknown topic {topic!r}")
+            raise InvalidPartitionError(f"topic {topic!r} has no partition {number}")
+        broker_id, n = parse_partition_name(name)
+        if broker_id != self.broker_id:
+            raise NotMasterError(f"not master: partition {number} of {topic!r} is broker {broker_id}'s "
+                                 f"({name}), not this one's ({self.broker_id})")
+        return n
+
+    @staticmethod
+    def _topic_name(snap, t: dict, key: str, version: int, by_id_from: int) -> Optional[str]:
+        return t[key] if version < by_id_from else snap.topic_by_id(t["topic_id"])
+
+    def _code(self, e: BaseException, what: str) -> tuple:
+        error = self.handler.refusal(e, what)
+        return codes.code_of(error), str(error)
+
+    # -- ApiVersions, Metadata, DescribeCluster, SASL after login --------------------------------------
+    def api_versions(self, conn, request: Request) -> dict:
+        return api_versions_response(request)
+
+    def unsupported(self, conn, request: Request) -> dict:
+        return error_response(request, codes.UNSUPPORTED_VERSION,
+                              f"{request.api.name} is not supported by this broker yet (docs/kafka.md)")
+
+    def sasl_again(self, conn, request: Request) -> dict:
+        return error_response(request, codes.ILLEGAL_SASL_STATE, "this connection is authenticated already"
+                              if self._sasl else "this listener takes no SASL (security.protocol has none)")
+
+    def metadata(self, conn, request: Request) -> dict:
+        snap = self.cluster()
+        asked = request.body["topics"]
+        created = self._auto_create(conn, snap, asked) if asked and request.body.get(
+            "allow_auto_topic_creation", True) else set()
+        answer = kafka_metadata.metadata(snap, asked)
+        allows = self._allows(conn)
+        topics = []
+        for t in answer["topics"]:
+            if t["name"] in created and t["error_code"] == codes.UNKNOWN_TOPIC_OR_PARTITION:
+                t = {**t, "error_code": codes.LEADER_NOT_AVAILABLE}  # created, not numbered yet: the client retries
+            if t["error_code"] in (codes.UNKNOWN_TOPIC_OR_PARTITION, codes.INVALID_TOPIC_EXCEPTION) \
+                    or allows("Describe", "topic", t["name"]):
+                topics.append(t)
+            elif asked is not None:  # a topic named but not describable: refused; unnamed ones are left out
+                topics.append({**t, "error_code": codes.TOPIC_AUTHORIZATION_FAILED, "partitions": []})
+        answer["topics"] = topics
+        return answer
+
+    def _auto_create(self, conn, snap, asked) -> set:
+        """With ``autoCreateTopics``: create the named topics no broker has, here, with the broker's
+        numPartitions (Create on the cluster or the topic, as CreateTopics); the names created."""
+        if not self.auto_create:
+            return set()
+        created = set()
+        for t in asked:
+            name = t.get("name")
+            if not name or name in snap.topics or name in self.handler.store.topics():
+                continue
+            try:
+                self.handler.create_topic(conn.principal, name, 0, {})
+                created.add(name)
+                log.info("kafka: created topic %s for a Metadata request of %s (autoCreateTopics)", name, conn.peer)
+            except Exception as e:  # noqa: BLE001 - the topic is answered as unknown (or refused) below
+                log.info("kafka: could not create topic %r for %s: %s", name, conn.principal, e)
+        return created
+
+    def describe_cluster(self, conn, request: Request) -> dict:
+        self.handler.auth.authorize(conn.principal, "Describe", "cluster", CLUSTER)
+        return kafka_metadata.describe_cluster(self.cluster(), request.body.get("endpoint_type", 1))
+
+    # -- producing ------------------------------------------------------------------------------------
+    def init_producer_id(self, conn, request: Request) -> dict:
+        b = request.body
+        if b["transactional_id"] is not None:
+            log.info("kafka: refused InitProducerId with transactional.id %r from %s: %s", b["transactional_id"],
+                     conn.peer, kafka_metadata.TRANSACTIONS_REFUSED)
+            return {"throttle_time_ms": 0, "error_code": codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                    "producer_id": -1, "producer_epoch": -1}
+        pid, epoch = b.get("producer_id", -1), b.get("producer_epoch", -1)
+        pid, epoch = self.handler.init_producer_id(conn.principal, pid if pid >= 0 else None,
+                                                   epoch if epoch >= 0 and pid >= 0 else None)
+        return {"throttle_time_ms": 0, "error_code": codes.NONE, "producer_id": pid, "producer_epoch": epoch}
+
+    def produce(self, conn, request: Request) -> dict:
+        b = request.body
+        if b["transactional_id"] is not None:
+            return error_response(request, codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                                  kafka_metadata.TRANSACTIONS_REFUSED)
+        acks = b["acks"]
+        if acks not in (0, 1, -1):
+            return error_response(request, codes.INVALID_REQUIRED_ACKS,
+                                  f"acks {acks}: Kafka's acks are 0, 1 and -1 (all)")
+        acks = rawput.ACKS_ALL if acks == -1 else rawput.ACKS_ONE  # acks=0 waits too; nobody is told
+        snap = self.cluster()
+        responses = []
+        for t in b["topic_data"]:
+            topic = self._topic_name(snap, t, "name", request.api_version, 13)
+            parts = []
+            for p in t["partition_data"]:
+                parts.append(self._produce_partition(conn, snap, topic, p["index"], p["records"], acks))
+            responses.append({"name": t.get("name", ""), "topic_id": t.get("topic_id", bytes(16)),
+                              "partition_responses": parts})
+        return {"responses": responses, "throttle_time_ms": 0}
+
+    def _produce_partition(self, conn, snap, topic, index: int, data, acks: int) -> dict:
+        out = {"index": index, "error_code": codes.NONE, "base_offset": -1, "log_append_time_ms": -1,
+               "log_start_offset": -1, "record_errors": [], "error_message": None}
+        try:
+            n = self._local(snap, topic, index)
+            if data is None:
+                raise krecords.KafkaRecordError("a partition without records", codes.INVALID_RECORD)
+            batches = krecords.decode(data)
+            log_append = bool(batches.log_append_time.any())
+            batch, producer = to_metaq(batches)
+            r = self.handler.put(conn.principal, rawput.Request(topic, n, "", batch, acks, producer))
+            out.update(base_offset=r.base_offset, log_append_time_ms=r.timestamp_ms if log_append else -1)
+        except Exception as e:  # noqa: BLE001 - each partition gets its own answer
+            out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
+        return out
+
+    # -- fetching -------------------------------------------------------------------------------------
+    def fetch(self, conn, request: Request) -> dict:
+        b, version = request.body, request.api_version
+        snap = self.cluster()
+        committed = b.get("isolation_level", 0) == READ_COMMITTED
+        budget = b.get("max_bytes") or (1 << 20)
+        asked = []  # (topic entry index, partition dict, topic, local partition or the error's answer)
+        responses = []
+        for t in b["topics"]:
+            topic = self._topic_name(snap, t, "topic", version, 13)
+            responses.append({"topic": t.get("topic", ""), "topic_id": t.get("topic_id", bytes(16)), "partitions": []})
+            for p in t["partitions"]:
+                try:
+                    if topic is None:
+                        raise _Refused(codes.UNKNOWN_TOPIC_ID, "unknown topic id")
+                    local = self._local(snap, topic, p["partition"])
+                except _Refused as e:
+                    local = e
+                except Exception as e:  # noqa: BLE001
+                    local = _Refused(*self._code(e, "Kafka Fetch"))
+                asked.append((len(responses) - 1, p, topic, local))
+        deadline = time.monotonic() + max(b["max_wait_ms"], 0) / 1000
+        min_bytes = max(b["min_bytes"], 0)
+        waiting = [i for i, a in enumerate(asked) if not isinstance(a[3], _Refused)]
+        turn = 0
+        while True:
+            results = self._fetch_round(conn, asked, committed, budget)
+            got = sum(r[1] for r in results)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if got >= max(min_bytes, 1) or left_ms <= 0 or not waiting or not conn.active \
+                    or any(r[0]["error_code"] for r in results):
+                break
+            # Nothing yet: wait for data on one partition at a time (one of them if only one is asked)
+            i = waiting[turn % len(waiting)]
+            turn += 1
+            _, p, topic, local = asked[i]
+            wait = left_ms if len(waiting) == 1 else min(left_ms, POLL_SLICE_MS)
+            try:
+                self.handler.fetch(conn.principal, FetchRequest(topic, local, p["fetch_offset"], 1, 1, wait),
+                                   lambda: conn.active, locate=True)
+            except Exception:  # noqa: BLE001 - answered by the next round's fetch of that partition
+                pass
+        for (t_index, _, _, _), (entry, _) in zip(asked, results):
+            responses[t_index]["partitions"].append(entry)
+        return {"throttle_time_ms": 0, "error_code": codes.NONE, "session_id": 0, "responses": responses}
+
+    def _fetch_round(self, conn, asked: list, committed: bool, budget: int) -> list:
+        """Each asked partition's (answer, record bytes), in order, within the request's ``max_bytes``
+        (the first partition with records gets at least one batch, as Kafka's KIP-74)."""
+        results = []
+        for _, p, topic, local in asked:
+            entry = self._fetch_partition(conn, topic, local, p, committed, max(budget, 1)) if budget > 0 \
+                else (self._empty_partition(p, committed), 0)
+            budget -= entry[1]
+            results.append(entry)
+        return results
+
+    @staticmethod
+    def _empty_partition(p: dict, committed: bool) -> dict:
+        return {"partition_index": p["partition"], "error_code": codes.NONE, "high_watermark": -1,
+                "last_stable_offset": -1, "log_start_offset": -1,
+                "aborted_transactions": [] if committed else None, "preferred_read_replica": -1, "records": b""}
+
+    def _fetch_partition(self, conn, topic, local, p: dict, committed: bool, budget: int) -> tuple:
+        """(the partition's answer, its record bytes)."""
+        out = self._empty_partition(p, committed)
+        if isinstance(local, _Refused):
+            out["error_code"] = local.code
+            return out, 0
+        try:
+            max_bytes = max(min(p["partition_max_bytes"], budget), 1)
+            f = self.handler.fetch(conn.principal, FetchRequest(topic, local, p["fetch_offset"], max_bytes),
+                                   lambda: conn.active)
+        except Exception as e:  # noqa: BLE001
+            out["error_code"] = self._code(e, "Kafka Fetch")[0]
+            return out, 0
+        out.update(high_watermark=f.last_stable_offset, last_stable_offset=f.last_stable_offset,
+                   log_start_offset=f.earliest_offset)
+        result = f.records
+        if result.end_offset > result.start_offset:
+            data = to_kafka(result)
+            out["records"] = data
+            return out, len(data)
+        return out, 0
+
+    def list_offsets(self, conn, request: Request) -> dict:
+        b = request.body
+        snap = self.cluster()
+        committed = b.get("isolation_level", 0) == READ_COMMITTED
+        topics = []
+        for t in b["topics"]:
+            parts = []
+            for p in t["partitions"]:
+                parts.append(self._list_offset(conn, snap, t["name"], p, committed))
+            topics.append({"name": t["name"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    def _list_offset(self, conn, snap, topic: str, p: dict, committed: bool) -> dict:
+        out = {"partition_index": p["partition_index"], "error_code": codes.NONE, "old_style_offsets": [],
+               "timestamp": -1, "offset": -1, "leader_epoch": -1}
+        try:
+            n = self._local(snap, topic, p["partition_index"])
+            ts = p["timestamp"]
+            query = OffsetQuery(topic, n, timestamp_ms=ts if ts >= 0 else None)
+            o = self.handler.offsets(conn.principal, [query])[0]
+            if ts in (EARLIEST, EARLIEST_LOCAL) or ts < MAX_TIMESTAMP:
+                offset = o.earliest
+            elif ts in (LATEST, MAX_TIMESTAMP):
+                offset = o.latest  # metaq's readers read below the last stable offset, at either isolation
+            else:
+                offset = o.for_timestamp if o.for_timestamp < o.latest else -1
+                if offset >= 0:
+                    out["timestamp"] = self._timestamp_at(conn, topic, n, offset, ts)
+            out["offset"] = offset
+        except Exception as e:  # noqa: BLE001
+            out["error_code"] = self._code(e, "Kafka ListOffsets")[0]
+        return out
+
+    def _timestamp_at(self, conn, topic: str, n: int, offset: int, asked: int) -> int:
+        """The timestamp of the message at ``offset`` (Kafka answers it with the offset found)."""
+        f = self.handler.fetch(conn.principal, FetchRequest(topic, n, offset, 1, 1, 0), lambda: True)
+        rb = f.records.decode()
+        return int(rb.column("timestamp").cast(pa.int64())[0].as_py()) if rb.num_rows else asked
+
+    def offset_for_leader_epoch(self, conn, request: Request) -> dict:
+        """A consumer's check after a leader change (KIP-320): metaq numbers offsets in one log per partition
+        on every member, so the end offset asked for is the log's end (no divergence to report)."""
+        snap = self.cluster()
+        topics = []
+        for t in request.body["topics"]:
+            parts = []
+            for p in t["partitions"]:
+                out = {"partition": p["partition"], "error_code": codes.NONE, "leader_epoch": -1, "end_offset": -1}
+                try:
+                    n = self._local(snap, t["topic"], p["partition"])
+                    o = self.handler.offsets(conn.principal, [OffsetQuery(t["topic"], n)])[0]
+                    out.update(leader_epoch=p["leader_epoch"], end_offset=o.log_end_offset)
+                except Exception as e:  # noqa: BLE001
+                    out["error_code"] = self._code(e, "Kafka OffsetForLeaderEpoch")[0]
+                parts.append(out)
+            topics.append({"topic": t["topic"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    # -- topics ---------------------------------------------------------------------------------------
+    def create_topics(self, conn, request: Request) -> dict:
+        b = request.body
+        out = []
+        for t in b["topics"]:
+            name = t["name"]
+            entry = {"name": name, "topic_id": bytes(16), "error_code": codes.NONE, "error_message": None,
+                     "num_partitions": -1, "replication_factor": -1, "configs": None}
+            try:
+                if t["assignments"]:
+                    raise _Refused(codes.INVALID_REQUEST, "metaq places a topic's partitions on the broker that "
+                                                          "creates it: manual replica assignments are not taken")
+                if name in self.handler.store.topics():
+                    raise _Refused(codes.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
+                configs = {c["name"]: c["value"] for c in t["configs"]}
+                count = t["num_partitions"]
+                if b.get("validate_only"):
+                    self.handler.auth.authorize_any(conn.principal, "Create", [("cluster", CLUSTER),
+                                                                               ("topic", name)])
+                    validate_topic_name(name)
+                else:
+                    desc = self.handler.create_topic(conn.principal, name, max(count, 0), configs)
+                    entry.update(num_partitions=len(desc.partitions), replication_factor=1)
+            except _Refused as e:
+                entry.update(error_code=e.code, error_message=e.message)
+            except Exception as e:  # noqa: BLE001
+                entry["error_code"], entry["error_message"] = self._code(e, "Kafka CreateTopics")
+            out.append(entry)
+        return {"throttle_time_ms": 0, "topics": out}
+
+    def describe_configs(self, conn, request: Request) -> dict:
+        """A topic's settings under metaq's names (what ``[topic=...]`` takes), and under Kafka's where one
+        means the same (``KAFKA_TOPIC_CONFIGS``); broker resources are refused, naming where they are."""
+        results = []
+        for r in request.body["resources"]:
+            out = {"error_code": codes.NONE, "error_message": None, "resource_type": r["resource_type"],
+                   "resource_name": r["resource_name"], "configs": []}
+            try:
+                if r["resource_type"] != RESOURCE_TOPIC:
+                    raise _Refused(codes.INVALID_REQUEST, "metaq describes topics only: a broker's settings are its "
+                                                          "INI file's [system] keys (docs/kafka.md)")
+                config = self.handler.describe_topic(conn.principal, r["resource_name"]).config
+                values = {**config, **kafka_topic_configs(config)}
+                keys = r["configuration_keys"]
+                out["configs"] = [{"name": k, "value": v, "read_only": True, "is_default": False,
+                                   "config_source": CONFIG_SOURCE_TOPIC, "is_sensitive": False, "synonyms": [],
+                                   "config_type": 0, "documentation": None}
+                                  for k, v in sorted(values.items()) if keys is None or k in keys]
+            except _Refused as e:
+                out.update(error_code=e.code, error_message=e.message)
+            except Exception as e:  # noqa: BLE001
+                out["error_code"], out["error_message"] = self._code(e, "Kafka DescribeConfigs")
+            results.append(out)
+        return {"throttle_time_ms": 0, "results": results}
+
+    # -- consumer groups ------------------------------------------------------------------------------
+    def _no_groups(self, request: Request) -> dict:
+        return error_response(request, codes.INVALID_REQUEST, kafka_metadata.GROUPS_WITHOUT_ZOOKEEPER)
+
+    def _group_call(self, method: str):
+        def call(conn, request: Request) -> dict:
+            if self.groups is None:
+                return self._no_groups(request)
+            return getattr(self.groups, method)(request.body, request.api_version, allows=self._allows(conn))
+        return call
+
+    def find_coordinator(self, conn, request: Request) -> dict:
+        if self.groups is None:
+            return kafka_metadata.find_coordinator_response(self.cluster(), request.body, request.api_version,
+                                                            groups=False)
+        return self.groups.find_coordinator(request.body, request.api_version, allows=self._allows(conn))
+
+    def join_group(self, conn, request: Request) -> dict:
+        if self.groups is None:
+            return self._no_groups(request)
+        return _wait(conn, self.groups.join_group(request.body, request.api_version, request.client_id,
+                                                  str(conn.peer[0]), allows=self._allows(conn)))
+
+    def sync_group(self, conn, request: Request) -> dict:
+        if self.groups is None:
+            return self._no_groups(request)
+        return _wait(conn, self.groups.sync_group(request.body, request.api_version, allows=self._allows(conn)))
+
+
+class _Refused(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _wait(conn: Connection, future) -> dict:
+    """A parked JoinGroup or SyncGroup: its answer once the coordinator gives it (the connection's thread
+    waits, as Kafka's broker holds the request), or nothing once the connection or the listener ends."""
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except FutureTimeout:
+            if not conn.active:
+                raise ConnectionError("the listener is stopping") from None
+
+
+RESOURCE_TOPIC = 2  # DescribeConfigs' resource types: 2 topic, 4 broker
+CONFIG_SOURCE_TOPIC = 1  # DYNAMIC_TOPIC_CONFIG: set for this topic
+
+
+def kafka_topic_configs(config: dict) -> dict:
+    """Kafka's names for the topic settings (INI values) that mean the same in metaq."""
+    out = {"max.message.bytes": config["maxMessageSize"], "retention.bytes": config["retentionBytes"],
+           "min.insync.replicas": config["minInSyncReplicas"], "segment.bytes": config["maxSegmentSize"],
+           "cleanup.policy": "delete"}
+    policy = config["deletePolicy"].split(",")
+    if len(policy) == 2 and policy[1].strip().isdigit():
+        out["retention.ms"] = str(int(policy[1]) * 3_600_000)
+    return out
+
+
+# -- records, per batch -----------------------------------------------------------------------------
+
+def to_metaq(batches: krecords.Batches) -> tuple:
+    """(``rawput.Batch``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
+    partition's decoded Kafka batches: one metaq batch, columns copied in bulk. Transactional and control
+    batches are refused (Kafka transactions are not supported)."""
+    h = batches.header
+    if batches.transactional.any() or batches.control.any():
+        raise krecords.KafkaRecordError(kafka_metadata.TRANSACTIONS_REFUSED, codes.INVALID_RECORD)
+    producer = None
+    pids = h["producer_id"]
+    if pids[0] >= 0:
+        seqs = h["base_sequence"].astype(np.int64)
+        if (pids != pids[0]).any() or (h["producer_epoch"] != h["producer_epoch"][0]).any() \
+                or (len(seqs) > 1 and (seqs[1:] != (seqs[:-1] + batches.counts[:-1]) % (1 << 31)).any()):
+            raise krecords.KafkaRecordError("the batches of one partition come from different producers or "
+                                            "their sequences are not consecutive", codes.INVALID_RECORD)
+        producer = rawput.check_producer(int(pids[0]), int(h["producer_epoch"][0]), int(seqs[0]))
+    rec = batches.records
+    timestamps = None if batches.log_append_time.any() else rec.column("timestamp")
+    body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"), headers=rec.column("headers"),
+                                timestamps=timestamps)
+    data = body.parts[0] if len(body.parts) == 1 else b"".join(body.parts)
+    return rawput.Batch(body.count, body.attributes, memoryview(data).cast("B"), body.crc), producer
+
+
+def to_kafka(result) -> memoryview:
+    """Kafka record batches of a fetch's metaq batches (``FetchResult``), aborted transactions and markers
+    left out: a batch per run of the same timestamp type (and, for LogAppendTime, the same store time),
+    then a control batch at the range's last offset if metaq left that offset out, so the consumer's next
+    fetch starts past it."""
+    rb = mrecords.decode(result.data, result.start_offset, result.end_offset, aborted=result.aborted,
+                         headers=True, timestamp_type=True)
+    last = result.end_offset - 1
+    parts = []
+    if rb.num_rows:
+        offsets = rb.column("offset").to_numpy()
+        ts = rb.column("timestamp").cast(pa.int64()).to_numpy()
+        tt = rb.column("timestampType").to_numpy()
+        change = (tt[1:] != tt[:-1]) | ((tt[1:] == mrecords.LOG_APPEND_TIME) & (ts[1:] != ts[:-1]))
+        starts = np.concatenate(([0], np.flatnonzero(change) + 1))
+        parts.append(krecords.encode(offsets, ts, rb.column("key"), rb.column("value"), rb.column("headers"),
+                                     batch_starts=starts, attributes=np.where(
+                                         tt[starts] == mrecords.LOG_APPEND_TIME, krecords.TIMESTAMP_TYPE, 0)))
+        if int(offsets[-1]) >= last:
+            return parts[0]
+        stamp = int(ts[-1])
+    else:
+        stamp = mrecords.now_ms()
+    parts.append(krecords.encode([last], [stamp], [_CONTROL_KEY], [_CONTROL_VALUE], attributes=
+                                 krecords.TRANSACTIONAL | krecords.CONTROL, producer_id=-1, producer_epoch=-1))
+    return memoryview(b"".join(parts))
+
+
+# -- the login --------------------------------------------------------------------------------------
+
+class _Login:
+    """A new connection's login, fed by the accepting thread. Without SASL the first bytes log it in (as
+    its client certificate's principal with ``ssl.client.auth=required``, else ANONYMOUS). With SASL_SSL
+    it is Kafka's SASL exchange (KIP-152): ApiVersions answered, then SaslHandshake v1 naming a mechanism
+    the broker enables, then SaslAuthenticate rounds (PLAIN: one; SCRAM-SHA-256: two) checked by the
+    handler against metaq's users; any other request, a failed round, or a v0 handshake (raw tokens, not
+    spoken here) is answered where Kafka answers and the connection closed. ``frames`` then holds the
+    requests that came after the login and ``splitter`` the rest."""
+
+    def __init__(self, server: KafkaServer, conn: Connection):
+        self.server, self.conn = server, conn
+        self.splitter = FrameSplitter(server.max_frame if not server._sasl else SASL_MAX_FRAME)
+        self.frames: list = []
+        self._buf = memoryview(bytearray(4096))
+        self._mechanism: Optional[str] = None
+        self._handshake: Optional[str] = None  # the SCRAM exchange's id at the handler
+
+    def buffer(self) -> memoryview:
+        return self._buf
+
+    def received(self, n: int) -> Step:
+        try:
+            frames = self.splitter.feed(self._buf[:n])
+        except FrameTooLargeError as e:
+            log.debug("kafka: connection from %s refused: %s", self.conn.peer, e)
+            return Step(close=True)
+        if self.server._certificates and not self.server._sasl:
+            try:
+                self.conn.principal = self.server.handler.principal_of_certificate(self.conn.peer_certificate())
+            except AuthenticationError as e:
+                log.info("kafka: connection from %s refused: %s", self.conn.peer, e)
+                return Step(close=True)
+        if not self.server._sasl:
+            self.frames = frames
+            self.splitter.max_frame = self.server.max_frame
+            return Step(logged_in=True)
+        replies = []
+        for i, frame in enumerate(frames):
+            reply, outcome = self._sasl_step(frame)
+            if reply:
+                replies.append(reply)
+            if outcome is not None:
+                if outcome:
+                    self.frames = frames[i + 1:]
+                    self.splitter.max_frame = self.server.max_frame
+                return Step(b"".join(replies), logged_in=outcome, close=not outcome)
+        return Step(b"".join(replies)) if replies else GO_ON
+
+    def _sasl_step(self, frame) -> tuple:
+        """(bytes to answer, None: go on / True: logged in / False: close)."""
+        try:
+            request = read_request(frame)
+        except KafkaRequestError as e:
+            log.info("kafka: connection from %s before login: %s", self.conn.peer, e)
+            go_on = e.reply is not None and e.kafka_code == codes.UNSUPPORTED_VERSION  # e.g. ApiVersions v5
+            return (b"".join(e.reply) if e.reply else b""), (None if go_on else False)
+        key, body = request.api_key, request.body
+
+        def answer(b: dict) -> bytes:
+            return b"".join(encode_response(request, b))
+        if key == 18:
+            return answer(api_versions_response(request)), None
+        if key == 17 and self._mechanism is None:
+            mechanisms = list(self.server.handler.auth.security.mechanisms)
+            if request.api_version < 1:
+                return answer({"error_code": codes.ILLEGAL_SASL_STATE, "mechanisms": mechanisms}), False
+            if body["mechanism"] not in mechanisms:
+                log.info("kafka: %s asked for SASL mechanism %r; enabled: %s", self.conn.peer, body["mechanism"],
+                         ", ".join(mechanisms))
+                return answer({"error_code": codes.UNSUPPORTED_SASL_MECHANISM, "mechanisms": mechanisms}), False
+            self._mechanism = body["mechanism"]
+            return answer({"error_code": codes.NONE, "mechanisms": mechanisms}), None
+        if key == 36 and self._mechanism is not None:
+            return self._authenticate(request, answer)
+        log.info("kafka: %s sent %s before authenticating; closing the connection", self.conn.peer, request.api.name)
+        return answer(error_response(request, codes.ILLEGAL_SASL_STATE if key in (17, 36) else
+                                     codes.SASL_AUTHENTICATION_FAILED,
+                                     "authenticate first: SaslHandshake v1, then SaslAuthenticate")), False
+
+    def _authenticate(self, request: Request, answer) -> tuple:
+        handler = self.server.handler
+        try:
+            step = {"mechanism": self._mechanism, "message": bytes(request.body["auth_bytes"]).decode("utf-8")}
+            if self._handshake is not None:
+                step["handshake"] = self._handshake
+            result = handler.authenticate(step)
+            token = result.get("session")
+            if token is None:  # SCRAM's first round: the server's challenge
+                self._handshake = result.get("handshake")
+                return answer({"error_code": codes.NONE, "error_message": None,
+                               "auth_bytes": result["message"].encode(), "session_lifetime_ms": 0}), None
+            session = handler.session(token)
+        except (AuthenticationError, UnicodeDecodeError, ValueError, KeyError) as e:
+            self.server.listener.log_once(("sasl", self.conn.peer[0]), logging.INFO,
+                                          "kafka: SASL %s login from %s failed: %s", self._mechanism, self.conn.peer, e)
+            message = str(e) if isinstance(e, AuthenticationError) else f"malformed SASL message: {e}"
+            return answer({"error_code": codes.SASL_AUTHENTICATION_FAILED, "error_message": message,
+                           "auth_bytes": b"", "session_lifetime_ms": 0}), False
+        self.conn.principal, self.conn.session, self.conn.token = session.principal, session, token
+        return answer({"error_code": codes.NONE, "error_message": None, "auth_bytes": result["message"].encode(),
+                       "session_lifetime_ms": 0}), True
