@@ -398,8 +398,10 @@ class GroupCoordinator:
         self._run_effects()
         return fut
 
-    def _sync(self, fut: Future, req: dict) -> Optional[int]:
-        group = self._groups.get(req["group_id"])
+    @staticmethod
+    def _member_error(group, req: dict) -> Optional[int]:
+        """The error for a SyncGroup or Heartbeat whose member is not one of ``group``'s current generation
+        (checked in Kafka's order), else None."""
         member_id, instance_id = req["member_id"], req.get("group_instance_id")
         if group is None:
             return codes.UNKNOWN_MEMBER_ID
@@ -411,6 +413,14 @@ class GroupCoordinator:
             return codes.UNKNOWN_MEMBER_ID
         if req["generation_id"] != group.generation:
             return codes.ILLEGAL_GENERATION
+        return None
+
+    def _sync(self, fut: Future, req: dict) -> Optional[int]:
+        group = self._groups.get(req["group_id"])
+        refused = self._member_error(group, req)
+        if refused is not None:
+            return refused
+        member_id = req["member_id"]
         if (req.get("protocol_type") is not None and req["protocol_type"] != group.protocol_type) or \
                 (req.get("protocol_name") is not None and req["protocol_name"] != group.protocol):
             return codes.INCONSISTENT_GROUP_PROTOCOL
@@ -496,17 +506,10 @@ class GroupCoordinator:
 
     def _heartbeat(self, req: dict) -> int:
         group = self._groups.get(req["group_id"])
-        member_id, instance_id = req["member_id"], req.get("group_instance_id")
-        if group is None:
-            return codes.UNKNOWN_MEMBER_ID
-        if group.state == DEAD:
-            return codes.COORDINATOR_NOT_AVAILABLE
-        if group.fenced(member_id, instance_id):
-            return codes.FENCED_INSTANCE_ID
-        if member_id not in group.members:
-            return codes.UNKNOWN_MEMBER_ID
-        if req["generation_id"] != group.generation:
-            return codes.ILLEGAL_GENERATION
+        refused = self._member_error(group, req)
+        if refused is not None:
+            return refused
+        member_id = req["member_id"]
         if group.state == EMPTY:
             return codes.UNKNOWN_MEMBER_ID
         group.members[member_id].last_heartbeat = self.clock()
