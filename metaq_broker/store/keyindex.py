@@ -37,6 +37,7 @@ from metaq_broker.errors import InvalidQueryError
 from metaq_broker.protocol import records
 from metaq_broker.protocol.records import crc
 from metaq_broker.store.durable import fsync_dir
+from metaq_broker.store.offset_index import IndexProblem, read_header
 
 SUFFIX = ".keys"
 MAGIC = b"MQKEYIX1"
@@ -52,10 +53,6 @@ _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NO_LOCK = contextlib.nullcontext()
 _EMPTY = np.zeros(1, np.uint8)  # the data of a column of empty keys
 _BINARY = pa.binary()
-
-
-class IndexProblem(Exception):
-    """A key index file that cannot be used as it is (the caller rebuilds it from the log)."""
 
 
 def hash_key(key: bytes) -> int:
@@ -329,14 +326,7 @@ class KeyIndex:
         """A sealed segment's index from its file, checked (checksums, chains that point back, offsets in
         order; the segment's size and next offset when given), memory-mapped read-only. IndexProblem says
         what is wrong."""
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(HEADER_SIZE)
-                file_size = os.fstat(f.fileno()).st_size
-        except FileNotFoundError:
-            raise IndexProblem("is missing") from None
-        if len(raw) < HEADER_SIZE:
-            raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
+        raw, file_size = read_header(path, HEADER_SIZE)
         magic, base, seg_start, next_offset, size, bits, n, slots_crc, entries_crc = HEADER.unpack_from(raw)
         if magic != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
             raise IndexProblem("has a bad header (magic or checksum)")

@@ -111,18 +111,25 @@ def write(path: Path, summary: Summary, entries: np.ndarray) -> None:
     fsync_dir(path.parent)
 
 
+def read_header(path: Path, header_size: int) -> tuple:
+    """(an index file's first ``header_size`` bytes, its size); IndexProblem if it is missing or shorter
+    (the offset and key indexes both start so)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(header_size)
+            file_size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise IndexProblem("is missing") from None
+    if len(raw) < header_size:
+        raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
+    return raw, file_size
+
+
 def load(path: Path, base_offset: int, start: int, size: int, next_offset: Optional[int], first_position: int):
     """Read and check an index file against its segment (``size`` bytes, its first batch at
     ``first_position``; the next segment's base offset if known). Returns (Summary, entries memory-mapped
     read-only); raises IndexProblem saying what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-            file_size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        raise IndexProblem("is missing") from None
-    if len(raw) < HEADER_SIZE:
-        raise IndexProblem(f"is {len(raw)} bytes, shorter than its header")
+    raw, file_size = read_header(path, HEADER_SIZE)
     fields = HEADER.unpack_from(raw)
     if fields[0] != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
         raise IndexProblem("has a bad header (magic or checksum)")
