@@ -1020,6 +1020,7 @@ class PartitionLog:
                 problems.append(f"{seg.index_path}: the index does not match the log ({seg.summary()} has "
                                 f"{len(seg.entries())} entries; the log makes {summary} with {len(entries)}); "
                                 f"remove the file and reopen the partition to rebuild it")
+                continue  # the key index is checked by walking the log from the offset index's entries
             problem = None if seg.mutable else seg.keys_problem()
             if problem:
                 problems.append(f"{seg.keys_path} {problem}; metaq log reindex rebuilds it (or a lookup, when it "
