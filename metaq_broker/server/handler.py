@@ -287,6 +287,15 @@ class RequestHandler:
         self.gate()
 
     def put(self, principal: str, request: rawput.Request) -> PutResult:
+        """``_put`` of a batch a client encoded: its body checked (``records.parse_body``) first."""
+        return self._put(principal, request, None)
+
+    def put_encoded(self, principal: str, request: rawput.Request, body: records.EncodedBody) -> PutResult:
+        """``_put`` of a body the broker encoded itself from a checked request (the Kafka listener's
+        ``to_metaq``), so not parsed again; ``request.batch`` is not read. Every other check is ``put``'s."""
+        return self._put(principal, request, body)
+
+    def _put(self, principal: str, request: rawput.Request, encoded: Optional[records.EncodedBody]) -> PutResult:
         """Store one batch (partition -1: the next open partition in turn). Refusals before the append
         stored nothing (``not master:``, ``not enough in-sync replicas``: the client sends again); any
         refusal after it is ``not acknowledged: ... may or may not be stored``, never ``not master:``, since
@@ -306,8 +315,11 @@ class RequestHandler:
         counters = self.stats.partition(topic, self._name(partition))
         try:
             log_ = self._open_partition(topic, partition)
-            b = request.batch
-            body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            if encoded is None:
+                b = request.batch
+                body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            else:
+                body = encoded
             if producer is not None and request.xid:
                 raise RecordFormatError("a transaction's put carries no producer id: the transaction itself is all "
                                         "or nothing", 0)
@@ -331,7 +343,7 @@ class RequestHandler:
                 e.metaq_where = self.store.data_path / f"{topic}-{partition}"
             raise
         self.disk.ok()
-        counters.record_put(result.count, len(request.batch.body))
+        counters.record_put(result.count, body.size)
         return PutResult(topic, partition, result.base_offset, result.count, result.base_msg_id, result.timestamp,
                          result.fsynced, result.duplicate)
 

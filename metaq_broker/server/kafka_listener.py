@@ -286,8 +286,8 @@ class KafkaServer:
                 raise krecords.KafkaRecordError("a partition without records", codes.INVALID_RECORD)
             batches = krecords.decode(data)
             log_append = bool(batches.log_append_time.any())
-            batch, producer = to_metaq(batches)
-            r = self.handler.put(conn.principal, rawput.Request(topic, n, "", batch, acks, producer))
+            body, producer = to_metaq(batches)
+            r = self.handler.put_encoded(conn.principal, rawput.Request(topic, n, "", None, acks, producer), body)
             out.update(base_offset=r.base_offset, log_append_time_ms=r.timestamp_ms if log_append else -1)
         except Exception as e:  # noqa: BLE001 - each partition gets its own answer
             out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
@@ -555,8 +555,9 @@ def kafka_topic_configs(config: dict) -> dict:
 # -- records, per batch -----------------------------------------------------------------------------
 
 def to_metaq(batches: krecords.Batches) -> tuple:
-    """(``rawput.Batch``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
-    partition's decoded Kafka batches: one metaq batch, columns copied in bulk. Transactional and control
+    """(``EncodedBody``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
+    partition's decoded Kafka batches: one metaq batch, columns copied in bulk, stored as it is
+    (``RequestHandler.put_encoded``: not parsed again). Transactional and control
     batches are refused (Kafka transactions are not supported)."""
     h = batches.header
     if batches.transactional.any() or batches.control.any():
@@ -574,8 +575,7 @@ def to_metaq(batches: krecords.Batches) -> tuple:
     timestamps = None if batches.log_append_time.any() else rec.column("timestamp")
     body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"), headers=rec.column("headers"),
                                 timestamps=timestamps)
-    data = body.parts[0] if len(body.parts) == 1 else b"".join(body.parts)
-    return rawput.Batch(body.count, body.attributes, memoryview(data).cast("B"), body.crc), producer
+    return body, producer
 
 
 def to_kafka(result) -> memoryview:
