@@ -390,6 +390,33 @@ class RequestHandler:
         counters.record_get(result.end_offset - result.start_offset, result.length if locate else result.data.size)
         return Fetched(result, log_.earliest_offset, log_.last_stable_offset, log_.identity)
 
+    def wait_for_any(self, principal: str, wanted: list, max_wait_ms: int, is_active: Callable[[], bool]) -> bool:
+        """Wait up to ``max_wait_ms`` (at most the broker's fetch wait, while ``is_active()``) until one of
+        ``wanted``'s (topic, partition, offset) has a readable message at ``offset`` or later; True then.
+        One wait on all of them, as a Kafka Fetch of several partitions waits; the reads are ``fetch``'s."""
+        logs = []
+        for topic, partition, offset in wanted:
+            self._allow(principal, "Read", "topic", topic)
+            self.store.partition(topic, partition)
+            logs.append((self._open_partition(topic, partition), offset))
+        self.gate()
+        deadline = time.monotonic() + min(max_wait_ms, self.limits.max_fetch_wait_ms) / 1000
+        event = threading.Event()
+        for log_, _ in logs:
+            log_.watch(event)
+        try:
+            while True:
+                event.clear()  # before the check: data published after it sets the event again
+                if any(log_.last_stable_offset > offset for log_, offset in logs):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or not is_active():
+                    return False
+                event.wait(min(0.5, left))
+        finally:
+            for log_, _ in logs:
+                log_.unwatch(event)
+
     def readable(self, principal: str, topic: str, partition: int):
         """The partition's log, for a transport that answers a read's questions before reading (MetaQ's
         byte positions): the caller may Read the topic, this member serves, the partition is open."""
