@@ -287,6 +287,15 @@ class RequestHandler:
         self.gate()
 
     def put(self, principal: str, request: rawput.Request) -> PutResult:
+        """``_put`` of a batch a client encoded: its body checked (``records.parse_body``) first."""
+        return self._put(principal, request, None)
+
+    def put_encoded(self, principal: str, request: rawput.Request, body: records.EncodedBody) -> PutResult:
+        """``_put`` of a body the broker encoded itself from a checked request (the Kafka listener's
+        ``to_metaq``), so not parsed again; ``request.batch`` is not read. Every other check is ``put``'s."""
+        return self._put(principal, request, body)
+
+    def _put(self, principal: str, request: rawput.Request, encoded: Optional[records.EncodedBody]) -> PutResult:
         """Store one batch (partition -1: the next open partition in turn). Refusals before the append
         stored nothing (``not master:``, ``not enough in-sync replicas``: the client sends again); any
         refusal after it is ``not acknowledged: ... may or may not be stored``, never ``not master:``, since
@@ -306,8 +315,11 @@ class RequestHandler:
         counters = self.stats.partition(topic, self._name(partition))
         try:
             log_ = self._open_partition(topic, partition)
-            b = request.batch
-            body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            if encoded is None:
+                b = request.batch
+                body = records.parse_body(b.count, b.attributes, b.body, b.body_crc)
+            else:
+                body = encoded
             if producer is not None and request.xid:
                 raise RecordFormatError("a transaction's put carries no producer id: the transaction itself is all "
                                         "or nothing", 0)
@@ -331,7 +343,7 @@ class RequestHandler:
                 e.metaq_where = self.store.data_path / f"{topic}-{partition}"
             raise
         self.disk.ok()
-        counters.record_put(result.count, len(request.batch.body))
+        counters.record_put(result.count, body.size)
         return PutResult(topic, partition, result.base_offset, result.count, result.base_msg_id, result.timestamp,
                          result.fsynced, result.duplicate)
 
@@ -377,6 +389,33 @@ class RequestHandler:
             raise
         counters.record_get(result.end_offset - result.start_offset, result.length if locate else result.data.size)
         return Fetched(result, log_.earliest_offset, log_.last_stable_offset, log_.identity)
+
+    def wait_for_any(self, principal: str, wanted: list, max_wait_ms: int, is_active: Callable[[], bool]) -> bool:
+        """Wait up to ``max_wait_ms`` (at most the broker's fetch wait, while ``is_active()``) until one of
+        ``wanted``'s (topic, partition, offset) has a readable message at ``offset`` or later; True then.
+        One wait on all of them, as a Kafka Fetch of several partitions waits; the reads are ``fetch``'s."""
+        logs = []
+        for topic, partition, offset in wanted:
+            self._allow(principal, "Read", "topic", topic)
+            self.store.partition(topic, partition)
+            logs.append((self._open_partition(topic, partition), offset))
+        self.gate()
+        deadline = time.monotonic() + min(max_wait_ms, self.limits.max_fetch_wait_ms) / 1000
+        event = threading.Event()
+        for log_, _ in logs:
+            log_.watch(event)
+        try:
+            while True:
+                event.clear()  # before the check: data published after it sets the event again
+                if any(log_.last_stable_offset > offset for log_, offset in logs):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or not is_active():
+                    return False
+                event.wait(min(0.5, left))
+        finally:
+            for log_, _ in logs:
+                log_.unwatch(event)
 
     def readable(self, principal: str, topic: str, partition: int):
         """The partition's log, for a transport that answers a read's questions before reading (MetaQ's

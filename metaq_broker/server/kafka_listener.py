@@ -56,7 +56,6 @@ SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_CHUNK = 256 << 10  # bytes read per recv
 SASL_MAX_FRAME = 64 << 10  # a request before the login (ApiVersions, SASL) is small: no buffer grows larger
-POLL_SLICE_MS = 100  # a Fetch of several partitions waits on one of them at a time for at most this long
 EARLIEST, LATEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -2, -1, -3, -4  # ListOffsets' special timestamps
 READ_COMMITTED = 1
 _CONTROL_KEY = struct.pack(">hh", 0, 1)  # a control record: version 0, type 1 (COMMIT)
@@ -286,8 +285,8 @@ class KafkaServer:
                 raise krecords.KafkaRecordError("a partition without records", codes.INVALID_RECORD)
             batches = krecords.decode(data)
             log_append = bool(batches.log_append_time.any())
-            batch, producer = to_metaq(batches)
-            r = self.handler.put(conn.principal, rawput.Request(topic, n, "", batch, acks, producer))
+            body, producer = to_metaq(batches)
+            r = self.handler.put_encoded(conn.principal, rawput.Request(topic, n, "", None, acks, producer), body)
             out.update(base_offset=r.base_offset, log_append_time_ms=r.timestamp_ms if log_append else -1)
         except Exception as e:  # noqa: BLE001 - each partition gets its own answer
             out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
@@ -317,7 +316,6 @@ class KafkaServer:
         deadline = time.monotonic() + max(b["max_wait_ms"], 0) / 1000
         min_bytes = max(b["min_bytes"], 0)
         waiting = [i for i, a in enumerate(asked) if not isinstance(a[3], _Refused)]
-        turn = 0
         while True:
             results = self._fetch_round(conn, asked, committed, budget)
             got = sum(r[1] for r in results)
@@ -325,14 +323,11 @@ class KafkaServer:
             if got >= max(min_bytes, 1) or left_ms <= 0 or not waiting or not conn.active \
                     or any(r[0]["error_code"] for r in results):
                 break
-            # Nothing yet: wait for data on one partition at a time (one of them if only one is asked)
-            i = waiting[turn % len(waiting)]
-            turn += 1
-            _, p, topic, local = asked[i]
-            wait = left_ms if len(waiting) == 1 else min(left_ms, POLL_SLICE_MS)
+            # Not enough yet: one wait on every asked partition for data past what this round saw
+            wanted = [(asked[i][2], asked[i][3], max(asked[i][1]["fetch_offset"], results[i][0]["high_watermark"]))
+                      for i in waiting]
             try:
-                self.handler.fetch(conn.principal, FetchRequest(topic, local, p["fetch_offset"], 1, 1, wait),
-                                   lambda: conn.active, locate=True)
+                self.handler.wait_for_any(conn.principal, wanted, left_ms, lambda: conn.active)
             except Exception:  # noqa: BLE001 - answered by the next round's fetch of that partition
                 pass
         for (t_index, _, _, _), (entry, _) in zip(asked, results):
@@ -555,8 +550,9 @@ def kafka_topic_configs(config: dict) -> dict:
 # -- records, per batch -----------------------------------------------------------------------------
 
 def to_metaq(batches: krecords.Batches) -> tuple:
-    """(``rawput.Batch``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
-    partition's decoded Kafka batches: one metaq batch, columns copied in bulk. Transactional and control
+    """(``EncodedBody``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
+    partition's decoded Kafka batches: one metaq batch, columns copied in bulk, stored as it is
+    (``RequestHandler.put_encoded``: not parsed again). Transactional and control
     batches are refused (Kafka transactions are not supported)."""
     h = batches.header
     if batches.transactional.any() or batches.control.any():
@@ -574,8 +570,7 @@ def to_metaq(batches: krecords.Batches) -> tuple:
     timestamps = None if batches.log_append_time.any() else rec.column("timestamp")
     body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"), headers=rec.column("headers"),
                                 timestamps=timestamps)
-    data = body.parts[0] if len(body.parts) == 1 else b"".join(body.parts)
-    return rawput.Batch(body.count, body.attributes, memoryview(data).cast("B"), body.crc), producer
+    return body, producer
 
 
 def to_kafka(result) -> memoryview:

@@ -174,9 +174,10 @@ class PartitionLog:
     # brings the LEO, the recovery point, the visible end and a high watermark above it down to the cut,
     # under ``_write_lock`` (and ``_flush_cond``). Readers take no lock: they read the ends first, then
     # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
-    # ``_flush_cond``, then ``_data_cond`` (waiters for data only); a group commit's leader releases
-    # ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock`` too: ``_metaq_end``,
-    # ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``, ``_identity``, ``_closed``.
+    # ``_flush_cond``, then ``_data_cond`` (waiters for data only), then a watcher's event (``watch``); a
+    # group commit's leader releases ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock``
+    # too: ``_metaq_end``, ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``,
+    # ``_identity``, ``_closed``.
 
     def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
                  ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
@@ -193,6 +194,7 @@ class PartitionLog:
         self._closed = False
         self._closing = False
         self._data_cond = threading.Condition()  # notified whenever the visible end or the HW moves
+        self._watchers: set = set()  # events set with it (``watch``): a wait on several partitions at once
         self._on_written = on_written  # told after every append (the store's wait_written)
         self._hw: Optional[int] = None  # readers' cap (replication); None: none
         self._next_epoch: Optional[tuple] = None  # (epoch, replica id) whose marker the next append writes
@@ -604,8 +606,23 @@ class PartitionLog:
         """Make messages below ``offset`` visible to readers and wake those waiting for data."""
         if offset > self._visible_end:
             self._visible_end = offset
-            with self._data_cond:
-                self._data_cond.notify_all()
+            self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        with self._data_cond:
+            self._data_cond.notify_all()
+            for event in self._watchers:
+                event.set()
+
+    def watch(self, event: threading.Event) -> None:
+        """Set ``event`` whenever ``wait_for_data``'s waiters are woken (until ``unwatch``): one event
+        watched on several partitions lets one thread wait for data on any of them (a Kafka Fetch)."""
+        with self._data_cond:
+            self._watchers.add(event)
+
+    def unwatch(self, event: threading.Event) -> None:
+        with self._data_cond:
+            self._watchers.discard(event)
 
     def wait_for_data(self, offset: int, timeout: float) -> bool:
         """Block until a message at ``offset`` or later is readable (or ``timeout`` seconds pass, or the
@@ -794,8 +811,7 @@ class PartitionLog:
             self._truncations += 1
             self._recovery_point = self._visible_end = end
             self._flush_cond.notify_all()
-        with self._data_cond:
-            self._data_cond.notify_all()
+        self._wake_readers()
 
     def set_high_watermark(self, hw: Optional[int]) -> None:
         """Cap readers at ``hw`` (replication: what every in-sync member has); None removes the cap.
@@ -806,8 +822,7 @@ class PartitionLog:
             return  # the common call, without the write lock
         with self._write_lock:
             self._set_hw_locked(hw)
-        with self._data_cond:
-            self._data_cond.notify_all()
+        self._wake_readers()
 
     def cap_at_visible(self) -> int:
         """Cap readers exactly where they are now and return that offset: the switch from no cap (a group
@@ -1104,8 +1119,7 @@ class PartitionLog:
                 self._recovery_point = written
                 self._publish(written)
             self._flush_cond.notify_all()
-        with self._data_cond:
-            self._data_cond.notify_all()
+        self._wake_readers()
 
 
 def _remove_files(seg: Segment) -> None:

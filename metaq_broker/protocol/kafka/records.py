@@ -350,17 +350,21 @@ def encode(offsets, timestamps, keys, values, headers=None, batch_starts=None, c
         raise InvalidMessageError("offsets must rise within a batch, by less than 2**31")
     bodies, sizes = K.record_sizes(ts_delta, off_delta, ko, kl, vo, vl, h_first, hkl, hvl)
     section = np.add.reduceat(sizes, starts)
-    raw = np.empty(int(section.sum()), np.uint8)
-    rec_pos = np.cumsum(section) - section
+    if codec == NONE:  # the records are written in place, after room for their batch's header
+        lengths = section
+        out = raw = np.empty(int((lengths + HEADER_SIZE).sum()), np.uint8)
+        rec_pos = np.cumsum(lengths + HEADER_SIZE) - lengths
+    else:
+        raw = np.empty(int(section.sum()), np.uint8)
+        rec_pos = np.cumsum(section) - section
     for b in range(k):  # one compiled call per batch writes its records
         lo, hi = int(bounds[b]), int(bounds[b + 1])
         K.write_records(raw, int(rec_pos[b]), ts_delta[lo:hi], off_delta[lo:hi], kd, ko[lo:hi], kl[lo:hi],
                         vd, vo[lo:hi], vl[lo:hi], h_first[lo:hi + 1], hkd, hko, hkl, hvd, hvo, hvl, bodies[lo:hi])
-    if codec == NONE:
-        payloads = [raw[int(p):int(p + s)] for p, s in zip(rec_pos, section)]
-    else:
+    if codec != NONE:
         payloads = [_compress(codec, raw[int(p):int(p + s)]) for p, s in zip(rec_pos, section)]
-    lengths = np.array([len(p) for p in payloads], np.int64)
+        lengths = np.array([len(p) for p in payloads], np.int64)
+        out = np.empty(int((lengths + HEADER_SIZE).sum()), np.uint8)
     head = np.zeros(k, HEADER_DTYPE)
     head["base_offset"] = base_offset
     head["batch_length"] = HEADER_SIZE - 12 + lengths
@@ -375,13 +379,13 @@ def encode(offsets, timestamps, keys, values, headers=None, batch_starts=None, c
     head["producer_epoch"] = _per_batch(producer_epoch, k, np.int16)
     head["base_sequence"] = _per_batch(base_sequence, k, np.int32)
     head["records_count"] = counts
-    out = np.empty(int((lengths + HEADER_SIZE).sum()), np.uint8)
     hb = head.view(np.uint8).reshape(k, HEADER_SIZE)
     q = 0
     for b in range(k):  # the CRC of each batch covers its header from the attributes on, then its records
         out[q:q + HEADER_SIZE] = hb[b]
-        end = q + HEADER_SIZE + lengths[b]
-        out[q + HEADER_SIZE:end] = np.frombuffer(payloads[b], np.uint8) if codec != NONE else payloads[b]
+        end = q + HEADER_SIZE + int(lengths[b])
+        if codec != NONE:
+            out[q + HEADER_SIZE:end] = np.frombuffer(payloads[b], np.uint8)
         out[q + 17:q + CRC_START] = np.frombuffer(struct.pack(">I", crc(out[q + CRC_START:end])), np.uint8)
         q = end
     return out.data
