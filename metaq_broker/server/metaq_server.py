@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 from metaq_broker import __version__
 from metaq_broker.errors import (AuthorizationError, ConfigError, InvalidPartitionError, MetaqError,
@@ -106,6 +107,7 @@ class MetaqServer:
         self._long_keys: dict = {}  # xid -> an XA key too long to be the xid itself (``_xid``)
 
     def start(self) -> "MetaqServer":
+        text.warm_up()  # the compiled put scan loaded (or compiled) now, not in a client's first pipeline
         self.listener.start(self)
         return self
 
@@ -146,6 +148,10 @@ class MetaqServer:
         i = 0
         while i < len(events):
             event = events[i]
+            if isinstance(event, text.PutRun):
+                out.append(self._put_run(conn, event))
+                i += 1
+                continue
             if isinstance(event, text.Put) and event.tx is None:
                 j = i + 1
                 while (j < len(events) and isinstance(events[j], text.Put) and events[j].tx is None
@@ -196,27 +202,41 @@ class MetaqServer:
 
     def _puts(self, conn: Connection, puts: list) -> bytes:
         """Consecutive puts to one partition, stored as one batch; a reply each."""
-        first = puts[0]
+        n = len(puts)
+        attributes = [p.attribute for p in puts]
+        return self._batch(conn, puts[0].topic, puts[0].partition, [p.value for p in puts], attributes,
+                           np.fromiter((p.flag for p in puts), np.int64, n),
+                           np.fromiter((len(p.value) for p in puts), np.int64, n),
+                           np.fromiter((-1 if a is None else len(a.encode()) for a in attributes), np.int64, n),
+                           [p.opaque for p in puts])
+
+    def _put_run(self, conn: Connection, run: text.PutRun) -> bytes:
+        """A ``PutRun`` (no attributes) stored as one batch, its values an Arrow column over the run's bytes."""
+        values = pa.BinaryArray.from_buffers(pa.binary(), len(run), [None, pa.py_buffer(run.offsets),
+                                                                     pa.py_buffer(run.data)])
+        return self._batch(conn, run.topic, run.partition, values, None, run.flags, np.diff(run.offsets), None,
+                           run.opaques.tolist())
+
+    def _batch(self, conn: Connection, topic: str, partition: int, values, attributes, flags,
+               value_lengths: np.ndarray, attribute_lengths, opaques: list) -> bytes:
+        """Puts to one partition stored as one batch (one append, one acknowledgement); a reply each, in order."""
         started = time.monotonic()
         try:
-            body = records.encode_body([p.value for p in puts], attributes=[p.attribute for p in puts],
-                                       flags=np.fromiter((p.flag for p in puts), np.int64, len(puts)))
-            request = rawput.Request(first.topic, first.partition, "",
+            body = records.encode_body(values, attributes=attributes, flags=flags)
+            request = rawput.Request(topic, partition, "",
                                      rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)),
                                                   body.crc))
-            done = self.handler.put(self._principal(conn, first.topic), request)
+            done = self.handler.put(self._principal(conn, topic), request)
             part = self.handler.store.partition(done.topic, done.partition)
             position = metaq_positions.position_of(part, done.base_offset)[0]
         except Exception as e:  # noqa: BLE001 - every put of the batch gets the refusal
-            return self._refusal(e, "metaq.put", [p.opaque for p in puts])
+            return self._refusal(e, "metaq.put", opaques)
         finally:
             self.handler.observe("metaq.put", time.monotonic() - started)
-        sizes = message_sizes(np.fromiter((len(p.value) for p in puts), np.int64, len(puts)),
-                              np.fromiter((-1 if p.attribute is None else len(p.attribute.encode()) for p in puts),
-                                          np.int64, len(puts)))
+        sizes = message_sizes(value_lengths, attribute_lengths)
         starts = position + np.cumsum(sizes) - sizes
-        ids = np.arange(done.base_msg_id, done.base_msg_id + len(puts), dtype=np.int64)
-        return text.put_results(ids, done.partition, starts, [p.opaque for p in puts])
+        ids = np.arange(done.base_msg_id, done.base_msg_id + len(opaques), dtype=np.int64)
+        return text.put_results(ids, done.partition, starts, opaques)
 
     def _get(self, conn: Connection, get: text.Get) -> bytes:
         try:

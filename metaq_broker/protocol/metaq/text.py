@@ -200,7 +200,29 @@ class Rejected:
     close: bool = False
 
 
-Event = Union[Put, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected]
+@dataclass(slots=True, eq=False)
+class PutRun:
+    """Consecutive plain puts to one partition of one topic (7 tokens, no attribute, no transaction, the
+    checksum verified), found in one read by the compiled scan: columns instead of a ``Put`` each. The i-th
+    value is ``data[offsets[i]:offsets[i + 1]]``; ``puts()`` gives the ``Put`` events the general path would."""
+    topic: str
+    partition: int
+    flags: np.ndarray  # int32
+    checksums: np.ndarray  # int64
+    opaques: np.ndarray  # int64
+    data: np.ndarray  # uint8: the bodies one after another
+    offsets: np.ndarray  # int32, one more than the puts
+
+    def __len__(self) -> int:
+        return len(self.opaques)
+
+    def puts(self) -> list:
+        data, o = self.data.tobytes(), self.offsets.tolist()
+        return [Put(self.topic, self.partition, f, c, None, op, data[o[i]:o[i + 1]], None)
+                for i, (f, c, op) in enumerate(zip(self.flags.tolist(), self.checksums.tolist(), self.opaques.tolist()))]
+
+
+Event = Union[Put, PutRun, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,6 +263,33 @@ def _guess_opaque(tokens: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The compiled scan of pipelined puts (``_kernels.py``)
+
+RUN_MIN_BYTES = 1024  # a read with fewer bytes left takes the per-line paths: a scan costs a few microseconds
+_MIN_PUT = len(b"put t 0 0 0 0 0\r\n")
+_SCAN = None
+
+
+def _scan():
+    """(scan_puts, gather, CRC table), compiled on first use and cached on disk by numba."""
+    global _SCAN
+    if _SCAN is None:
+        import numba  # lazy: a second to import (more to compile once); only pipelined puts need it
+
+        from metaq_broker.protocol.metaq import _kernels as K
+        jit = numba.njit(cache=True, nogil=True)
+        _SCAN = (jit(K.scan_puts), jit(K.gather), K.crc_table())
+    return _SCAN
+
+
+def warm_up() -> None:
+    """Load (or on first use on this machine, compile) the put scan, so a broker's first client does not
+    wait for it."""
+    parser = RequestParser(run_min_bytes=0)
+    parser.feed(b"put t 0 1 0 %d 1\r\nxput t 0 1 0 -1 2\r\ny" % (zlib.crc32(b"x") & CHECKSUM_MASK))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The parser
 
 
@@ -248,10 +297,12 @@ class RequestParser:
     """Incremental parser of one connection's requests. ``feed`` bytes, get events in request order.
 
     ``max_message_size``: the largest put body accepted (a put with an attribute may send 4 bytes more:
-    the attribute's length is not stored). ``max_line``: the longest command line."""
+    the attribute's length is not stored). ``max_line``: the longest command line. ``run_min_bytes``: from
+    how many buffered bytes a ``put`` starts a compiled scan for a ``PutRun``."""
 
-    def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE, max_line: int = MAX_LINE):
-        self.max_message_size, self.max_line = max_message_size, max_line
+    def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE, max_line: int = MAX_LINE,
+                 run_min_bytes: int = RUN_MIN_BYTES):
+        self.max_message_size, self.max_line, self.run_min_bytes = max_message_size, max_line, run_min_bytes
         self._buf = bytearray()
         self._pos = 0
         self._body: Optional[tuple] = None  # (put tokens..., length) of the put whose body is awaited
@@ -297,7 +348,8 @@ class RequestParser:
                 head, self._body = self._body, None
                 events.append(self._put(head, data))
                 continue
-            if buf.startswith(b"put ", self._pos) and self._fast_put(buf, events):
+            if not self._discarding and buf.startswith(b"put ", self._pos) and (
+                    avail >= self.run_min_bytes and self._put_run(buf, events) or self._fast_put(buf, events)):
                 continue
             end = buf.find(CRLF, self._pos)
             if self._discarding:
@@ -319,6 +371,30 @@ class RequestParser:
             event = self._line(line)
             if event is not None:
                 events.append(event)
+
+    def _put_run(self, buf: bytearray, events: list) -> bool:
+        """The puts from here that ``_kernels.scan_puts`` accepts, as one ``PutRun``; False (nothing
+        taken) when it accepts none."""
+        scan, gather, table = _scan()
+        u8 = np.frombuffer(buf, np.uint8)  # a view: released before ``feed`` trims the buffer
+        try:
+            out = np.empty(((len(buf) - self._pos) // _MIN_PUT + 1, 5), np.int64)
+            head = np.empty(3, np.int64)
+            n, end = scan(u8, self._pos, len(buf), self.max_message_size, table, out, head)
+            if not n:
+                return False
+            lengths = out[:n, 0]
+            offsets = np.zeros(n + 1, np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            data = np.empty(int(offsets[-1]), np.uint8)
+            gather(u8, out[:n, 4].copy(), lengths.copy(), data)
+            topic = bytes(u8[head[0]:head[0] + head[1]]).decode("ascii")
+        finally:
+            del u8
+        events.append(PutRun(topic, int(head[2]), out[:n, 1].astype(np.int32), out[:n, 2].copy(),
+                             out[:n, 3].copy(), data, offsets))
+        self._pos = int(end)
+        return True
 
     def _fast_put(self, buf: bytearray, events: list) -> bool:
         """The common put (7 tokens, a numeric checksum, an ASCII topic, its body already here) in one
