@@ -3,6 +3,8 @@ general path does: the same events, the same refusals. A put whose body arrives 
 the general path, so feeding the line and the body apart is the reference."""
 import zlib
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -145,3 +147,22 @@ def test_the_tail_of_an_over_long_line_is_never_read_as_a_put():
 def test_each_odd_field_between_plain_puts_is_answered_as_line_by_line(field, value):
     wire = put_line() + put_line(**{field: value}) + put_line(opaque=b"3") + b"version 7\r\n"
     assert expand(text.RequestParser(run_min_bytes=0).feed(wire)) == per_line(wire, text.MAX_MESSAGE_SIZE)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, (1 << 63) - 1), st.integers(0, (1 << 63) - 1),
+                          st.integers(text.INT32_MIN, text.INT32_MAX)), min_size=1, max_size=80),
+       st.integers(0, text.INT32_MAX))
+def test_compiled_put_results_are_put_result_each(rows, partition):
+    ids, positions, opaques = (np.array(c, np.int64) for c in zip(*rows))
+    assert text.put_results(ids, partition, positions, list(opaques.tolist())) == \
+        b"".join(text.put_result(*r[:1], partition, *r[1:]) for r in rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_the_scan_checks_crc32_as_zlib(body):
+    right, wrong = zlib.crc32(body) & 0x7FFFFFFF, (zlib.crc32(body) + 1) & 0x7FFFFFFF
+    events = text.RequestParser(run_min_bytes=0).feed(put_line(body=body, checksum=b"%d" % right) +
+                                                      put_line(body=body, checksum=b"%d" % wrong))
+    assert isinstance(events[0], text.PutRun) and isinstance(events[1], text.Rejected)

@@ -215,10 +215,10 @@ class MetaqServer:
         values = pa.BinaryArray.from_buffers(pa.binary(), len(run), [None, pa.py_buffer(run.offsets),
                                                                      pa.py_buffer(run.data)])
         return self._batch(conn, run.topic, run.partition, values, None, run.flags, np.diff(run.offsets), None,
-                           run.opaques.tolist())
+                           run.opaques)
 
     def _batch(self, conn: Connection, topic: str, partition: int, values, attributes, flags,
-               value_lengths: np.ndarray, attribute_lengths, opaques: list) -> bytes:
+               value_lengths: np.ndarray, attribute_lengths, opaques) -> bytes:
         """Puts to one partition stored as one batch (one append, one acknowledgement); a reply each, in order."""
         started = time.monotonic()
         try:

@@ -5,31 +5,54 @@ Why compiled: where put i+1 starts depends on put i's declared body length, so f
 a sequential walk that numpy cannot express, and a regular expression, ``int()`` and ``zlib.crc32`` per put
 cost microseconds of Python each. ``scan_puts`` does the walk, the numbers and the checksums at native speed
 and stops at the first put it does not accept exactly as ``text._FAST_PUT`` and the general path would
-(anything else is left to them, which say what is wrong). The functions are plain Python here and compiled
-on first use (``text._scan``), so importing the protocol costs no numba.
+(anything else is left to them, which say what is wrong); ``format_put_results`` writes their replies.
+``text.py`` imports this module on first use, so importing the protocol costs no numba.
 """
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 INT32_MAX = (1 << 31) - 1
 MAX_TOPIC = 255  # as text._FAST_PUT: [!-~]{1,255}
 MAX_DIGITS = 10
-BIG_BODY = 4096  # a larger body ends a run: zlib's CRC (one call) beats this byte-wise loop on it
+BIG_BODY = 4096  # a larger body ends a run: zlib's CRC (one call) beats ``_crc`` on it
 
 
-def crc_table() -> np.ndarray:
-    """The byte-wise table of CRC-32 (IEEE 802.3, reflected, zlib's and java.util.zip.CRC32's)."""
-    table = np.zeros(256, np.int64)  # int64: numba mixes no signed and unsigned types in the loop
+def crc_tables() -> np.ndarray:
+    """CRC-32's (IEEE 802.3, reflected: zlib's and java.util.zip.CRC32's) tables for slicing by 8: row 0
+    the byte-wise table, row k a byte's effect k bytes further on. int64: numba mixes no signed and unsigned
+    types in ``_crc``."""
+    t = np.zeros((8, 256), np.int64)
     for i in range(256):
         c = i
         for _ in range(8):
             c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
-        table[i] = c
-    return table
+        t[0, i] = c
+    for k in range(1, 8):
+        t[k] = (t[k - 1] >> 8) ^ t[0, t[k - 1] & 0xFF]
+    return t
 
 
-def scan_puts(u8, pos, end, max_size, table, out, head):  # pragma: no cover - run compiled (text._scan)
+@njit(cache=True, nogil=True)
+def _crc(u8, start, length, t):
+    """CRC32 of ``u8[start:start + length]``, eight bytes a step."""
+    c = 0xFFFFFFFF
+    k = start
+    end = start + length
+    while end - k >= 8:
+        one = c ^ (np.int64(u8[k]) | np.int64(u8[k + 1]) << 8 | np.int64(u8[k + 2]) << 16 | np.int64(u8[k + 3]) << 24)
+        c = (t[7, one & 0xFF] ^ t[6, (one >> 8) & 0xFF] ^ t[5, (one >> 16) & 0xFF] ^ t[4, one >> 24]
+             ^ t[3, u8[k + 4]] ^ t[2, u8[k + 5]] ^ t[1, u8[k + 6]] ^ t[0, u8[k + 7]])
+        k += 8
+    while k < end:
+        c = t[0, (c ^ u8[k]) & 0xFF] ^ (c >> 8)
+        k += 1
+    return c ^ 0xFFFFFFFF
+
+
+@njit(cache=True, nogil=True)
+def scan_puts(u8, pos, end, max_size, table, out, head):
     """Walk the puts from ``pos`` while each is ``put <topic> <partition> <len> <flag> <checksum>
     <opaque>\\r\\n<body>`` with the first put's topic and partition, every number in range, flag bit 0 clear
     (no attribute), a body of at most ``min(max_size, BIG_BODY)`` bytes already in ``u8[:end]``, and a
@@ -117,10 +140,7 @@ def scan_puts(u8, pos, end, max_size, table, out, head):  # pragma: no cover - r
         if n > 0 and partition != part0:
             break
         if checksum != -1:
-            c = 0xFFFFFFFF
-            for k in range(q, q + length):
-                c = table[(c ^ u8[k]) & 0xFF] ^ (c >> 8)
-            if (c ^ 0xFFFFFFFF) & 0x7FFFFFFF != checksum:
+            if _crc(u8, q, length, table) & 0x7FFFFFFF != checksum:
                 break
         if n == 0:
             ts0 = ts
@@ -139,7 +159,8 @@ def scan_puts(u8, pos, end, max_size, table, out, head):  # pragma: no cover - r
     return n, p
 
 
-def gather(u8, starts, lengths, data):  # pragma: no cover - run compiled (text._scan)
+@njit(cache=True, nogil=True)
+def gather(u8, starts, lengths, data):
     """The bodies at ``starts`` (``lengths`` bytes each) one after another into ``data``."""
     w = 0
     for i in range(starts.shape[0]):
@@ -147,3 +168,57 @@ def gather(u8, starts, lengths, data):  # pragma: no cover - run compiled (text.
         for k in range(lengths[i]):
             data[w + k] = u8[s + k]
         w += lengths[i]
+
+
+@njit(cache=True, nogil=True)
+def _decimal(out, w, v):
+    """``v`` in decimal at ``out[w:]``; the position after it."""
+    if v < 0:
+        out[w] = 45
+        w += 1
+        v = -v
+    n = 1
+    x = v
+    while x >= 10:
+        x //= 10
+        n += 1
+    for i in range(n - 1, -1, -1):
+        out[w + i] = 48 + v % 10
+        v //= 10
+    return w + n
+
+
+@njit(cache=True, nogil=True)
+def _digits(v):
+    n = 1 if v >= 0 else 2
+    v = abs(v)
+    while v >= 10:
+        v //= 10
+        n += 1
+    return n
+
+
+REPLY_MAX = 96  # bytes of one put's reply at most: "result 200 " + 2 + 1 + 11 + 2, then 20 + 1 + 11 + 1 + 20
+
+
+@njit(cache=True, nogil=True)
+def format_put_results(ids, partition, positions, opaques, out):
+    """``result 200 <len> <opaque>\r\n<msgId> <partition> <position>`` for each put into ``out`` (``REPLY_MAX``
+    bytes a put); the bytes written."""
+    w = 0
+    part_digits = _digits(partition)
+    for i in range(ids.shape[0]):
+        for ch in (114, 101, 115, 117, 108, 116, 32, 50, 48, 48, 32):  # "result 200 "
+            out[w] = ch
+            w += 1
+        w = _decimal(out, w, _digits(ids[i]) + part_digits + _digits(positions[i]) + 2)
+        out[w] = 32
+        w = _decimal(out, w + 1, opaques[i])
+        out[w] = 13
+        out[w + 1] = 10
+        w = _decimal(out, w + 2, ids[i])
+        out[w] = 32
+        w = _decimal(out, w + 1, partition)
+        out[w] = 32
+        w = _decimal(out, w + 1, positions[i])
+    return w

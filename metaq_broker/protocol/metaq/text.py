@@ -271,14 +271,12 @@ _SCAN = None
 
 
 def _scan():
-    """(scan_puts, gather, CRC table), compiled on first use and cached on disk by numba."""
+    """The compiled kernels and their CRC tables: imported on first use (numba takes a second to import,
+    more to compile once per machine, then its disk cache serves)."""
     global _SCAN
     if _SCAN is None:
-        import numba  # lazy: a second to import (more to compile once); only pipelined puts need it
-
-        from metaq_broker.protocol.metaq import _kernels as K
-        jit = numba.njit(cache=True, nogil=True)
-        _SCAN = (jit(K.scan_puts), jit(K.gather), K.crc_table())
+        from metaq_broker.protocol.metaq import _kernels
+        _SCAN = (_kernels, _kernels.crc_tables())
     return _SCAN
 
 
@@ -287,6 +285,8 @@ def warm_up() -> None:
     wait for it."""
     parser = RequestParser(run_min_bytes=0)
     parser.feed(b"put t 0 1 0 %d 1\r\nxput t 0 1 0 -1 2\r\ny" % (zlib.crc32(b"x") & CHECKSUM_MASK))
+    put_results(np.zeros(RESULTS_COMPILED_FROM, np.int64), 0, np.zeros(RESULTS_COMPILED_FROM, np.int64),
+                [0] * RESULTS_COMPILED_FROM)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,19 +375,19 @@ class RequestParser:
     def _put_run(self, buf: bytearray, events: list) -> bool:
         """The puts from here that ``_kernels.scan_puts`` accepts, as one ``PutRun``; False (nothing
         taken) when it accepts none."""
-        scan, gather, table = _scan()
+        kernels, table = _scan()
         u8 = np.frombuffer(buf, np.uint8)  # a view: released before ``feed`` trims the buffer
         try:
             out = np.empty(((len(buf) - self._pos) // _MIN_PUT + 1, 5), np.int64)
             head = np.empty(3, np.int64)
-            n, end = scan(u8, self._pos, len(buf), self.max_message_size, table, out, head)
+            n, end = kernels.scan_puts(u8, self._pos, len(buf), self.max_message_size, table, out, head)
             if not n:
                 return False
             lengths = out[:n, 0]
             offsets = np.zeros(n + 1, np.int32)
             np.cumsum(lengths, out=offsets[1:])
             data = np.empty(int(offsets[-1]), np.uint8)
-            gather(u8, out[:n, 4].copy(), lengths.copy(), data)
+            kernels.gather(u8, out[:n, 4].copy(), lengths.copy(), data)
             topic = bytes(u8[head[0]:head[0] + head[1]]).decode("ascii")
         finally:
             del u8
@@ -598,9 +598,21 @@ def _digits(a: np.ndarray) -> np.ndarray:
     return 1 + np.searchsorted(_POWERS_OF_TEN, a, side="right")
 
 
-def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaques: list) -> bytes:
-    """``put_result`` of many puts at once (a pipelined batch): the lengths counted with numpy, one
-    formatting per reply."""
+RESULTS_COMPILED_FROM = 32  # puts: fewer are formatted in Python (no kernel to load for a few)
+
+
+def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaques) -> bytes:
+    """``put_result`` of many puts at once (a pipelined batch): from ``RESULTS_COMPILED_FROM`` puts by the
+    compiled ``format_put_results``, else the lengths counted with numpy and one formatting per reply."""
+    n = len(msg_ids)
+    if n >= RESULTS_COMPILED_FROM:
+        kernels = _scan()[0]
+        out = np.empty(n * kernels.REPLY_MAX, np.uint8)
+        w = kernels.format_put_results(np.asarray(msg_ids, np.int64), partition, np.asarray(positions, np.int64),
+                                       np.asarray(opaques, np.int64), out)
+        return out[:w].tobytes()
+    if not isinstance(opaques, list):
+        opaques = opaques.tolist()
     lengths = _digits(msg_ids) + len(str(partition)) + _digits(positions) + 2
     form = (b"result 200 %%d %%d\r\n%%d %d %%d" % partition).__mod__
     return b"".join(map(form, zip(lengths.tolist(), opaques, msg_ids.tolist(), positions.tolist())))
