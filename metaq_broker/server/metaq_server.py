@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import time
 from typing import Optional
 
@@ -47,6 +48,7 @@ IDLE_TIMEOUT_S = 600.0  # MetaQ clients send ``version`` as a heartbeat well wit
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_SIZE = 256 << 10  # bytes read from the socket at a time, once logged in
+GATHER_MAX = 4 * READ_SIZE  # bytes read before answering while a request is incomplete and more is waiting
 FIRST_READ = text.MAX_LINE  # before: a connection costs no more than its first line's worth
 
 
@@ -68,6 +70,16 @@ def metaq_listener(host: str, port: int, auth) -> Listener:
     """The MetaQ port's listener on ``host:port`` (0: any free port), listening, not serving yet: TLS
     unless security.protocol is PLAINTEXT (MetaQ 1.4 clients speak plain TCP: put a TLS proxy beside them)."""
     return Listener("metaq", host, port, LIMITS, auth.data_port_context())
+
+
+def _readable_now(conn: Connection) -> bool:
+    """Bytes are waiting on the connection (a read would not block)."""
+    sock = conn.sock
+    if getattr(sock, "pending", None) and sock.pending():  # TLS: decrypted bytes already in hand
+        return True
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class _Login:
@@ -140,6 +152,12 @@ class MetaqServer:
                     return
                 deadline = conn.deadline()
             events = parser.feed(view[:n])
+            gathered = n
+            while events and parser.buffered and gathered < GATHER_MAX and _readable_now(conn):
+                # a pipeline longer than a read: its rest is already here, so its puts make one batch
+                n = conn.recv_some(view, deadline)
+                events += parser.feed(view[:n])
+                gathered += n
 
     # -- requests -------------------------------------------------------------------------------------
     def answer(self, conn: Connection, events: list) -> bytes:
@@ -149,8 +167,12 @@ class MetaqServer:
         while i < len(events):
             event = events[i]
             if isinstance(event, text.PutRun):
-                out.append(self._put_run(conn, event))
-                i += 1
+                j = i + 1
+                while (j < len(events) and isinstance(events[j], text.PutRun) and events[j].topic == event.topic
+                       and events[j].partition == event.partition):
+                    j += 1
+                out.append(self._put_run(conn, text.PutRun.joined(events[i:j])))
+                i = j
                 continue
             if isinstance(event, text.Put) and event.tx is None:
                 j = i + 1
@@ -228,7 +250,7 @@ class MetaqServer:
                                                   body.crc))
             done = self.handler.put(self._principal(conn, topic), request)
             part = self.handler.store.partition(done.topic, done.partition)
-            position = metaq_positions.position_of(part, done.base_offset)[0]
+            position = metaq_positions.stream_position(part, done.base_offset)
         except Exception as e:  # noqa: BLE001 - every put of the batch gets the refusal
             return self._refusal(e, "metaq.put", opaques)
         finally:
@@ -263,7 +285,7 @@ class MetaqServer:
             fetched = handler.fetch(conn.principal, FetchRequest(get.topic, get.partition, offset, get.max_size),
                                     lambda: conn.active)
         except OffsetOutOfRangeError:  # retention removed it meanwhile: the next readable message
-            return mq_offsets.Moved(metaq_positions.position_of(part, part.earliest_offset)[0]), b""
+            return mq_offsets.Moved(metaq_positions.stream_position(part, part.earliest_offset)), b""
         w = metaq_reads.window(part, fetched.records)
         if w is not None and w.start_position > position and offset > part.earliest_offset:
             # a remembered position the log no longer has there (truncated since): looked up again
@@ -324,7 +346,7 @@ class MetaqServer:
                 for p in handler.describe_topic(principal, t.topic).partitions:
                     part = handler.store.partition(t.topic, p.partition)
                     pairs.append((f"{t.topic}-{p.partition}",
-                                  f"min_offset {metaq_positions.position_of(part, p.earliest)[0]} "
+                                  f"min_offset {metaq_positions.stream_position(part, p.earliest)} "
                                   f"max_offset {metaq_reads.visible_end(part, p.latest)}"))
         elif item == "config":  # the topics' settings as INI, not the broker's file (it may hold secrets)
             sections = [f"[topic={t.topic}]\r\n" + "".join(f"{k}={v}\r\n" for k, v in
@@ -357,8 +379,8 @@ class MetaqServer:
         request = rawput.Request(put.topic, put.partition, self._xid(put.tx),
                                  rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)), body.crc))
         done = self.handler.put(self._principal(conn, None), request)  # a transaction needs a named caller
-        position = metaq_positions.position_of(self.handler.store.partition(done.topic, done.partition),
-                                               done.base_offset)[0]
+        position = metaq_positions.stream_position(self.handler.store.partition(done.topic, done.partition),
+                                                   done.base_offset)
         return text.put_result(done.base_msg_id, done.partition, position, put.opaque)
 
     def _transaction(self, conn: Connection, tx: text.Transaction) -> bytes:

@@ -216,6 +216,17 @@ class PutRun:
     def __len__(self) -> int:
         return len(self.opaques)
 
+    @staticmethod
+    def joined(runs: list) -> "PutRun":
+        """Runs to one partition of one topic (reads of one pipeline) as one."""
+        if len(runs) == 1:
+            return runs[0]
+        bases = np.cumsum([0] + [int(r.offsets[-1]) for r in runs[:-1]])
+        offsets = np.concatenate([runs[0].offsets[:1]] + [r.offsets[1:] + b for r, b in zip(runs, bases)])
+        return PutRun(runs[0].topic, runs[0].partition, *(np.concatenate([getattr(r, f) for r in runs]) for f in
+                                                          ("flags", "checksums", "opaques", "data")),
+                      offsets.astype(np.int32))
+
     def puts(self) -> list:
         data, o = self.data.tobytes(), self.offsets.tolist()
         return [Put(self.topic, self.partition, f, c, None, op, data[o[i]:o[i + 1]], None)
