@@ -282,10 +282,10 @@ _SCAN = None
 
 
 def _scan():
-    """The compiled kernels and their CRC tables: imported on first use (numba takes a second to import,
-    more to compile once per machine, then its disk cache serves)."""
+    """The compiled kernels and their CRC tables, imported on first use."""
     global _SCAN
     if _SCAN is None:
+        # lazy: numba takes a second to import (more to compile once per machine, then its cache serves)
         from metaq_broker.protocol.metaq import _kernels
         _SCAN = (_kernels, _kernels.crc_tables())
     return _SCAN
