@@ -3,9 +3,10 @@
 The framing only: a connection's bytes go to ``protocol/metaq/text.py``'s ``RequestParser``, each request
 becomes calls of the broker's one ``RequestHandler`` (the same checks, ACLs, errors and counters as every
 other transport) and its answer a ``result`` or ``value`` reply, written in request order with the
-request's opaque. The requests a single read brought (a client pipelining) are answered together in one
-send, and consecutive puts among them to one partition of one topic, outside a transaction, are stored
-as one batch (one append, one acknowledgement), each answered with its own message id and position.
+request's opaque. The requests a single read brought (a client pipelining; read on while a request is
+incomplete and its rest already waiting) are answered together in one send, and consecutive puts among
+them to one partition of one topic, outside a transaction, are stored as one batch (one append, one
+acknowledgement), each answered with its own message id and position.
 
 MetaQ has no login: a connection's first bytes log it in (``Listener``'s pre-login limits apply to that
 wait), as its TLS client certificate's principal where one is required, else ANONYMOUS; ACLs then decide

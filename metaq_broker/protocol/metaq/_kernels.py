@@ -222,3 +222,10 @@ def format_put_results(ids, partition, positions, opaques, out):
         out[w] = 32
         w = _decimal(out, w + 1, positions[i])
     return w
+
+
+@njit(cache=True, nogil=True)
+def crcs(u8, offsets, table, out):
+    """CRC32 of each ``u8[offsets[i]:offsets[i + 1]]`` into ``out[i]`` (a ``get`` reply's messages)."""
+    for i in range(out.shape[0]):
+        out[i] = _crc(u8, offsets[i], offsets[i + 1] - offsets[i], table)

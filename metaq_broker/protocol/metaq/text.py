@@ -229,8 +229,9 @@ class PutRun:
 
     def puts(self) -> list:
         data, o = self.data.tobytes(), self.offsets.tolist()
+        columns = zip(self.flags.tolist(), self.checksums.tolist(), self.opaques.tolist())
         return [Put(self.topic, self.partition, f, c, None, op, data[o[i]:o[i + 1]], None)
-                for i, (f, c, op) in enumerate(zip(self.flags.tolist(), self.checksums.tolist(), self.opaques.tolist()))]
+                for i, (f, c, op) in enumerate(columns)]
 
 
 Event = Union[Put, PutRun, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected]
@@ -281,7 +282,7 @@ _MIN_PUT = len(b"put t 0 0 0 0 0\r\n")
 _SCAN = None
 
 
-def _scan():
+def compiled():
     """The compiled kernels and their CRC tables, imported on first use."""
     global _SCAN
     if _SCAN is None:
@@ -298,6 +299,8 @@ def warm_up() -> None:
     parser.feed(b"put t 0 1 0 %d 1\r\nxput t 0 1 0 -1 2\r\ny" % (zlib.crc32(b"x") & CHECKSUM_MASK))
     put_results(np.zeros(RESULTS_COMPILED_FROM, np.int64), 0, np.zeros(RESULTS_COMPILED_FROM, np.int64),
                 [0] * RESULTS_COMPILED_FROM)
+    kernels, table = compiled()
+    kernels.crcs(np.zeros(1, np.uint8), np.zeros(2, np.int64), table, np.zeros(1, np.int64))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,7 +389,7 @@ class RequestParser:
     def _put_run(self, buf: bytearray, events: list) -> bool:
         """The puts from here that ``_kernels.scan_puts`` accepts, as one ``PutRun``; False (nothing
         taken) when it accepts none."""
-        kernels, table = _scan()
+        kernels, table = compiled()
         u8 = np.frombuffer(buf, np.uint8)  # a view: released before ``feed`` trims the buffer
         try:
             out = np.empty(((len(buf) - self._pos) // _MIN_PUT + 1, 5), np.int64)
@@ -617,7 +620,7 @@ def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaq
     compiled ``format_put_results``, else the lengths counted with numpy and one formatting per reply."""
     n = len(msg_ids)
     if n >= RESULTS_COMPILED_FROM:
-        kernels = _scan()[0]
+        kernels = compiled()[0]
         out = np.empty(n * kernels.REPLY_MAX, np.uint8)
         w = kernels.format_put_results(np.asarray(msg_ids, np.int64), partition, np.asarray(positions, np.int64),
                                        np.asarray(opaques, np.int64), out)
