@@ -103,12 +103,12 @@ ODD = {"topic": ["日本".encode(), b"t" * 255, b"t" * 256, b"t\x7f"],
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(requests(), min_size=1, max_size=30), st.lists(st.integers(0, 1 << 16), max_size=6),
-       st.sampled_from([1000, 5000, 3]))
-def test_pipelined_buffers_are_answered_as_line_by_line(reqs, cuts, max_message_size):
+       st.sampled_from([1000, 5000, 3]), st.sampled_from([0, 0, 2]))
+def test_pipelined_buffers_are_answered_as_line_by_line(reqs, cuts, max_message_size, backoff):
     wire = b"".join(reqs) + b"version 7\r\n"
     expected = per_line(wire, max_message_size)
-    assert expand(text.RequestParser(max_message_size, run_min_bytes=0).feed(wire)) == expected
-    split = text.RequestParser(max_message_size, run_min_bytes=0)
+    assert expand(text.RequestParser(max_message_size, run_min_bytes=0, scan_backoff=backoff).feed(wire)) == expected
+    split = text.RequestParser(max_message_size, run_min_bytes=0, scan_backoff=backoff)
     events, prev = [], 0
     for c in sorted(c % (len(wire) + 1) for c in cuts) + [len(wire)]:
         events += split.feed(wire[prev:c])
@@ -120,7 +120,7 @@ def test_plain_puts_to_one_partition_become_one_run_and_anything_else_ends_it():
     good = [put_line(body=b"v%d" % i, opaque=b"%d" % i) for i in range(5)]
     wire = b"".join(good[:3] + [put_line(body=b"bad", checksum=b"7")] + good[3:] + [put_line(topic=b"u")] +
                     [put_line(partition=b"1")] + [put_line(body=b"ab", flag=b"1")])
-    events = text.RequestParser(run_min_bytes=0).feed(wire)
+    events = text.RequestParser(run_min_bytes=0, scan_backoff=0).feed(wire)
     assert [type(e).__name__ for e in events] == ["PutRun", "Rejected", "PutRun", "PutRun", "PutRun", "Rejected"]
     assert [len(events[i]) for i in (0, 2, 3, 4)] == [3, 2, 1, 1]
     assert [p.value for p in events[0].puts()] == [b"v0", b"v1", b"v2"] and events[3].topic == "u"
@@ -130,12 +130,12 @@ def test_plain_puts_to_one_partition_become_one_run_and_anything_else_ends_it():
 
 def test_a_run_takes_bodies_larger_than_big_body_no_more():
     big = put_line(body=b"z" * 5000, checksum=b"-1")
-    events = text.RequestParser(run_min_bytes=0).feed(put_line() + big + put_line())
+    events = text.RequestParser(run_min_bytes=0, scan_backoff=0).feed(put_line() + big + put_line())
     assert [type(e).__name__ for e in events] == ["PutRun", "Put", "PutRun"]
 
 
 def test_the_tail_of_an_over_long_line_is_never_read_as_a_put():
-    p = text.RequestParser(max_line=20, run_min_bytes=0)
+    p = text.RequestParser(max_line=20, run_min_bytes=0, scan_backoff=0)
     assert p.feed(b"a" * 30)[0].code == text.Code.BAD_REQUEST
     assert p.feed(b"put t 0 0 0 -1 1\r\nversion 5\r\n") == [text.Version(5)]
     p = text.RequestParser(max_line=20)
@@ -146,7 +146,8 @@ def test_the_tail_of_an_over_long_line_is_never_read_as_a_put():
 @pytest.mark.parametrize("field,value", [(f, v) for f, values in ODD.items() for v in values])
 def test_each_odd_field_between_plain_puts_is_answered_as_line_by_line(field, value):
     wire = put_line() + put_line(**{field: value}) + put_line(opaque=b"3") + b"version 7\r\n"
-    assert expand(text.RequestParser(run_min_bytes=0).feed(wire)) == per_line(wire, text.MAX_MESSAGE_SIZE)
+    events = text.RequestParser(run_min_bytes=0, scan_backoff=0).feed(wire)
+    assert expand(events) == per_line(wire, text.MAX_MESSAGE_SIZE)
 
 
 @settings(max_examples=100, deadline=None)
@@ -163,6 +164,13 @@ def test_compiled_put_results_are_put_result_each(rows, partition):
 @given(st.binary(max_size=300))
 def test_the_scan_checks_crc32_as_zlib(body):
     right, wrong = zlib.crc32(body) & 0x7FFFFFFF, (zlib.crc32(body) + 1) & 0x7FFFFFFF
-    events = text.RequestParser(run_min_bytes=0).feed(put_line(body=body, checksum=b"%d" % right) +
+    events = text.RequestParser(run_min_bytes=0, scan_backoff=0).feed(put_line(body=body, checksum=b"%d" % right) +
                                                       put_line(body=body, checksum=b"%d" % wrong))
     assert isinstance(events[0], text.PutRun) and isinstance(events[1], text.Rejected)
+
+
+def test_after_a_put_the_scan_does_not_take_the_next_puts_take_the_other_paths_then_scans_resume():
+    wire = put_line(body=b"\0\0\0\0v", flag=b"1") + b"".join(put_line(opaque=b"%d" % i) for i in range(4))
+    events = text.RequestParser(run_min_bytes=0, scan_backoff=2).feed(wire)
+    assert [type(e).__name__ for e in events] == ["Put", "Put", "Put", "PutRun"] and len(events[-1]) == 2
+    assert expand(events) == per_line(wire, text.MAX_MESSAGE_SIZE)

@@ -154,7 +154,7 @@ class MetaqServer:
                 deadline = conn.deadline()
             events = parser.feed(view[:n])
             gathered = n
-            while events and parser.buffered and gathered < GATHER_MAX and _readable_now(conn):
+            while events and parser.buffered and not parser.closed and gathered < GATHER_MAX and _readable_now(conn):
                 # a pipeline longer than a read: its rest is already here, so its puts make one batch
                 n = conn.recv_some(view, deadline)
                 events += parser.feed(view[:n])

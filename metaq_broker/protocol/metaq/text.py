@@ -278,7 +278,8 @@ def _guess_opaque(tokens: list) -> int:
 # The compiled scan of pipelined puts (``_kernels.py``)
 
 RUN_MIN_BYTES = 1024  # a read with fewer bytes left takes the per-line paths: a scan costs a few microseconds
-_MIN_PUT = len(b"put t 0 0 0 0 0\r\n")
+SCAN_BACKOFF = 16
+RUN_MAX_PUTS = 1024  # puts a scan takes at most (40 KiB of columns kept per connection); the next scan goes on
 _SCAN = None
 
 
@@ -295,7 +296,7 @@ def compiled():
 def warm_up() -> None:
     """Load (or on first use on this machine, compile) the put scan, so a broker's first client does not
     wait for it."""
-    parser = RequestParser(run_min_bytes=0)
+    parser = RequestParser(run_min_bytes=0, scan_backoff=0)
     parser.feed(b"put t 0 1 0 %d 1\r\nxput t 0 1 0 -1 2\r\ny" % (zlib.crc32(b"x") & CHECKSUM_MASK))
     put_results(np.zeros(RESULTS_COMPILED_FROM, np.int64), 0, np.zeros(RESULTS_COMPILED_FROM, np.int64),
                 [0] * RESULTS_COMPILED_FROM)
@@ -312,16 +313,20 @@ class RequestParser:
 
     ``max_message_size``: the largest put body accepted (a put with an attribute may send 4 bytes more:
     the attribute's length is not stored). ``max_line``: the longest command line. ``run_min_bytes``: from
-    how many buffered bytes a ``put`` starts a compiled scan for a ``PutRun``."""
+    how many buffered bytes a ``put`` starts a compiled scan for a ``PutRun``; ``scan_backoff``: puts taken
+    by the other paths, without a scan, after a scan that took none (a pipeline of puts with attributes
+    would pay a failed scan, ~1 µs, each)."""
 
     def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE, max_line: int = MAX_LINE,
-                 run_min_bytes: int = RUN_MIN_BYTES):
+                 run_min_bytes: int = RUN_MIN_BYTES, scan_backoff: int = SCAN_BACKOFF):
         self.max_message_size, self.max_line, self.run_min_bytes = max_message_size, max_line, run_min_bytes
+        self.scan_backoff, self._backoff = scan_backoff, 0
         self._buf = bytearray()
         self._pos = 0
         self._body: Optional[tuple] = None  # (put tokens..., length) of the put whose body is awaited
         self._skip = 0  # body bytes still to read past (a refused put's, a sync's)
         self._discarding = False  # reading past an over-long line up to its CRLF
+        self._out, self._head = None, np.empty(3, np.int64)  # ``_put_run``'s columns
         self.closed = False  # after quit or a loss of framing: nothing more is read
 
     @property
@@ -362,9 +367,15 @@ class RequestParser:
                 head, self._body = self._body, None
                 events.append(self._put(head, data))
                 continue
-            if not self._discarding and buf.startswith(b"put ", self._pos) and (
-                    avail >= self.run_min_bytes and self._put_run(buf, events) or self._fast_put(buf, events)):
-                continue
+            if not self._discarding and buf.startswith(b"put ", self._pos):
+                if self._backoff:
+                    self._backoff -= 1
+                elif avail >= self.run_min_bytes:
+                    if self._put_run(buf, events):
+                        continue
+                    self._backoff = self.scan_backoff  # a put the scan does not take: likely more of its kind
+                if self._fast_put(buf, events):
+                    continue
             end = buf.find(CRLF, self._pos)
             if self._discarding:
                 if end < 0:
@@ -392,8 +403,9 @@ class RequestParser:
         kernels, table = compiled()
         u8 = np.frombuffer(buf, np.uint8)  # a view: released before ``feed`` trims the buffer
         try:
-            out = np.empty(((len(buf) - self._pos) // _MIN_PUT + 1, 5), np.int64)
-            head = np.empty(3, np.int64)
+            if self._out is None:  # kept: a fresh array each scan costs more than a failed scan
+                self._out = np.empty((RUN_MAX_PUTS, 5), np.int64)
+            out, head = self._out, self._head
             n, end = kernels.scan_puts(u8, self._pos, len(buf), self.max_message_size, table, out, head)
             if not n:
                 return False
@@ -406,7 +418,7 @@ class RequestParser:
         finally:
             del u8
         events.append(PutRun(topic, int(head[2]), out[:n, 1].astype(np.int32), out[:n, 2].copy(),
-                             out[:n, 3].copy(), data, offsets))
+                             out[:n, 3].copy(), data, offsets))  # copies: ``out`` is the next scan's
         self._pos = int(end)
         return True
 
