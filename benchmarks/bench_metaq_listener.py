@@ -70,9 +70,7 @@ class Wire:
             if not chunk:
                 raise ConnectionError("the broker closed the connection")
             self.buf += chunk
-        end = 0
-        for _ in range(n):
-            end = self.buf.index(b"\r\n", end) + 2
+        end = len(self.buf) - len(self.buf.split(b"\r\n", n)[-1])  # after the n-th reply's line (one C call)
         end = self.buf.find(b"result", end)
         end = len(self.buf) if end < 0 else end
         if self.buf.count(b"result 200 ", 0, end) != n:

@@ -60,7 +60,7 @@ class FakeMetaqBroker:
                 data = conn.recv(1 << 16)
                 if not data:
                     return
-                for event in parser.feed(data):
+                for event in (p for e in parser.feed(data) for p in (e.puts() if isinstance(e, T.PutRun) else [e])):
                     if isinstance(event, T.Quit):
                         return
                     with self.lock:

@@ -26,18 +26,23 @@ def position_of(part, offset: int) -> tuple:
     """(MetaQ position of logical ``offset``, id of the message before it or -1): where a MetaQ consumer
     resumes to read ``offset`` next. ``offset`` is clamped to [log start, log end]."""
     offset = max(int(offset), part.earliest_offset)
+    return stream_position(part, offset), _msg_id(part, offset - 1) if offset > part.earliest_offset else -1
+
+
+def stream_position(part, offset: int) -> int:
+    """``position_of`` without the id (one read less: the put path asks this once per batch it stores)."""
+    offset = max(int(offset), part.earliest_offset)
     end_position = part.metaq_end  # read before the batch: an empty read below means no batch at ``offset`` yet
     try:
         batch = _batch_holding(part, offset)
     except OffsetOutOfRangeError:
         batch = None
     if batch is None:
-        position = end_position
-    else:
-        start, sizes, header = batch
-        position = start + int(sizes[: offset - header.base_offset].sum())
-    before = _msg_id(part, offset - 1) if offset > part.earliest_offset else -1
-    return position, before
+        return end_position
+    start, u8, header = batch
+    if offset == header.base_offset:  # a batch's first message: no sizes to add
+        return start
+    return start + int(records.metaq_message_sizes(u8, np.zeros(1, np.int64))[: offset - header.base_offset].sum())
 
 
 def offset_at(part, msg_id: int, position: int) -> int:
@@ -46,14 +51,14 @@ def offset_at(part, msg_id: int, position: int) -> int:
     one it falls in: nothing is skipped), the log start below it, the last stable offset beyond it."""
     if msg_id >= 0:
         found = part.offset_for_msg_id(msg_id)
-        if found is not None and position_of(part, found + 1)[0] == position:
+        if found is not None and stream_position(part, found + 1) == position:
             return found + 1
     lo, hi = part.earliest_offset, part.last_stable_offset
-    if position >= position_of(part, hi)[0]:
+    if position >= stream_position(part, hi):
         return hi
     while lo < hi:  # the last offset whose position is <= ``position`` (lo's is, or lo is the log start)
         mid = (lo + hi + 1) // 2
-        if position_of(part, mid)[0] <= position:
+        if stream_position(part, mid) <= position:
             lo = mid
         else:
             hi = mid - 1
@@ -61,16 +66,15 @@ def offset_at(part, msg_id: int, position: int) -> int:
 
 
 def _batch_holding(part, offset: int) -> Optional[tuple]:
-    """(MetaQ position of its first message, its messages' MetaQ sizes, its header) of the batch holding
-    ``offset``, settled or not; None at the log end."""
+    """(MetaQ position of its first message, its bytes, its header) of the batch holding ``offset``, settled
+    or not; None at the log end."""
     r = part.read(offset, 1, end=offset + 1)
     if not len(r.data):
         return None
     u8 = r.data
     header = records.parse_header(u8, 0)
-    sizes = records.metaq_message_sizes(u8, np.zeros(1, np.int64))
     start = header.byte_base if header.byte_base >= 0 else version2_start(part, header.base_offset)
-    return start, sizes, header
+    return start, u8, header
 
 
 def version2_start(part, base_offset: int) -> int:

@@ -78,7 +78,7 @@ def at_end(position: int, end: int) -> mq_offsets.Answer:
 
 def visible_end(part, last_stable: int) -> int:
     """The byte position of the last stable offset: MetaQ's "max offset" for readers."""
-    return metaq_positions.position_of(part, last_stable)[0]
+    return metaq_positions.stream_position(part, last_stable)
 
 
 def message_set(result, served: mq_offsets.Serve) -> bytes:

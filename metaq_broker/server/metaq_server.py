@@ -3,9 +3,10 @@
 The framing only: a connection's bytes go to ``protocol/metaq/text.py``'s ``RequestParser``, each request
 becomes calls of the broker's one ``RequestHandler`` (the same checks, ACLs, errors and counters as every
 other transport) and its answer a ``result`` or ``value`` reply, written in request order with the
-request's opaque. The requests a single read brought (a client pipelining) are answered together in one
-send, and consecutive puts among them to one partition of one topic, outside a transaction, are stored
-as one batch (one append, one acknowledgement), each answered with its own message id and position.
+request's opaque. The requests a single read brought (a client pipelining; read on while a request is
+incomplete and its rest already waiting) are answered together in one send, and consecutive puts among
+them to one partition of one topic, outside a transaction, are stored as one batch (one append, one
+acknowledgement), each answered with its own message id and position.
 
 MetaQ has no login: a connection's first bytes log it in (``Listener``'s pre-login limits apply to that
 wait), as its TLS client certificate's principal where one is required, else ANONYMOUS; ACLs then decide
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import time
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 from metaq_broker import __version__
 from metaq_broker.errors import (AuthorizationError, ConfigError, InvalidPartitionError, MetaqError,
@@ -46,6 +49,7 @@ IDLE_TIMEOUT_S = 600.0  # MetaQ clients send ``version`` as a heartbeat well wit
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_SIZE = 256 << 10  # bytes read from the socket at a time, once logged in
+GATHER_MAX = 4 * READ_SIZE  # bytes read before answering while a request is incomplete and more is waiting
 FIRST_READ = text.MAX_LINE  # before: a connection costs no more than its first line's worth
 
 
@@ -67,6 +71,16 @@ def metaq_listener(host: str, port: int, auth) -> Listener:
     """The MetaQ port's listener on ``host:port`` (0: any free port), listening, not serving yet: TLS
     unless security.protocol is PLAINTEXT (MetaQ 1.4 clients speak plain TCP: put a TLS proxy beside them)."""
     return Listener("metaq", host, port, LIMITS, auth.data_port_context())
+
+
+def _readable_now(conn: Connection) -> bool:
+    """Bytes are waiting on the connection (a read would not block)."""
+    sock = conn.sock
+    if getattr(sock, "pending", None) and sock.pending():  # TLS: decrypted bytes already in hand
+        return True
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class _Login:
@@ -106,6 +120,7 @@ class MetaqServer:
         self._long_keys: dict = {}  # xid -> an XA key too long to be the xid itself (``_xid``)
 
     def start(self) -> "MetaqServer":
+        text.warm_up()  # the compiled put scan loaded (or compiled) now, not in a client's first pipeline
         self.listener.start(self)
         return self
 
@@ -138,6 +153,12 @@ class MetaqServer:
                     return
                 deadline = conn.deadline()
             events = parser.feed(view[:n])
+            gathered = n
+            while events and parser.buffered and not parser.closed and gathered < GATHER_MAX and _readable_now(conn):
+                # a pipeline longer than a read: its rest is already here, so its puts make one batch
+                n = conn.recv_some(view, deadline)
+                events += parser.feed(view[:n])
+                gathered += n
 
     # -- requests -------------------------------------------------------------------------------------
     def answer(self, conn: Connection, events: list) -> bytes:
@@ -146,6 +167,14 @@ class MetaqServer:
         i = 0
         while i < len(events):
             event = events[i]
+            if isinstance(event, text.PutRun):
+                j = i + 1
+                while (j < len(events) and isinstance(events[j], text.PutRun) and events[j].topic == event.topic
+                       and events[j].partition == event.partition):
+                    j += 1
+                out.append(self._put_run(conn, text.PutRun.joined(events[i:j])))
+                i = j
+                continue
             if isinstance(event, text.Put) and event.tx is None:
                 j = i + 1
                 while (j < len(events) and isinstance(events[j], text.Put) and events[j].tx is None
@@ -196,27 +225,41 @@ class MetaqServer:
 
     def _puts(self, conn: Connection, puts: list) -> bytes:
         """Consecutive puts to one partition, stored as one batch; a reply each."""
-        first = puts[0]
+        n = len(puts)
+        attributes = [p.attribute for p in puts]
+        return self._batch(conn, puts[0].topic, puts[0].partition, [p.value for p in puts], attributes,
+                           np.fromiter((p.flag for p in puts), np.int64, n),
+                           np.fromiter((len(p.value) for p in puts), np.int64, n),
+                           np.fromiter((-1 if a is None else len(a.encode()) for a in attributes), np.int64, n),
+                           [p.opaque for p in puts])
+
+    def _put_run(self, conn: Connection, run: text.PutRun) -> bytes:
+        """A ``PutRun`` (no attributes) stored as one batch, its values an Arrow column over the run's bytes."""
+        values = pa.BinaryArray.from_buffers(pa.binary(), len(run), [None, pa.py_buffer(run.offsets),
+                                                                     pa.py_buffer(run.data)])
+        return self._batch(conn, run.topic, run.partition, values, None, run.flags, np.diff(run.offsets), None,
+                           run.opaques)
+
+    def _batch(self, conn: Connection, topic: str, partition: int, values, attributes, flags,
+               value_lengths: np.ndarray, attribute_lengths, opaques) -> bytes:
+        """Puts to one partition stored as one batch (one append, one acknowledgement); a reply each, in order."""
         started = time.monotonic()
         try:
-            body = records.encode_body([p.value for p in puts], attributes=[p.attribute for p in puts],
-                                       flags=np.fromiter((p.flag for p in puts), np.int64, len(puts)))
-            request = rawput.Request(first.topic, first.partition, "",
+            body = records.encode_body(values, attributes=attributes, flags=flags)
+            request = rawput.Request(topic, partition, "",
                                      rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)),
                                                   body.crc))
-            done = self.handler.put(self._principal(conn, first.topic), request)
+            done = self.handler.put(self._principal(conn, topic), request)
             part = self.handler.store.partition(done.topic, done.partition)
-            position = metaq_positions.position_of(part, done.base_offset)[0]
+            position = metaq_positions.stream_position(part, done.base_offset)
         except Exception as e:  # noqa: BLE001 - every put of the batch gets the refusal
-            return self._refusal(e, "metaq.put", [p.opaque for p in puts])
+            return self._refusal(e, "metaq.put", opaques)
         finally:
             self.handler.observe("metaq.put", time.monotonic() - started)
-        sizes = message_sizes(np.fromiter((len(p.value) for p in puts), np.int64, len(puts)),
-                              np.fromiter((-1 if p.attribute is None else len(p.attribute.encode()) for p in puts),
-                                          np.int64, len(puts)))
+        sizes = message_sizes(value_lengths, attribute_lengths)
         starts = position + np.cumsum(sizes) - sizes
-        ids = np.arange(done.base_msg_id, done.base_msg_id + len(puts), dtype=np.int64)
-        return text.put_results(ids, done.partition, starts, [p.opaque for p in puts])
+        ids = np.arange(done.base_msg_id, done.base_msg_id + len(opaques), dtype=np.int64)
+        return text.put_results(ids, done.partition, starts, opaques)
 
     def _get(self, conn: Connection, get: text.Get) -> bytes:
         try:
@@ -243,7 +286,7 @@ class MetaqServer:
             fetched = handler.fetch(conn.principal, FetchRequest(get.topic, get.partition, offset, get.max_size),
                                     lambda: conn.active)
         except OffsetOutOfRangeError:  # retention removed it meanwhile: the next readable message
-            return mq_offsets.Moved(metaq_positions.position_of(part, part.earliest_offset)[0]), b""
+            return mq_offsets.Moved(metaq_positions.stream_position(part, part.earliest_offset)), b""
         w = metaq_reads.window(part, fetched.records)
         if w is not None and w.start_position > position and offset > part.earliest_offset:
             # a remembered position the log no longer has there (truncated since): looked up again
@@ -304,7 +347,7 @@ class MetaqServer:
                 for p in handler.describe_topic(principal, t.topic).partitions:
                     part = handler.store.partition(t.topic, p.partition)
                     pairs.append((f"{t.topic}-{p.partition}",
-                                  f"min_offset {metaq_positions.position_of(part, p.earliest)[0]} "
+                                  f"min_offset {metaq_positions.stream_position(part, p.earliest)} "
                                   f"max_offset {metaq_reads.visible_end(part, p.latest)}"))
         elif item == "config":  # the topics' settings as INI, not the broker's file (it may hold secrets)
             sections = [f"[topic={t.topic}]\r\n" + "".join(f"{k}={v}\r\n" for k, v in
@@ -337,8 +380,8 @@ class MetaqServer:
         request = rawput.Request(put.topic, put.partition, self._xid(put.tx),
                                  rawput.Batch(body.count, body.attributes, memoryview(b"".join(body.parts)), body.crc))
         done = self.handler.put(self._principal(conn, None), request)  # a transaction needs a named caller
-        position = metaq_positions.position_of(self.handler.store.partition(done.topic, done.partition),
-                                               done.base_offset)[0]
+        position = metaq_positions.stream_position(self.handler.store.partition(done.topic, done.partition),
+                                                   done.base_offset)
         return text.put_result(done.base_msg_id, done.partition, position, put.opaque)
 
     def _transaction(self, conn: Connection, tx: text.Transaction) -> bytes:

@@ -200,7 +200,41 @@ class Rejected:
     close: bool = False
 
 
-Event = Union[Put, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected]
+@dataclass(slots=True, eq=False)
+class PutRun:
+    """Consecutive plain puts to one partition of one topic (7 tokens, no attribute, no transaction, the
+    checksum verified), found in one read by the compiled scan: columns instead of a ``Put`` each. The i-th
+    value is ``data[offsets[i]:offsets[i + 1]]``; ``puts()`` gives the ``Put`` events the general path would."""
+    topic: str
+    partition: int
+    flags: np.ndarray  # int32
+    checksums: np.ndarray  # int64
+    opaques: np.ndarray  # int64
+    data: np.ndarray  # uint8: the bodies one after another
+    offsets: np.ndarray  # int32, one more than the puts
+
+    def __len__(self) -> int:
+        return len(self.opaques)
+
+    @staticmethod
+    def joined(runs: list) -> "PutRun":
+        """Runs to one partition of one topic (reads of one pipeline) as one."""
+        if len(runs) == 1:
+            return runs[0]
+        bases = np.cumsum([0] + [int(r.offsets[-1]) for r in runs[:-1]])
+        offsets = np.concatenate([runs[0].offsets[:1]] + [r.offsets[1:] + b for r, b in zip(runs, bases)])
+        return PutRun(runs[0].topic, runs[0].partition, *(np.concatenate([getattr(r, f) for r in runs]) for f in
+                                                          ("flags", "checksums", "opaques", "data")),
+                      offsets.astype(np.int32))
+
+    def puts(self) -> list:
+        data, o = self.data.tobytes(), self.offsets.tolist()
+        columns = zip(self.flags.tolist(), self.checksums.tolist(), self.opaques.tolist())
+        return [Put(self.topic, self.partition, f, c, None, op, data[o[i]:o[i + 1]], None)
+                for i, (f, c, op) in enumerate(columns)]
+
+
+Event = Union[Put, PutRun, Get, OffsetQuery, Version, Stats, Quit, Transaction, Rejected]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,6 +275,36 @@ def _guess_opaque(tokens: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The compiled scan of pipelined puts (``_kernels.py``)
+
+RUN_MIN_BYTES = 1024  # a read with fewer bytes left takes the per-line paths: a scan costs a few microseconds
+SCAN_BACKOFF = 16
+RUN_MAX_PUTS = 1024  # puts a scan takes at most (40 KiB of columns kept per connection); the next scan goes on
+_SCAN = None
+
+
+def compiled():
+    """The compiled kernels and their CRC tables, imported on first use."""
+    global _SCAN
+    if _SCAN is None:
+        # lazy: numba takes a second to import (more to compile once per machine, then its cache serves)
+        from metaq_broker.protocol.metaq import _kernels
+        _SCAN = (_kernels, _kernels.crc_tables())
+    return _SCAN
+
+
+def warm_up() -> None:
+    """Load (or on first use on this machine, compile) the put scan, so a broker's first client does not
+    wait for it."""
+    parser = RequestParser(run_min_bytes=0, scan_backoff=0)
+    parser.feed(b"put t 0 1 0 %d 1\r\nxput t 0 1 0 -1 2\r\ny" % (zlib.crc32(b"x") & CHECKSUM_MASK))
+    put_results(np.zeros(RESULTS_COMPILED_FROM, np.int64), 0, np.zeros(RESULTS_COMPILED_FROM, np.int64),
+                [0] * RESULTS_COMPILED_FROM)
+    kernels, table = compiled()
+    kernels.crcs(np.zeros(1, np.uint8), np.zeros(2, np.int64), table, np.zeros(1, np.int64))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The parser
 
 
@@ -248,15 +312,21 @@ class RequestParser:
     """Incremental parser of one connection's requests. ``feed`` bytes, get events in request order.
 
     ``max_message_size``: the largest put body accepted (a put with an attribute may send 4 bytes more:
-    the attribute's length is not stored). ``max_line``: the longest command line."""
+    the attribute's length is not stored). ``max_line``: the longest command line. ``run_min_bytes``: from
+    how many buffered bytes a ``put`` starts a compiled scan for a ``PutRun``; ``scan_backoff``: puts taken
+    by the other paths, without a scan, after a scan that took none (a pipeline of puts with attributes
+    would pay a failed scan, ~1 µs, each)."""
 
-    def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE, max_line: int = MAX_LINE):
-        self.max_message_size, self.max_line = max_message_size, max_line
+    def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE, max_line: int = MAX_LINE,
+                 run_min_bytes: int = RUN_MIN_BYTES, scan_backoff: int = SCAN_BACKOFF):
+        self.max_message_size, self.max_line, self.run_min_bytes = max_message_size, max_line, run_min_bytes
+        self.scan_backoff, self._backoff = scan_backoff, 0
         self._buf = bytearray()
         self._pos = 0
         self._body: Optional[tuple] = None  # (put tokens..., length) of the put whose body is awaited
         self._skip = 0  # body bytes still to read past (a refused put's, a sync's)
         self._discarding = False  # reading past an over-long line up to its CRLF
+        self._out, self._head = None, np.empty(3, np.int64)  # ``_put_run``'s columns
         self.closed = False  # after quit or a loss of framing: nothing more is read
 
     @property
@@ -297,8 +367,15 @@ class RequestParser:
                 head, self._body = self._body, None
                 events.append(self._put(head, data))
                 continue
-            if buf.startswith(b"put ", self._pos) and self._fast_put(buf, events):
-                continue
+            if not self._discarding and buf.startswith(b"put ", self._pos):
+                if self._backoff:
+                    self._backoff -= 1
+                elif avail >= self.run_min_bytes:
+                    if self._put_run(buf, events):
+                        continue
+                    self._backoff = self.scan_backoff  # a put the scan does not take: likely more of its kind
+                if self._fast_put(buf, events):
+                    continue
             end = buf.find(CRLF, self._pos)
             if self._discarding:
                 if end < 0:
@@ -319,6 +396,31 @@ class RequestParser:
             event = self._line(line)
             if event is not None:
                 events.append(event)
+
+    def _put_run(self, buf: bytearray, events: list) -> bool:
+        """The puts from here that ``_kernels.scan_puts`` accepts, as one ``PutRun``; False (nothing
+        taken) when it accepts none."""
+        kernels, table = compiled()
+        u8 = np.frombuffer(buf, np.uint8)  # a view: released before ``feed`` trims the buffer
+        try:
+            if self._out is None:  # kept: a fresh array each scan costs more than a failed scan
+                self._out = np.empty((RUN_MAX_PUTS, 5), np.int64)
+            out, head = self._out, self._head
+            n, end = kernels.scan_puts(u8, self._pos, len(buf), self.max_message_size, table, out, head)
+            if not n:
+                return False
+            lengths = out[:n, 0]
+            offsets = np.zeros(n + 1, np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            data = np.empty(int(offsets[-1]), np.uint8)
+            kernels.gather(u8, out[:n, 4].copy(), lengths.copy(), data)
+            topic = bytes(u8[head[0]:head[0] + head[1]]).decode("ascii")
+        finally:
+            del u8
+        events.append(PutRun(topic, int(head[2]), out[:n, 1].astype(np.int32), out[:n, 2].copy(),
+                             out[:n, 3].copy(), data, offsets))  # copies: ``out`` is the next scan's
+        self._pos = int(end)
+        return True
 
     def _fast_put(self, buf: bytearray, events: list) -> bool:
         """The common put (7 tokens, a numeric checksum, an ASCII topic, its body already here) in one
@@ -522,9 +624,21 @@ def _digits(a: np.ndarray) -> np.ndarray:
     return 1 + np.searchsorted(_POWERS_OF_TEN, a, side="right")
 
 
-def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaques: list) -> bytes:
-    """``put_result`` of many puts at once (a pipelined batch): the lengths counted with numpy, one
-    formatting per reply."""
+RESULTS_COMPILED_FROM = 32  # puts: fewer are formatted in Python (no kernel to load for a few)
+
+
+def put_results(msg_ids: np.ndarray, partition: int, positions: np.ndarray, opaques) -> bytes:
+    """``put_result`` of many puts at once (a pipelined batch): from ``RESULTS_COMPILED_FROM`` puts by the
+    compiled ``format_put_results``, else the lengths counted with numpy and one formatting per reply."""
+    n = len(msg_ids)
+    if n >= RESULTS_COMPILED_FROM:
+        kernels = compiled()[0]
+        out = np.empty(n * kernels.REPLY_MAX, np.uint8)
+        w = kernels.format_put_results(np.asarray(msg_ids, np.int64), partition, np.asarray(positions, np.int64),
+                                       np.asarray(opaques, np.int64), out)
+        return out[:w].tobytes()
+    if not isinstance(opaques, list):
+        opaques = opaques.tolist()
     lengths = _digits(msg_ids) + len(str(partition)) + _digits(positions) + 2
     form = (b"result 200 %%d %%d\r\n%%d %d %%d" % partition).__mod__
     return b"".join(map(form, zip(lengths.tolist(), opaques, msg_ids.tolist(), positions.tolist())))
