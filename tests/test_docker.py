@@ -195,7 +195,8 @@ def test_entrypoint_starts_the_broker_with_the_mapped_config_and_stops_cleanly_o
     port, data = free_port(), tmp_path / "data"
     env = clean_env(METAQ_BROKER_ID="7", METAQ_ZK_CONNECT="none", METAQ_HOST_NAME="127.0.0.1",
                     METAQ_SERVER_PORT=str(port), METAQ_DATA_PATH=str(data), METAQ_NUM_PARTITIONS="3",
-                    METAQ_DELETE_POLICY="archive,12", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+                    METAQ_DELETE_POLICY="archive,12", METAQ_KAFKA_PORT="0", TMPDIR=str(tmp_path),
+                    PYTHONUNBUFFERED="1")
     assert entrypoint(env, "health").returncode == 1  # nothing listens yet: unhealthy
     log = open(tmp_path / "broker.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.tools.container"], env=env, stdout=log,
@@ -319,7 +320,8 @@ def test_compose_members_form_a_group_through_the_real_entrypoint(tmp_path, zook
         for name, s in compose_members(compose()).items():
             env = clean_env(**{**container_env(s), **dict(
                 METAQ_HOST_NAME="127.0.0.1", METAQ_SERVER_PORT=str(free_port()), METAQ_DATA_PORT=str(free_port()),
-                METAQ_METRICS_PORT=str(free_port()), METAQ_DATA_PATH=str(tmp_path / name),
+                METAQ_METRICS_PORT=str(free_port()), METAQ_KAFKA_PORT="0",  # one host here, a container each there
+                METAQ_DATA_PATH=str(tmp_path / name),
                 METAQ_ZK_CONNECT=zookeeper.connect_string, METAQ_ZK_ROOT=zk_root, TMPDIR=str(tmp_path),
                 PYTHONUNBUFFERED="1")})
             logs.append(open(tmp_path / f"{name}.log", "w+"))
