@@ -35,7 +35,7 @@ def broker(tmp_path):
     ini = tmp_path / "broker.ini"
     ini.write_text("[system]\nnumPartitions=2\nmaxSegmentSize=4096\nmaxMessageSize=65536\n\n"
                    f"[topic={TOPIC}]\n\n[topic=small]\nnumPartitions=1\n")
-    b = Broker(load(str(ini), {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": "0",
+    b = Broker(load(str(ini), {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "kafkaPort": "0", "metaqPort": "0",
                                "dataPath": str(tmp_path / "data")})).start()
     yield b
     b.stop()
@@ -422,7 +422,7 @@ def test_a_log_of_the_previous_metaq_is_served_in_metaq_byte_positions(tmp_path)
     _write_v2_log(tmp_path / "data" / "old-0", [[b"old-a", b"old-b"], [b"old-c"], [b"x" * 50]])
     ini = tmp_path / "broker.ini"
     ini.write_text("[topic=old]\nnumPartitions=1\n")
-    b = Broker(load(str(ini), {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": "0",
+    b = Broker(load(str(ini), {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "kafkaPort": "0", "metaqPort": "0",
                                "dataPath": str(tmp_path / "data")})).start()
     try:
         conn = Connection("127.0.0.1", b.metaq_port)
@@ -533,7 +533,7 @@ def test_a_request_that_trickles_in_is_cut_off_at_its_deadline(tmp_path, monkeyp
 
     from metaq_broker.server import metaq_server
     monkeypatch.setattr(metaq_server, "LIMITS", dataclasses.replace(metaq_server.LIMITS, request_timeout_s=2.0))
-    b = Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": "0",
+    b = Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "kafkaPort": "0", "metaqPort": "0",
                            "dataPath": str(tmp_path / "data")})).start()
     try:
         slow = socket.create_connection(("127.0.0.1", b.metaq_port), timeout=10)

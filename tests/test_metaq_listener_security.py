@@ -16,7 +16,7 @@ from tests.metaq_client import Connection, decode_messages
 
 
 def settings(tmp_path, zookeeper, zk_root, pki, **more):
-    return {"brokerId": "1", "serverPort": "0", "dataPort": "-1", "metaqPort": "0", "dataPath": str(tmp_path / "data"),
+    return {"brokerId": "1", "serverPort": "0", "dataPort": "-1", "kafkaPort": "0", "metaqPort": "0", "dataPath": str(tmp_path / "data"),
             "zk.connect": zookeeper.connect_string, "zk.root": zk_root, "authorizer": "acl",
             "security.protocol": "SSL", "ssl.certificate.location": pki.broker.cert,
             "ssl.key.location": pki.broker.key, "ssl.ca.location": pki.ca, "super.users": "User:admin", **more}

@@ -193,7 +193,7 @@ def test_bad_metaq_port_values_are_refused_naming_the_key(raw, match):
 @pytest.mark.process
 def test_a_taken_metaq_port_stops_the_broker_at_start_and_a_stopped_broker_frees_it(tmp_path):
     def start(name, port):
-        return Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "metaqPort": str(port),
+        return Broker(load(None, {"brokerId": "1", "serverPort": "0", "zk.connect": "none", "kafkaPort": "0", "metaqPort": str(port),
                                   "dataPath": str(tmp_path / name)})).start()
 
     with socket.socket() as taken:
