@@ -159,3 +159,38 @@ def test_stop_undoes_a_full_start(setup):
     broker.stop(grace=1)
     broker.stop(grace=1)  # twice is harmless
     assert_nothing_left(before, ports, zk, settings)
+
+
+def test_health_says_serving_only_once_the_start_has_ended(setup, monkeypatch):
+    """Docker's HEALTHCHECK and the entrypoint's ``health`` ask gRPC's health service: it must not answer
+    SERVING while later stages still start (gRPC's HealthServicer says SERVING for "" by default, and the
+    gRPC server serves from the serving stage on)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    settings, (grpc_port, *_), _ = setup
+    held, release = threading.Event(), threading.Event()
+    real = Broker._start_resolver
+
+    def slow_resolver(self, stack):  # the last stage waits until the test has asked
+        held.set()
+        release.wait(30)
+        real(self, stack)
+
+    monkeypatch.setattr(Broker, "_start_resolver", slow_resolver)
+    broker = Broker(config(settings))
+    starting = threading.Thread(target=broker.start)
+    starting.start()
+    try:
+        assert held.wait(30), "the start never reached its last stage"
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            release.set()
+            starting.join(30)
+            assert check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    finally:
+        release.set()
+        starting.join(30)
+        broker.stop()

@@ -164,7 +164,9 @@ class Broker:
         self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
         self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
-        self._health = health.HealthServicer()
+        self._health = health.HealthServicer()  # says SERVING for "" until told otherwise: not before start ends
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._topic_lock = threading.Lock()
         self._stop_lock = threading.Lock()
         self._stopping = False
