@@ -120,13 +120,9 @@ class KafkaServer:
                         return
                 if frames and splitter.buffered:  # a request's first bytes came with the last read
                     deadline = conn.deadline()
-                if splitter.buffered:  # the rest of that request
-                    n = conn.recv_some(buf, deadline)
-                else:
-                    n = conn.wait_request(buf)
-                    if not n:
-                        return
-                    deadline = conn.deadline()
+                n, deadline = conn.read_next(buf, splitter.buffered, deadline)  # buffered: that request's rest
+                if not n:
+                    return
                 frames = splitter.feed(buf[:n])
         except FrameTooLargeError as e:
             self.listener.log_once(("frame", conn.peer[0]), logging.WARNING, "kafka: closing a connection from %s: "

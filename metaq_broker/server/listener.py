@@ -157,6 +157,15 @@ class Connection:
             raise ConnectionEnded(f"a request took over {self.limits.request_timeout_s:.0f}s to arrive")
         return k
 
+    def read_next(self, view: memoryview, inside: bool, deadline: float) -> tuple:
+        """(bytes read into ``view``, the current request's deadline): inside a request (``inside``) its rest
+        by ``deadline``; else the next request's first bytes, whose deadline starts now. 0 bytes: the client
+        closed or was idle (``wait_request``)."""
+        if inside:
+            return self.recv_some(view, deadline), deadline
+        n = self.wait_request(view)
+        return n, (self.deadline() if n else deadline)
+
     def replying(self) -> None:
         """A request is in: a TLS connection's reply may take ``send_timeout_s`` (a plain one has
         SO_SNDTIMEO)."""

@@ -145,13 +145,10 @@ class MetaqServer:
                 deadline = conn.deadline()  # a request completed: the clock of the next one starts
             if parser.closed:
                 return
-            if parser.buffered:  # inside a request: the rest must come by its deadline, however it trickles
-                n = conn.recv_some(view, deadline)
-            else:
-                n = conn.wait_request(view)
-                if not n:
-                    return
-                deadline = conn.deadline()
+            # inside a request (buffered), its rest must come by its deadline, however it trickles
+            n, deadline = conn.read_next(view, parser.buffered, deadline)
+            if not n:
+                return
             events = parser.feed(view[:n])
             gathered = n
             while events and parser.buffered and not parser.closed and gathered < GATHER_MAX and _readable_now(conn):
