@@ -160,3 +160,28 @@ def test_a_client_closed_by_two_threads_at_once_closes_cleanly(own_zookeeper):
             t.join(timeout=BOUND_S)
         assert not any(t.is_alive() for t in threads), "a close did not return"
     assert not errors, errors
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("retire", [True, False])
+def test_a_call_on_a_connection_closed_meanwhile_is_a_broker_error_that_did_nothing(retire):
+    """A thread takes a connection from the pool, another closes it (the group's master moved: ``retire``; or
+    the client closes) before the call is sent. gRPC then raises a bare ``ValueError: Cannot invoke RPC on
+    closed channel!``, which ``ClientBase.call`` did not take for "sent nothing, resend to the new master":
+    a consumer reading right after ZooKeeper lost its data failed with it (CI, stop 30). It is a
+    ``BrokerUnavailableError`` naming why, on a connection marked retired, so the call is resent."""
+    from metaq_broker.client.connection import ConnectionPool
+    from metaq_broker.proto import metaq_pb2 as pb
+    from metaq_broker.protocol.status import BrokerUnavailableError
+
+    pool = ConnectionPool(timeout=1.0)
+    conn = pool.get("127.0.0.1:1")
+    if retire:
+        pool.retire("127.0.0.1:1")
+    else:
+        pool.close()
+    for send in (conn.call, conn.future):
+        with pytest.raises(BrokerUnavailableError, match="connection closed: " + (
+                "the group's master moved" if retire else "the client is closing")):
+            send("GetOffsets", pb.GetOffsetsRequest())
+    assert conn.retired is retire

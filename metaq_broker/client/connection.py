@@ -16,7 +16,7 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawfetch, rawput, sasl
 from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
-from metaq_broker.protocol.status import RemoteAuthenticationError, to_error
+from metaq_broker.protocol.status import BrokerUnavailableError, RemoteAuthenticationError, to_error
 from metaq_broker.security import scram, tls
 from metaq_broker.security.settings import ClientSecurity
 
@@ -115,6 +115,7 @@ class BrokerConnection:
         self._session: Optional[str] = None
         self._renew_at = 0.0
         self._session_lock = threading.Lock()
+        self.closed = False
         self.retired = False  # closed because its broker group's master moved elsewhere (ConnectionPool.retire)
         self.channel = self._auth_channel = self._open_channel()
         if self.security.uses_sasl:
@@ -165,6 +166,10 @@ class BrokerConnection:
             try:
                 stub = self.channel.unary_unary(method) if method.startswith("/") else getattr(self.stub, method)
                 return stub(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            except ValueError:
+                if not self.closed:
+                    raise
+                raise self._closed_error() from None
             except grpc.RpcError as e:
                 error = to_error(e, self.address)
                 if _session_error(error) and not renewed:
@@ -183,10 +188,22 @@ class BrokerConnection:
     def future(self, method: str, request, timeout: Optional[float] = None, wait_for_ready: bool = True):
         """``wait_for_ready=False``: fail at once (UNAVAILABLE) while the broker cannot be reached, for a
         caller that has somewhere else to try."""
-        return getattr(self.stub, method).future(request, timeout=self.timeout if timeout is None else timeout,
-                                                 wait_for_ready=wait_for_ready)
+        try:
+            return getattr(self.stub, method).future(request, timeout=self.timeout if timeout is None else timeout,
+                                                     wait_for_ready=wait_for_ready)
+        except ValueError:
+            if not self.closed:
+                raise
+            raise self._closed_error() from None
+
+    def _closed_error(self) -> BrokerUnavailableError:
+        """A call begun on a connection another thread closed meanwhile (gRPC raises a bare ValueError): for
+        a retired one, ``ClientBase.call`` sends it to the new master; it did nothing."""
+        why = "the group's master moved elsewhere" if self.retired else "the client is closing"
+        return BrokerUnavailableError(grpc.StatusCode.CANCELLED, f"connection closed: {why}", self.address)
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
 
