@@ -423,7 +423,7 @@ class Broker:
         else:
             cluster = self._static_cluster
         self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
-                                        auto_create=cfg.auto_create_topics)
+                                        auto_create=cfg.auto_create_topics, config=cfg)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
 
