@@ -167,3 +167,86 @@ def test_broker_secrets_never_leave_and_describe_configs_needs_the_acl(secured):
     (_, fut), = admin.describe_configs([ConfigResource("broker", "1")]).items()
     got = fut.result(20)
     assert got["replication.sasl.password"].is_sensitive and got["replication.sasl.password"].value is None
+
+
+# -- CreatePartitions ------------------------------------------------------------------------------------
+def _grow(admin, topic: str, count: int, **kw):
+    from confluent_kafka.admin import NewPartitions
+    (_, fut), = admin.create_partitions([NewPartitions(topic, count)], **kw).items()
+    return fut.result(20)
+
+
+def test_create_partitions_grows_a_topic_and_keeps_its_numbers_across_a_restart(cluster):
+    """confluent-kafka's create_partitions on a one-broker cluster: 2 -> 5, the new numbers 2..4 are the
+    broker's partitions 1-2..1-4, written and read by Kafka clients and metaq's Consumer; validate_only,
+    shrinking, the same count, manual assignments and unknown topics are refused naming the problem; after
+    a restart (the INI still says numPartitions=2) the topic still has 5 and what was written is there."""
+    from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+    from metaq_broker.client import Consumer as MetaqConsumer
+    b = cluster.start_broker(1, topics={"t": {"numPartitions": 2}})
+    wait_until(lambda: _partitions(b.bootstrap, "t") == 2, what="t in metadata")
+    admin = AdminClient({"bootstrap.servers": b.bootstrap, **QUIET})
+    _grow(admin, "t", 4, validate_only=True)
+    assert _partitions(b.bootstrap, "t") == 2
+    _grow(admin, "t", 5)
+    wait_until(lambda: _partitions(b.bootstrap, "t") == 5, what="t grown to 5 partitions")
+    for count, words in ((3, "has 5 partitions, more than the 3"), (5, "has 5 partitions already")):
+        with pytest.raises(KafkaException, match=words) as e:
+            _grow(admin, "t", count)
+        assert e.value.args[0].code() == 37  # INVALID_PARTITIONS
+    from confluent_kafka.admin import NewPartitions
+    (_, fut), = admin.create_partitions([NewPartitions("t", 6, [[1]])]).items()
+    with pytest.raises(KafkaException, match="manual assignments"):
+        fut.result(20)
+    with pytest.raises(KafkaException) as e:
+        _grow(admin, "no-such-topic", 3)
+    assert e.value.args[0].code() == 3  # UNKNOWN_TOPIC_OR_PARTITION
+
+    p = Producer({"bootstrap.servers": b.bootstrap, **QUIET})
+    for n in range(5):
+        p.produce("t", b"to-%d" % n, partition=n)
+    assert p.flush(30) == 0
+
+    def read_all(bootstrap) -> dict:
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "x", "enable.auto.commit": False, **QUIET})
+        c.assign([TopicPartition("t", n, 0) for n in range(5)])
+        got = {}
+        try:
+            def poll():
+                m = c.poll(0.3)
+                if m is not None and m.error() is None:
+                    got[m.partition()] = m.value()
+                return len(got) == 5
+            wait_until(poll, timeout=30, what="a message from each of the 5 partitions")
+        finally:
+            c.close()
+        return got
+    assert read_all(b.bootstrap) == {n: b"to-%d" % n for n in range(5)}
+    with cluster.client(MetaqConsumer) as metaq:
+        assert [bytes(v) for v in metaq.fetch("t", "1-4", 0).batch.column("value").to_pylist()] == [b"to-4"]
+    b.stop()
+    b = cluster.start_broker(1, topics={"t": {"numPartitions": 2}})  # an operator restarts with the old INI
+    wait_until(lambda: _partitions(b.bootstrap, "t") == 5, what="t with 5 partitions after the restart")
+    assert read_all(b.bootstrap) == {n: b"to-%d" % n for n in range(5)}
+
+
+def test_create_partitions_on_the_controller_that_lacks_the_topic_and_with_kafka_python(cluster):
+    """Kafka's admin clients send CreatePartitions to the controller (the live broker with the lowest id):
+    broker 1 lacks topic u (created on broker 2), so the new partitions are broker 1's, numbered after
+    broker 2's. kafka-python's create_partitions then grows it again, on broker 1."""
+    from kafka.admin import KafkaAdminClient
+    from kafka.admin import NewPartitions as KNewPartitions
+    b1 = cluster.start_broker(1)
+    b2 = cluster.start_broker(2, topics={"u": {"numPartitions": 2}})
+    wait_until(lambda: _partitions(b1.bootstrap, "u") == 2, what="u in metadata")
+    _grow(AdminClient({"bootstrap.servers": b2.bootstrap, **QUIET}), "u", 3)
+    wait_until(lambda: _partitions(b2.bootstrap, "u") == 3, what="u grown to 3")
+    admin = KafkaAdminClient(bootstrap_servers=b1.bootstrap, request_timeout_ms=20000)
+    try:
+        admin.create_partitions({"u": KNewPartitions(total_count=5)})
+    finally:
+        admin.close()
+    wait_until(lambda: _partitions(b2.bootstrap, "u") == 5, what="u grown to 5")
+    md = AdminClient({"bootstrap.servers": b2.bootstrap, **QUIET}).list_topics("u", timeout=10)
+    assert [md.topics["u"].partitions[n].leader for n in range(5)] == [2, 2, 1, 1, 1]

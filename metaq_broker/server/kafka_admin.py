@@ -1,5 +1,6 @@
-"""Kafka's admin requests about the broker itself, as answer bodies (no I/O): DescribeConfigs of a broker
-resource. ``kafka_listener.py`` decides which resource a request names and encodes the answer.
+"""Kafka's admin requests about the broker and a topic's partitions, without I/O: DescribeConfigs of a
+broker resource, and what CreatePartitions asks of this broker. ``kafka_listener.py`` calls these and
+encodes the answers.
 
 A broker's settings are its INI file's ``[system]`` keys as loaded (``server/config.py``), under metaq's
 names, plus Kafka's name where one means the same (``num.partitions``, ``advertised.listeners``, ...).
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from metaq_broker.names import parse_partition_name
+from metaq_broker.protocol.kafka import codes
 from metaq_broker.server.config import SYSTEM_KEYS, BrokerConfig, topic_ini_values
 from metaq_broker.store.config import TopicConfig
 
@@ -32,6 +35,14 @@ KAFKA_BROKER_NAMES = {
     "transaction.max.timeout.ms": "transactionMaxTimeout", "replica.lag.time.max.ms": "replicaLagMaxMs",
     "unclean.leader.election.enable": "uncleanElection",
 }
+
+
+class Refused(Exception):
+    """A request refused with a Kafka error ``code`` and a message that names the problem."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)
@@ -111,3 +122,32 @@ def describe_configs_entries(settings: list, keys: Optional[list]) -> list:
              "config_source": SOURCE_DEFAULT if s.default else SOURCE_STATIC_BROKER, "is_sensitive": s.sensitive,
              "synonyms": [], "config_type": s.kind, "documentation": None}
             for s in settings if wanted is None or s.name in wanted]
+
+
+# -- CreatePartitions -------------------------------------------------------------------------------------
+def partitions_to_add(snap, topic: str, count: int, assignments, broker_id: int, have_here: Optional[int]) -> int:
+    """How many partitions this broker adds to ``topic`` so Kafka's count becomes ``count``: every number
+    the topic's map ever gave counts (an offline one too: a number is never reused), the new ones are
+    numbered after them. ``have_here``: this broker's partitions of the topic (None: it has none).
+    Raises ``Refused`` naming the problem."""
+    if assignments is not None:
+        raise Refused(codes.INVALID_REQUEST, f"topic {topic!r}: metaq places new partitions on the broker that "
+                                             f"answers CreatePartitions (the controller): manual assignments are "
+                                             f"not taken")
+    tmap = snap.maps.get(topic)
+    if tmap is None:
+        if topic in snap.topics or have_here is not None:
+            raise Refused(codes.LEADER_NOT_AVAILABLE, f"topic {topic!r} has no Kafka partition numbers yet; retry")
+        raise Refused(codes.UNKNOWN_TOPIC_OR_PARTITION, f"unknown topic {topic!r}")
+    have = len(tmap.partitions)
+    if count < have:
+        raise Refused(codes.INVALID_PARTITIONS, f"topic {topic!r} has {have} partitions, more than the {count} "
+                                                f"asked for: a topic's partitions are never removed")
+    if count == have:
+        raise Refused(codes.INVALID_PARTITIONS, f"topic {topic!r} has {have} partitions already")
+    numbered = sum(1 for name in tmap.partitions if parse_partition_name(name)[0] == broker_id)
+    if numbered != (have_here or 0):
+        raise Refused(codes.LEADER_NOT_AVAILABLE, f"topic {topic!r}: {have_here or 0} partitions on broker "
+                                                  f"{broker_id}, {numbered} numbered for Kafka: a change is still "
+                                                  f"being published; retry")
+    return count - have

@@ -96,7 +96,7 @@ class KafkaServer:
                       15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
                       17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
                       22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
-                      36: self.sasl_again,
+                      36: self.sasl_again, 37: self.create_partitions,
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
 
     def start(self) -> "KafkaServer":
@@ -459,6 +459,26 @@ class KafkaServer:
             out.append(entry)
         return {"throttle_time_ms": 0, "topics": out}
 
+    def create_partitions(self, conn, request: Request) -> dict:
+        """Grow topics (``kafka_admin.partitions_to_add``): the new partitions on this broker, the one Kafka's
+        clients send it to (the controller). Alter on the topic."""
+        b, snap, out = request.body, self.cluster(), []
+        for t in b["topics"]:
+            name = t["name"]
+            entry = {"name": name, "error_code": codes.NONE, "error_message": None}
+            try:
+                self.handler.auth.authorize(conn.principal, "Alter", "topic", name)
+                here = self.handler.store.topic_config(name).num_partitions \
+                    if name in self.handler.store.topics() else None
+                add = kafka_admin.partitions_to_add(snap, name, t["count"], t["assignments"], self.broker_id, here)
+                self.handler.add_partitions(conn.principal, name, add, validate_only=b["validate_only"])
+            except _Refused as e:
+                entry.update(error_code=e.code, error_message=e.message)
+            except Exception as e:  # noqa: BLE001
+                entry["error_code"], entry["error_message"] = self._code(e, "Kafka CreatePartitions")
+            out.append(entry)
+        return {"throttle_time_ms": 0, "results": out}
+
     def describe_configs(self, conn, request: Request) -> dict:
         """A topic's settings under metaq's names (what ``[topic=...]`` takes), and under Kafka's where one
         means the same (``KAFKA_TOPIC_CONFIGS``); this broker's settings (``kafka_admin.broker_settings``:
@@ -527,10 +547,7 @@ class KafkaServer:
         return _wait(conn, self.groups.sync_group(request.body, request.api_version, allows=self._allows(conn)))
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+_Refused = kafka_admin.Refused
 
 
 def _wait(conn: Connection, future) -> dict:
