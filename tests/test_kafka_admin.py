@@ -82,11 +82,12 @@ def test_describe_broker_configs_with_kafka_python(broker):
 # -- secrets and ACLs -------------------------------------------------------------------------------------
 @pytest.fixture
 def secured(cluster, zk, pki):  # noqa: F811 - the fixture imported above
-    """SASL_SSL with ACLs, zk.auth and a replication password: ops may DescribeConfigs on the cluster,
-    bob may only describe topic t."""
+    """SASL_SSL with ACLs, zk.auth and a replication password: ops may DescribeConfigs on the cluster and
+    alter topic t, bob may only describe topic t (and the cluster)."""
     for user in ("ops", "bob"):
         put_user(zk, cluster.zk_root, user, Credential.make(f"{user}-pw"))
     add_acls(zk, cluster.zk_root, [Acl("User:ops", "Allow", "DescribeConfigs", "cluster", "metaq-cluster"),
+                                   Acl("User:ops", "Allow", "Alter", "topic", "t"),
                                    Acl("User:bob", "Allow", "Describe", "topic", "t"),
                                    Acl("User:bob", "Allow", "Describe", "cluster", "metaq-cluster")])
     b = cluster.start_broker(1, {"security.protocol": "SASL_SSL", "ssl.certificate.location": pki.broker.cert,
@@ -250,3 +251,94 @@ def test_create_partitions_on_the_controller_that_lacks_the_topic_and_with_kafka
     wait_until(lambda: _partitions(b2.bootstrap, "u") == 5, what="u grown to 5")
     md = AdminClient({"bootstrap.servers": b2.bootstrap, **QUIET}).list_topics("u", timeout=10)
     assert [md.topics["u"].partitions[n].leader for n in range(5)] == [2, 2, 1, 1, 1]
+
+
+def test_create_partitions_needs_alter_on_the_topic(secured):
+    b, pki = secured
+    body = {"topics": [{"name": "t", "count": 2, "assignments": None}], "timeout_ms": 10000,
+            "validate_only": False}
+    wait_until(lambda: _partitions(b.bootstrap, "t", {
+        "security.protocol": "SASL_SSL", "ssl.ca.location": pki.ca, "sasl.mechanism": "PLAIN",
+        "sasl.username": "ops", "sasl.password": "ops-pw"}) == 1, what="t in metadata")
+    with _logged_in(b, pki, "bob") as s:
+        s.sendall(encode_request(37, 3, 1, "x", body))
+        (r,) = decode_response(37, 3, _read(s))[1]["results"]
+        assert r["error_code"] == codes.TOPIC_AUTHORIZATION_FAILED, r
+    with _logged_in(b, pki, "ops") as s:
+        s.sendall(encode_request(37, 3, 1, "x", body))
+        (r,) = decode_response(37, 3, _read(s))[1]["results"]
+        assert r["error_code"] == codes.NONE, r
+
+
+def test_a_grown_topic_of_a_replicated_group_survives_the_masters_kill(tmp_path, zookeeper, zk_root):
+    """A group of two: CreatePartitions grows t on the master; the member grows as it copies, so an acks=all
+    write to a new partition is acknowledged, and after the master's kill -9 the new master has the
+    partitions and the message."""
+    import os
+    import signal
+
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from metaq_broker.devtools.group import BrokerGroup
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=2,
+                        topics={"t": {"numPartitions": 1}}).start()
+    try:
+        first = group.wait_master()
+        group.wait_in_sync(range(2))
+        bootstrap = ",".join(m.bootstrap for m in group.members)
+        quiet = {"log_level": 0}  # the killed member's connection errors are expected
+        wait_until(lambda: _partitions(bootstrap, "t", quiet) == 1, what="t in metadata")
+        _grow(AdminClient({"bootstrap.servers": bootstrap, **quiet}), "t", 3)
+        wait_until(lambda: _partitions(bootstrap, "t", quiet) == 3, what="t grown to 3")
+        p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "message.timeout.ms": 30000, **quiet})
+        errors = []
+        p.produce("t", b"in-2", partition=2, on_delivery=lambda e, m: errors.append(e) if e else None)
+        assert p.flush(40) == 0 and errors == []
+        os.kill(group.members[first].proc.pid, signal.SIGKILL)
+        master = group.members[group.wait_master(timeout=30, other_than=first)]
+        c = Consumer({"bootstrap.servers": master.bootstrap, "group.id": "x", "enable.auto.commit": False, **quiet})
+        c.assign([TopicPartition("t", 2, 0)])
+        try:
+            m = wait_until(lambda: (lambda m: m if m is not None and m.error() is None else None)(c.poll(0.5)),
+                           timeout=60, what="the message in the new partition from the new master")
+            assert m.value() == b"in-2"
+        finally:
+            c.close()
+    finally:
+        group.stop()
+
+
+# -- DeleteTopics ----------------------------------------------------------------------------------------
+def test_delete_topics_is_refused_naming_the_reason_and_deletes_nothing(broker):
+    """confluent-kafka and kafka-python get TOPIC_DELETION_DISABLED with the reason, the topic and its
+    messages stay."""
+    from confluent_kafka import KafkaException, Producer
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import TopicDeletionDisabledError
+    p = Producer({"bootstrap.servers": broker.bootstrap, **QUIET})
+    p.produce("t", b"kept", partition=0)
+    assert p.flush(30) == 0
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap, **QUIET})
+    with pytest.raises(KafkaException) as e:
+        admin.delete_topics(["t"])["t"].result(20)
+    assert e.value.args[0].code() == 73  # TOPIC_DELETION_DISABLED (librdkafka shows Kafka's text, not ours)
+    with socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=15) as s:
+        for version, body in ((6, {"topics": [{"name": "t", "topic_id": bytes(16)}], "timeout_ms": 1000}),
+                              (5, {"topic_names": ["t"], "timeout_ms": 1000})):
+            s.sendall(encode_request(20, version, version, "x", body))
+            (r,) = decode_response(20, version, _read(s))[1]["responses"]
+            assert (r["name"], r["error_code"]) == ("t", codes.TOPIC_DELETION_DISABLED)
+            assert "metaq has no topic deletion yet" in r["error_message"]
+    kadmin = KafkaAdminClient(bootstrap_servers=broker.bootstrap, request_timeout_ms=20000)
+    try:
+        with pytest.raises(TopicDeletionDisabledError):
+            kadmin.delete_topics(["t"])
+    finally:
+        kadmin.close()
+    assert _partitions(broker.bootstrap, "t") == 2
+    from confluent_kafka import Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "x", **QUIET})
+    try:
+        assert c.get_watermark_offsets(TopicPartition("t", 0), timeout=15) == (0, 1)
+    finally:
+        c.close()

@@ -199,8 +199,8 @@ class RequestHandler:
     """One per broker. ``auth`` (``BrokerAuth``) says who a caller is and what it may do; ``group``
     (``GroupMember``, None without ZooKeeper) whether this member serves clients; ``replicas``
     (``ReplicaManager``, None without ZooKeeper) what acknowledgements wait for; ``create_topic``,
-    ``add_partitions`` and ``settle_ahead`` are the broker's (it persists and registers topics; its resolver settles in-doubt
-    transactions)."""
+    ``add_partitions`` and ``settle_ahead`` are the broker's (it persists and registers topics; its resolver
+    settles in-doubt transactions)."""
 
     def __init__(self, store, broker_id: int, limits: Limits, auth, stats: BrokerStats, disk: DiskState, *,
                  create_topic: Callable, add_partitions: Optional[Callable] = None, transactions=None, group=None,

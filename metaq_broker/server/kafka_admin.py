@@ -124,6 +124,22 @@ def describe_configs_entries(settings: list, keys: Optional[list]) -> list:
             for s in settings if wanted is None or s.name in wanted]
 
 
+# -- DeleteTopics ---------------------------------------------------------------------------------------------
+TOPIC_DELETION_REFUSED = (
+    "metaq has no topic deletion yet (Kafka's delete.topic.enable=false): a topic's partitions on every broker "
+    "and every member of their groups, its ZooKeeper registration and Kafka partition map, its consumer groups' "
+    "offsets and the open readers and transactions on it would have to go together (docs/kafka.md, DeleteTopics)")
+
+
+def delete_topics_response(body: dict, version: int) -> dict:
+    """Every topic named answered TOPIC_DELETION_DISABLED with the reason; nothing is deleted."""
+    named = [{"name": t["name"], "topic_id": t["topic_id"]} for t in body["topics"]] if version >= 6 else \
+        [{"name": name, "topic_id": bytes(16)} for name in body["topic_names"]]
+    return {"throttle_time_ms": 0,
+            "responses": [{**t, "error_code": codes.TOPIC_DELETION_DISABLED, "error_message": TOPIC_DELETION_REFUSED}
+                          for t in named]}
+
+
 # -- CreatePartitions -------------------------------------------------------------------------------------
 def partitions_to_add(snap, topic: str, count: int, assignments, broker_id: int, have_here: Optional[int]) -> int:
     """How many partitions this broker adds to ``topic`` so Kafka's count becomes ``count``: every number

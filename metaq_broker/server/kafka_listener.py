@@ -95,6 +95,7 @@ class KafkaServer:
                       13: self._group_call("leave_group"), 14: self.sync_group,
                       15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
                       17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
+                      20: lambda conn, request: kafka_admin.delete_topics_response(request.body, request.api_version),
                       22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
                       36: self.sasl_again, 37: self.create_partitions,
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
