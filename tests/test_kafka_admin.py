@@ -342,3 +342,30 @@ def test_delete_topics_is_refused_naming_the_reason_and_deletes_nothing(broker):
         assert c.get_watermark_offsets(TopicPartition("t", 0), timeout=15) == (0, 1)
     finally:
         c.close()
+
+
+def test_create_partitions_raced_or_repeated_grows_once(broker):
+    """Two clients ask at once for t (2 partitions) to have 4: the broker grows it once, to 4 (a count, not
+    an increment); each answer is success or a retriable one, never a topic of 6."""
+    import threading
+    body = {"topics": [{"name": "t", "count": 4, "assignments": None}], "timeout_ms": 10000,
+            "validate_only": False}
+    codes_seen = []
+
+    def ask():
+        with socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=15) as s:
+            s.sendall(encode_request(37, 3, 1, "x", body))
+            codes_seen.append(decode_response(37, 3, _read(s))[1]["results"][0]["error_code"])
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert codes.NONE in codes_seen and set(codes_seen) <= {codes.NONE, codes.LEADER_NOT_AVAILABLE,
+                                                            codes.INVALID_PARTITIONS}, codes_seen
+    wait_until(lambda: _partitions(broker.bootstrap, "t") == 4, what="t with 4 partitions")
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap, **QUIET})
+    (_, fut), = admin.describe_configs([ConfigResource("topic", "t")]).items()
+    assert fut.result(15)["numPartitions"].value == "4"  # the broker's own count, not only Kafka's numbers
+    with pytest.raises(Exception, match="has 4 partitions already"):
+        _grow(admin, "t", 4)

@@ -519,22 +519,20 @@ class RequestHandler:
         self._create_topic(topic, num_partitions or None, dict(config))
         return self._describe(topic)
 
-    def add_partitions(self, principal: str, topic: str, add: int, validate_only: bool = False) -> None:
-        """Kafka's CreatePartitions on this broker: ``add`` more partitions of ``topic``, created here with the
-        broker's defaults when this broker does not have the topic yet. Alter on the topic; the group's
-        master only (a member grows as it copies the master)."""
+    def add_partitions(self, principal: str, topic: str, num_partitions: int, validate_only: bool = False) -> None:
+        """Kafka's CreatePartitions on this broker: grow its ``topic`` to ``num_partitions`` (a count, not an
+        increment: a request repeated or raced grows once), or create it with them here, with the broker's
+        defaults, when this broker does not have it yet. Alter on the topic; the group's master only (a
+        member grows as it copies the master)."""
         self._allow(principal, "Alter", "topic", topic)
         self.gate()
-        if add <= 0:
-            raise InvalidPartitionError(f"topic {topic!r}: {add} partitions to add; give more than the topic has")
         if topic in self.store.topics():
-            count = self.store.topic_config(topic).num_partitions + add
             if not validate_only:
-                self._add_partitions(topic, count)
+                self._add_partitions(topic, num_partitions)  # fewer than it has: refused (a topic never shrinks)
         elif validate_only:
             validate_topic_name(topic)
         else:
-            self._create_topic(topic, add, {})
+            self._create_topic(topic, num_partitions, {})
 
     def close_partitions(self, principal: str, topic: str, start: int, end: int) -> TopicDescription:
         """MetaQ's closePartitions: partitions ``start..end`` take no puts or fetches until opened again."""

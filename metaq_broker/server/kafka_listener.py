@@ -472,7 +472,7 @@ class KafkaServer:
                 here = self.handler.store.topic_config(name).num_partitions \
                     if name in self.handler.store.topics() else None
                 add = kafka_admin.partitions_to_add(snap, name, t["count"], t["assignments"], self.broker_id, here)
-                self.handler.add_partitions(conn.principal, name, add, validate_only=b["validate_only"])
+                self.handler.add_partitions(conn.principal, name, (here or 0) + add, b["validate_only"])
             except _Refused as e:
                 entry.update(error_code=e.code, error_message=e.message)
             except Exception as e:  # noqa: BLE001
