@@ -369,3 +369,11 @@ def test_create_partitions_raced_or_repeated_grows_once(broker):
     assert fut.result(15)["numPartitions"].value == "4"  # the broker's own count, not only Kafka's numbers
     with pytest.raises(Exception, match="has 4 partitions already"):
         _grow(admin, "t", 4)
+    # an attacker's count: refused by TopicConfig's bounds on numPartitions before anything is opened
+    with socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=15) as s:
+        s.sendall(encode_request(37, 3, 2, "x", {**body, "topics": [{"name": "t", "count": 2 ** 31 - 1,
+                                                                     "assignments": None}]}))
+        (r,) = decode_response(37, 3, _read(s))[1]["results"]
+    assert r["error_code"] == codes.INVALID_CONFIG and "between 1 and 10000" in r["error_message"], r
+    (_, fut), = admin.describe_configs([ConfigResource("topic", "t")]).items()
+    assert fut.result(15)["numPartitions"].value == "4"
