@@ -290,6 +290,14 @@ def test_a_grown_topic_of_a_replicated_group_survives_the_masters_kill(tmp_path,
         wait_until(lambda: _partitions(bootstrap, "t", quiet) == 1, what="t in metadata")
         _grow(AdminClient({"bootstrap.servers": bootstrap, **quiet}), "t", 3)
         wait_until(lambda: _partitions(bootstrap, "t", quiet) == 3, what="t grown to 3")
+        # an operator's mistake: asking the member that is not the master (it grows only as it copies)
+        other = group.members[1 - first]
+        with socket.create_connection(("127.0.0.1", other.kafka_port), timeout=15) as s:
+            s.sendall(encode_request(37, 3, 1, "x", {"topics": [{"name": "t", "count": 4, "assignments": None}],
+                                                     "timeout_ms": 10000, "validate_only": False}))
+            (r,) = decode_response(37, 3, _read(s))[1]["results"]
+        assert r["error_code"] in (codes.NOT_LEADER_OR_FOLLOWER, codes.LEADER_NOT_AVAILABLE), r
+        assert _partitions(bootstrap, "t", quiet) == 3
         p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "message.timeout.ms": 30000, **quiet})
         errors = []
         p.produce("t", b"in-2", partition=2, on_delivery=lambda e, m: errors.append(e) if e else None)
