@@ -11,7 +11,7 @@ from typing import Iterable
 from metaq_broker.errors import ConfigError
 from metaq_broker.security.settings import parse_principal
 
-OPERATIONS = ("Read", "Write", "Create", "Describe", "Alter", "ClusterAction", "All")
+OPERATIONS = ("Read", "Write", "Create", "Describe", "Alter", "ClusterAction", "DescribeConfigs", "All")
 RESOURCE_TYPES = ("topic", "group", "cluster", "sink")
 PATTERN_TYPES = ("literal", "prefixed")
 PERMISSIONS = ("Allow", "Deny")

@@ -353,6 +353,7 @@ class Broker:
         self.handler = RequestHandler(
             self.store, cfg.broker_id, Limits(cfg.max_transfer_size, cfg.max_fetch_wait_ms, self.put_limit),
             self.auth, self.stats, self.disk, create_topic=self.create_topic, transactions=self.transactions,
+            add_partitions=self.add_partitions,
             group=self.group, replicas=self.replicas,
             producer_ids=self._new_producer_ids(),
             settle_ahead=self._settle_ahead, observe=self.metrics.observe_rpc if self.metrics else None,
@@ -423,7 +424,7 @@ class Broker:
         else:
             cluster = self._static_cluster
         self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
-                                        auto_create=cfg.auto_create_topics)
+                                        auto_create=cfg.auto_create_topics, config=cfg)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
 
@@ -610,10 +611,16 @@ class Broker:
                 have = summary.topic in self.store.topics()
                 if have and self.store.topic_config(summary.topic).num_partitions >= summary.num_partitions:
                     continue
-                desc = stub.DescribeTopic(pb.TopicRequest(topic=summary.topic), timeout=10, metadata=link.metadata())
-                log.info("replica: creating topic %s (%d partitions) as the master has it", summary.topic,
-                         summary.num_partitions)
-                self.create_topic(summary.topic, summary.num_partitions, dict(desc.config))
+                if have:
+                    log.info("replica: growing topic %s to %d partitions as the master has it", summary.topic,
+                             summary.num_partitions)
+                    self.add_partitions(summary.topic, summary.num_partitions)
+                else:
+                    desc = stub.DescribeTopic(pb.TopicRequest(topic=summary.topic), timeout=10,
+                                              metadata=link.metadata())
+                    log.info("replica: creating topic %s (%d partitions) as the master has it", summary.topic,
+                             summary.num_partitions)
+                    self.create_topic(summary.topic, summary.num_partitions, dict(desc.config))
                 changed += 1
         except grpc.RpcError as e:
             raise to_error(e, link.address) from None  # PERMISSION_DENIED etc. as metaq errors, told in words
@@ -731,6 +738,23 @@ class Broker:
                     self.replicas.topic_created(topic)
                 self._remember_topic(topic, config)
         if created and self.registration is not None:
+            self.registration.add_topic(topic, config.num_partitions)
+        return config
+
+    def add_partitions(self, topic: str, num_partitions: int):
+        """Grow a topic of this broker to ``num_partitions`` at runtime (Kafka's CreatePartitions): the new
+        partitions stored, the count remembered in the data directory, published in ZooKeeper (where Kafka
+        numbers them after the ones the topic has); a group's members grow as they copy (``_sync_topics``)."""
+        with self._topic_lock:
+            have = self.store.topic_config(topic).num_partitions
+            config = self.store.add_partitions(topic, num_partitions)
+            if config.num_partitions == have:
+                return config
+            if self.replicas is not None:
+                self.replicas.topic_created(topic, range(have, config.num_partitions))
+            self._remember_topic(topic, config)
+        log.info("topic %s grown from %d to %d partitions", topic, have, config.num_partitions)
+        if self.registration is not None:
             self.registration.add_topic(topic, config.num_partitions)
         return config
 

@@ -38,6 +38,7 @@ from metaq_broker.server import lookup
 from metaq_broker.server.config import topic_ini_values
 from metaq_broker.server.disk import DiskState, is_disk_full
 from metaq_broker.server.stats import BrokerStats
+from metaq_broker.store import validate_topic_name
 from metaq_broker.store.txn_state import TxnState
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.decisions import parse_coordinator
@@ -197,12 +198,13 @@ class Limits:
 class RequestHandler:
     """One per broker. ``auth`` (``BrokerAuth``) says who a caller is and what it may do; ``group``
     (``GroupMember``, None without ZooKeeper) whether this member serves clients; ``replicas``
-    (``ReplicaManager``, None without ZooKeeper) what acknowledgements wait for; ``create_topic`` and
-    ``settle_ahead`` are the broker's (it persists and registers topics; its resolver settles in-doubt
-    transactions)."""
+    (``ReplicaManager``, None without ZooKeeper) what acknowledgements wait for; ``create_topic``,
+    ``add_partitions`` and ``settle_ahead`` are the broker's (it persists and registers topics; its resolver
+    settles in-doubt transactions)."""
 
     def __init__(self, store, broker_id: int, limits: Limits, auth, stats: BrokerStats, disk: DiskState, *,
-                 create_topic: Callable, transactions=None, group=None, replicas=None, producer_ids=None,
+                 create_topic: Callable, add_partitions: Optional[Callable] = None, transactions=None, group=None,
+                 replicas=None, producer_ids=None,
                  settle_ahead: Optional[Callable] = None, observe: Optional[Callable] = None,
                  paths: ZkPaths = ZkPaths(), own_addresses: tuple = ("", "")):
         self.store = store
@@ -218,6 +220,7 @@ class RequestHandler:
         self.paths = paths  # where transactions' coordinators (the sinks' decision records) lie
         self.own_addresses = own_addresses  # this broker's (address, data address), as clients reach them
         self._create_topic = create_topic
+        self._add_partitions = add_partitions
         self._settle_ahead = settle_ahead
         self._observe = observe  # (method name, seconds) -> None, or None without metrics
         self._closed: set = set()  # (topic, partition) closed by an operator
@@ -515,6 +518,21 @@ class RequestHandler:
             raise ConfigError(f"num_partitions must not be negative, got {num_partitions}")
         self._create_topic(topic, num_partitions or None, dict(config))
         return self._describe(topic)
+
+    def add_partitions(self, principal: str, topic: str, num_partitions: int, validate_only: bool = False) -> None:
+        """Kafka's CreatePartitions on this broker: grow its ``topic`` to ``num_partitions`` (a count, not an
+        increment: a request repeated or raced grows once), or create it with them here, with the broker's
+        defaults, when this broker does not have it yet. Alter on the topic; the group's master only (a
+        member grows as it copies the master)."""
+        self._allow(principal, "Alter", "topic", topic)
+        self.gate()
+        if topic in self.store.topics():
+            if not validate_only:
+                self._add_partitions(topic, num_partitions)  # fewer than it has: refused (a topic never shrinks)
+        elif validate_only:
+            validate_topic_name(topic)
+        else:
+            self._create_topic(topic, num_partitions, {})
 
     def close_partitions(self, principal: str, topic: str, start: int, end: int) -> TopicDescription:
         """MetaQ's closePartitions: partitions ``start..end`` take no puts or fetches until opened again."""

@@ -40,7 +40,7 @@ from metaq_broker.protocol.kafka.framing import FrameSplitter, FrameTooLargeErro
 from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, api_versions_response,
                                                   encode_response, error_response, read_request)
 from metaq_broker.security.acl import CLUSTER
-from metaq_broker.server import kafka_metadata
+from metaq_broker.server import kafka_admin, kafka_metadata
 from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
 from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
 from metaq_broker.store import validate_topic_name
@@ -72,10 +72,11 @@ def kafka_listener(host: str, port: int, auth) -> Listener:
 class KafkaServer:
     """Kafka's framing on ``listener`` (``kafka_listener``). ``cluster()`` gives the current
     ``ClusterSnapshot`` (``KafkaClusterCache.snapshot``, or a static one without ZooKeeper); ``groups`` is
-    the broker's ``KafkaGroups`` (None without ZooKeeper: no consumer groups)."""
+    the broker's ``KafkaGroups`` (None without ZooKeeper: no consumer groups); ``config`` the broker's
+    ``BrokerConfig``, which DescribeConfigs of the broker describes."""
 
     def __init__(self, handler: RequestHandler, listener: Listener, cluster: Callable, groups=None,
-                 auto_create: bool = False):
+                 auto_create: bool = False, config=None):
         self.handler = handler
         self.listener = listener
         self.port = listener.port
@@ -83,6 +84,7 @@ class KafkaServer:
         self.groups = groups
         self.auto_create = auto_create  # autoCreateTopics: Metadata creates the unknown topics it names
         self.broker_id = handler.broker_id
+        self.config = config  # the broker's BrokerConfig: DescribeConfigs of the broker resource
         security = handler.auth.security
         self._sasl = security.uses_sasl
         self._certificates = security.client_auth == "required"
@@ -93,8 +95,9 @@ class KafkaServer:
                       13: self._group_call("leave_group"), 14: self.sync_group,
                       15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
                       17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
+                      20: lambda conn, request: kafka_admin.delete_topics_response(request.body, request.api_version),
                       22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
-                      36: self.sasl_again,
+                      36: self.sasl_again, 37: self.create_partitions,
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
 
     def start(self) -> "KafkaServer":
@@ -457,30 +460,64 @@ class KafkaServer:
             out.append(entry)
         return {"throttle_time_ms": 0, "topics": out}
 
+    def create_partitions(self, conn, request: Request) -> dict:
+        """Grow topics (``kafka_admin.partitions_to_add``): the new partitions on this broker, the one Kafka's
+        clients send it to (the controller). Alter on the topic."""
+        b, snap, out = request.body, self.cluster(), []
+        for t in b["topics"]:
+            name = t["name"]
+            entry = {"name": name, "error_code": codes.NONE, "error_message": None}
+            try:
+                self.handler.auth.authorize(conn.principal, "Alter", "topic", name)
+                here = self.handler.store.topic_config(name).num_partitions \
+                    if name in self.handler.store.topics() else None
+                add = kafka_admin.partitions_to_add(snap, name, t["count"], t["assignments"], self.broker_id, here)
+                self.handler.add_partitions(conn.principal, name, (here or 0) + add, b["validate_only"])
+            except _Refused as e:
+                entry.update(error_code=e.code, error_message=e.message)
+            except Exception as e:  # noqa: BLE001
+                entry["error_code"], entry["error_message"] = self._code(e, "Kafka CreatePartitions")
+            out.append(entry)
+        return {"throttle_time_ms": 0, "results": out}
+
     def describe_configs(self, conn, request: Request) -> dict:
         """A topic's settings under metaq's names (what ``[topic=...]`` takes), and under Kafka's where one
-        means the same (``KAFKA_TOPIC_CONFIGS``); broker resources are refused, naming where they are."""
+        means the same (``KAFKA_TOPIC_CONFIGS``); this broker's settings (``kafka_admin.broker_settings``:
+        secrets sensitive, without their values), DescribeConfigs on the cluster."""
         results = []
         for r in request.body["resources"]:
             out = {"error_code": codes.NONE, "error_message": None, "resource_type": r["resource_type"],
                    "resource_name": r["resource_name"], "configs": []}
             try:
-                if r["resource_type"] != RESOURCE_TOPIC:
-                    raise _Refused(codes.INVALID_REQUEST, "metaq describes topics only: a broker's settings are its "
-                                                          "INI file's [system] keys (docs/kafka.md)")
-                config = self.handler.describe_topic(conn.principal, r["resource_name"]).config
-                values = {**config, **kafka_topic_configs(config)}
                 keys = r["configuration_keys"]
-                out["configs"] = [{"name": k, "value": v, "read_only": True, "is_default": False,
-                                   "config_source": CONFIG_SOURCE_TOPIC, "is_sensitive": False, "synonyms": [],
-                                   "config_type": 0, "documentation": None}
-                                  for k, v in sorted(values.items()) if keys is None or k in keys]
+                if r["resource_type"] == RESOURCE_BROKER:
+                    out["configs"] = self._broker_configs(conn, r["resource_name"], keys)
+                elif r["resource_type"] != RESOURCE_TOPIC:
+                    raise _Refused(codes.INVALID_REQUEST, f"metaq describes topics (2) and brokers (4) only, not "
+                                                          f"resource type {r['resource_type']}")
+                else:
+                    config = self.handler.describe_topic(conn.principal, r["resource_name"]).config
+                    values = {**config, **kafka_topic_configs(config)}
+                    out["configs"] = [{"name": k, "value": v, "read_only": True, "is_default": False,
+                                       "config_source": CONFIG_SOURCE_TOPIC, "is_sensitive": False, "synonyms": [],
+                                       "config_type": 0, "documentation": None}
+                                      for k, v in sorted(values.items()) if keys is None or k in keys]
             except _Refused as e:
                 out.update(error_code=e.code, error_message=e.message)
             except Exception as e:  # noqa: BLE001
                 out["error_code"], out["error_message"] = self._code(e, "Kafka DescribeConfigs")
             results.append(out)
         return {"throttle_time_ms": 0, "results": results}
+
+    def _broker_configs(self, conn, name: str, keys) -> list:
+        """The configs of broker resource ``name``: this broker's id or "" (the broker answering)."""
+        if name not in ("", str(self.broker_id)):
+            raise _Refused(codes.INVALID_REQUEST, f"this is broker {self.broker_id}: it describes its own settings "
+                                                  f"only, not broker {name!r}'s; ask that broker")
+        if self.config is None:
+            raise _Refused(codes.INVALID_REQUEST, "this listener was started without the broker's configuration")
+        self.handler.auth.authorize(conn.principal, "DescribeConfigs", "cluster", CLUSTER)
+        return kafka_admin.describe_configs_entries(kafka_admin.broker_settings(self.config, self.port), keys)
 
     # -- consumer groups ------------------------------------------------------------------------------
     def _no_groups(self, request: Request) -> dict:
@@ -511,10 +548,7 @@ class KafkaServer:
         return _wait(conn, self.groups.sync_group(request.body, request.api_version, allows=self._allows(conn)))
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+_Refused = kafka_admin.Refused
 
 
 def _wait(conn: Connection, future) -> dict:
@@ -528,7 +562,7 @@ def _wait(conn: Connection, future) -> dict:
                 raise ConnectionError("the listener is stopping") from None
 
 
-RESOURCE_TOPIC = 2  # DescribeConfigs' resource types: 2 topic, 4 broker
+RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4  # DescribeConfigs' resource types
 CONFIG_SOURCE_TOPIC = 1  # DYNAMIC_TOPIC_CONFIG: set for this topic
 
 

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from metaq_broker.errors import NotAcknowledgedError, NotEnoughReplicasError, NotMasterError, OffsetOutOfRangeError
 from metaq_broker.protocol import replication as rp
@@ -251,11 +251,13 @@ class ReplicaManager:
         for p in self.store.all_partitions():
             p.set_high_watermark(None)
 
-    def topic_created(self, topic: str) -> None:
-        """Cap a new topic's partitions before anything is written to them, if readers are capped."""
+    def topic_created(self, topic: str, partitions: Optional[Iterable[int]] = None) -> None:
+        """Cap a new topic's partitions (or a grown topic's new ``partitions``) before anything is written to
+        them, if readers are capped."""
         with self._cond:
             if self.active and self._capped:
-                for p in self.store.partitions(topic):
+                for p in self.store.partitions(topic) if partitions is None else \
+                        [self.store.partition(topic, n) for n in partitions]:
                     p.set_high_watermark(p.earliest_offset)
 
     def refresh_all(self) -> None:

@@ -82,11 +82,14 @@ class MessageStore:
             config = config.with_(num_partitions=count)
         self._configs[topic] = config
         for p in range(count):
-            part = PartitionLog.open(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
-                                self._repair, on_written=self.notify_written)
-            if self._epoch is not None:
-                part.begin_epoch(*self._epoch)
-            self._partitions[(topic, p)] = part
+            self._partitions[(topic, p)] = self._open_partition(topic, p, config)
+
+    def _open_partition(self, topic: str, p: int, config: TopicConfig) -> PartitionLog:
+        part = PartitionLog.open(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
+                                 self._repair, on_written=self.notify_written)
+        if self._epoch is not None:
+            part.begin_epoch(*self._epoch)
+        return part
 
     # -- topics ---------------------------------------------------------------------------------------
     def topics(self) -> list:
@@ -112,6 +115,22 @@ class MessageStore:
                 return self._configs[topic]
             self._open_topic(topic, config, set())
             return self._configs[topic]
+
+    def add_partitions(self, topic: str, num_partitions: int) -> TopicConfig:
+        """Grow ``topic`` to ``num_partitions``: the new partitions empty, the ones it has kept as they are
+        (a partition is never renumbered). Fewer than it has is refused; as many is a no-op."""
+        with self._lock:
+            self._check_open()
+            config = self.topic_config(topic)
+            have = config.num_partitions
+            if num_partitions < have:
+                raise InvalidTopicError(f"topic {topic!r} has {have} partitions; a topic does not shrink "
+                                        f"(asked for {num_partitions})")
+            grown = config.with_(num_partitions=num_partitions)
+            for p in range(have, num_partitions):  # published only once all are open (the config last)
+                self._partitions[(topic, p)] = self._open_partition(topic, p, grown)
+            self._configs[topic] = grown
+            return grown
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
         if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
