@@ -61,14 +61,14 @@ COLUMNS = {  # column -> (allowed Spark types, how the message uses it)
     "topic": ((StringType,), "string"),
     "headers": ((ArrayType,), "array<struct<key: string, value: binary>>"),
 }
-HEADERS_TYPE = "array<struct<key:string,value:binary>>"  # Kafka's sink's type; simpleString leaves out nullability
+HEADERS_SIMPLE_STRING = "array<struct<key:string,value:binary>>"  # Kafka sink's type, nullability left out
 
 
 def _type_ok(name: str, data_type) -> bool:
     """Is ``data_type`` one the sink takes for column ``name``? ``headers`` must be Kafka's type (nulls
     allowed anywhere: a header key's null is refused for its row when the row is written)."""
     if name == "headers":
-        return data_type.simpleString() == HEADERS_TYPE
+        return data_type.simpleString() == HEADERS_SIMPLE_STRING
     return isinstance(data_type, COLUMNS[name][0])
 
 
