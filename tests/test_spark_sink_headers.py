@@ -13,7 +13,7 @@ from conftest import wait_until
 from pyspark import TaskContext
 from pyspark.sql import functions as F
 from spark_helpers import metaq_session, reader
-from test_spark_sink import prepared, settled
+from test_spark_sink import prepared, settled, writer
 
 from metaq_broker.client.consumer import Consumer as MetaqConsumer
 from metaq_spark.options import parse_sink
@@ -65,14 +65,6 @@ def written(spark, cluster, topic: str) -> dict:
         assert r.value.decode() not in out, f"{r.value!r} written twice"
         out[r.value.decode()] = None if r.headers is None else [(h.key, h.value) for h in r.headers]
     return out
-
-
-def writer(df, cluster, **options):
-    w = df.write.format("metaq").option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root",
-                                                                                       cluster.zk_root)
-    for k, v in options.items():
-        w = w.option(k, v)
-    return w.mode("append")
 
 
 def stream(df, cluster, checkpoint, **options):
