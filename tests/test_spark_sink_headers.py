@@ -109,9 +109,10 @@ def test_a_wrong_headers_type_is_refused_before_any_task(spark, cluster, tmp_pat
 
 
 def test_headers_round_trip_batch_and_streaming_both_guarantees(spark, cluster, tmp_path):
-    """Spark sink -> metaq's source with includeHeaders, and -> a Kafka client, the same headers."""
+    """Spark sink -> metaq's source with includeHeaders, and -> a Kafka client, the same headers; the
+    source's headers column written back by the sink as it is (metaq -> metaq, as Kafka -> Kafka)."""
     topics = ("be", "ba", "se", "sa")
-    b = cluster.start_broker(1, topics={t: {"numPartitions": 2} for t in topics})
+    b = cluster.start_broker(1, topics={t: {"numPartitions": 2} for t in topics + ("copy",)})
     all_rows = {}
     for topic in topics:
         guarantee = "exactly-once" if topic[1] == "e" else "at-least-once"
@@ -124,6 +125,10 @@ def test_headers_round_trip_batch_and_streaming_both_guarantees(spark, cluster, 
             stream(spark.readStream.schema(SCHEMA).parquet(str(tmp_path / topic)), cluster, tmp_path / f"ck-{topic}",
                    topic=topic, deliveryGuarantee=guarantee)
         assert written(spark, cluster, topic) == expected(rows), topic
+    # metaq -> metaq, as Kafka -> Kafka: the source's headers column is the sink's
+    copied = reader(spark, cluster, subscribe="be", includeHeaders="true").select("value", "key", "headers")
+    writer(copied, cluster, topic="copy").save()
+    assert written(spark, cluster, "copy") == expected(all_rows["be"])
     # A Kafka client reads the headers the sink wrote (None: a record without headers)
     c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": "unused", "enable.auto.commit": False,
                   "log_level": 3, "fetch.message.max.bytes": 4 << 20})
