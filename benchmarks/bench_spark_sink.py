@@ -22,7 +22,12 @@ a transformation (a prefix added to each value, in Spark SQL) -> ``writeStream.f
 ``pipe-out``, exactly-once, ``trigger(availableNow=True)``, ``maxOffsetsPerTrigger`` N/4 (4 batches).
 
     python benchmarks/bench_spark_sink.py [--quick] [--rows N] [--runs R] [--json PATH] [--no-pipeline]
-                                          [--dir PATH]
+                                          [--dir PATH] [--headers K]
+
+``--headers K`` adds both guarantees again with a ``headers`` column of K Kafka record headers per row
+(keys ``h0``.., each value the row's first 16 bytes, built by Spark's expressions), timed in the same
+rounds as the cases without, and prints their ratio to them; ``discard, K headers/row`` is the ceiling
+with that column (Spark building the nested column and handing it over as Arrow).
 
 N is 10,000,000 (``--quick``: 1,000,000). One local broker (``BrokerProcess`` + ``LocalZooKeeper``,
 loopback only), topics of 2 partitions; Spark runs ``local[2]``. Each case runs once untimed, then
@@ -159,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="1,000,000 rows")
     ap.add_argument("--runs", type=int, default=2, help="timed runs per case (best is reported)")
     ap.add_argument("--no-pipeline", action="store_true", help="skip the in -> Spark -> out pipeline")
+    ap.add_argument("--headers", type=int, default=0, metavar="K",
+                    help="also write with a headers column of K headers per row (e.g. 2)")
     add_common_options(ap, driver_memory="4g")
     args = ap.parse_args(argv)
     n = args.rows if args.rows is not None else (1_000_000 if args.quick else 10_000_000)
@@ -187,24 +194,27 @@ def main(argv=None) -> int:
             F.concat(F.lpad(F.col("id").cast("string"), 12, "0"), F.lit(pad[:VALUE_SIZE - 12])).cast("binary")
             .alias("value"))
 
-        def discard():
+        def discard(frame=source):
             count_file = tmp / "discarded"
-            source.write.format("benchDiscard").option("countfile", str(count_file)).mode("append").save()
+            frame.write.format("benchDiscard").option("countfile", str(count_file)).mode("append").save()
             got = int(count_file.read_text())
             if got != n:
                 raise RuntimeError(f"the discarding writer saw {got:,} rows, expected {n:,}")
             return n
 
+        with_headers = source.select("value", F.array(*[
+            F.struct(F.lit(f"h{i}").alias("key"), F.substring("value", 1, 16).alias("value"))
+            for i in range(args.headers)]).alias("headers"))
         written = []  # topics written, counted through the client after the timed runs
 
-        def metaq(guarantee):
-            ready = [f"{guarantee}-{i}" for i in range(args.runs + 1)]
+        def metaq(guarantee, frame=source, tag=""):
+            ready = [f"{guarantee}{tag}-{i}" for i in range(args.runs + 1)]
             for topic in ready:  # created before timing
                 create_topic(zk.connect_string, topic)
 
             def run():
                 topic = ready.pop(0)
-                (source.write.format("metaq").option("metaq.zk.connect", zk.connect_string).option("topic", topic)
+                (frame.write.format("metaq").option("metaq.zk.connect", zk.connect_string).option("topic", topic)
                  .option("deliveryGuarantee", guarantee).mode("append").save())
                 written.append(topic)
                 return n
@@ -212,6 +222,11 @@ def main(argv=None) -> int:
 
         cases = [("discard (ceiling)", discard), ("metaq exactly-once", metaq("exactly-once")),
                  ("metaq at-least-once", metaq("at-least-once"))]
+        headed = f"{args.headers} headers/row"
+        if args.headers > 0:
+            cases += [(f"discard, {headed}", lambda: discard(with_headers)),
+                      (f"metaq exactly-once, {headed}", metaq("exactly-once", with_headers, "-h")),
+                      (f"metaq at-least-once, {headed}", metaq("at-least-once", with_headers, "-h"))]
         results["cases"] = best_of(cases, args.runs, broker.proc.pid)
         for topic in written:
             got = topic_count(zk.connect_string, topic)
@@ -278,6 +293,11 @@ def main(argv=None) -> int:
         c = results["cases"]
         pairs = [("metaq exactly-once", "discard (ceiling)"), ("metaq at-least-once", "discard (ceiling)"),
                  ("metaq exactly-once", "metaq at-least-once"),
+                 (f"metaq exactly-once, {headed}", "metaq exactly-once"),
+                 (f"metaq at-least-once, {headed}", "metaq at-least-once"),
+                 (f"discard, {headed}", "discard (ceiling)"),
+                 (f"metaq exactly-once, {headed}", f"discard, {headed}"),
+                 (f"metaq at-least-once, {headed}", f"discard, {headed}"),
                  ("pipeline in->out exactly-once", "discard (ceiling)"),
                  ("pipeline, value column only", "discard (ceiling)"),
                  ("pipeline, value column only", "pipeline in->out exactly-once"),
@@ -297,15 +317,15 @@ def main(argv=None) -> int:
         print()
         print(f"Spark sink benchmark: {n:,} rows x {VALUE_SIZE} B, topics of 2 partitions on 1 broker, local[2], "
               f"best of {args.runs} (after a warm-up)")
-        print(f"{'case':<32}{'best s':>9}{'rows/s':>14}{'MB/s (values)':>15}{'machine cpu s':>15}"
+        print(f"{'case':<36}{'best s':>9}{'rows/s':>14}{'MB/s (values)':>15}{'machine cpu s':>15}"
               f"{'broker cpu s':>14}{'of it system':>14}")
         for name, r in c.items():
-            print(f"{name:<32}{r['best_s']:>9.2f}{r['rows_per_s']:>14,.0f}"
+            print(f"{name:<36}{r['best_s']:>9.2f}{r['rows_per_s']:>14,.0f}"
                   f"{r['rows_per_s'] * VALUE_SIZE / 1e6:>15.1f}{r['machine_cpu_s']:>15.1f}{r['broker_cpu_s']:>14.1f}"
                   f"{r['broker_system_s']:>14.1f}")
         print()
         for k, v in results["ratios"].items():
-            print(f"{k:<52}{v:>7.2f}")
+            print(f"{k:<72}{v:>7.2f}")
         write_json(args.json, results)
         return 0
     finally:

@@ -28,12 +28,33 @@ def _slices(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
         yield batch.slice(start, step)
 
 
-def send_arrow(send, batch, index: dict, default_topic: Optional[str]) -> int:
-    """Send one Arrow batch or table with ``send(topic, values, keys, attributes, flags, partition=...)``,
-    one call per topic present (a ``topic`` column is split with Arrow kernels). Returns the rows sent."""
+def check_headers(headers, first_row: int = 0) -> None:
+    """InvalidMessageError naming the row (``first_row`` + its place in ``headers``, counted in the task)
+    of the first header that is null or has a null key: Kafka's header keys are strings, never null (a
+    null value is allowed). Arrow kernels, no loop per row."""
+    for chunk in headers.chunks if isinstance(headers, pa.ChunkedArray) else [headers]:
+        flat = pc.list_flatten(chunk)  # the headers of the non-null rows, in order
+        keys = pc.struct_field(flat, "key")  # null also where the header itself is
+        if keys.null_count:
+            at = pc.index(pc.is_null(keys), True).as_py()
+            parents = pc.list_parent_indices(chunk)
+            row = parents[at].as_py()
+            what = "is null" if flat[at].as_py() is None else "has a null key"
+            raise InvalidMessageError(f"the headers column: row {first_row + row} of this task has a header that "
+                                      f"{what} (its header {at - pc.index(parents, row).as_py()}); Kafka header "
+                                      f"keys are strings, never null (a null header value is allowed)")
+        first_row += len(chunk)
+
+
+def send_arrow(send, batch, index: dict, default_topic: Optional[str], first_row: int = 0) -> int:
+    """Send one Arrow batch or table with ``send(topic, values, keys, attributes, flags, partition=...,
+    headers=...)``, one call per topic present (a ``topic`` column is split with Arrow kernels). Returns
+    the rows sent. ``first_row``: the task's rows sent before this batch (errors name a row by it)."""
     if not batch.num_rows:
         return 0
     col = {name: batch.column(i) for name, i in index.items()}
+    if "headers" in col:
+        check_headers(col["headers"], first_row)
     topics = col.get("topic")
     if topics is None:
         groups = [(default_topic, None)]
@@ -49,7 +70,8 @@ def send_arrow(send, batch, index: dict, default_topic: Optional[str]) -> int:
         flags = cols.get("flag")
         if flags is not None and flags.null_count:
             flags = pc.fill_null(flags, 0)
-        send(topic, cols["value"], cols.get("key"), cols.get("attribute"), flags, partition=cols.get("partition"))
+        send(topic, cols["value"], cols.get("key"), cols.get("attribute"), flags, partition=cols.get("partition"),
+             headers=cols.get("headers"))
     return batch.num_rows
 
 
@@ -63,7 +85,7 @@ class Pipeline:
     sending thread after the last send."""
 
     def __init__(self, send, index: dict, topic: Optional[str], flush=None):
-        self._send = lambda batch: send_arrow(send, batch, index, topic)
+        self._send = lambda batch, first_row: send_arrow(send, batch, index, topic, first_row)
         self._flush = flush
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
@@ -94,10 +116,12 @@ class Pipeline:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        sent = 0  # rows of the task taken so far
         while taken := self._take():
+            first_row, sent = sent, sent + sum(b.num_rows for b in taken)
             if self._error is None and not self._skip:
                 try:
-                    self._send(taken[0] if len(taken) == 1 else pa.Table.from_batches(taken))
+                    self._send(taken[0] if len(taken) == 1 else pa.Table.from_batches(taken), first_row)
                 except BaseException as e:  # noqa: BLE001 - raised in the task's thread
                     self._fail(e)
         if self._flush is not None and self._error is None and not self._skip:

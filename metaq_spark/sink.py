@@ -36,7 +36,7 @@ from typing import Iterator, List, Optional
 import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
-from pyspark.sql.types import BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
+from pyspark.sql.types import ArrayType, BinaryType, ByteType, IntegerType, ShortType, StringType, StructType
 
 from metaq_broker.client.decisions import SinkDecisions
 from metaq_broker.client.producer import PipelinedSender, Producer
@@ -59,7 +59,17 @@ COLUMNS = {  # column -> (allowed Spark types, how the message uses it)
     "attribute": ((StringType,), "string"),
     "flag": ((IntegerType, ShortType, ByteType), "int"),
     "topic": ((StringType,), "string"),
+    "headers": ((ArrayType,), "array<struct<key: string, value: binary>>"),
 }
+HEADERS_SIMPLE_STRING = "array<struct<key:string,value:binary>>"  # Kafka sink's type, nullability left out
+
+
+def _type_ok(name: str, data_type) -> bool:
+    """Is ``data_type`` one the sink takes for column ``name``? ``headers`` must be Kafka's type (nulls
+    allowed anywhere: a header key's null is refused for its row when the row is written)."""
+    if name == "headers":
+        return data_type.simpleString() == HEADERS_SIMPLE_STRING
+    return isinstance(data_type, COLUMNS[name][0])
 
 
 class SinkIdConflictError(RuntimeError):
@@ -81,8 +91,8 @@ def check_schema(schema: StructType, opts: SinkOptions) -> dict:
             raise SinkSchemaError(f"column {f.name!r} is not written by the metaq sink; the columns are: {allowed}")
         if name in index:
             raise SinkSchemaError(f"column {f.name!r} appears twice")
-        types, what = COLUMNS[name]
-        if not isinstance(f.dataType, types):
+        what = COLUMNS[name][1]
+        if not _type_ok(name, f.dataType):
             raise SinkSchemaError(f"column {f.name!r} has type {f.dataType.simpleString()}; the metaq sink "
                                   f"needs {what}")
         index[name] = i
