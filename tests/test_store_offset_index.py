@@ -333,7 +333,8 @@ def test_metaq_log_describe_and_verify_check_the_index(tmp_path):
     # The sealed segments' from their files; the tail's made when the command opens it, at its 4 KiB default
     # (it knows no topic's settings): fewer.
     assert shown[:-1] == entries[:-1] and 1 <= shown[-1] < entries[-1]
-    assert f"sparse offset index: {sum(shown)} entries, {offset_index.HEADER_SIZE * len(shown) + 32 * sum(shown)} bytes" in out.stdout
+    index_bytes = offset_index.HEADER_SIZE * len(shown) + 32 * sum(shown)
+    assert f"sparse offset index: {sum(shown)} entries, {index_bytes} bytes" in out.stdout
     assert metaq_log("verify", str(part)).stdout.strip() == "t-0: ok"
 
     # An index that passes every check on open but lacks an entry (a bug that wrote it): verify names it.

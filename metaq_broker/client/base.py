@@ -252,8 +252,8 @@ class ClientBase:
         by_broker: dict = {}
         for name in partitions or self.partitions(topic):
             bid, n = parse_partition_name(name)
-            by_broker.setdefault(bid, []).append(pb.OffsetQuery(topic=topic, partition=n, create_time_from_ms=since_ms,
-                                                                create_time_to_ms=until_ms))
+            by_broker.setdefault(bid, []).append(pb.OffsetQuery(
+                topic=topic, partition=n, create_time_from_ms=since_ms, create_time_to_ms=until_ms))
         out = {}
         for bid, queries in by_broker.items():
             for o in self.call(bid, "GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3).offsets:

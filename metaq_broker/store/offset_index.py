@@ -5,12 +5,11 @@ index.interval.bytes, default 4 KiB), never one per message: the batch headers i
 message is, so a lookup takes the entry at or before what it looks for and walks at most a window's worth
 of batch headers (``Segment``). An entry holds the batch's offset, logical position and store time (store
 times never decrease in a partition, so the same entries are the time index) and the message bytes of the
-segment before it (so byte budgets stay exact without a size per message). The header also bounds the
-segment's create-time skew (``create time - store time`` of its messages, 0 for one without a create
-time), so that a create time can be looked up through the same store-time entries (``Skew``). Which
-batches get an entry is
+segment before it (so byte budgets stay exact without a size per message). Which batches get an entry is
 a function of batch positions alone, so an index rebuilt from the log equals the one written while
-appending, whatever the appends' sizes were: ``metaq log verify`` compares them.
+appending, whatever the appends' sizes were: ``metaq log verify`` compares them. The header also bounds the
+segment's create-time skew (``create time - store time`` of its messages, 0 for one without a create
+time), so that create times can be looked up through the same store-time entries (``store_time_bounds``).
 
 Pure: arrays and the file's bytes; no reading of the log. docs/storage-format.md, section 5, has the layout.
 """
