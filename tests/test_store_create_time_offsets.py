@@ -210,3 +210,18 @@ def test_a_replica_copy_carries_the_bounds(tmp_path):
         assert replica.offsets_for_create_times(since, until, end) == master.offsets_for_create_times(since, until)
     master.close()
     replica.close()
+
+
+def test_a_rebuilt_index_has_the_bounds_its_log_makes(tmp_path):
+    clock, rng = FakeClock(), np.random.default_rng(13)
+    config = TopicConfig(max_segment_size=4096, index_interval_bytes=256)
+    p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
+    fill(p, clock, rng, skew_ms=(-5000, 9000), wild=(3,))
+    skews = [s.skew for s in p._segments[:-1]]
+    damaged = p._segments[1].index_path
+    p.close()
+    damaged.write_bytes(b"\0" * 100)  # rebuilt from the log on open
+    p = PartitionLog.open(tmp_path, "t", 0, config, clock=clock)
+    assert [s.skew for s in p._segments[:-1]] == skews and skews[1] != (0, 0)
+    check(p, rng)
+    p.close()
