@@ -150,6 +150,11 @@ class Planner:
         """{partition: first offset at or after ``timestamp_ms``} (the latest where there is none)."""
         return {p: r[2] for p, r in self.consumer.offsets(topic, partitions, timestamp_ms=timestamp_ms).items()}
 
+    def create_time_ranges(self, topic: str, partitions, since_ms: Optional[int], until_ms: Optional[int]) -> dict:
+        """{partition: (start, end) holding every message whose create time is in [since_ms, until_ms], or
+        None where its broker cannot say} (``Consumer.offsets_for_create_times``)."""
+        return self.consumer.offsets_for_create_times(topic, partitions, since_ms, until_ms)
+
     def close(self) -> None:
         self.consumer.close()
 

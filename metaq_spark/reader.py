@@ -327,7 +327,8 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
             [InputPartition(None)]
 
     def _narrowed(self, start: dict, end: dict) -> tuple:
-        """(start, end) of the topics, partitions and offsets the pushed filters leave (all without any)."""
+        """(start, end) of the topics, partitions and offsets the pushed filters leave (all without any);
+        ``timestamp`` filters narrow each range to the offsets its broker's time index says can match."""
         pushed = self.pushed
         if pushed.empty:
             return {}, {}
@@ -340,6 +341,17 @@ class MetaqBatchReader(_PlannerMixin, DataSourceReader):
                 if p in start.get(t, {}) and (pushed.partitions is None or p in pushed.partitions):
                     s = max(start[t][p], lo)
                     narrowed_start.setdefault(t, {})[p], narrowed_end.setdefault(t, {})[p] = s, max(s, min(e, hi))
+        if pushed.create_times != (None, None):
+            for t, ps in narrowed_end.items():
+                ranges = self.planner.create_time_ranges(t, list(ps), *pushed.create_times)
+                for p, r in ranges.items():
+                    if r is None:  # a broker from before create-time ranges: read the range whole
+                        continue
+                    s, e = narrowed_start[t][p], ps[p]
+                    narrowed_start[t][p] = max(s, min(r[0], e))
+                    ps[p] = max(narrowed_start[t][p], min(e, r[1]))
+                    log.info("timestamp filters narrow %s %s from offsets [%d, %d) to [%d, %d)", t, p, s, e,
+                             narrowed_start[t][p], ps[p])
         return narrowed_start, narrowed_end
 
     def read(self, partition):
@@ -358,6 +370,9 @@ class MetaqFilteringBatchReader(MetaqBatchReader):
         self.pushed, kept = push(filters, key_index=bool(topics) and self.planner.keeps_key_index(topics))
         if self.pushed.shown:
             log.info("metaq answers these filters itself: %s", ", ".join(self.pushed.shown))
+        if self.pushed.narrowing:
+            log.info("metaq narrows its offset ranges by these filters, which Spark applies too: %s",
+                     ", ".join(self.pushed.narrowing))
         return kept
 
 

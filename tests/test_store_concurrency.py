@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 
 from metaq_broker.store import MessageStore, TopicConfig
+from metaq_broker.store import offset_index
 
 pytestmark = pytest.mark.unit
 
@@ -209,7 +210,8 @@ def test_concurrent_appends_across_segment_rolls(tmp_path, clock, mode):
             assert a.base_offset + a.count == b.base_offset
             assert a.size <= 4096
             assert a.path.stat().st_size == a.size
-            assert a.path.with_suffix(".index").stat().st_size == 96 + 32 * a.index_entries  # header, entries
+            size = offset_index.HEADER_SIZE + 32 * a.index_entries  # header, entries
+            assert a.path.with_suffix(".index").stat().st_size == size
         assert segs[0].base_offset == 0 and segs[-1].base_offset + segs[-1].count == len(final)
         assert p.verify() == []
         layout = [(x.path.name, x.base_offset, x.count, x.size) for x in segs]

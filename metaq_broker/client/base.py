@@ -9,8 +9,8 @@ from typing import Iterable, Mapping, Optional, Union
 
 from metaq_broker.client.cluster import ClusterView
 from metaq_broker.client.connection import BrokerConnection, ConnectionPool
-from metaq_broker.errors import (AuthenticationError, InvalidPartitionError, MetaqError, NotMasterError,
-                                 UnknownTopicError)
+from metaq_broker.errors import (AuthenticationError, InvalidOffsetError, InvalidPartitionError, MetaqError,
+                                 NotMasterError, UnknownTopicError)
 from metaq_broker.protocol.services import groups_path
 from metaq_broker.protocol.status import STORED_NOTHING, BrokerError, BrokerUnavailableError
 from metaq_broker.names import parse_partition_name, partition_name
@@ -237,6 +237,28 @@ class ClientBase:
                 out[name] = (o.earliest, o.latest, o.log_end_offset) + (
                     () if timestamp_ms is None else (o.for_timestamp,))
                 self.identities[(topic, name)] = o.partition_id  # "" from a broker that predates them
+        return out
+
+    def offsets_for_create_times(self, topic: str, partitions: Optional[Iterable[str]] = None,
+                                 since_ms: Optional[int] = None, until_ms: Optional[int] = None) -> dict:
+        """{partition: (start, end)}: offsets outside which no message has a create time (its store time
+        when it has none) in [since_ms, until_ms] (None: unbounded; one of them is needed), from the
+        brokers' time indexes; one GetOffsets call per broker. Not exact (a reader filters the rows); None
+        for a partition whose broker predates the question (read it whole)."""
+        if since_ms is None and until_ms is None:
+            raise InvalidOffsetError("a create-time range needs since_ms or until_ms")
+        if since_ms is not None and until_ms is not None and since_ms > until_ms:
+            raise InvalidOffsetError(f"since_ms {since_ms} is after until_ms {until_ms}")
+        by_broker: dict = {}
+        for name in partitions or self.partitions(topic):
+            bid, n = parse_partition_name(name)
+            by_broker.setdefault(bid, []).append(pb.OffsetQuery(
+                topic=topic, partition=n, create_time_from_ms=since_ms, create_time_to_ms=until_ms))
+        out = {}
+        for bid, queries in by_broker.items():
+            for o in self.call(bid, "GetOffsets", pb.GetOffsetsRequest(queries=queries), retries=3).offsets:
+                out[partition_name(bid, o.partition)] = (o.create_time_start, o.create_time_end) \
+                    if o.HasField("create_time_start") and o.HasField("create_time_end") else None
         return out
 
     def offsets(self, topic: str, partitions: Optional[Iterable[str]] = None, timestamp_ms: Optional[int] = None) -> dict:

@@ -95,18 +95,22 @@ class FetchResponse(_message.Message):
     def __init__(self, start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., records: _Optional[bytes] = ..., batch_positions: _Optional[_Iterable[int]] = ..., earliest_offset: _Optional[int] = ..., latest_offset: _Optional[int] = ..., aborted: _Optional[bytes] = ..., partition_id: _Optional[str] = ...) -> None: ...
 
 class OffsetQuery(_message.Message):
-    __slots__ = ("topic", "partition", "timestamp_ms", "from_offset", "max_bytes")
+    __slots__ = ("topic", "partition", "timestamp_ms", "from_offset", "max_bytes", "create_time_from_ms", "create_time_to_ms")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     FROM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FROM_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_TO_MS_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     timestamp_ms: int
     from_offset: int
     max_bytes: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., from_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    create_time_from_ms: int
+    create_time_to_ms: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., from_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., create_time_from_ms: _Optional[int] = ..., create_time_to_ms: _Optional[int] = ...) -> None: ...
 
 class GetOffsetsRequest(_message.Message):
     __slots__ = ("queries",)
@@ -115,7 +119,7 @@ class GetOffsetsRequest(_message.Message):
     def __init__(self, queries: _Optional[_Iterable[_Union[OffsetQuery, _Mapping]]] = ...) -> None: ...
 
 class PartitionOffsets(_message.Message):
-    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset", "high_watermark", "partition_id")
+    __slots__ = ("topic", "partition", "earliest", "latest", "for_timestamp", "after_bytes", "log_end_offset", "high_watermark", "partition_id", "create_time_start", "create_time_end")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +129,8 @@ class PartitionOffsets(_message.Message):
     LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
     HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_START_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_END_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     earliest: int
@@ -134,7 +140,9 @@ class PartitionOffsets(_message.Message):
     log_end_offset: int
     high_watermark: int
     partition_id: str
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., partition_id: _Optional[str] = ...) -> None: ...
+    create_time_start: int
+    create_time_end: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., earliest: _Optional[int] = ..., latest: _Optional[int] = ..., for_timestamp: _Optional[int] = ..., after_bytes: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., partition_id: _Optional[str] = ..., create_time_start: _Optional[int] = ..., create_time_end: _Optional[int] = ...) -> None: ...
 
 class GetOffsetsResponse(_message.Message):
     __slots__ = ("offsets",)

@@ -349,6 +349,9 @@ class EncodedBody:
     # Where its keys are, for the key index (``body_keys``): the key Arrow array (``encode_body``), or the
     # key lengths (-1: null) and where the key bytes start in ``parts[0]`` (``parse_body``); None: no keys.
     keys: object = None
+    # (earliest, latest) create time of its messages (ms), for the time index's skew bounds; None: no
+    # create-time column (every message's time is its batch's store time)
+    create_times: Optional[tuple] = None
 
 
 def headers_column(headers, n: int) -> Optional[pa.Array]:
@@ -504,7 +507,8 @@ def encode_body(
     for p in parts:
         body_crc = crc(p, body_crc)
     return EncodedBody(n, bits | layout << LAYOUT_SHIFT, parts, size, body_crc, sizes.astype(np.uint32),
-                       max_message_size, _metaq_total(n, value_bytes, attr_len), key_arr)
+                       max_message_size, _metaq_total(n, value_bytes, attr_len), key_arr,
+                       None if times is None else (base, int(times.max())))
 
 
 # A body's integer columns, one row each, in their order: flag, value length, key length, attribute length,
@@ -615,7 +619,8 @@ def parse_body(count: int, attributes: int, body, body_crc: int) -> EncodedBody:
     column_bytes = sum(entry for _, _, entry, _ in plan)
     return EncodedBody(count, attributes, [body], size, body_crc, (sizes + column_bytes).astype(np.uint32),
                        int(sizes.max()), _metaq_total(count, value_bytes, attr),
-                       None if key is None else (key, pos + value_bytes))
+                       None if key is None else (key, pos + value_bytes),
+                       None if deltas is None else (time_base + int(deltas.min()), time_base + int(deltas.max())))
 
 
 def _check_headers(body, start: int, counts: np.ndarray, layout: int) -> tuple:
@@ -962,6 +967,16 @@ class _Layout:
         base = np.where(self.has_times, self.time_base, store_ms)
         return self.per_message(base) + self.time_deltas, self.per_message(self.has_times)
 
+    def skews(self, store_ms: np.ndarray) -> tuple:
+        """(least, greatest) ``create time - store time`` of each batch's messages (0 for a batch without
+        create times): the bounds the time index keeps per segment (``offset_index``)."""
+        if self.time_base is None:
+            zero = np.zeros(len(self.counts), np.int64)
+            return zero, zero
+        lo = np.minimum.reduceat(self.time_deltas, self.first_msg) + self.time_base - store_ms
+        hi = np.maximum.reduceat(self.time_deltas, self.first_msg) + self.time_base - store_ms
+        return np.where(self.has_times, lo, 0), np.where(self.has_times, hi, 0)
+
     def data_sizes(self) -> np.ndarray:
         """Each message's bytes of keys, values, attributes and headers (with their length entries)."""
         sizes = sum(np.maximum(x, 0) for x in self.lengths if x is not None)
@@ -1075,11 +1090,17 @@ def _batch_positions(u8: np.ndarray, verify: bool) -> np.ndarray:
 def index_columns(u8: np.ndarray, positions: np.ndarray):
     """For the offset index: each message's encoded size, and each batch's count, time and length; and for
     the MetaQ stream, each batch's MetaQ bytes and ``byte_base`` (-1 in version 2)."""
+    return index_table(u8, positions)[:6]
+
+
+def index_table(u8: np.ndarray, positions: np.ndarray):
+    """``index_columns``, then each batch's least and greatest create-time skew (``_Layout.skews``)."""
     positions = np.asarray(positions, dtype=np.int64)
     v3 = v3_fields(u8, positions)
     layout = _batch_layout(u8, positions, v3)
-    return (layout.message_sizes(), layout.counts, layout.h["timestamp"], layout.h["batch_len"],
-            layout.metaq_bytes(), v3["byte_base"])
+    ts = layout.h["timestamp"]
+    return (layout.message_sizes(), layout.counts, ts, layout.h["batch_len"], layout.metaq_bytes(),
+            v3["byte_base"]) + layout.skews(ts.astype(np.int64))
 
 
 def metaq_message_sizes(u8: np.ndarray, positions: np.ndarray) -> np.ndarray:

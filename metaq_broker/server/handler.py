@@ -99,6 +99,8 @@ class OffsetQuery:
     timestamp_ms: Optional[int] = None  # the first offset at or after this time
     from_offset: Optional[int] = None  # with max_bytes: the offset max_bytes of whole batches after this one
     max_bytes: Optional[int] = None
+    create_time_from_ms: Optional[int] = None  # a create-time range (inclusive; PartitionLog.offsets_for_create_times)
+    create_time_to_ms: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class PartitionOffsets:
     for_timestamp: int
     after_bytes: int
     partition_id: str
+    create_time_range: Optional[tuple] = None  # [start, end) holding every message in the create-time range asked
 
 
 @dataclass(frozen=True)
@@ -478,8 +481,12 @@ class RequestHandler:
                 if q.max_bytes is None or q.from_offset is None:
                     raise InvalidOffsetError("from_offset and max_bytes go together")
                 after_bytes = p.offset_after_bytes(q.from_offset, q.max_bytes)
+            create_times = None
+            if q.create_time_from_ms is not None or q.create_time_to_ms is not None:
+                create_times = p.offsets_for_create_times(q.create_time_from_ms, q.create_time_to_ms)
             out.append(PartitionOffsets(q.topic, q.partition, p.earliest_offset, p.last_stable_offset, p.visible_end,
-                                        p.visible_end if hw is None else hw, for_timestamp, after_bytes, p.identity))
+                                        p.visible_end if hw is None else hw, for_timestamp, after_bytes, p.identity,
+                                        create_times))
         return out
 
     def init_producer_id(self, principal: str, producer_id: Optional[int], epoch: Optional[int]) -> tuple:

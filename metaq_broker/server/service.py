@@ -121,12 +121,15 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def GetOffsets(self, request, context, principal):
         queries = [OffsetQuery(q.topic, q.partition, _optional(q, "timestamp_ms"), _optional(q, "from_offset"),
-                               _optional(q, "max_bytes")) for q in request.queries]
+                               _optional(q, "max_bytes"), _optional(q, "create_time_from_ms"),
+                               _optional(q, "create_time_to_ms")) for q in request.queries]
         return pb.GetOffsetsResponse(offsets=[
             pb.PartitionOffsets(topic=o.topic, partition=o.partition, earliest=o.earliest, latest=o.latest,
                                 log_end_offset=o.log_end_offset, for_timestamp=o.for_timestamp,
                                 after_bytes=o.after_bytes, high_watermark=o.high_watermark,
-                                partition_id=o.partition_id)
+                                partition_id=o.partition_id,
+                                **({} if o.create_time_range is None else dict(zip(
+                                    ("create_time_start", "create_time_end"), o.create_time_range))))
             for o in self.handler.offsets(principal, queries)])
 
     @rpc

@@ -7,7 +7,9 @@ of batch headers (``Segment``). An entry holds the batch's offset, logical posit
 times never decrease in a partition, so the same entries are the time index) and the message bytes of the
 segment before it (so byte budgets stay exact without a size per message). Which batches get an entry is
 a function of batch positions alone, so an index rebuilt from the log equals the one written while
-appending, whatever the appends' sizes were: ``metaq log verify`` compares them.
+appending, whatever the appends' sizes were: ``metaq log verify`` compares them. The header also bounds the
+segment's create-time skew (``create time - store time`` of its messages, 0 for one without a create
+time), so that create times can be looked up through the same store-time entries (``store_time_bounds``).
 
 Pure: arrays and the file's bytes; no reading of the log. docs/storage-format.md, section 5, has the layout.
 """
@@ -31,14 +33,22 @@ DEFAULT_INTERVAL = 4096
 ENTRY_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("bytes", "<i8")])
 # What a segment is told about each batch it takes (appends, a replica's copy, a scan of the log).
 BATCH_DTYPE = np.dtype([("offset", "<i8"), ("position", "<i8"), ("timestamp", "<i8"), ("length", "<i8"),
-                        ("count", "<i8"), ("bytes", "<i8"), ("msg_id", "<i8")])
+                        ("count", "<i8"), ("bytes", "<i8"), ("msg_id", "<i8"), ("min_skew", "<i8"),
+                        ("max_skew", "<i8")])
 # The dense index of earlier versions, read once to convert a data directory they wrote.
 DENSE_DTYPE = np.dtype([("position", "<i8"), ("timestamp", "<i8"), ("size", "<u4"), ("batch_len", "<u4")])
 
-MAGIC = b"MQINDEX1"
-HEADER = struct.Struct("<8sqqqqqqqqqIII")  # then a u32 CRC-32C of these 92 bytes
+MAGIC = b"MQINDEX2"
+HEADER = struct.Struct("<8sqqqqqqqqqqqIII")  # then a u32 CRC-32C of these 108 bytes
 HEADER_SIZE = HEADER.size + 4
-assert HEADER_SIZE == 96 and ENTRY_DTYPE.itemsize == 32
+MAGIC_V1 = b"MQINDEX1"  # the same header without the skew bounds (read as unknown bounds)
+HEADER_V1 = struct.Struct("<8sqqqqqqqqqIII")
+HEADER_V1_SIZE = HEADER_V1.size + 4
+assert HEADER_SIZE == 112 and HEADER_V1_SIZE == 96 and ENTRY_DTYPE.itemsize == 32
+
+# Skew bounds of a segment whose messages were never looked at (an index of an earlier version, a dense one):
+# wider than any real skew (create and store times lie in [0, 2^62)), so they narrow nothing.
+UNKNOWN_SKEW = (-(1 << 62), 1 << 62)
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,29 @@ class Summary:
     first_msg_id: int  # of its first message (0: none)
     last_msg_id: int  # of its last message (-1: none)
     interval: int
+    # Bounds of ``create time - store time`` over its messages (0 for one without a create time); they always
+    # hold 0, may be wider than the messages need (UNKNOWN_SKEW: not known), never narrower.
+    min_skew: int = 0
+    max_skew: int = 0
+
+
+def skew_bounds(batches: np.ndarray, bounds: tuple = (0, 0)) -> tuple:
+    """``bounds`` widened to hold the skews of ``batches`` (BATCH_DTYPE)."""
+    if not len(batches):
+        return bounds
+    return min(bounds[0], int(batches["min_skew"].min())), max(bounds[1], int(batches["max_skew"].max()))
+
+
+def store_time_bounds(since_ms: Optional[int], until_ms: Optional[int], min_skew: int, max_skew: int) -> tuple:
+    """For create times in [since_ms, until_ms] (None: unbounded), the store times such messages of a segment
+    with these skew bounds can have: (lowest, highest), clamped to i64 (None: unbounded)."""
+    lo = None if since_ms is None else _clamp(since_ms - max_skew)
+    hi = None if until_ms is None else _clamp(until_ms - min_skew)
+    return lo, hi
+
+
+def _clamp(ms: int) -> int:
+    return max(-(1 << 63), min(ms, (1 << 63) - 1))
 
 
 class IndexProblem(Exception):
@@ -86,7 +119,7 @@ def summary_of(batches: np.ndarray, base_offset: int, start: int, size: int, int
     last = batches[-1]
     return Summary(base_offset, start, size, int(last["offset"] + last["count"]), int(batches["bytes"].sum()),
                    int(last["timestamp"]), int(last["position"]), int(batches[0]["msg_id"]),
-                   int(last["msg_id"] + last["count"] - 1), interval)
+                   int(last["msg_id"] + last["count"] - 1), interval, *skew_bounds(batches))
 
 
 def encode(summary: Summary, entries: np.ndarray) -> list:
@@ -94,8 +127,8 @@ def encode(summary: Summary, entries: np.ndarray) -> list:
     entries = np.ascontiguousarray(entries, ENTRY_DTYPE)
     s = summary
     head = HEADER.pack(MAGIC, s.base_offset, s.start, s.size, s.next_offset, s.bytes, s.last_timestamp,
-                       s.last_position, s.first_msg_id, s.last_msg_id, s.interval, len(entries),
-                       crc(memoryview(entries).cast("B")))
+                       s.last_position, s.first_msg_id, s.last_msg_id, s.min_skew, s.max_skew, s.interval,
+                       len(entries), crc(memoryview(entries).cast("B")))
     return [head + struct.pack("<I", crc(head)), memoryview(entries).cast("B")]
 
 
@@ -129,21 +162,30 @@ def load(path: Path, base_offset: int, start: int, size: int, next_offset: Optio
     """Read and check an index file against its segment (``size`` bytes, its first batch at
     ``first_position``; the next segment's base offset if known). Returns (Summary, entries memory-mapped
     read-only); raises IndexProblem saying what is wrong."""
-    raw, file_size = read_header(path, HEADER_SIZE)
-    fields = HEADER.unpack_from(raw)
-    if fields[0] != MAGIC or crc(raw[:HEADER.size]) != struct.unpack_from("<I", raw, HEADER.size)[0]:
+    raw, file_size = read_header(path, HEADER_V1_SIZE)
+    header, header_size = (HEADER_V1, HEADER_V1_SIZE) if raw[:8] == MAGIC_V1 else (HEADER, HEADER_SIZE)
+    if raw[:8] == MAGIC:
+        raw, file_size = read_header(path, HEADER_SIZE)
+    if raw[:8] not in (MAGIC, MAGIC_V1) or crc(raw[:header.size]) != struct.unpack_from("<I", raw, header.size)[0]:
         raise IndexProblem("has a bad header (magic or checksum)")
-    summary, n, entries_crc = Summary(*fields[1:11]), fields[11], fields[12]
+    fields = header.unpack_from(raw)
+    if header is HEADER_V1:  # no skew bounds: unknown
+        summary, n, entries_crc = Summary(*fields[1:11], *UNKNOWN_SKEW), fields[11], fields[12]
+    else:
+        summary = Summary(*fields[1:10], fields[12], fields[10], fields[11])
+        n, entries_crc = fields[13], fields[14]
     if (summary.base_offset, summary.start, summary.size) != (base_offset, start, size):
         raise IndexProblem(f"describes offset {summary.base_offset}, start {summary.start}, {summary.size} bytes; "
                            f"the segment is offset {base_offset}, start {start}, {size} bytes")
     if next_offset is not None and summary.next_offset != next_offset:
         raise IndexProblem(f"ends at offset {summary.next_offset}, the next segment starts at {next_offset}")
-    if file_size != HEADER_SIZE + n * ENTRY_DTYPE.itemsize:
+    if file_size != header_size + n * ENTRY_DTYPE.itemsize:
         raise IndexProblem(f"is {file_size} bytes, its header counts {n} entries")
     if summary.interval < 1:
         raise IndexProblem(f"has interval {summary.interval}")
-    entries = (np.memmap(path, ENTRY_DTYPE, mode="r", offset=HEADER_SIZE, shape=(n,)) if n
+    if not summary.min_skew <= 0 <= summary.max_skew:
+        raise IndexProblem(f"has skew bounds {summary.min_skew}..{summary.max_skew}, which do not hold 0")
+    entries = (np.memmap(path, ENTRY_DTYPE, mode="r", offset=header_size, shape=(n,)) if n
                else np.empty(0, ENTRY_DTYPE))
     if crc(memoryview(np.ascontiguousarray(entries)).cast("B")) != entries_crc:
         raise IndexProblem("entries fail their checksum")
@@ -188,6 +230,7 @@ def from_dense(dense: np.ndarray, base_offset: int) -> np.ndarray:
     out["length"], out["count"] = dense["batch_len"][first], counts
     out["bytes"] = np.add.reduceat(dense["size"].astype(np.int64), first)
     out["msg_id"] = -1  # not in a dense index: the caller reads the first and last batches' from the log
+    out["min_skew"], out["max_skew"] = UNKNOWN_SKEW  # nor are create times
     return out
 
 

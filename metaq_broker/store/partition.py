@@ -438,7 +438,9 @@ class PartitionLog:
             n = records.HEADER_SIZE + body.size
             parts.append(header)
             parts += body.parts
-            batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64)), msg_id))
+            low, high = _skews(body, ts)
+            batches.append((offset, position, ts, n, body.count, int(body.message_sizes.sum(dtype=np.int64)), msg_id,
+                            low, high))
             placed.append((offset, msg_id))
             offset, position = offset + body.count, position + n
         seg.append(parts, nbytes, batches)
@@ -945,6 +947,38 @@ class PartitionLog:
                 return found
         return end
 
+    def offsets_for_create_times(self, since_ms: Optional[int], until_ms: Optional[int],
+                                 end: Optional[int] = None) -> tuple:
+        """[low, high): the offsets below the last stable offset (or ``end``) outside which no message has a
+        create time in [since_ms, until_ms] (None: unbounded; a message without one counts its store time).
+        Answered through the time index, which orders store times: per segment, its skew bounds
+        (``offset_index.store_time_bounds``) say which store times such a message can have. Not exact
+        (whole batches, bounds that may be wide): a range to read and filter, never one that misses a
+        match. low is the first offset no earlier message of which qualifies; high the offset after which
+        none does."""
+        end = self.last_stable_offset if end is None else min(end, self._log_end_offset)
+        segs = tuple(s for s in self._segments if s.base_offset < end and s.count)  # skews read after end
+        earliest = self._segments[0].base_offset
+        low = earliest if since_ms is None else end
+        for seg in segs if since_ms is not None else ():
+            at = offset_index.store_time_bounds(since_ms, None, *seg.skew)[0]
+            if not seg.mutable and seg.last_timestamp < at:
+                continue  # a sealed segment stored wholly before any qualifying message
+            found = seg.first_at_or_after(at, end)
+            if found is not None:
+                low = found
+                break
+        if until_ms is None:
+            return low, end
+        high = earliest
+        for seg in reversed(segs):
+            after = offset_index.store_time_bounds(None, until_ms, *seg.skew)[1]
+            found = seg.first_at_or_after(after + 1, end) if after < (1 << 63) - 1 else None
+            if found is None or found > seg.base_offset:  # the segment's messages up to found may qualify
+                high = min(seg.next_offset, end) if found is None else found
+                break
+        return low, max(low, high)
+
     def _ranges(self, start: int, stop: int):
         """(segment, first, end, the snapshot's end) for the segments holding offsets [start, stop)."""
         segs, end = self._snapshot(start)
@@ -1031,6 +1065,12 @@ class PartitionLog:
                 last_id = int(lasts[-1])
             entries, _ = offset_index.entries_for(batches, seg.start, seg.interval, -1, 0)
             summary = offset_index.summary_of(batches, seg.base_offset, seg.start, seg.size, seg.interval)
+            if seg.skew[0] > summary.min_skew or seg.skew[1] < summary.max_skew:
+                problems.append(f"{seg.index_path}: its skew bounds {seg.skew} do not hold its messages' "
+                                f"({summary.min_skew}, {summary.max_skew}); remove the file and reopen the partition "
+                                f"to rebuild it")
+                continue
+            summary = replace(summary, min_skew=seg.skew[0], max_skew=seg.skew[1])  # wider is sound
             if summary != seg.summary() or not np.array_equal(entries, seg.entries()):
                 problems.append(f"{seg.index_path}: the index does not match the log ({seg.summary()} has "
                                 f"{len(seg.entries())} entries; the log makes {summary} with {len(entries)}); "
@@ -1120,6 +1160,14 @@ class PartitionLog:
                 self._publish(written)
             self._flush_cond.notify_all()
         self._wake_readers()
+
+
+def _skews(body: records.EncodedBody, store_ms: int) -> tuple:
+    """(least, greatest) create time - store time of a body's messages stored at ``store_ms`` (0: none has a
+    create time; unknown for a body with a create-time column but no range given, e.g. made by hand)."""
+    if body.create_times is not None:
+        return body.create_times[0] - store_ms, body.create_times[1] - store_ms
+    return offset_index.UNKNOWN_SKEW if body.attributes & records.HAS_TIMESTAMPS else (0, 0)
 
 
 def _remove_files(seg: Segment) -> None:

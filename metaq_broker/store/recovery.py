@@ -232,10 +232,11 @@ def batch_table(buf: np.ndarray, positions: np.ndarray, start: int) -> np.ndarra
     out = np.empty(len(positions), BATCH_DTYPE)
     if not len(positions):
         return out
-    sizes, counts, ts, lengths = records.index_columns(buf, positions)[:4]
+    sizes, counts, ts, lengths, _, _, min_skew, max_skew = records.index_table(buf, positions)
     first_message = np.cumsum(counts) - counts
     out["offset"] = records.parse_header(buf, int(positions[0])).base_offset + first_message
     out["position"], out["timestamp"], out["length"], out["count"] = positions + start, ts, lengths, counts
+    out["min_skew"], out["max_skew"] = min_skew, max_skew
     out["bytes"] = np.add.reduceat(sizes, first_message)
     out["msg_id"] = buf[positions[:, None] + np.arange(records.HEADER.size)].reshape(-1).view(
         records.HEADER_DTYPE)["base_msg_id"]  # the fields every batch version has first

@@ -134,6 +134,9 @@ class Segment:
         self.last_position: Optional[int] = summary.last_position if self.count else None
         self.first_msg_id, self.last_msg_id = summary.first_msg_id, summary.last_msg_id
         self.interval = summary.interval
+        # (least, greatest) create time - store time of its messages, or wider (offset_index.Summary); one
+        # tuple, replaced whole and only ever widened, so a reader sees bounds holding every batch below its end
+        self.skew = (summary.min_skew, summary.max_skew)
         self._entries = entries  # [0, _n) are valid; spare capacity while mutable
         self._n = len(entries) if n is None else n
         self._bucket = (int(offset_index.bucket(entries[self._n - 1]["position"], start, self.interval)) if self._n
@@ -173,7 +176,7 @@ class Segment:
     def summary(self) -> Summary:
         return Summary(self.base_offset, self.start, self.size, self.next_offset, self.bytes,
                        self.last_timestamp or 0, -1 if self.last_position is None else self.last_position,
-                       self.first_msg_id, self.last_msg_id, self.interval)
+                       self.first_msg_id, self.last_msg_id, self.interval, *self.skew)
 
     def entries(self, end: Optional[int] = None) -> np.ndarray:
         """The index entries (of batches below offset ``end``, if given)."""
@@ -215,12 +218,14 @@ class Segment:
     def append(self, parts: list, nbytes: int, batches) -> None:
         """Write whole batches at the end of the file and index them. ``batches``: a BATCH_DTYPE array (a
         replica's copy: indexed vectorised), or a list of (offset, position, timestamp, length, count, bytes,
-        msg_id) tuples (an append's one or two batches: plain arithmetic, cheaper than numpy for so few).
+        msg_id, min_skew, max_skew) tuples (an append's one or two batches: plain arithmetic, cheaper than
+        numpy for so few).
 
         On a failed write the file is cut back to where it was, so no partial batch stays behind."""
         assert self.mutable
         append_or_cut_back(self.fd, self.path, parts, self.size)
         if isinstance(batches, np.ndarray):
+            self.skew = offset_index.skew_bounds(batches, self.skew)  # before the batches are published
             new, self._bucket = offset_index.entries_for(batches, self.start, self.interval, self._bucket, self.bytes)
             self._add_entries(new)
             if not self.count:
@@ -231,7 +236,9 @@ class Segment:
             self.last_msg_id = int(last["msg_id"] + last["count"] - 1)
             self.count += int(batches["count"].sum())
         else:
-            for offset, position, timestamp, _, count, nbytes_messages, msg_id in batches:
+            for offset, position, timestamp, _, count, nbytes_messages, msg_id, low, high in batches:
+                if low < self.skew[0] or high > self.skew[1]:
+                    self.skew = (min(low, self.skew[0]), max(high, self.skew[1]))
                 window = (position - self.start) // self.interval  # offset_index.bucket, inline
                 if window > self._bucket:
                     self._add_entries([(offset, position, timestamp, self.bytes)])
@@ -372,7 +379,8 @@ class Segment:
         replica's truncation). A new object with its own descriptor: readers holding this one keep what
         they took, and its close never writes an index for the cut file. A stale ``.index`` of a sealed
         segment may stay behind: recovery ignores the tail's, sealing rewrites it. Its ``.keys`` goes (a
-        later sealing writes it again); ``keyed``: the new object's key index is this one's, cut."""
+        later sealing writes it again); ``keyed``: the new object's key index is this one's, cut. The skew
+        bounds stay this segment's: wider than the cut part needs, never narrower."""
         keys = None
         if keyed:
             keys = self.key_index().writable_copy()
@@ -381,10 +389,11 @@ class Segment:
             last = self.batch_at(cut - 1, cut)
             size = last.end - self.start
             summary = Summary(self.base_offset, self.start, size, cut, self.bytes_before(cut, cut), last.timestamp,
-                              last.position, self.first_msg_id, last.msg_id + last.count - 1, self.interval)
+                              last.position, self.first_msg_id, last.msg_id + last.count - 1, self.interval,
+                              *self.skew)
         else:
             size = SEGMENT_HEADER_SIZE
-            summary = Summary(self.base_offset, self.start, size, cut, 0, 0, -1, 0, -1, self.interval)
+            summary = Summary(self.base_offset, self.start, size, cut, 0, 0, -1, 0, -1, self.interval, *self.skew)
         kept = self.entries(cut)
         entries = np.empty(max(64, 2 * len(kept)), ENTRY_DTYPE)
         entries[:len(kept)] = kept
