@@ -60,6 +60,7 @@ IDLE_TIMEOUT_S = 600.0
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_CHUNK = 256 << 10  # bytes read per recv
+DIRECT_READ = 64 << 10  # a partial request with at least this much to come is read into its own buffer
 SASL_MAX_FRAME = 64 << 10  # a request before the login (ApiVersions, SASL) is small: no buffer grows larger
 EARLIEST, LATEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -2, -1, -3, -4  # ListOffsets' special timestamps
 READ_COMMITTED = 1
@@ -128,10 +129,12 @@ class KafkaServer:
                 if frames and splitter.buffered:  # a request's first bytes came with the last read
                     deadline = conn.deadline()
                 in_flight.before_read()
-                n, deadline = conn.read_next(buf, splitter.buffered, deadline)  # buffered: that request's rest
+                room = splitter.room()  # a large request's rest is read straight into its own buffer
+                into = room if room is not None and len(room) >= DIRECT_READ else buf
+                n, deadline = conn.read_next(into, splitter.buffered, deadline)  # buffered: that request's rest
                 if not n:
                     return
-                frames = splitter.feed(buf[:n])
+                frames = splitter.received(n) if into is room else splitter.feed(buf[:n])
         except FrameTooLargeError as e:
             self.listener.log_once(("frame", conn.peer[0]), logging.WARNING, "kafka: closing a connection from %s: "
                                    "%s", conn.peer, e)
