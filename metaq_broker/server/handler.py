@@ -302,7 +302,7 @@ class RequestHandler:
         self.gate()
 
     def put(self, principal: str, request: rawput.Request) -> PutResult:
-        """``append`` of a batch a client encoded (its body checked by ``records.parse_body`` first), then
+        """Store a batch a client encoded (its body checked by ``records.parse_body`` first): ``_append``, then
         ``acknowledge``."""
         return self.acknowledge(self._append(principal, request, None))
 
@@ -376,6 +376,7 @@ class RequestHandler:
 
     @contextlib.contextmanager
     def _counting_failures(self, counters, topic: str, partition: int):
+        """A failed put counted, and a full disk named by the partition's directory."""
         try:
             yield
         except BaseException as e:

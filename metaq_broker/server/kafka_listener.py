@@ -12,9 +12,9 @@ acknowledgement while the next requests are read and appended (``kafka_pipeline.
 pipelined requests share one group commit.
 
 Records: a Produce partition's Kafka batches become one metaq batch (``protocol/kafka/records.decode``,
-then ``protocol/records.encode_body``: columns, no loop per record) stored by ``RequestHandler.append_encoded``
-and ``acknowledge``; a
-Fetch's metaq batches are decoded (aborted transactions and markers left out) and written as Kafka batches
+then ``protocol/records.encode_body``: columns, no loop per record) stored by
+``RequestHandler.append_encoded`` and ``acknowledge``; a Fetch's metaq batches are decoded (aborted
+transactions and markers left out) and written as Kafka batches
 (``protocol/kafka/records.encode``), one per run of messages with the same timestamp type (and, for
 LogAppendTime, the same store time). Offsets metaq leaves out at the end of a fetched range (markers,
 aborted transactions) are covered by one Kafka control batch, which every Kafka consumer skips, so a
@@ -157,7 +157,11 @@ class KafkaServer:
             return True
         conn.replying()
         if request.api_key == PRODUCE:
-            finish = self._guarded(request, lambda: self.append_produce(conn, request))
+            try:
+                finish = self.append_produce(conn, request)
+            except Exception as e:  # noqa: BLE001 - answered in its place, in the request's layout
+                refused = self._refused(request, e)
+                finish = lambda: refused  # noqa: E731
 
             def answer(send: bool) -> None:
                 body = self._guarded(request, finish)
@@ -183,8 +187,11 @@ class KafkaServer:
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - every failure is answered in the request's layout
-            error = self.handler.refusal(e, f"Kafka {request.api.name}")
-            return error_response(request, codes.code_of(error), str(error))
+            return self._refused(request, e)
+
+    def _refused(self, request: Request, e: Exception) -> dict:
+        error = self.handler.refusal(e, f"Kafka {request.api.name}")
+        return error_response(request, codes.code_of(error), str(error))
 
     # -- helpers --------------------------------------------------------------------------------------
     def _allows(self, conn: Connection) -> Callable:

@@ -72,8 +72,7 @@ class InFlight:
         """Return once every queued request is answered (before another request is answered, or before a
         TLS connection reads again). Raises ConnectionError once an answer could not be sent."""
         if not self._threaded:
-            while self._waiting:
-                self._answer(self._waiting.popleft())
+            self._answer_queued()
         with self._cond:
             while self._waiting or self._running:
                 self._cond.wait(0.5)
@@ -91,16 +90,14 @@ class InFlight:
             self._closed = True
             self._cond.notify_all()
         if not self._threaded:
-            while self._waiting:
-                self._answer(self._waiting.popleft())
+            self._answer_queued()
         elif self._thread is not None:
             self._thread.join()
 
-    @property
-    def pending(self) -> int:
-        """Requests appended and not answered yet (for tests)."""
-        with self._cond:
-            return len(self._waiting) + self._running
+    def _answer_queued(self) -> None:
+        """Without a thread (TLS): answer what is queued, on the connection's own thread."""
+        while self._waiting:
+            self._answer(self._waiting.popleft())
 
     def _check(self) -> None:
         if self._send_failed is not None:
