@@ -7,10 +7,12 @@ confluent-kafka; raw frames over a socket where the order is the point."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +122,33 @@ def test_pipelined_produce_and_metadata_are_answered_in_request_order(broker):
     assert answers[5][1]["error_code"] == codes.NONE
     values = [v for _, _, _, v in sorted(_read_all(broker.bootstrap, "t"))]
     assert values == [b"a1", b"a2", b"b1", b"c1", b"c2", b"c3", b"d1"]
+
+
+def _fsyncs(metrics_port: int, topic: str) -> float:
+    """The broker's fsyncs that made appends of ``topic`` durable (metrics: metaq_fsyncs_total)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(r'^metaq_fsyncs_total\{[^}]*topic="%s"[^}]*\} (\S+)$' % topic, text,
+                                            re.M))
+
+
+def test_pipelined_produce_requests_share_group_commits(cluster):
+    """16 Produce requests written at once: the requests of one read are all appended before the
+    answering thread's first fsync starts, which covers them all (2-3 fsyncs here; at most 8 wait at once,
+    MAX_IN_FLIGHT). An answering thread that started on each request as soon as it was queued took one
+    fsync per request (16 here): each fsync ran while the next request was being decoded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b = cluster.start_broker(1, settings={"metricsPort": port}, topics={"g": {"numPartitions": 1}})
+    wait_until(lambda: b.kafka_port is not None, what="the Kafka listener")
+    before = _fsyncs(port, "g")
+    with socket.create_connection(("127.0.0.1", b.kafka_port), timeout=60) as s:
+        s.sendall(b"".join(_produce_frame(i, "g", [b"v%d" % i] * 1000) for i in range(1, 17)))
+        answers = _answers(s, [(0, PRODUCE_V)] * 16)
+    assert [cid for cid, _ in answers] == list(range(1, 17))
+    assert [_partition_answer(body)["base_offset"] for _, body in answers] == list(range(0, 16000, 1000))
+    used = _fsyncs(port, "g") - before
+    assert 1 <= used <= 8, f"{used:.0f} fsyncs for 16 pipelined requests"
 
 
 def test_a_client_gone_with_requests_in_flight_leaves_its_batches_stored_and_no_thread(broker):

@@ -1,9 +1,10 @@
 """A Kafka connection's produce requests in flight (Kafka's produce purgatory): the connection's thread
 appends each Produce request's batches as it reads it, in request order, and hands the wait for their
 acknowledgement (group commit's fsync, the in-sync replicas) and the answer to the connection's answering
-thread, then reads the next request. So a client's pipelined requests (librdkafka sends up to 5 per
-connection) are appended while earlier ones wait, and one fsync acknowledges them all, instead of one
-fsync each.
+thread, then reads the next request. The answering thread takes the requests of one read once they are
+all appended (``before_read``), so one fsync acknowledges them all; requests read while it waits are
+appended meanwhile and covered by its next fsync. So a client's pipelined requests (librdkafka sends up
+to 5 per connection) no longer pay one fsync each, one after another.
 
 Order, as Kafka keeps it: appends happen on the connection's thread, one after another, in request order
 (an idempotent producer's sequences and a partition's order are as if served one at a time); answers are
@@ -44,6 +45,7 @@ class InFlight:
         self._name, self._sock, self._threaded = name, sock, threaded
         self._cond = threading.Condition()
         self._waiting: deque = deque()  # answers not run yet, oldest first
+        self._ready = 0  # how many of them the answering thread may take (``_release``)
         self._running = False  # the answering thread is running the oldest one
         self._closed = False
         self._send_failed: Optional[BaseException] = None  # the client went away: nothing more is sent
@@ -60,13 +62,13 @@ class InFlight:
             return
         with self._cond:
             while len(self._waiting) + self._running >= MAX_IN_FLIGHT and self._send_failed is None:
+                self._release()
                 self._cond.wait(0.5)
             self._check()
             self._waiting.append(answer)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"{self._name}-answers", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
 
     def drain(self) -> None:
         """Return once every queued request is answered (before another request is answered, or before a
@@ -75,24 +77,37 @@ class InFlight:
             self._answer_queued()
         with self._cond:
             while self._waiting or self._running:
+                self._release()
                 self._cond.wait(0.5)
             self._check()
 
     def before_read(self) -> None:
-        """The connection's thread is about to read: a TLS connection answers what it appended first."""
+        """The connection's thread has appended what the last read brought and is about to read again: the
+        answering thread may now wait for those requests (one fsync covers all of them, since they are all
+        written before it starts); a TLS connection answers them itself first."""
         if not self._threaded:
             self.drain()
+            return
+        with self._cond:
+            self._release()
 
     def close(self) -> None:
         """The connection ends: acknowledge what is queued (answering it while the client is there), end
         the answering thread. Bounded: each acknowledgement's wait is."""
         with self._cond:
             self._closed = True
+            self._release()
             self._cond.notify_all()
         if not self._threaded:
             self._answer_queued()
         elif self._thread is not None:
             self._thread.join()
+
+    def _release(self) -> None:
+        """(Under ``_cond``.) The answering thread may take every request queued so far."""
+        if self._ready < len(self._waiting):
+            self._ready = len(self._waiting)
+            self._cond.notify_all()
 
     def _answer_queued(self) -> None:
         """Without a thread (TLS): answer what is queued, on the connection's own thread."""
@@ -119,11 +134,12 @@ class InFlight:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._ready and not self._closed:
                     self._cond.wait()
                 if not self._waiting:
                     return
                 answer = self._waiting.popleft()
+                self._ready = max(self._ready - 1, 0)
                 self._running = True
             try:
                 self._answer(answer)
