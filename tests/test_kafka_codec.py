@@ -228,6 +228,24 @@ def test_frame_splitter_holds_back_only_a_partial_frame():
     assert [bytes(f) for f in s.feed(b"y")] == [b"x" * 99 + b"y"] and s.buffered == 0
 
 
+def test_frame_splitter_reads_a_sized_frame_straight_into_its_buffer_and_grows_a_huge_one():
+    s = FrameSplitter(1 << 30)
+    frames = [b"p" * 10, b"q" * 5000, b"r" * 3]
+    stream = b"".join(struct.pack(">i", len(f)) + f for f in frames)
+    got = s.feed(stream[:24])  # the first frame whole, 6 bytes of the second: sized now
+    assert [bytes(g) for g in got] == [frames[0]] and s.buffered == 10
+    room = s.room()
+    assert len(room) == 4994
+    room[:1000] = stream[24:1024]
+    assert s.received(1000) == [] and s.buffered == 1010
+    got = s.feed(stream[1024:])  # the second's rest copied into it, the third parsed after it
+    assert [bytes(g) for g in got] == frames[1:] and s.buffered == 0 and s.room() is None
+    # a size declared alone, over PRESIZE_MAX: nothing allocated ahead of its bytes
+    assert s.feed(struct.pack(">i", FrameSplitter.PRESIZE_MAX + 1) + b"z") == []
+    assert s.room() is None and s.buffered == 5
+    assert [len(f) for f in s.feed(b"z" * FrameSplitter.PRESIZE_MAX)] == [FrameSplitter.PRESIZE_MAX + 1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Error codes
 

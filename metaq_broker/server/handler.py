@@ -93,6 +93,21 @@ class PutResult:
 
 
 @dataclass(frozen=True)
+class Appended:
+    """A batch written to its partition's log and not acknowledged yet (``RequestHandler.append_encoded``):
+    ``RequestHandler.acknowledge`` waits for its fsync and replicas and gives the ``PutResult``."""
+
+    topic: str
+    partition: int
+    log: object  # the store's PartitionLog
+    counters: object  # stats.PartitionCounters
+    result: object  # the store's AppendResult
+    size: int  # the body's bytes, for the put counters
+    acks_all: bool
+    transactional: bool  # a transaction's batch: acknowledged at its prepare, nothing waited for here
+
+
+@dataclass(frozen=True)
 class OffsetQuery:
     topic: str
     partition: int
@@ -293,21 +308,25 @@ class RequestHandler:
         self.gate()
 
     def put(self, principal: str, request: rawput.Request) -> PutResult:
-        """``_put`` of a batch a client encoded: its body checked (``records.parse_body``) first."""
-        return self._put(principal, request, None)
+        """Store a batch a client encoded (its body checked by ``records.parse_body`` first): ``_append``, then
+        ``acknowledge``."""
+        return self.acknowledge(self._append(principal, request, None))
 
     def put_encoded(self, principal: str, request: rawput.Request, body: records.EncodedBody) -> PutResult:
-        """``_put`` of a body the broker encoded itself from a checked request (the Kafka listener's
+        """``put`` of a body the broker encoded itself from a checked request (the Kafka listener's
         ``to_metaq``), so not parsed again; ``request.batch`` is not read. Every other check is ``put``'s."""
-        return self._put(principal, request, body)
+        return self.acknowledge(self.append_encoded(principal, request, body))
 
-    def _put(self, principal: str, request: rawput.Request, encoded: Optional[records.EncodedBody]) -> PutResult:
-        """Store one batch (partition -1: the next open partition in turn). Refusals before the append
-        stored nothing (``not master:``, ``not enough in-sync replicas``: the client sends again); any
-        refusal after it is ``not acknowledged: ... may or may not be stored``, never ``not master:``, since
-        the batch is in the log and a resend would store it twice. The answer comes once the batch is
-        acknowledged: fsynced or written by the topic's flush policy, and with acks=all in the group's
-        in-sync set."""
+    def append_encoded(self, principal: str, request: rawput.Request, body: records.EncodedBody) -> "Appended":
+        """``put_encoded``'s first half: the batch checked and written, not acknowledged yet (no fsync or
+        replica waited for). A transport that pipelines (the Kafka listener) appends a connection's next
+        requests, in order, while ``acknowledge`` waits for this one: one group commit covers them all."""
+        return self._append(principal, request, body)
+
+    def _append(self, principal: str, request: rawput.Request, encoded: Optional[records.EncodedBody]) -> "Appended":
+        """Write one batch (partition -1: the next open partition in turn); ``acknowledge`` waits for it.
+        Refusals here stored nothing (``not master:``, ``not enough in-sync replicas``: the client sends
+        again)."""
         topic, partition, producer = request.topic, request.partition, request.producer
         self.admit_put(principal, topic, request.xid)
         config = self.store.topic_config(topic)
@@ -319,7 +338,7 @@ class RequestHandler:
             partition = open_parts[next(self._round_robin) % len(open_parts)]
         self.store.partition(topic, partition)  # counters exist only for real partitions
         counters = self.stats.partition(topic, self._name(partition))
-        try:
+        with self._counting_failures(counters, topic, partition):
             log_ = self._open_partition(topic, partition)
             if encoded is None:
                 b = request.batch
@@ -335,23 +354,42 @@ class RequestHandler:
             if request.xid:  # in the log, flagged with its transaction: invisible until the commit marker
                 result = self._transactions().put(request.xid, topic, partition, body)
             else:  # an idempotent producer's batch stored before is answered with its offsets (duplicate)
-                result = log_.append_body(body, producer)
-            if self.replicas is not None and not request.xid:
-                where = f"the batch at offsets {result.base_offset}-{result.base_offset + result.count - 1} of " \
-                        f"{topic}-{partition}"
-                with self._after_append(where):
-                    if acks_all:
-                        self.replicas.await_hw(topic, partition, result.base_offset + result.count)
+                result = log_.append_body(body, producer, durable=False)
+        return Appended(topic, partition, log_, counters, result, body.size, acks_all, bool(request.xid))
+
+    def acknowledge(self, appended: "Appended") -> PutResult:
+        """The answer to an appended batch, once it is acknowledged: fsynced (group commit) or written by the
+        topic's flush policy, and with acks=all in the group's in-sync set. Any refusal here is ``not
+        acknowledged: ... may or may not be stored``, never ``not master:``, since the batch is in the log and
+        a resend would store it twice. Called once for every ``Appended`` (under group commit a batch is
+        visible only once an fsync covers it), also when nobody waits for the answer any more."""
+        a, result = appended, appended.result
+        topic, partition, end = a.topic, a.partition, result.base_offset + result.count
+        with self._counting_failures(a.counters, topic, partition):
+            fsynced = result.fsynced
+            if a.log.config.group_commit and not a.transactional:
+                a.log.make_durable(end)
+                fsynced = True
+            if self.replicas is not None and not a.transactional:
+                with self._after_append(f"the batch at offsets {result.base_offset}-{end - 1} of {topic}-{partition}"):
+                    if a.acks_all:
+                        self.replicas.await_hw(topic, partition, end)
                     self.gate(admit=False)  # a master that lost its lease meanwhile must not acknowledge
+        self.disk.ok()
+        a.counters.record_put(result.count, a.size)
+        return PutResult(topic, partition, result.base_offset, result.count, result.base_msg_id, result.timestamp,
+                         fsynced, result.duplicate)
+
+    @contextlib.contextmanager
+    def _counting_failures(self, counters, topic: str, partition: int):
+        """A failed put counted, and a full disk named by the partition's directory."""
+        try:
+            yield
         except BaseException as e:
             counters.record_failure("put")
             if is_disk_full(e):  # a write through a descriptor names no file: the partition's directory
                 e.metaq_where = self.store.data_path / f"{topic}-{partition}"
             raise
-        self.disk.ok()
-        counters.record_put(result.count, body.size)
-        return PutResult(topic, partition, result.base_offset, result.count, result.base_msg_id, result.timestamp,
-                         result.fsynced, result.duplicate)
 
     @staticmethod
     @contextlib.contextmanager

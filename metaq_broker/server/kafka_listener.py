@@ -6,18 +6,22 @@ Per request: ``protocol/kafka/protocol.py`` parses the frame, a method here turn
 handler's calls (or the cluster snapshot's answers, ``kafka_metadata.py``, or the group coordinator's,
 ``kafka_groups.py``), and the answer is encoded at the version asked for. A failure is answered with
 ``codes.code_of(handler.refusal(...))`` in the fields the answer has for it; a frame that cannot be read
-closes the connection (Kafka does the same). Requests of one connection are served in order, one at a
-time, as Kafka's broker does.
+closes the connection (Kafka does the same). Requests of one connection are answered in order, as
+Kafka's broker answers them; a Produce request is appended as it is read and its answer waits for the
+acknowledgement while the next requests are read and appended (``kafka_pipeline.py``), so a client's
+pipelined requests share one group commit.
 
 Records: a Produce partition's Kafka batches become one metaq batch (``protocol/kafka/records.decode``,
-then ``protocol/records.encode_body``: columns, no loop per record) stored by ``RequestHandler.put``; a
-Fetch's metaq batches are decoded (aborted transactions and markers left out) and written as Kafka batches
+then ``protocol/records.encode_body``: columns, no loop per record) stored by
+``RequestHandler.append_encoded`` and ``acknowledge``; a Fetch's metaq batches are decoded (aborted
+transactions and markers left out) and written as Kafka batches
 (``protocol/kafka/records.encode``), one per run of messages with the same timestamp type (and, for
 LogAppendTime, the same store time). Offsets metaq leaves out at the end of a fetched range (markers,
 aborted transactions) are covered by one Kafka control batch, which every Kafka consumer skips, so a
 consumer moves past them instead of asking for the same offset again. docs/kafka.md gives the mapping.
 
-Lock order: none held across calls; each connection's state is its own thread's.
+Lock order: none held across calls; each connection's state is its own thread's, but for its produce
+requests in flight (``kafka_pipeline.InFlight``, which has its own).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, ap
 from metaq_broker.security.acl import CLUSTER
 from metaq_broker.server import kafka_admin, kafka_metadata
 from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
+from metaq_broker.server.kafka_pipeline import InFlight
 from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
 from metaq_broker.store import validate_topic_name
 
@@ -55,9 +60,11 @@ IDLE_TIMEOUT_S = 600.0
 SEND_TIMEOUT_S = 60.0
 LIMITS = Limits(LOGIN_TIMEOUT_S, MAX_UNAUTHENTICATED, REQUEST_TIMEOUT_S, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
 READ_CHUNK = 256 << 10  # bytes read per recv
+DIRECT_READ = 64 << 10  # a partial request with at least this much to come is read into its own buffer
 SASL_MAX_FRAME = 64 << 10  # a request before the login (ApiVersions, SASL) is small: no buffer grows larger
 EARLIEST, LATEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -2, -1, -3, -4  # ListOffsets' special timestamps
 READ_COMMITTED = 1
+PRODUCE = 0  # the api key of Produce: appended at once, answered once acknowledged (kafka_pipeline.py)
 _CONTROL_KEY = struct.pack(">hh", 0, 1)  # a control record: version 0, type 1 (COMMIT)
 _CONTROL_VALUE = struct.pack(">hi", 0, 0)  # version 0, coordinator epoch 0
 
@@ -116,23 +123,31 @@ class KafkaServer:
         splitter, frames = login.splitter, login.frames
         buf = memoryview(bytearray(READ_CHUNK))
         deadline = conn.deadline()
+        in_flight = InFlight(f"metaq-kafka-{conn.peer}", conn.sock, threaded=not conn.tls)
         try:
             while conn.active:
                 for frame in frames:
-                    if not self._serve_one(conn, frame):
+                    if not self._serve_one(conn, frame, in_flight):
                         return
                 if frames and splitter.buffered:  # a request's first bytes came with the last read
                     deadline = conn.deadline()
-                n, deadline = conn.read_next(buf, splitter.buffered, deadline)  # buffered: that request's rest
+                in_flight.before_read()
+                room = splitter.room()  # a large request's rest is read straight into its own buffer
+                into = room if room is not None and len(room) >= DIRECT_READ else buf
+                n, deadline = conn.read_next(into, splitter.buffered, deadline)  # buffered: that request's rest
                 if not n:
                     return
-                frames = splitter.feed(buf[:n])
+                frames = splitter.received(n) if into is room else splitter.feed(buf[:n])
         except FrameTooLargeError as e:
             self.listener.log_once(("frame", conn.peer[0]), logging.WARNING, "kafka: closing a connection from %s: "
                                    "%s", conn.peer, e)
+        finally:
+            in_flight.close()
 
-    def _serve_one(self, conn: Connection, frame) -> bool:
-        """Answer one request frame; False: close the connection."""
+    def _serve_one(self, conn: Connection, frame, in_flight: InFlight) -> bool:
+        """Answer one request frame; False: close the connection. A Produce request is appended now and
+        answered by ``in_flight`` once acknowledged (``kafka_pipeline``); any other waits for the answers
+        before it."""
         start = time.perf_counter()
         try:
             request = read_request(frame)
@@ -140,9 +155,25 @@ class KafkaServer:
             self.listener.log_once(("request", conn.peer[0]), logging.INFO, "kafka: %s from %s", e, conn.peer)
             if e.reply is None:
                 return False
+            in_flight.drain()
             conn.send(b"".join(e.reply))
             return True
         conn.replying()
+        if request.api_key == PRODUCE:
+            try:
+                finish = self.append_produce(conn, request)
+            except Exception as e:  # noqa: BLE001 - answered in its place, in the request's layout
+                refused = self._refused(request, e)
+                finish = lambda: refused  # noqa: E731
+
+            def answer(send: bool) -> None:
+                body = self._guarded(request, finish)
+                self.handler.observe("KafkaProduce", time.perf_counter() - start)
+                if send and request.expects_response:
+                    conn.send(b"".join(encode_response(request, body)))
+            in_flight.add(answer)
+            return True
+        in_flight.drain()
         body = self.answer(conn, request)
         self.handler.observe(f"Kafka{request.api.name}", time.perf_counter() - start)
         if request.expects_response:
@@ -152,11 +183,18 @@ class KafkaServer:
     def answer(self, conn: Connection, request: Request) -> dict:
         """The response body to ``request``: its API's method, or the error it raised in the answer's error
         fields (``handler.refusal`` logs what is unexpected)."""
+        return self._guarded(request, lambda: self._apis.get(request.api_key, self.unsupported)(conn, request))
+
+    def _guarded(self, request: Request, call: Callable):
+        """``call()``, or the error it raised as ``request``'s answer."""
         try:
-            return self._apis.get(request.api_key, self.unsupported)(conn, request)
+            return call()
         except Exception as e:  # noqa: BLE001 - every failure is answered in the request's layout
-            error = self.handler.refusal(e, f"Kafka {request.api.name}")
-            return error_response(request, codes.code_of(error), str(error))
+            return self._refused(request, e)
+
+    def _refused(self, request: Request, e: Exception) -> dict:
+        error = self.handler.refusal(e, f"Kafka {request.api.name}")
+        return error_response(request, codes.code_of(error), str(error))
 
     # -- helpers --------------------------------------------------------------------------------------
     def _allows(self, conn: Connection) -> Callable:
@@ -255,41 +293,57 @@ class KafkaServer:
         return {"throttle_time_ms": 0, "error_code": codes.NONE, "producer_id": pid, "producer_epoch": epoch}
 
     def produce(self, conn, request: Request) -> dict:
+        return self.append_produce(conn, request)()
+
+    def append_produce(self, conn, request: Request) -> Callable[[], dict]:
+        """Append a Produce request's batches now, partition by partition in the request's order; the call
+        returned waits for their acknowledgements (``RequestHandler.acknowledge``) and gives the answer."""
         b = request.body
         if b["transactional_id"] is not None:
-            return error_response(request, codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-                                  kafka_metadata.TRANSACTIONS_REFUSED)
+            refused = error_response(request, codes.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                                     kafka_metadata.TRANSACTIONS_REFUSED)
+            return lambda: refused
         acks = b["acks"]
         if acks not in (0, 1, -1):
-            return error_response(request, codes.INVALID_REQUIRED_ACKS,
-                                  f"acks {acks}: Kafka's acks are 0, 1 and -1 (all)")
+            refused = error_response(request, codes.INVALID_REQUIRED_ACKS,
+                                     f"acks {acks}: Kafka's acks are 0, 1 and -1 (all)")
+            return lambda: refused
         acks = rawput.ACKS_ALL if acks == -1 else rawput.ACKS_ONE  # acks=0 waits too; nobody is told
         snap = self.cluster()
-        responses = []
+        responses, appended = [], []
         for t in b["topic_data"]:
             topic = self._topic_name(snap, t, "name", request.api_version, 13)
             parts = []
             for p in t["partition_data"]:
-                parts.append(self._produce_partition(conn, snap, topic, p["index"], p["records"], acks))
+                out = {"index": p["index"], "error_code": codes.NONE, "base_offset": -1, "log_append_time_ms": -1,
+                       "log_start_offset": -1, "record_errors": [], "error_message": None}
+                try:
+                    appended.append((out,) + self._append_partition(conn, snap, topic, p["index"], p["records"], acks))
+                except Exception as e:  # noqa: BLE001 - each partition gets its own answer
+                    out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
+                parts.append(out)
             responses.append({"name": t.get("name", ""), "topic_id": t.get("topic_id", bytes(16)),
                               "partition_responses": parts})
-        return {"responses": responses, "throttle_time_ms": 0}
 
-    def _produce_partition(self, conn, snap, topic, index: int, data, acks: int) -> dict:
-        out = {"index": index, "error_code": codes.NONE, "base_offset": -1, "log_append_time_ms": -1,
-               "log_start_offset": -1, "record_errors": [], "error_message": None}
-        try:
-            n = self._local(snap, topic, index)
-            if data is None:
-                raise krecords.KafkaRecordError("a partition without records", codes.INVALID_RECORD)
-            batches = krecords.decode(data)
-            log_append = bool(batches.log_append_time.any())
-            body, producer = to_metaq(batches)
-            r = self.handler.put_encoded(conn.principal, rawput.Request(topic, n, "", None, acks, producer), body)
-            out.update(base_offset=r.base_offset, log_append_time_ms=r.timestamp_ms if log_append else -1)
-        except Exception as e:  # noqa: BLE001 - each partition gets its own answer
-            out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
-        return out
+        def acknowledged() -> dict:
+            for out, done, log_append in appended:
+                try:
+                    r = self.handler.acknowledge(done)
+                    out.update(base_offset=r.base_offset, log_append_time_ms=r.timestamp_ms if log_append else -1)
+                except Exception as e:  # noqa: BLE001 - each partition gets its own answer
+                    out["error_code"], out["error_message"] = self._code(e, "Kafka Produce")
+            return {"responses": responses, "throttle_time_ms": 0}
+        return acknowledged
+
+    def _append_partition(self, conn, snap, topic, index: int, data, acks: int) -> tuple:
+        """(``Appended``, whether the batches ask for LogAppendTime) of one partition's records."""
+        n = self._local(snap, topic, index)
+        if data is None:
+            raise krecords.KafkaRecordError("a partition without records", codes.INVALID_RECORD)
+        batches = krecords.decode(data)
+        body, producer = to_metaq(batches)
+        appended = self.handler.append_encoded(conn.principal, rawput.Request(topic, n, "", None, acks, producer), body)
+        return appended, bool(batches.log_append_time.any())
 
     # -- fetching -------------------------------------------------------------------------------------
     def fetch(self, conn, request: Request) -> dict:
@@ -597,9 +651,13 @@ def to_metaq(batches: krecords.Batches) -> tuple:
                                             "their sequences are not consecutive", codes.INVALID_RECORD)
         producer = rawput.check_producer(int(pids[0]), int(h["producer_epoch"][0]), int(seqs[0]))
     rec = batches.records
-    timestamps = None if batches.log_append_time.any() else rec.column("timestamp")
-    body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"), headers=rec.column("headers"),
-                                timestamps=timestamps)
+    # The columns as encode_body takes them fastest: create times as int64 ms (a view, no Arrow casts), no
+    # headers column when no record has one (the usual case: nothing to count per record)
+    timestamps = None if batches.log_append_time.any() else \
+        rec.column("timestamp").view(pa.int64()).to_numpy(zero_copy_only=True)
+    headers = rec.column("headers")
+    body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"),
+                                headers=headers if len(headers.values) else None, timestamps=timestamps)
     return body, producer
 
 

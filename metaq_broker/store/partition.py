@@ -346,20 +346,24 @@ class PartitionLog:
         see ``append_body``."""
         return self.append_body(records.encode_body(values, keys, attributes, flags, headers, timestamps), producer)
 
-    def append_body(self, body: records.EncodedBody, producer: Optional[tuple] = None) -> AppendResult:
+    def append_body(self, body: records.EncodedBody, producer: Optional[tuple] = None,
+                    durable: bool = True) -> AppendResult:
         """``producer``: (id, epoch, base sequence) of an idempotent producer's batch. A batch it already
         stored here is not appended again: the result is the first one's (``duplicate``), returned once
-        durable as an append's would be; a gap or an old epoch raises (``ProducerStates.check``)."""
-        return self.append_bodies([body], producer=producer)[0]
+        durable as an append's would be; a gap or an old epoch raises (``ProducerStates.check``).
+        ``durable`` False: returned once written, before group commit's fsync; the caller then waits with
+        ``make_durable`` (a connection appends its next requests meanwhile: one fsync covers them all)."""
+        return self.append_bodies([body], producer=producer, durable=durable)[0]
 
     def append_bodies(self, bodies: list, txn: int = 0, flags: int = 0, commit: bool = False,
-                      producer: Optional[tuple] = None) -> list:
+                      producer: Optional[tuple] = None, durable: bool = True) -> list:
         """Append batches back to back; readers see all of them or none (one write-lock hold, one
         publish). With ``flags`` TRANSACTIONAL the batches belong to transaction number ``txn``: readers
         see them once its commit marker follows (``append_marker``), and the append returns once written,
         not fsynced (the transaction's prepare makes it durable: ``make_durable``). Without ``flags``,
         ``txn`` is only stamped in the headers (``journal_v1.finish_commit`` ending an old commit). CONTROL
-        is ``append_marker``'s (``commit`` says which marker). ``producer``: one body only (``append_body``)."""
+        is ``append_marker``'s (``commit`` says which marker). ``producer``: one body only (``append_body``);
+        ``durable``: as ``append_body``'s."""
         for body in bodies:
             self.check_size(body)
         if producer is not None and (len(bodies) != 1 or flags):
@@ -375,7 +379,7 @@ class PartitionLog:
                 results, end = self._append_locked(bodies, txn, flags, commit, producer, ts)
         if stored is not None:  # sent again: answered with the first one's offsets, once it is as durable
             end = stored.base_offset + stored.count
-            if self.config.group_commit:
+            if self.config.group_commit and durable:
                 self._await_durable(end)
             log.debug("%s: a batch sent again (offsets %d-%d): answered with its first offsets", self.name,
                       stored.base_offset, end - 1)
@@ -383,7 +387,7 @@ class PartitionLog:
                                  self._recovery_point >= end, duplicate=True)]
         self._written()
         self._write_keys_due()
-        if self.config.group_commit and not transactional:
+        if self.config.group_commit and not transactional and durable:
             self._await_durable(end)
         return results
 

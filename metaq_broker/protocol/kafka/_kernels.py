@@ -134,29 +134,6 @@ def walk_headers(u8, hc, hs, re):
     return OK, 0, hks, hkl, hvs, hvl
 
 
-@njit(cache=True, nogil=True)
-def gather(u8, starts, lengths):
-    """Arrow binary layout of the ranges u8[starts[i]:starts[i]+lengths[i]] (length -1: null, no bytes):
-    int32 offsets and the bytes back to back."""
-    n = len(starts)
-    offsets = np.empty(n + 1, np.int32)
-    total = 0
-    offsets[0] = 0
-    for i in range(n):
-        if lengths[i] > 0:
-            total += lengths[i]
-        offsets[i + 1] = total
-    data = np.empty(total, np.uint8)
-    q = 0
-    for i in range(n):
-        ln = lengths[i]
-        if ln > 0:
-            s = starts[i]
-            data[q:q + ln] = u8[s:s + ln]
-            q += ln
-    return offsets, data
-
-
 # ---------------------------------------------------------------------------------------------------
 # Encoding
 

@@ -4,6 +4,7 @@ bytes. ``FrameSplitter`` takes bytes as they arrive and hands out whole frames; 
 from __future__ import annotations
 
 import struct
+from typing import Optional
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.protocol.kafka import codes
@@ -28,33 +29,70 @@ class FrameTooLargeError(MetaqError):
 
 class FrameSplitter:
     """Incremental: ``feed(data)`` returns the frames completed by ``data``, in order, as memoryviews of
-    the bytes without their size prefix (no copy; they stay valid). Bytes held back are at most one
-    partial frame, and a declared size over ``max_frame`` raises at once, before its bytes are buffered."""
+    the bytes without their size prefix (they stay valid). Bytes held back are at most one partial frame,
+    and a declared size over ``max_frame`` raises at once, before its bytes are buffered.
+
+    A partial frame whose size is known (up to ``PRESIZE_MAX``) gets a buffer of its size at once: the
+    rest of its bytes are copied there as they come, or read straight into it (``room``, then
+    ``received``: no copy at all), instead of growing a buffer chunk by chunk and copying what is left
+    over after each frame. Larger frames (a client's 100 MB request) grow with their bytes, so a size
+    declared alone allocates no more than ``PRESIZE_MAX``."""
+
+    PRESIZE_MAX = 16 << 20
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
         self.max_frame = max_frame
-        self._buf = bytearray()
+        self._buf = bytearray()  # the start of the next frames, none of them whole or sized yet
+        self._frame: Optional[bytearray] = None  # the partial frame of known size, without its prefix
+        self._filled = 0  # its bytes so far
 
     @property
     def buffered(self) -> int:
         """Bytes received and not yet handed out (a slow sender's partial frame)."""
-        return len(self._buf)
+        return len(self._buf) + (4 + self._filled if self._frame is not None else 0)
+
+    def room(self) -> Optional[memoryview]:
+        """Where the rest of the partial frame goes (read into it, then ``received``), or None."""
+        return None if self._frame is None else memoryview(self._frame)[self._filled:]
+
+    def received(self, n: int) -> list:
+        """``n`` bytes were read into ``room()``: the frame, once whole."""
+        self._filled += n
+        if self._filled < len(self._frame):
+            return []
+        frame, self._frame, self._filled = self._frame, None, 0
+        return [memoryview(frame)]
 
     def feed(self, data) -> list:
+        frames = []
+        if self._frame is not None:
+            k = min(len(data), len(self._frame) - self._filled)
+            self._frame[self._filled:self._filled + k] = data[:k]
+            frames = self.received(k)
+            if k == len(data):
+                return frames
+            data = data[k:]
         buf = self._buf
         buf += data
-        frames, pos, n = [], 0, len(buf)
+        spans, pos, n = [], 0, len(buf)
         while n - pos >= 4:
             size = _SIZE.unpack_from(buf, pos)[0]
             if size < 0 or size > self.max_frame:
                 raise FrameTooLargeError(size, self.max_frame)
             if n - pos - 4 < size:
+                if size <= self.PRESIZE_MAX:  # the rest of it goes straight into its own buffer
+                    self._frame = bytearray(size)
+                    self._filled = n - pos - 4
+                    self._frame[:self._filled] = memoryview(buf)[pos + 4:n]
+                    pos = n
                 break
-            frames.append((pos + 4, pos + 4 + size))
+            spans.append((pos + 4, pos + 4 + size))
             pos += 4 + size
-        if not frames:
-            return []
+        if not spans:
+            if pos:  # all of it went into the sized frame
+                self._buf = bytearray()
+            return frames
         # The frames are views of this buffer; the rest moves to a new one, so the views stay valid.
-        self._buf = bytearray(buf[pos:])
+        self._buf = buf[pos:]
         view = memoryview(buf)
-        return [view[a:b] for a, b in frames]
+        return frames + [view[a:b] for a, b in spans]
