@@ -6,6 +6,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import fcntl
+import functools
 import io
 import logging
 import os
@@ -19,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metaq_broker import __version__
-from metaq_broker.errors import ConfigError
+from metaq_broker.errors import ConfigError, NotMasterError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawput
@@ -417,16 +418,34 @@ class Broker:
         if self.uses_zookeeper:
             cache = KafkaClusterCache(self.registration.client, cfg.zk_root)
             stack.callback(cache.close)
-            groups = KafkaGroups(self._groups_zk, cfg.zk_root, cfg.broker_id, cache.snapshot).start()
+            cluster = functools.partial(self._kafka_cluster, cache)
+            groups = KafkaGroups(self._groups_zk, cfg.zk_root, cfg.broker_id, cluster,
+                                 coordinating=self._serves_clients).start()
             stack.callback(groups.close)
             cache.on_change(groups.cluster_changed)
-            cluster = cache.snapshot
         else:
             cluster = self._static_cluster
         self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
                                         auto_create=cfg.auto_create_topics, config=cfg)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
+
+    def _kafka_cluster(self, cache):
+        """The cluster as Kafka clients are told it: ZooKeeper's (``cache``), but with this member's own
+        address for its group's node while it is a replica that cannot reach the master ZooKeeper still
+        names (``kafka_metadata.standing_in``)."""
+        snap = cache.snapshot()
+        if self.fetcher is not None and self.fetcher.master_unreachable and not self._serves_clients():
+            return kafka_metadata.standing_in(snap, self.config.broker_id, self.config.advertised_host, self.kafka_port)
+        return snap
+
+    def _serves_clients(self) -> bool:
+        """This member is its group's master (or the broker has no group): it coordinates Kafka groups."""
+        try:
+            self.handler.gate()
+        except NotMasterError:
+            return False
+        return True
 
     def _static_cluster(self):
         """The cluster of a broker without ZooKeeper, as Kafka clients see it (``kafka_metadata.static_snapshot``)."""

@@ -64,8 +64,10 @@ class KafkaGroups(Persistence):
     Coordinator options (Kafka's ``group.*`` broker settings) pass through ``options``."""
 
     def __init__(self, zk: Callable, root: str, broker_id: int, cluster: Callable[[], ClusterSnapshot],
-                 clock: Callable[[], float] = time.monotonic, **options):
+                 clock: Callable[[], float] = time.monotonic, coordinating: Callable[[], bool] = lambda: True,
+                 **options):
         self._zk, self._cluster, self.broker_id = zk, cluster, broker_id
+        self._coordinating = coordinating  # this member is its group's master: a replica coordinates nothing
         self.root, self.paths = root, ZkPaths(root)
         self.coordinator = GroupCoordinator(clock, self, **options)
         self._jobs: queue.Queue = queue.Queue()
@@ -111,7 +113,8 @@ class KafkaGroups(Persistence):
                 self._versions.pop(group, None)
 
     def is_coordinator(self, group: str) -> bool:
-        return kafka_metadata.coordinator_of(group, self._cluster().brokers) == self.broker_id
+        return kafka_metadata.coordinator_of(group, self._cluster().brokers) == self.broker_id \
+            and self._coordinating()
 
     # -- Persistence (called by the coordinator; done on this object's thread) -----------------------
     def store(self, group_id, record, done) -> None:
@@ -196,6 +199,8 @@ class KafkaGroups(Persistence):
         except ValueError:
             return codes.INVALID_GROUP_ID
         if not self.is_coordinator(group):
+            if self.coordinator.has(group):  # coordinated elsewhere now, or this member is no longer master:
+                self.coordinator.unload(self.is_coordinator)  # its state in memory may be stale when it is again
             return codes.NOT_COORDINATOR
         if self.coordinator.has(group):
             return None
