@@ -74,6 +74,31 @@ def test_only_the_broker_asked_decides_and_a_consumer_never_creates(cluster):
         assert _registered(c, "nowhere") == [] and _registered(c, "fresh") == []
 
 
+def test_a_topic_whose_broker_is_down_is_not_created_again_elsewhere(cluster):
+    """An operator's broker is down (stopped): its topic stays registered, so the producer waits for it and
+    then fails; it does not make a second topic of that name on the broker it would ask."""
+    cluster.start_broker(1, AUTO)
+    held = cluster.start_broker(2, topics={"held": {"numPartitions": 1}})
+    with cluster.client(Producer, timeout=3) as p:
+        wait_until(lambda: p.cluster.topic_partitions("held"), what="held registered")
+        held.stop()
+        wait_until(lambda: not p.cluster.topic_partitions("held"), what="broker 2 gone")
+        with pytest.raises(UnknownTopicError, match="'held' is not on any live broker"):
+            p.send_batch("held", [b"x"])
+        assert _registered(p, "held") == [(2, 0)]
+    with Admin(brokers=f"1={cluster.brokers[1].address}") as admin:
+        assert "held" not in admin.topics()
+
+
+def test_a_producer_with_a_static_broker_list_creates_too(cluster):
+    cluster.start_broker(1, AUTO)
+    with Producer(brokers=f"1={cluster.brokers[1].address}", timeout=10) as p:
+        p.send_batch("listed", [b"s"])
+        assert p.cluster.topic_partitions("listed") == [(1, 0), (1, 1), (1, 2)]
+    with cluster.client(Consumer) as c:
+        assert _read_all(c, "listed") == [b"s"]
+
+
 def test_producers_racing_create_the_topic_once(cluster):
     cluster.start_broker(1, AUTO)
     cluster.start_broker(2, AUTO)
