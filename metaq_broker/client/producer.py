@@ -15,7 +15,12 @@ under the topic's flush policy (``PutResult.fsynced`` says whether an fsync cove
 
 Messages are Kafka's: a None value is a null value (a tombstone), sent as such (a missing value column is an
 error); ``timestamps`` / ``timestamp`` give create times (Kafka's CreateTime), which consumers then read in
-``timestamp``; without, a message's time is the broker's store time (LogAppendTime)."""
+``timestamp``; without, a message's time is the broker's store time (LogAppendTime).
+
+A topic no broker has registered is created on first use where the brokers allow it (``autoCreateTopics``,
+Kafka's ``auto.create.topics.enable``): the producer asks the live broker with the lowest id, as Kafka asks
+its controller, so the topic lands on that one broker (its group) with its ``numPartitions`` instead of being
+spread over brokers by accident; ``metaq topics create`` places it anywhere else. Consumers never create."""
 from __future__ import annotations
 
 import logging
@@ -33,7 +38,7 @@ from metaq_broker.client.base import RESEND_WAIT, ClientBase
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
-from metaq_broker.errors import InvalidPartitionError, MetaqError, OutOfOrderSequenceError
+from metaq_broker.errors import InvalidPartitionError, MetaqError, OutOfOrderSequenceError, UnknownTopicError
 from metaq_broker.names import parse_partition_name, partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
@@ -308,6 +313,40 @@ class Producer(ClientBase):
         self._sender.start()
 
     # -- choosing partitions --------------------------------------------------------------------------
+    def partitions(self, topic: str) -> list:
+        try:
+            return super().partitions(topic)
+        except UnknownTopicError as e:
+            self._create_on_first_use(topic, e)
+            return super().partitions(topic)
+
+    def registered_partitions(self, topic: str) -> list:
+        try:
+            return super().registered_partitions(topic)
+        except UnknownTopicError as e:
+            self._create_on_first_use(topic, e)
+            return super().registered_partitions(topic)
+
+    def _create_on_first_use(self, topic: str, unknown: UnknownTopicError) -> None:
+        """A topic no broker has registered (else ``unknown`` is raised again: its brokers are down): ask the
+        live broker with the lowest id to create it (``CreateTopic`` with ``automatic``, done only where that
+        broker sets ``autoCreateTopics``; producers racing create it once), then wait until it is registered."""
+        brokers = self.cluster.brokers()
+        if self.cluster.registered_partitions(topic) or not brokers:
+            raise unknown
+        creator = min(brokers)
+        try:
+            self.call(creator, "CreateTopic", pb.CreateTopicRequest(topic=topic, automatic=True))
+        except UnknownTopicError as e:  # refused: autoCreateTopics=false there (the broker's words say so)
+            raise UnknownTopicError(f"{unknown}: {e.details if isinstance(e, BrokerError) else e}") from None
+        log.info("created topic %s on first use on broker %d (autoCreateTopics)", topic, creator)
+        deadline = time.monotonic() + self.pool.timeout
+        while not self.cluster.registered_partitions(topic):  # ZooKeeper's watch, or a static list asked again
+            if time.monotonic() + RESEND_WAIT > deadline:
+                raise UnknownTopicError(f"topic {topic!r} was created on broker {creator} but not registered "
+                                        f"within {self.pool.timeout:g}s")
+            time.sleep(RESEND_WAIT)
+
     def _assign(self, topic: str, n: int, keys: Optional[pa.Array], partition) -> tuple:
         """(partition names, per-message index into them)."""
         if isinstance(partition, (pa.Array, pa.ChunkedArray)):  # a partition name per message

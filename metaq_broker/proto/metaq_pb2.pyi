@@ -187,7 +187,7 @@ class PartitionRangeRequest(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class CreateTopicRequest(_message.Message):
-    __slots__ = ("topic", "num_partitions", "config")
+    __slots__ = ("topic", "num_partitions", "config", "automatic")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,10 +198,12 @@ class CreateTopicRequest(_message.Message):
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     NUM_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     topic: str
     num_partitions: int
     config: _containers.ScalarMap[str, str]
-    def __init__(self, topic: _Optional[str] = ..., num_partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    automatic: bool
+    def __init__(self, topic: _Optional[str] = ..., num_partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ..., automatic: _Optional[bool] = ...) -> None: ...
 
 class PartitionDescription(_message.Message):
     __slots__ = ("partition", "name", "earliest", "latest", "bytes", "segments", "closed")

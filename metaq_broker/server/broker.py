@@ -358,7 +358,7 @@ class Broker:
             group=self.group, replicas=self.replicas,
             producer_ids=self._new_producer_ids(),
             settle_ahead=self._settle_ahead, observe=self.metrics.observe_rpc if self.metrics else None,
-            paths=ZkPaths(cfg.zk_root),
+            auto_create_topics=cfg.auto_create_topics, paths=ZkPaths(cfg.zk_root),
             own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
         service = BrokerService(self.handler)
         pb_grpc.add_BrokerServicer_to_server(service, self.server)

@@ -28,8 +28,9 @@ from typing import Callable, Optional
 from kazoo.exceptions import KazooException
 
 from metaq_broker import __version__
-from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, MetaqError,
-                                 NotAcknowledgedError, NotMasterError, PartitionClosedError, TransactionError)
+from metaq_broker.errors import (ConfigError, InvalidOffsetError, InvalidPartitionError, InvalidTopicError,
+                                 MetaqError, NotAcknowledgedError, NotMasterError, PartitionClosedError,
+                                 TransactionError, UnknownTopicError)
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol import replication as rp
 from metaq_broker.protocol.records import RecordFormatError
@@ -224,8 +225,9 @@ class RequestHandler:
                  create_topic: Callable, add_partitions: Optional[Callable] = None, transactions=None, group=None,
                  replicas=None, producer_ids=None,
                  settle_ahead: Optional[Callable] = None, observe: Optional[Callable] = None,
-                 paths: ZkPaths = ZkPaths(), own_addresses: tuple = ("", "")):
+                 paths: ZkPaths = ZkPaths(), own_addresses: tuple = ("", ""), auto_create_topics: bool = False):
         self.store = store
+        self.auto_create_topics = auto_create_topics  # autoCreateTopics: clients may create topics on first use
         self.broker_id = broker_id
         self.limits = limits
         self.auth = auth
@@ -556,12 +558,28 @@ class RequestHandler:
                  for p in self.store.partitions(topic)]
         return TopicDescription(topic, self.broker_id, parts, topic_ini_values(config))
 
-    def create_topic(self, principal: str, topic: str, num_partitions: int, config: dict) -> TopicDescription:
-        """As Kafka: Create on the cluster, or on the topic. ``num_partitions`` 0: the broker's default."""
+    def create_topic(self, principal: str, topic: str, num_partitions: int, config: dict,
+                     automatic: bool = False) -> TopicDescription:
+        """As Kafka: Create on the cluster, or on the topic. ``num_partitions`` 0: the broker's default.
+        ``automatic``: a client's creation on first use (metaq's producer, a Kafka client's Metadata), done
+        only where ``autoCreateTopics`` allows it, with the broker's defaults; a topic this broker has
+        already is left as it is. Producers racing create it once: each goes through ``_create_topic``, whose
+        lock makes the later ones wait until the first has opened every partition (the store lists a topic
+        while it still opens them, so asking it first would describe a topic half made)."""
+        if automatic and not self.auto_create_topics:
+            raise UnknownTopicError(f"unknown topic {topic!r}: broker {self.broker_id} does not create topics on "
+                                    f"first use (autoCreateTopics=false); create it with `metaq topics create "
+                                    f"{topic}` (or set autoCreateTopics=true on the brokers)")
         self.auth.authorize_any(principal, "Create", [("cluster", CLUSTER), ("topic", topic)])
+        if automatic:
+            num_partitions, config = 0, {}
         if num_partitions < 0:
             raise ConfigError(f"num_partitions must not be negative, got {num_partitions}")
-        self._create_topic(topic, num_partitions or None, dict(config))
+        try:
+            self._create_topic(topic, num_partitions or None, dict(config))
+        except InvalidTopicError:
+            if not (automatic and topic in self.store.topics()):
+                raise  # an invalid name, or an operator's count other than the topic's
         return self._describe(topic)
 
     def add_partitions(self, principal: str, topic: str, num_partitions: int, validate_only: bool = False) -> None:

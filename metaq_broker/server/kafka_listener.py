@@ -268,7 +268,7 @@ class KafkaServer:
             if not name or name in snap.topics or name in self.handler.store.topics():
                 continue
             try:
-                self.handler.create_topic(conn.principal, name, 0, {})
+                self.handler.create_topic(conn.principal, name, 0, {}, automatic=True)
                 created.add(name)
                 log.info("kafka: created topic %s for a Metadata request of %s (autoCreateTopics)", name, conn.peer)
             except Exception as e:  # noqa: BLE001 - the topic is answered as unknown (or refused) below

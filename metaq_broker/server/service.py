@@ -152,7 +152,7 @@ class BrokerService(pb_grpc.BrokerServicer):
     @rpc
     def CreateTopic(self, request, context, principal):
         return _topic(self.handler.create_topic(principal, request.topic, request.num_partitions,
-                                                dict(request.config)))
+                                                dict(request.config), automatic=request.automatic))
 
     @rpc
     def ClosePartitions(self, request, context, principal):
