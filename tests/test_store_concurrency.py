@@ -233,3 +233,23 @@ def test_concurrent_appends_to_two_partitions_share_unique_msg_ids(tmp_path, clo
             final = check_final_log(p, res, THREADS // 2, batches)
             all_ids += [m for _, _, m in final]
         assert len(all_ids) == len(set(all_ids))
+
+
+def test_a_topic_being_created_is_not_listed_before_all_its_partitions_are_open(tmp_path, monkeypatch):
+    """Another thread listing topics while one is created (a broker answering ListTopics or Metadata, a
+    producer racing to create it) must not see the topic before its partitions exist: it used to be listed
+    first, and ``partitions``/``describe`` then failed with "there is no partition 0"."""
+    store = MessageStore(tmp_path / "data", {})
+    seen = []
+    opening = store._open_partition
+
+    def watched(topic, p, config):
+        seen.append((p, "t" in store.topics()))
+        return opening(topic, p, config)
+    monkeypatch.setattr(store, "_open_partition", watched)
+    try:
+        store.create_topic("t", TopicConfig(num_partitions=3))
+        assert seen == [(0, False), (1, False), (2, False)]
+        assert "t" in store.topics() and len(store.partitions("t")) == 3
+    finally:
+        store.close()

@@ -80,9 +80,9 @@ class MessageStore:
             log.warning("topic %s has %d partitions on disk, more than num_partitions=%d; keeping them all",
                         topic, count, config.num_partitions)
             config = config.with_(num_partitions=count)
-        self._configs[topic] = config
         for p in range(count):
             self._partitions[(topic, p)] = self._open_partition(topic, p, config)
+        self._configs[topic] = config  # last: a topic is listed once all its partitions are open
 
     def _open_partition(self, topic: str, p: int, config: TopicConfig) -> PartitionLog:
         part = PartitionLog.open(self.data_path / f"{topic}-{p}", topic, p, config, self._ids, self._clock,
