@@ -6,7 +6,6 @@ from __future__ import annotations
 import configparser
 import contextlib
 import fcntl
-import functools
 import io
 import logging
 import os
@@ -418,7 +417,7 @@ class Broker:
         if self.uses_zookeeper:
             cache = KafkaClusterCache(self.registration.client, cfg.zk_root)
             stack.callback(cache.close)
-            cluster = functools.partial(self._kafka_cluster, cache)
+            cluster = cache.snapshot
             groups = KafkaGroups(self._groups_zk, cfg.zk_root, cfg.broker_id, cluster,
                                  coordinating=self._serves_clients).start()
             stack.callback(groups.close)
@@ -429,15 +428,6 @@ class Broker:
                                         auto_create=cfg.auto_create_topics, config=cfg)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
-
-    def _kafka_cluster(self, cache):
-        """The cluster as Kafka clients are told it: ZooKeeper's (``cache``), but with this member's own
-        address for its group's node while it is a replica that cannot reach the master ZooKeeper still
-        names (``kafka_metadata.standing_in``)."""
-        snap = cache.snapshot()
-        if self.fetcher is not None and self.fetcher.master_unreachable and not self._serves_clients():
-            return kafka_metadata.standing_in(snap, self.config.broker_id, self.config.advertised_host, self.kafka_port)
-        return snap
 
     def _serves_clients(self) -> bool:
         """This member is its group's master (or the broker has no group): it coordinates Kafka groups."""

@@ -20,7 +20,6 @@ Kafka's model mapped onto metaq's (docs/kafka.md, "Metadata"):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from typing import Iterable, Optional
 
 from metaq_broker.errors import InvalidTopicError
@@ -166,17 +165,6 @@ def find_coordinator_response(snap: ClusterSnapshot, request: dict, version: int
     one = find_coordinator(snap, [request["key"]], key_type, refused, groups)[0]
     return {"throttle_time_ms": 0, "error_code": one["error_code"], "error_message": one["error_message"],
             "node_id": one["node_id"], "host": one["host"], "port": one["port"]}
-
-
-def standing_in(snap: ClusterSnapshot, broker_id: int, host: str, port: int) -> ClusterSnapshot:
-    """``snap`` with node ``broker_id`` at ``host:port``: a member of that group answering while it cannot
-    reach the master ZooKeeper still names (a master killed keeps its node until its session expires).
-    Kafka clients know a cluster's nodes from Metadata alone (librdkafka drops its bootstrap servers once
-    answered), so a group of one node must never be named only at a dead address: at a live member's, the
-    client is answered NOT_LEADER_OR_FOLLOWER / NOT_COORDINATOR and asks again until a master is named."""
-    if broker_id not in snap.brokers:
-        return snap
-    return replace(snap, brokers={**snap.brokers, broker_id: KafkaBroker(broker_id, host, port)})
 
 
 # -- a broker without ZooKeeper ---------------------------------------------------------------------

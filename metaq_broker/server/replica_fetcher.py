@@ -194,12 +194,6 @@ class ReplicaFetcher:
             except OSError:
                 pass
 
-    @property
-    def master_unreachable(self) -> bool:
-        """The fetches since the last that succeeded failed to reach the master (it died, or the link is
-        cut): ZooKeeper may still name it for up to a session timeout (``Broker._kafka_cluster``)."""
-        return self._failures > 0
-
     def _following(self, target: tuple) -> bool:
         with self._lock:
             return self._target == target and not self._stop
