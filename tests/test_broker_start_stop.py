@@ -194,3 +194,27 @@ def test_health_says_serving_only_once_the_start_has_ended(setup, monkeypatch):
         release.set()
         starting.join(30)
         broker.stop()
+
+
+@pytest.mark.process
+def test_a_test_brokers_chosen_port_taken_before_its_start_is_chosen_again(tmp_path):
+    """``BrokerProcess`` picks a free port, then starts the broker on it; with tests in parallel another
+    process may take the port in between (CI: "serverPort: cannot listen ... Address already in use"). A
+    port it chose is chosen again; one the caller gave is not (the caller meant that port)."""
+    from metaq_broker.devtools.broker_process import BrokerProcess
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        chosen = BrokerProcess(tmp_path / "chosen", 1)
+        chosen.port = chosen.settings["serverPort"] = taken  # as if another process took it meanwhile
+        try:
+            chosen.start()
+            assert chosen.port != taken
+        finally:
+            chosen.kill()
+        given = BrokerProcess(tmp_path / "given", 2, port=taken)
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{taken}"):
+            given.start()
+        given.kill()

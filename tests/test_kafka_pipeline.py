@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from conftest import wait_until
+from test_kafka_listener import _read_frame
 
 from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.protocol.kafka import codes
@@ -45,20 +46,6 @@ def _metadata_frame(cid: int, topic: str) -> bytes:
     return encode_request(3, METADATA_V, cid, "pipeline-test", {
         "topics": [{"name": topic, "topic_id": bytes(16)}], "allow_auto_topic_creation": False,
         "include_topic_authorized_operations": False})
-
-
-def _read_frame(s) -> bytes:
-    return _recv(s, struct.unpack(">i", _recv(s, 4))[0])
-
-
-def _recv(s, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += chunk
-    return out
 
 
 def _answers(s, expected: list) -> list:

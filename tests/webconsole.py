@@ -60,8 +60,8 @@ def chromium(*flags):
 
 def open_page(driver, url, page, query=""):
     driver.get(f"{url}{page}.html{query}")
-    wait_until(lambda: driver.find_element(By.TAG_NAME, "body").get_attribute("data-updated"),
-               what=f"{page} page drawn from a snapshot")
+    wait_until(lambda: driver.find_element(By.TAG_NAME, "body").get_attribute("data-updated"), timeout=60,
+               what=f"{page} page drawn from a snapshot")  # a minute: the first snapshot of a busy cluster
 
 
 def cell(driver, selector, col):

@@ -25,6 +25,7 @@ class BrokerProcess:
         self.workdir = Path(workdir)
         self.broker_id = broker_id
         self.port = port or free_port()
+        self._port_chosen = port is None  # free_port's: another may be given a new one if it is taken by then
         # kafkaPort 0 unless given: brokers on one machine never clash on Kafka's 9092 (``kafka_port`` reads it)
         self.settings = {"brokerId": broker_id, "hostName": "127.0.0.1", "serverPort": self.port, "kafkaPort": 0,
                          "dataPath": str(self.workdir / "data"), "zk.connect": zk_connect, **(settings or {})}
@@ -83,7 +84,21 @@ class BrokerProcess:
     def start(self, timeout: float = 30.0, args=(), wrapper=(), ready_by_log: bool = False) -> "BrokerProcess":
         """Start and wait until its gRPC health check says SERVING (``ready_by_log``: until its log says it
         listens, for a broker whose certificate no client trusts); ``args`` are extra ``metaq-broker``
-        flags, ``wrapper`` a command the broker runs under (e.g. ``strace -f -o FILE``)."""
+        flags, ``wrapper`` a command the broker runs under (e.g. ``strace -f -o FILE``). A port this object
+        chose (``free_port``) that another process took between the choice and the start (tests run in
+        parallel) is chosen again, at most twice."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout, args, wrapper, ready_by_log)
+            except RuntimeError as e:
+                taken = f"serverPort: cannot listen on 127.0.0.1:{self.port}" in str(e)
+                if not (taken and self._port_chosen and attempt < 2):
+                    raise
+                self.port = free_port()
+                self.settings["serverPort"] = self.port
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout, args, wrapper, ready_by_log) -> "BrokerProcess":
         config = self.write_config()
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
