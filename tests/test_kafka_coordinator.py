@@ -553,3 +553,23 @@ def test_members_on_many_threads_with_a_real_clock(rec):
     while c.state("g") != EMPTY and time.monotonic() < clock_end:
         time.sleep(min(c.tick(), 0.05))
     assert c.state("g") == EMPTY and rec.members[-1] == ("g", ())
+
+
+def test_only_the_groups_master_coordinates_and_a_demoted_one_gives_its_groups_up():
+    """A replicated group's members share the broker id that rendezvous hashing picks, so every member
+    took itself for the coordinator of that id's Kafka groups: a replica answered JoinGroup and
+    OffsetCommit. Only the master coordinates (NOT_COORDINATOR elsewhere); a master that lost its role gives
+    the groups in its memory up at their next request, so it never serves stale state when master again."""
+    from metaq_broker.server import kafka_metadata
+    from metaq_broker.server.kafka_groups import KafkaGroups
+
+    snap = kafka_metadata.static_snapshot(1, "127.0.0.1", 9092, {}, {}, "cluster")
+    master = [False]
+    groups = KafkaGroups(lambda: None, "/r", 1, lambda: snap, coordinating=lambda: master[0])
+    assert groups._ensure("g") == codes.NOT_COORDINATOR  # a replica
+    master[0] = True
+    assert groups._ensure("g") == codes.COORDINATOR_NOT_AVAILABLE  # the master, its ZooKeeper away here
+    groups.coordinator.load("g", None)
+    assert groups._ensure("g") is None and groups.coordinator.has("g")
+    master[0] = False  # demoted
+    assert groups._ensure("g") == codes.NOT_COORDINATOR and not groups.coordinator.has("g")
