@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import socket
 import ssl
-import struct
 
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 from conftest import wait_until
+from test_kafka_listener import _read_frame as _read
 
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
@@ -96,22 +96,6 @@ def secured(cluster, zk, pki):  # noqa: F811 - the fixture imported above
                                  "replication.sasl.password": SECRET, "zk.auth": f"digest:metaq:{ZK_SECRET}"},
                              topics={"t": {"numPartitions": 1}})
     return b, pki
-
-
-def _read(s) -> bytes:
-    head = b""
-    while len(head) < 4:
-        chunk = s.recv(4 - len(head))
-        if not chunk:
-            raise ConnectionError("closed")
-        head += chunk
-    n, out = struct.unpack(">i", head)[0], b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("closed")
-        out += chunk
-    return out
 
 
 def _logged_in(b, pki, user: str):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import socket
 import ssl
-import struct
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from conftest import wait_until
+from test_kafka_listener import _read_frame as _read
 
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
@@ -119,22 +119,6 @@ def _tls_socket(b, pki):
     ctx = ssl.create_default_context(cafile=pki.ca)
     ctx.check_hostname = False
     return ctx.wrap_socket(socket.create_connection(("127.0.0.1", b.kafka_port), timeout=10))
-
-
-def _read(s) -> bytes:
-    head = b""
-    while len(head) < 4:
-        chunk = s.recv(4 - len(head))
-        if not chunk:
-            raise ConnectionError("closed")
-        head += chunk
-    n, out = struct.unpack(">i", head)[0], b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("closed")
-        out += chunk
-    return out
 
 
 def test_requests_before_the_login_are_refused_and_the_connection_closed(secured):
