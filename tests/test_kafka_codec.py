@@ -182,6 +182,15 @@ def test_hostile_request_frames_are_refused_by_name(frame, problem):
     assert e.value.reply is None
 
 
+def test_bytes_after_a_request_body_are_ignored_as_kafka_ignores_them():
+    """librdkafka 2.16's Metadata v13 asking for every topic, as sent (AdminClient.list_topics()): three bytes
+    more than the schema's. Refused, librdkafka's client lost its connection and list_topics() failed."""
+    frame = bytes.fromhex("0003000d00000003000772646b61666b610000000000010000")
+    request = read_request(frame)
+    assert (request.api.name, request.api_version, request.client_id) == ("Metadata", 13, "rdkafka")
+    assert request.body["topics"] is None and request.body["allow_auto_topic_creation"] is False
+
+
 def test_acks_0_produce_expects_no_response():
     body = {"acks": 0, "timeout_ms": 1000, "topic_data": []}
     assert not read_request(encode_request(0, 9, 1, "c", body)[4:]).expects_response

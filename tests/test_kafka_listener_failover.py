@@ -1,19 +1,24 @@
 """A replicated group's master killed (SIGKILL) under a confluent-kafka idempotent producer with acks=all:
-the client follows the new master's Kafka address (Metadata names node <brokerId> at the master's
-listener), and every message it was told is stored is there afterwards, once. Real processes: three
-``metaq-broker`` members, ZooKeeper, librdkafka."""
+the client follows the new master (each member is a Kafka node of its own, ``brokerId + 1024 * replicaId``,
+and Metadata names the master as the partitions' leader), and every message it was told is stored is there
+afterwards, once. Real processes: three ``metaq-broker`` members, ZooKeeper, librdkafka."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 from conftest import wait_until
+from test_kafka_listener import _read_frame
 
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.protocol.kafka import codes
+from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
 
 pytestmark = pytest.mark.process
 
@@ -27,6 +32,18 @@ def test_a_master_killed_under_a_kafka_producer_loses_and_doubles_nothing(tmp_pa
         first = group.wait_master()
         group.wait_in_sync(range(3))
         bootstrap = ",".join(m.bootstrap for m in group.members)
+        # Every member is a node Kafka clients know (when the master dies they still know members to ask,
+        # where one node per group left them the dead address only, for minutes), the master leads, and every
+        # member gives out producer ids (librdkafka asks the broker it likes: a replica refused it for good)
+        md = AdminClient({"bootstrap.servers": bootstrap, **QUIET}).list_topics(timeout=15)
+        assert sorted(md.brokers) == [1, 1 + 1024, 1 + 2048]
+        assert {p.leader for p in md.topics["t"].partitions.values()} == {1 + 1024 * first}
+        assert sorted(md.topics["t"].partitions[0].isrs) == [1, 1 + 1024, 1 + 2048]
+        for m in group.members:
+            with socket.create_connection(("127.0.0.1", m.kafka_port), timeout=15) as s:
+                s.sendall(encode_request(22, 4, 1, "x", {"transactional_id": None, "transaction_timeout_ms": -1}))
+                answer = decode_response(22, 4, _read_frame(s))[1]
+            assert (answer["error_code"], answer["producer_id"] >= 0) == (codes.NONE, True), answer
         acked, failed, stop = [], [], threading.Event()
 
         def delivered(err, msg):
@@ -81,10 +98,10 @@ def test_a_killed_master_that_coordinates_a_consumer_group_loses_no_commit_and_n
     partition is read again from below it (a group whose commits were lost starts over from the earliest
     offset), and the group's commits never go below it, for Kafka's OffsetFetch and metaq's Admin alike.
     Commits are asynchronous: librdkafka's synchronous commit can hang after a coordinator change
-    (confluent-kafka-python #1801), which a test must not inherit.
-    Not asserted, a known defect (docs/kafka.md, "Known limits"): that the consumers' commits resume on the
-    new master. A replicated group is one Kafka node whose address moves; librdkafka's coordinator handle can
-    keep the dead address of that node id, and in some runs the consumers commit nowhere until restarted."""
+    (confluent-kafka-python #1801), which a test must not inherit. The consumers' commits resume on the new
+    master (its own node id: with one node per group whose address moved, librdkafka's coordinator handle
+    kept the dead address in some runs, and the group committed nowhere until restarted), and the consumers
+    close in bounded time."""
     from metaq_broker.client.admin import Admin
     from metaq_broker.client.producer import Producer as MetaqProducer
 
@@ -157,9 +174,15 @@ def test_a_killed_master_that_coordinates_a_consumer_group_loses_no_commit_and_n
         wait_until(lambda: len(set(seen)) == total, timeout=120, what="every message read after the failover")
         now = wait_until(committed, what="the group's commits after the failover")
         assert all(now[p] >= o for p, o in acknowledged.items()), (acknowledged, now)
+        check = Consumer({"bootstrap.servers": bootstrap, "group.id": "check", **QUIET})
+        ends = {p: check.get_watermark_offsets(TopicPartition("t", p), timeout=15)[1] for p in (0, 1)}
+        check.close()
+        wait_until(lambda: committed() == ends, timeout=60,
+                   what=f"the consumers' commits resumed on the new master, up to the end of each partition {ends}")
         stop.set()
         for t in threads:
-            t.join(60)  # not asserted: under the known defect librdkafka's close() can wait for a coordinator
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a consumer's close() did not return"
         assert not errors, errors
         assert sorted(set(seen)) == [b"m-%05d" % k for k in range(total)]
         assert all(after_kill.get(p, o) >= o for p, o in acknowledged.items()), (acknowledged, after_kill)

@@ -1,9 +1,10 @@
 """What Metadata, DescribeCluster and FindCoordinator answer (server/kafka_metadata.py), from hand-built cluster
-snapshots: leaders, epochs, replicas and in-sync replicas of replicated groups (one Kafka node each), offline
+snapshots: leaders, epochs, replicas and in-sync replicas of replicated groups (a Kafka node per member), offline
 partitions of a broker that is down, has no Kafka listener or was forgotten, topics by name and by id, topics
 not numbered yet, the controller, coordinators by rendezvous hashing (few groups move when a broker joins or
 leaves), a broker without ZooKeeper. Every answer is encoded at each version served."""
 import collections
+import json
 
 import pytest
 
@@ -11,8 +12,10 @@ from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.messages import APIS
 from metaq_broker.protocol.kafka.schema import decode, encode_parts
 from metaq_broker.server import kafka_metadata as km
-from metaq_broker.zk.kafka_cluster import ClusterSnapshot, KafkaBroker, kafka_endpoint
+from metaq_broker.zk.groups import GroupState
+from metaq_broker.zk.kafka_cluster import ClusterSnapshot, KafkaBroker, build, kafka_endpoint
 from metaq_broker.zk.kafka_partitions import TopicMap
+from metaq_broker.zk.paths import ZkPaths
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +59,7 @@ def test_metadata_of_every_topic():
     rows = [(p["partition_index"], p["error_code"], p["leader_id"], p["leader_epoch"], p["replica_nodes"],
              p["isr_nodes"], p["offline_replicas"]) for p in t["partitions"]]
     assert rows == [
-        (0, codes.NONE, 1, 7, [1], [1], []),  # a replicated group is one node, its epoch the leader epoch
+        (0, codes.NONE, 1, 7, [1], [1], []),  # its group's epoch is the leader epoch
         (1, codes.NONE, 2, 1, [2], [2], []),
         (2, codes.NONE, 1, 7, [1], [1], []),
         (3, codes.LEADER_NOT_AVAILABLE, -1, 3, [4], [], [4]),  # broker 4 is down
@@ -161,3 +164,52 @@ def test_a_broker_without_zookeeper_numbers_its_own_partitions_in_order():
 ])
 def test_kafka_endpoint_of_a_registration(info, expected):
     assert kafka_endpoint(1, info) == expected
+
+
+@pytest.mark.parametrize("info,replica,expected", [
+    ({"host": "h", "kafkaPort": 9092, "replicaId": 2}, None, KafkaBroker(1 + 2 * 1024, "h", 9092)),  # a master node
+    ({"host": "h", "kafkaPort": 9092, "replicaId": 2}, 1, KafkaBroker(1 + 1024, "h", 9092)),  # the path says
+    ({"host": "h", "kafkaPort": 9092, "replicaId": -1}, None, KafkaBroker(1, "h", 9092)),
+    ({"host": "h", "kafkaPort": 9092, "replicaId": "2"}, None, KafkaBroker(1, "h", 9092)),
+])
+def test_each_member_is_a_node_of_its_own(info, replica, expected):
+    assert kafka_endpoint(1, info, replica) == expected
+
+
+def group_nodes(paths: ZkPaths, master: int, members: dict, isr=(0, 1, 2)) -> dict:
+    """ZooKeeper's nodes of broker group 1 (members {replicaId: kafkaPort}, master ``master``) and broker 2
+    (unreplicated), both with topic t's entries and map."""
+    info = lambda r, port: json.dumps({"host": "127.0.0.1", "kafkaPort": port, "replicaId": r}).encode()  # noqa: E731
+    nodes = {paths.group_replica(1, r): info(r, port) for r, port in members.items()}
+    nodes[paths.group_state(1)] = GroupState(5, master, tuple((r, "%032x" % r) for r in isr), (0, 1, 2)).to_json()
+    if master in members:
+        nodes[paths.broker(1)] = info(master, members[master])
+    nodes[paths.broker(2)] = info(0, 9300)
+    nodes[paths.topic_entry("t", 1)] = json.dumps({"numPartitions": 1}).encode()
+    nodes[paths.topic_entry("t", 2)] = json.dumps({"numPartitions": 1}).encode()
+    nodes[paths.kafka_topic("t")] = TopicMap("t", ID_T, ("1-0", "2-0")).to_json()
+    return nodes
+
+
+def test_a_replicated_group_lists_every_member_and_leads_from_its_master():
+    """Kafka clients keep the brokers Metadata lists: every live member is one, so when the master dies they
+    still know members to ask (with one node per group, the dead master's address was all they had)."""
+    paths = ZkPaths("/r")
+    snap = build("clusterid-22-chars-abc", group_nodes(paths, 1, {0: 9200, 1: 9201, 2: 9202}), paths)
+    m = readable(METADATA, km.metadata(snap, None))
+    assert [(b["node_id"], b["port"]) for b in m["brokers"]] == [(1, 9200), (2, 9300), (1025, 9201), (2049, 9202)]
+    assert m["controller_id"] == 2  # the master with the lowest node id
+    parts = {p["partition_index"]: p for p in m["topics"][0]["partitions"]}
+    assert (parts[0]["leader_id"], parts[0]["leader_epoch"], parts[0]["replica_nodes"], parts[0]["isr_nodes"],
+            parts[0]["offline_replicas"]) == (1025, 5, [1, 1025, 2049], [1, 1025, 2049], [])
+    assert (parts[1]["leader_id"], parts[1]["replica_nodes"], parts[1]["isr_nodes"]) == (2, [2], [2])
+    coordinators = {km.find_coordinator(snap, [g], km.COORDINATOR_GROUP)[0]["node_id"] for g in map(str, range(40))}
+    assert coordinators == {2, 1025}  # a group's coordinator is a master, never a replica
+
+    # the master (member 1) died; member 0 not in sync: no leader until the group elects, members still listed
+    snap = build("clusterid-22-chars-abc", group_nodes(paths, 1, {0: 9200, 2: 9202}, isr=(1, 2)), paths)
+    m = readable(METADATA, km.metadata(snap, None))
+    assert [b["node_id"] for b in m["brokers"]] == [1, 2, 2049]
+    p = m["topics"][0]["partitions"][0]
+    assert (p["error_code"], p["leader_id"], p["replica_nodes"], p["isr_nodes"], p["offline_replicas"]) == \
+        (codes.LEADER_NOT_AVAILABLE, -1, [1, 1025, 2049], [], [1025])

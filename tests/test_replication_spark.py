@@ -14,7 +14,7 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
 
-PER_PARTITION = 1500
+CHUNK = 750  # per partition, fed before the run and after each kill
 TOPICS = {"in": {"numPartitions": 2}, "out": {"numPartitions": 2}}
 
 
@@ -39,15 +39,25 @@ def settled(consumer, topic) -> bool:
 
 
 def test_exactly_once_pipeline_through_master_kills(spark, tmp_path, zookeeper, zk_root):
+    """Before each kill the input gets another CHUNK messages, so the query (an ordinary trigger, which never
+    ends by itself) always has batches to run when the master dies: the three kills land in a running query
+    however fast or slow the machine is. The query is stopped once the output holds the whole input."""
     group = BrokerGroup(tmp_path / "group", 1, zookeeper.connect_string, zk_root, members=3, topics=TOPICS,
                         settings={"transactionTimeout": 60_000}).start()
+    sent = []
     try:
         group.wait_master()
         group.wait_in_sync(range(3))
-        with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as producer:
-            wait_until(lambda: len(producer.cluster.topic_partitions("in")) == 2, what="topic in routed")
-            for p in ("1-0", "1-1"):
-                producer.send_batch("in", [f"{p}:{i}".encode() for i in range(PER_PARTITION)], partition=p)
+
+        def feed():
+            with Producer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as producer:
+                wait_until(lambda: len(producer.cluster.topic_partitions("in")) == 2, what="topic in routed")
+                for p in ("1-0", "1-1"):
+                    values = [f"{p}:{len(sent)}:{i}".encode() for i in range(CHUNK)]
+                    producer.send_batch("in", values, partition=p)
+                sent.append(2 * CHUNK)
+
+        feed()
 
         @F.udf("string")
         def slow(value):
@@ -60,29 +70,37 @@ def test_exactly_once_pipeline_through_master_kills(spark, tmp_path, zookeeper, 
         out = df.select(slow(F.col("value").cast("string")).alias("value"))
         q = (out.writeStream.format("metaq").option("metaq.zk.connect", zookeeper.connect_string)
              .option("metaq.zk.root", zk_root).option("topic", "out")
-             .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="200 milliseconds")
+             .start())
+        try:
+            batch = 0
+            for _ in range(3):
+                batch += 2
+                wait_until(lambda: q.lastProgress is not None and q.lastProgress["batchId"] >= batch
+                           or not q.isActive, timeout=180, what=f"batch {batch}")
+                assert q.isActive, q.exception()
+                master = group.wait_master(timeout=30)
+                group.members[master].kill()
+                group.wait_master(timeout=30, other_than=master)
+                group.members[master].start()  # it rejoins as a replica and catches up
+                group.wait_in_sync(range(3), timeout=60)
+                batch = q.lastProgress["batchId"] if q.lastProgress else batch
+                feed()
+            assert group.state()["epoch"] >= 4
 
-        kills = []
-        for after_batch in (1, 4, 7):
-            wait_until(lambda: q.lastProgress is not None and q.lastProgress["batchId"] >= after_batch
-                       or not q.isActive, timeout=180, what=f"batch {after_batch}")
-            if not q.isActive:
-                break
-            master = group.wait_master(timeout=30)
-            group.members[master].kill()
-            kills.append(master)
-            group.wait_master(timeout=30, other_than=master)
-            group.members[master].start()  # it rejoins as a replica and catches up
-            group.wait_in_sync(range(3), timeout=60)
-        q.awaitTermination(300)
-        assert q.exception() is None, q.exception()
-        assert len(kills) == 3, f"the query ended after {len(kills)} kills: make it longer"
-        assert group.state()["epoch"] >= 4
-
-        with Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
-            wait_until(lambda: settled(consumer, "out"), timeout=60, what="every transaction on out settled")
-            values = values_of(consumer, "out")
-        want = Counter(f"out:{p}:{i}" for p in ("1-0", "1-1") for i in range(PER_PARTITION))
+            with Consumer(zk_connect=zookeeper.connect_string, zk_root=zk_root) as consumer:
+                wait_until(lambda: not q.isActive or settled(consumer, "out")
+                           and sum(values_of(consumer, "out").values()) >= sum(sent),
+                           timeout=300, interval=1, what="the whole input written to out")
+                assert q.isActive, q.exception()
+                q.stop()
+                assert q.exception() is None, q.exception()
+                values = values_of(consumer, "out")
+                inputs = values_of(consumer, "in")
+        finally:
+            q.stop()
+        assert sum(inputs.values()) == sum(sent)
+        want = Counter("out:" + v for v in inputs.elements())
         assert values == want, (f"missing {sum((want - values).values())}, "
                                 f"duplicated {sum((values - want).values())}")
     finally:

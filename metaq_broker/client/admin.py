@@ -337,7 +337,7 @@ class Admin(ClientBase):
             except (NoNodeError, ValueError):
                 continue
             if endpoint is not None:
-                out[endpoint.node_id] = f"{endpoint.host}:{endpoint.port}"
+                out[int(name)] = f"{endpoint.host}:{endpoint.port}"
         return out
 
     def forget_broker(self, broker_id: int) -> list:

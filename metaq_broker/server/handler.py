@@ -532,11 +532,12 @@ class RequestHandler:
     def init_producer_id(self, principal: str, producer_id: Optional[int], epoch: Optional[int]) -> tuple:
         """(id, epoch): a new producer id, or the one given with its epoch bumped. Kafka 3's rule for who
         may ask, Write on any topic (KIP-679), since an id lets its holder write nothing it could not
-        write without."""
+        write without. A replica answers too when the ids are ZooKeeper's (Kafka clients ask any broker)."""
         self.auth.authorize_write_somewhere(principal, "an idempotent producer's id needs Write on some topic")
-        self.gate()
         if self.producer_ids is None:
             raise ConfigError("this broker gives out no producer ids")
+        if not self.producer_ids.cluster_wide:
+            self.gate()
         if epoch is not None and producer_id is None:
             raise InvalidOffsetError("producer_epoch without producer_id")
         return self.producer_ids.init(producer_id, epoch)

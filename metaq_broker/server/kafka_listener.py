@@ -45,6 +45,7 @@ from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, ap
                                                   encode_response, error_response, read_request)
 from metaq_broker.security.acl import CLUSTER
 from metaq_broker.server import kafka_admin, kafka_metadata
+from metaq_broker.zk.kafka_cluster import node_id
 from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
 from metaq_broker.server.kafka_pipeline import InFlight
 from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
@@ -91,6 +92,7 @@ class KafkaServer:
         self.groups = groups
         self.auto_create = auto_create  # autoCreateTopics: Metadata creates the unknown topics it names
         self.broker_id = handler.broker_id
+        self.node_id = node_id(self.broker_id, config.replica_id if config is not None else 0)  # this member's
         self.config = config  # the broker's BrokerConfig: DescribeConfigs of the broker resource
         security = handler.auth.security
         self._sasl = security.uses_sasl
@@ -564,8 +566,9 @@ class KafkaServer:
         return {"throttle_time_ms": 0, "results": results}
 
     def _broker_configs(self, conn, name: str, keys) -> list:
-        """The configs of broker resource ``name``: this broker's id or "" (the broker answering)."""
-        if name not in ("", str(self.broker_id)):
+        """The configs of broker resource ``name``: this member's node id, its broker id or "" (the one
+        answering)."""
+        if name not in ("", str(self.broker_id), str(self.node_id)):
             raise _Refused(codes.INVALID_REQUEST, f"this is broker {self.broker_id}: it describes its own settings "
                                                   f"only, not broker {name!r}'s; ask that broker")
         if self.config is None:

@@ -4,18 +4,19 @@
 
 Kafka's model mapped onto metaq's (docs/kafka.md, "Metadata"):
 
-* a node is a broker id; a replicated group (several members sharing a brokerId) is one node, led by its
-  master: ``replicas`` and ``isr`` are ``[brokerId]``, the group's own in-sync set stays inside it
-  (``metaq brokers`` shows it). The leader epoch is the group's epoch.
+* a node is a member of a broker group: member ``r`` of group ``b`` is node ``b + 1024 * r``
+  (``zk/kafka_cluster.node_id``; an unreplicated broker is node ``b``). Every live member with a Kafka
+  listener is listed; a partition's leader is its group's master, ``replicas`` the group's roster and
+  ``isr`` its in-sync set. The leader epoch is the group's epoch.
 * a topic's partitions are numbered by its partition map (``zk/kafka_partitions.py``); its Kafka topic id is
   the map's. Every number ever given is listed, so clients always see 0..N-1: one whose broker is down, has
   no Kafka listener, or was forgotten (``metaq brokers --forget``) is offline: leader -1,
   LEADER_NOT_AVAILABLE, its broker in ``offline_replicas``, as Kafka shows a partition whose replicas are all
   gone. A number is never reused, so a forgotten broker's numbers stay offline for good.
-* the controller is the live broker with the lowest id (Kafka's admin clients send topic changes there).
-* the coordinator of a consumer group is chosen by rendezvous hashing over the live brokers with a Kafka
-  listener: every broker computes the same one, and a broker joining or leaving moves only the groups it
-  gains or had.
+* the controller is the master with the lowest node id (Kafka's admin clients send topic changes there).
+* the coordinator of a consumer group is the master of a broker group chosen by rendezvous hashing over the
+  live broker ids with a Kafka listener: every broker computes the same one, a broker joining or leaving
+  moves only the groups it gains or had, and a failover moves them to the group's new master.
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ def partition_entry(snap: ClusterSnapshot, topic: str, number: int, name: str) -
     broker_id, n = parse_partition_name(name)
     count = snap.topics.get(topic, {}).get(broker_id)
     epoch = snap.epochs.get(broker_id, -1)
-    if count is not None and n < count and broker_id in snap.brokers:
-        return {"error_code": codes.NONE, "partition_index": number, "leader_id": broker_id, "leader_epoch": epoch,
-                "replica_nodes": [broker_id], "isr_nodes": [broker_id], "offline_replicas": []}
+    replicas, isr = snap.replica_nodes(broker_id)
+    offline = [r for r in replicas if r not in snap.nodes]
+    master = snap.brokers.get(broker_id)
+    if count is not None and n < count and master is not None:
+        return {"error_code": codes.NONE, "partition_index": number, "leader_id": master.node_id,
+                "leader_epoch": epoch, "replica_nodes": replicas, "isr_nodes": isr, "offline_replicas": offline}
     return {"error_code": codes.LEADER_NOT_AVAILABLE, "partition_index": number, "leader_id": -1,
-            "leader_epoch": epoch, "replica_nodes": [broker_id], "isr_nodes": [], "offline_replicas": [broker_id]}
+            "leader_epoch": epoch, "replica_nodes": replicas, "isr_nodes": [], "offline_replicas": offline}
 
 
 def topic_entry(snap: ClusterSnapshot, topic: Optional[str], topic_id: Optional[bytes] = None) -> dict:
@@ -91,12 +95,12 @@ def metadata(snap: ClusterSnapshot, requested: Optional[Iterable[dict]]) -> dict
 # -- brokers ----------------------------------------------------------------------------------------
 def broker_list(snap: ClusterSnapshot) -> list:
     return [{"node_id": b.node_id, "host": b.host, "port": b.port, "rack": None}
-            for _, b in sorted(snap.brokers.items())]
+            for _, b in sorted(snap.nodes.items())]
 
 
 def controller(snap: ClusterSnapshot) -> int:
-    """The live Kafka broker with the lowest id; -1 when there is none."""
-    return min(snap.brokers, default=-1)
+    """The master with the lowest node id; -1 when there is none."""
+    return min((b.node_id for b in snap.brokers.values()), default=-1)
 
 
 def describe_cluster(snap: ClusterSnapshot, endpoint_type: int = ENDPOINT_BROKERS) -> dict:
@@ -107,13 +111,13 @@ def describe_cluster(snap: ClusterSnapshot, endpoint_type: int = ENDPOINT_BROKER
     return {"throttle_time_ms": 0, "error_code": codes.NONE, "error_message": None, "endpoint_type": endpoint_type,
             "cluster_id": snap.cluster_id, "controller_id": controller(snap),
             "brokers": [{"broker_id": b.node_id, "host": b.host, "port": b.port, "rack": None, "is_fenced": False}
-                        for _, b in sorted(snap.brokers.items())]}
+                        for _, b in sorted(snap.nodes.items())]}
 
 
 # -- coordinators -----------------------------------------------------------------------------------
 def coordinator_of(group: str, broker_ids: Iterable[int]) -> Optional[int]:
-    """The broker that coordinates ``group``: the highest hash of (group, broker id) among ``broker_ids``
-    (rendezvous hashing), None when there is no broker."""
+    """The broker (group) whose master coordinates ``group``: the highest hash of (group, broker id) among
+    ``broker_ids`` (rendezvous hashing), None when there is no broker."""
     best, best_id = None, None
     for b in broker_ids:
         h = hashlib.blake2b(f"{b}\0{group}".encode("utf-8", "surrogatepass"), digest_size=8).digest()

@@ -49,6 +49,12 @@ class ProducerIds:
         self._lock = threading.Lock()
         self._next, self._last = 0, -1  # the block in use: ids _next.._last
 
+    @property
+    def cluster_wide(self) -> bool:
+        """Ids come from ZooKeeper's blocks, unique in the cluster: any member of a group may give them out,
+        as any Kafka broker answers InitProducerId (clients ask the broker they like, a replica too)."""
+        return self._zk is not None
+
     def init(self, producer_id: Optional[int] = None, epoch: Optional[int] = None) -> tuple:
         """(producer id, epoch): a new id with epoch 0, or ``producer_id`` with ``epoch`` + 1."""
         if producer_id is not None:

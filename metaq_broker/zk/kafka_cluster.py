@@ -6,7 +6,14 @@ no ZooKeeper request; ``snapshot()`` hands out an immutable ``ClusterSnapshot`` 
 change. ``server/kafka_metadata.py`` turns a snapshot into Kafka's answers (pure functions).
 
 A broker's Kafka address is in its master node's JSON (``brokers/metaq/ids/<b>``): ``host`` (its
-``advertisedHostName``) and ``kafkaPort``, present while its Kafka listener is up."""
+``advertisedHostName``) and ``kafkaPort``, present while its Kafka listener is up; each member of a replicated
+group has the same in its member node (``brokers/groups/<b>/members/<r>``).
+
+Node ids: member ``r`` of broker group ``b`` is Kafka node ``b + 1024 * r`` (``node_id``), so an unreplicated
+broker is node ``b`` and every member of a group is a node of its own, listed in Metadata. A partition's
+leader is its group's master's node, its replicas and in-sync replicas the group's roster and in-sync set.
+Kafka clients keep the brokers Metadata lists: when a master dies they ask a member that lives, which names
+the new master once it is elected (with one node per group they knew only the dead address)."""
 from __future__ import annotations
 
 import json
@@ -25,9 +32,17 @@ from metaq_broker.zk.paths import ZkPaths
 log = logging.getLogger(__name__)
 
 
+REPLICA_STRIDE = 1024  # brokerId is 0..1023 (server/config.py): node ids of different members never meet
+
+
+def node_id(broker_id: int, replica_id: int = 0) -> int:
+    """Kafka's node id of member ``replica_id`` of broker group ``broker_id`` (replicaId 0: ``broker_id``)."""
+    return broker_id + REPLICA_STRIDE * replica_id
+
+
 @dataclass(frozen=True)
 class KafkaBroker:
-    """A live broker as Kafka clients see it: node id = brokerId (a replicated group is one node)."""
+    """A live member's Kafka listener as Kafka clients see it: its node id (``node_id``) and address."""
     node_id: int
     host: str
     port: int
@@ -39,36 +54,57 @@ class ClusterSnapshot:
 
     cluster_id: str
     live: frozenset  # broker ids registered now (``brokers/metaq/ids``), Kafka listener or not
-    brokers: dict  # brokerId -> KafkaBroker, the live brokers with a Kafka listener
+    brokers: dict  # brokerId -> KafkaBroker of its master, the live brokers with a Kafka listener
     epochs: dict  # brokerId -> its group's epoch (``brokers/groups/<b>/state``)
     topics: dict  # topic -> {brokerId: numPartitions}: its entries, the brokers' that are down included
     maps: dict  # topic -> TopicMap: Kafka's numbers and topic id
+    nodes: dict = None  # node id -> KafkaBroker, every live member with a Kafka listener (default: the masters)
+    rosters: dict = field(default_factory=dict)  # brokerId -> (its members' replicaIds, its in-sync replicaIds)
     _by_id: dict = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_by_id", {m.topic_id: t for t, m in self.maps.items()})
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", {b.node_id: b for b in self.brokers.values()})
+
+    def replica_nodes(self, broker_id: int) -> tuple:
+        """(replicas, in-sync replicas) of broker group ``broker_id`` as node ids: its roster and in-sync set,
+        its master's node in both; a broker without a group state is one node, in sync while it leads."""
+        master = self.brokers.get(broker_id)
+        roster, isr = self.rosters.get(broker_id, ((), ()))
+        replicas = {node_id(broker_id, r) for r in roster}
+        in_sync = {node_id(broker_id, r) for r in isr}
+        if master is not None:
+            replicas.add(master.node_id)
+            in_sync.add(master.node_id)
+        return sorted(replicas or {node_id(broker_id)}), sorted(in_sync)
 
     def topic_by_id(self, topic_id: bytes) -> Optional[str]:
         return self._by_id.get(bytes(topic_id))
 
 
-def kafka_endpoint(broker_id: int, info) -> Optional[KafkaBroker]:
+def kafka_endpoint(broker_id: int, info, replica_id: Optional[int] = None) -> Optional[KafkaBroker]:
     """The Kafka address in a registration's JSON (a dict), None when it has none (listener off, or a broker
-    of an older version)."""
+    of an older version). ``replica_id``: the member's (a member node's path says it); by default the JSON's
+    ``replicaId`` (a master node's), 0 without one."""
     if not isinstance(info, dict):
         return None
     host, port = info.get("host"), info.get("kafkaPort")
     if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
             or not 0 < port < 65536:
         return None
-    return KafkaBroker(broker_id, host, port)
+    if replica_id is None:
+        replica_id = info.get("replicaId", 0)
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            replica_id = 0
+    return KafkaBroker(node_id(broker_id, replica_id), host, port)
 
 
 def build(cluster_id: str, nodes: dict, paths: ZkPaths) -> ClusterSnapshot:
     """A snapshot from ``{path: data}`` of the watched nodes; unreadable nodes are left out (and logged)."""
     ids, groups, pub, maps_root = (paths.broker_ids() + "/", paths.broker_groups() + "/", paths.topics() + "/",
                                    paths.kafka_topics() + "/")
-    live, brokers, epochs, topics, maps = set(), {}, {}, {}, {}
+    live, brokers, epochs, topics, maps, members, rosters = set(), {}, {}, {}, {}, {}, {}
     for path, data in nodes.items():
         try:
             if path.startswith(ids):
@@ -77,11 +113,18 @@ def build(cluster_id: str, nodes: dict, paths: ZkPaths) -> ClusterSnapshot:
                     live.add(int(name))
                     endpoint = kafka_endpoint(int(name), json.loads(data))
                     if endpoint is not None:
-                        brokers[endpoint.node_id] = endpoint
+                        brokers[int(name)] = endpoint
             elif path.startswith(groups):
                 name, _, leaf = path[len(groups):].partition("/")
+                kind, _, replica = leaf.partition("/")
                 if name.isdigit() and leaf == "state":
-                    epochs[int(name)] = GroupState.from_json(data).epoch
+                    state = GroupState.from_json(data)
+                    epochs[int(name)] = state.epoch
+                    rosters[int(name)] = (state.replicas, state.isr_ids)
+                elif name.isdigit() and kind == "members" and replica.isdigit():
+                    endpoint = kafka_endpoint(int(name), json.loads(data), int(replica))
+                    if endpoint is not None:
+                        members[endpoint.node_id] = endpoint
             elif path.startswith(pub):
                 topic, _, entry = path[len(pub):].partition("/")
                 if entry.endswith("-m") and entry[:-2].isdigit() and "/" not in entry:
@@ -94,7 +137,8 @@ def build(cluster_id: str, nodes: dict, paths: ZkPaths) -> ClusterSnapshot:
                     maps[topic] = TopicMap.from_json(topic, data)
         except (ValueError, KeyError, TypeError, KafkaMapError) as e:
             log.warning("Kafka metadata: ignoring %s: %s", path, e)
-    return ClusterSnapshot(cluster_id, frozenset(live), brokers, epochs, topics, maps)
+    members.update((b.node_id, b) for b in brokers.values())
+    return ClusterSnapshot(cluster_id, frozenset(live), brokers, epochs, topics, maps, members, rosters)
 
 
 class KafkaClusterCache:
