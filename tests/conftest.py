@@ -179,6 +179,19 @@ def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
         time.sleep(interval)
 
 
+def process_states(pids) -> dict:
+    """{pid: its state letter from /proc (T: stopped, R/S/D: running or waiting, gone)}: a test that froze
+    processes says whether they were still frozen when something it asserts went otherwise."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                out[pid] = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            out[pid] = "gone"
+    return out
+
+
 @pytest.fixture(scope="module")
 def spark():
     """A loopback-only local[2] SparkSession with the metaq source registered, one per test module."""

@@ -15,7 +15,7 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol.status import RemoteNotEnoughReplicasError
-from conftest import wait_until
+from conftest import process_states, wait_until
 
 TOPICS = {"synced": {"numPartitions": 1},
           "written": {"numPartitions": 1, "unflushThreshold": 1_000_000, "unflushInterval": 3_600_000}}
@@ -149,8 +149,14 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
                 wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master], timeout=30,
                            what="the in-sync set shrunk to the master")
                 end = consumer.offset_bounds("t")["1-0"][2]
-                with pytest.raises(RemoteNotEnoughReplicasError, match="nothing was written"):  # (e)
+                try:  # (e)
                     producer.transaction("ack-d").send_batch("t", [b"d"], partition="1-0")
+                    refused = None
+                except RemoteNotEnoughReplicasError as e:
+                    refused = e
+                assert refused is not None and "nothing was written" in str(refused), (
+                    f"{refused!r}; the replicas' states: {process_states(g.members[r].proc.pid for r in others)} "
+                    f"(T: stopped), the in-sync set {g.state()['isr']}")
                 assert consumer.offset_bounds("t")["1-0"][2] == end
                 with pytest.raises(RemoteNotEnoughReplicasError, match="nothing was written"):
                     c.prepare()
