@@ -502,3 +502,53 @@ def test_create_partitions_raced_or_repeated_grows_once(broker):
     assert r["error_code"] == codes.INVALID_CONFIG and "between 1 and 10000" in r["error_message"], r
     (_, fut), = admin.describe_configs([ConfigResource("topic", "t")]).items()
     assert fut.result(15)["numPartitions"].value == "4"
+
+
+def test_a_replicated_group_deletes_on_every_member_when_the_master_is_killed(tmp_path, zookeeper, zk_root):
+    """A group of three: topic gone written acks=all; DeleteTopics (timeout 0: answered once recorded) to the
+    master, killed -9 right after. The two members left delete their copies, the new master finishes the
+    deletion (no copy comes back from a member), and the killed member, restarted once the record is gone,
+    deletes its copy too (the master has none and the group's entry is gone)."""
+    import os
+    import signal
+
+    from confluent_kafka import Producer
+
+    from metaq_broker.devtools.group import BrokerGroup
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
+                        topics={"kept": {"numPartitions": 1}}).start()
+    try:
+        first = group.wait_master()
+        group.wait_in_sync(range(3))
+        master = group.members[first]
+        _create_on(master.kafka_port, "gone", 2)
+        bootstrap = ",".join(m.bootstrap for m in group.members)
+        quiet = {"log_level": 0}  # the killed member's connection errors are expected
+        wait_until(lambda: _partitions(bootstrap, "gone", quiet) == 2, what="gone in Metadata")
+        p = Producer({"bootstrap.servers": bootstrap, "acks": "all", **quiet})
+        for n in (0, 1):
+            p.produce("gone", b"x", partition=n)
+        assert p.flush(30) == 0
+        wait_until(lambda: all(_dirs(m.workdir / "data", "gone") == ["gone-0", "gone-1"] for m in group.members),
+                   what="gone copied to every member")
+        (r,) = _delete_raw(master.kafka_port, ["gone"], timeout_ms=0)
+        os.kill(master.proc.pid, signal.SIGKILL)
+        master.proc.wait(10)
+        assert r["error_code"] == codes.NONE, r
+        group.wait_master(timeout=30, other_than=first)
+        paths = group.paths
+        wait_until(lambda: group.zk.exists(paths.topic_deletion("gone")) is None, timeout=60,
+                   what="the deletion finished by the members left")
+        others = [m for i, m in enumerate(group.members) if i != first]
+        assert all(_dirs(m.workdir / "data", "gone") == [] for m in others)
+        assert group.zk.exists(paths.kafka_topic("gone")) is None and group.zk.exists(paths.topic("gone")) is None
+        assert _dirs(master.workdir / "data", "gone") == ["gone-0", "gone-1"]  # killed before it could
+        master.start()
+        wait_until(lambda: _dirs(master.workdir / "data", "gone") == [], timeout=60,
+                   what="the restarted member's copy deleted")
+        group.wait_in_sync(range(3), timeout=60)
+        live = ",".join(m.bootstrap for m in group.members)
+        assert _partitions(live, "gone", quiet) == 0 and _partitions(live, "kept", quiet) == 1
+        assert all(_dirs(m.workdir / "data", "gone") == [] for m in group.members)
+    finally:
+        group.stop()
