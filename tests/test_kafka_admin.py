@@ -13,6 +13,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from conftest import wait_until
 from test_kafka_listener import _read_frame as _read
 
+from metaq_broker.client.admin import Admin as MetaqAdmin
+from metaq_broker.errors import UnknownTopicError
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
 from metaq_broker.security.acl import Acl
@@ -20,6 +22,7 @@ from metaq_broker.security.scram import Credential
 from metaq_broker.zk.acls import add_acls
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.users import put_user
+from test_cli import metaq
 from test_security_dataport import zk  # noqa: F401 - a fixture: a ZooKeeper client (pki: conftest)
 
 pytestmark = pytest.mark.process
@@ -405,6 +408,17 @@ def test_delete_topics_on_every_broker_then_create_again(cluster, zk):  # noqa: 
     (r,) = _delete_raw(b1.kafka_port, [(None, b"\x07" * 16)])
     assert r["error_code"] == codes.UNKNOWN_TOPIC_ID, r
     assert _partitions(bootstrap, "t") == 1 and _dirs(b1.workdir / "data", "t") == ["t-0"]
+
+    # metaq's own command line and Admin client
+    assert metaq(cluster, "topics", "create", "gone", "--partitions", "1").returncode == 0
+    wait_until(lambda: _partitions(bootstrap, "gone") == 2, what="gone on both brokers again")
+    r = metaq(cluster, "topics", "delete", "gone")
+    assert r.returncode == 0 and b"topic gone: deleted" in r.stdout, r
+    assert _partitions(bootstrap, "gone") == 0 and all(_dirs(b.workdir / "data", "gone") == [] for b in (b1, b2))
+    r = metaq(cluster, "topics", "delete", "t")
+    assert r.returncode == 1 and b"[topic=t]" in r.stderr and b"broker 1" in r.stderr, r
+    with cluster.client(MetaqAdmin) as admin, pytest.raises(UnknownTopicError, match="never-was"):
+        admin.delete_topic("never-was")
 
 
 def test_delete_topics_needs_delete_on_the_topic(secured, zk):  # noqa: F811 - zk: the fixture

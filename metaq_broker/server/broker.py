@@ -49,7 +49,7 @@ from metaq_broker.server.replica_manager import ReplicaManager
 from metaq_broker.server.service import BrokerService
 from metaq_broker.server.sinks import SinkDecisionsService
 from metaq_broker.server.stats import BrokerStats
-from metaq_broker.server.topic_deletion import TopicDeletions
+from metaq_broker.server.topic_deletion import TopicDeletions, deletion_service
 from metaq_broker.server.txn_resolver import TransactionResolver
 from metaq_broker.store import MessageStore, validate_topic_name
 from metaq_broker.store.durable import make_dirs, open_to_others, replace_file, restrict_tree
@@ -368,7 +368,8 @@ class Broker:
             own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
         service = BrokerService(self.handler)
         pb_grpc.add_BrokerServicer_to_server(service, self.server)
-        self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), service.auth_handler()))
+        self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), service.auth_handler(),
+                                              deletion_service(self.auth, self.handler, lambda: self.deletions)))
         if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
             self.server.add_generic_rpc_handlers((
                 GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
