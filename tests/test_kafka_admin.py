@@ -446,10 +446,12 @@ def test_delete_topics_needs_delete_on_the_topic(secured, zk):  # noqa: F811 - z
     assert _dirs(b.workdir / "data", "d") == []
 
 
-def test_a_deletion_cut_short_by_kill_9_is_finished_at_the_restart(cluster, zk):  # noqa: F811
+def test_a_deletion_cut_short_by_kill_9_is_finished_at_the_restart_and_one_waits_for_transactions(cluster, zk):  # noqa: F811
     """The state a kill -9 leaves in the middle of a deletion: the record in ZooKeeper, one partition renamed
     ``*.deleted``, the other still there. The restarted broker removes the renamed one without opening it,
-    deletes the rest, finishes the deletion and logs no error; other topics keep their messages."""
+    deletes the rest, finishes the deletion and logs no error; other topics keep their messages. Then a
+    topic with an open metaq transaction: its deletion waits (REQUEST_TIMED_OUT, puts refused as "being
+    deleted") until the transaction ends, and is done after its rollback."""
     import os
     import signal
 
@@ -481,6 +483,24 @@ def test_a_deletion_cut_short_by_kill_9_is_finished_at_the_restart(cluster, zk):
         assert c.get_watermark_offsets(TopicPartition("kept", 1), timeout=15) == (0, 1)
     finally:
         c.close()
+
+    # a metaq transaction with batches in the topic: the deletion waits for it, puts are refused meanwhile
+    from metaq_broker.client import Producer as MetaqProducer
+    mp = cluster.client(MetaqProducer)
+    try:
+        tx = mp.transaction("sink-a/1")
+        tx.send_batch("kept", [b"open"], partition="1-0")
+        (r,) = _delete_raw(b.kafka_port, ["kept"], timeout_ms=1500)
+        assert r["error_code"] == codes.REQUEST_TIMED_OUT and "goes on" in r["error_message"], r
+        assert _dirs(data, "kept") == ["kept-0", "kept-1"]
+        with pytest.raises(UnknownTopicError, match="being deleted"):
+            mp.send_batch("kept", [b"refused"], partition="1-1")
+        tx.rollback()
+    finally:
+        mp.close()
+    wait_until(lambda: _dirs(data, "kept") == [] and zk.exists(paths.topic_deletion("kept")) is None, timeout=30,
+               what="the deletion done once the transaction ended")
+    assert "its deletion on broker 1 waits: 1 transaction(s)" in b.log_path.read_text()
 
 
 def test_create_partitions_raced_or_repeated_grows_once(broker):

@@ -371,7 +371,10 @@ class TransactionManager:
         if not t.settling:  # settled meanwhile by another caller
             return
         commit = t.state is COMMITTING
+        topics = set(self.store.topics())
         for (topic, partition) in sorted(t.partitions):
+            if topic not in topics:
+                continue  # deleted (a put raced the deletion): no log is left to mark
             part = self.store.partition(topic, partition)
             if t.number in part.txns.ongoing:
                 part.append_marker(t.number, commit)
