@@ -356,6 +356,8 @@ def test_delete_topics_on_every_broker_then_create_again(cluster, zk):  # noqa: 
     paths = ZkPaths(cluster.zk_root)
     assert zk.get_children(paths.group_offsets("g", "gone"))
     old_map = zk.get(paths.kafka_topic("gone"))[0]
+    with cluster.client(MetaqAdmin) as metaq_admin:  # an operator closed a partition (MetaQ's closePartitions)
+        metaq_admin.close_partitions("gone", 1, 0, 0)
 
     admin = AdminClient({"bootstrap.servers": bootstrap, **QUIET})
     assert admin.delete_topics(["gone"], operation_timeout=30)["gone"].result(45) is None
@@ -392,6 +394,11 @@ def test_delete_topics_on_every_broker_then_create_again(cluster, zk):  # noqa: 
             assert all(tp.offset < 0 for tp in c.committed([TopicPartition("gone", 0)], timeout=15))
         finally:
             c.close()
+        again = Producer({"bootstrap.servers": bootstrap, **QUIET})  # open: the closed partition was the old one's
+        delivered = []
+        again.produce("gone", b"new", partition=0, on_delivery=lambda e, m: delivered.append(e and e.code()))
+        again.flush(30)
+        assert delivered == [None], delivered
         kadmin.delete_topics(["gone"], timeout_ms=30000)
         assert _partitions(bootstrap, "gone") == 0 and _dirs(b1.workdir / "data", "gone") == []
         with pytest.raises(UnknownTopicOrPartitionError):

@@ -848,6 +848,8 @@ class Broker:
             if self.replicas is not None:
                 self.replicas.topic_deleted(topic)
         self.stats.forget_topic(topic)
+        if self.handler is not None:
+            self.handler.topic_deleted(topic)
         if self.registration is not None:
             self.registration.remove_topic(topic)
         return True

@@ -612,6 +612,11 @@ class RequestHandler:
             raise ConfigError("this broker deletes no topics")
         self._delete_topic(topic, principal)
 
+    def topic_deleted(self, topic: str) -> None:
+        """``topic`` was deleted here: its closed partitions are forgotten (one created again starts open)."""
+        with self._closed_lock:
+            self._closed = {tp for tp in self._closed if tp[0] != topic}
+
     def close_partitions(self, principal: str, topic: str, start: int, end: int) -> TopicDescription:
         """MetaQ's closePartitions: partitions ``start..end`` take no puts or fetches until opened again."""
         self._allow(principal, "Alter", "topic", topic)
