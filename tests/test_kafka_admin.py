@@ -591,5 +591,33 @@ def test_a_replicated_group_deletes_on_every_member_when_the_master_is_killed(tm
         live = ",".join(m.bootstrap for m in group.members)
         assert _partitions(live, "gone", quiet) == 0 and _partitions(live, "kept", quiet) == 1
         assert all(_dirs(m.workdir / "data", "gone") == [] for m in group.members)
+
+        # created again on the same master: acks=all waits for the replicas again (the old topic's high
+        # watermark, 5, must not acknowledge the new one's first message while both replicas are frozen)
+        master = group.members[group.wait_master()]
+        _create_on(master.kafka_port, "again", 1)
+        wait_until(lambda: _partitions(live, "again", quiet) == 1, what="again in Metadata")
+        p = Producer({"bootstrap.servers": live, "acks": "all", **quiet})
+        for _ in range(5):
+            p.produce("again", b"old", partition=0)
+        assert p.flush(30) == 0
+        (r,) = _delete_raw(master.kafka_port, ["again"])
+        assert r["error_code"] == codes.NONE, r
+        _create_on(master.kafka_port, "again", 1)
+        wait_until(lambda: _partitions(live, "again", quiet) == 1, what="again in Metadata again")
+        group.wait_in_sync(range(3), timeout=60)
+        frozen = [m for m in group.members if m is not master]
+        delivered = []
+        p = Producer({"bootstrap.servers": master.bootstrap, "acks": "all", **quiet})
+        for m in frozen:
+            os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            p.produce("again", b"new", partition=0, on_delivery=lambda e, m: delivered.append(e))
+            p.poll(1.5)
+            assert delivered == [], "acknowledged by the deleted topic's high watermark"
+        finally:
+            for m in frozen:
+                os.kill(m.proc.pid, signal.SIGCONT)
+        assert p.flush(60) == 0 and delivered == [None], delivered
     finally:
         group.stop()
