@@ -1,6 +1,6 @@
 """Kafka's admin requests about the broker and a topic's partitions, without I/O: DescribeConfigs of a
-broker resource, what CreatePartitions asks of this broker, and the topics a DeleteTopics request names. ``kafka_listener.py`` calls these and
-encodes the answers.
+broker resource, what CreatePartitions asks of this broker, and the topics a DeleteTopics request names.
+``kafka_listener.py`` calls these and encodes the answers.
 
 A broker's settings are its INI file's ``[system]`` keys as loaded (``server/config.py``), under metaq's
 names, plus Kafka's name where one means the same (``num.partitions``, ``advertised.listeners``, ...).
