@@ -453,7 +453,7 @@ def test_delete_topics_needs_delete_on_the_topic(secured, zk):  # noqa: F811 - z
     assert _dirs(b.workdir / "data", "d") == []
 
 
-def test_a_deletion_cut_short_by_kill_9_is_finished_at_the_restart_and_one_waits_for_transactions(cluster, zk):  # noqa: F811
+def test_a_deletion_cut_short_by_kill_9_is_finished_at_restart_one_waits_for_a_transaction(cluster, zk):  # noqa: F811
     """The state a kill -9 leaves in the middle of a deletion: the record in ZooKeeper, one partition renamed
     ``*.deleted``, the other still there. The restarted broker removes the renamed one without opening it,
     deletes the rest, finishes the deletion and logs no error; other topics keep their messages. Then a

@@ -1,8 +1,8 @@
 """A broker's topic entries (``<root>/brokers/metaq/topics/<topic>/<brokerId>-m``, JSON ``{"numPartitions",
 "brokerId"}``, and ``"static": true`` for a topic of the broker's server.ini, which no deletion may remove:
 it would come back at the broker's restart): persistent, so a broker that is down keeps its partitions in the
-cluster's view (keys do not move, queries keep their offsets). The broker writes them when it registers; these are the reads
-and removals the broker (stale entries at registration) and ``metaq brokers forget`` share. (MetaQ's own
+cluster's view (keys do not move, queries keep their offsets). The broker writes them when it registers; these are
+the reads and removals the broker (stale entries at registration) and ``metaq brokers forget`` share. (MetaQ's own
 entries in ``topics-pub|sub`` are ephemeral, written only by a broker with a MetaQ listener:
 ``zk/metaq_nodes.py``.)"""
 from __future__ import annotations
