@@ -4,6 +4,7 @@ broker (its settings under metaq's and Kafka's names; secrets never in the answe
 id refused naming it; DescribeConfigs on the cluster under ACLs)."""
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 
@@ -12,12 +13,16 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from conftest import wait_until
 from test_kafka_listener import _read_frame as _read
 
+from metaq_broker.client.admin import Admin as MetaqAdmin
+from metaq_broker.errors import UnknownTopicError
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
 from metaq_broker.security.acl import Acl
 from metaq_broker.security.scram import Credential
 from metaq_broker.zk.acls import add_acls
+from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.users import put_user
+from test_cli import metaq
 from test_security_dataport import zk  # noqa: F401 - a fixture: a ZooKeeper client (pki: conftest)
 
 pytestmark = pytest.mark.process
@@ -301,39 +306,208 @@ def test_a_grown_topic_of_a_replicated_group_survives_the_masters_kill(tmp_path,
 
 
 # -- DeleteTopics ----------------------------------------------------------------------------------------
-def test_delete_topics_is_refused_naming_the_reason_and_deletes_nothing(broker):
-    """confluent-kafka and kafka-python get TOPIC_DELETION_DISABLED with the reason, the topic and its
-    messages stay."""
-    from confluent_kafka import KafkaException, Producer
-    from kafka.admin import KafkaAdminClient
-    from kafka.errors import TopicDeletionDisabledError
-    p = Producer({"bootstrap.servers": broker.bootstrap, **QUIET})
-    p.produce("t", b"kept", partition=0)
+def _create_on(port: int, topic: str, partitions: int) -> None:
+    """CreateTopics sent to one broker: the topic's partitions are that broker's."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        s.sendall(encode_request(19, 5, 1, "x", {"topics": [
+            {"name": topic, "num_partitions": partitions, "replication_factor": -1, "assignments": [],
+             "configs": []}], "timeout_ms": 10000, "validate_only": False}))
+        (r,) = decode_response(19, 5, _read(s))[1]["topics"]
+    assert r["error_code"] == codes.NONE, r
+
+
+def _delete_raw(port: int, topics: list, version: int = 6, timeout_ms: int = 30000) -> list:
+    """DeleteTopics over a raw connection (by name; (None, id) pairs by id): the answer's entries."""
+    body = {"topics": [{"name": t, "topic_id": bytes(16)} if isinstance(t, str) else {"name": None, "topic_id": t[1]}
+                       for t in topics], "timeout_ms": timeout_ms} if version >= 6 else \
+        {"topic_names": topics, "timeout_ms": timeout_ms}
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_ms / 1000 + 15) as s:
+        s.sendall(encode_request(20, version, 1, "x", body))
+        return decode_response(20, version, _read(s))[1]["responses"]
+
+
+def _dirs(data, topic: str) -> list:
+    return sorted(p.name for p in data.iterdir() if p.name.startswith(f"{topic}-"))
+
+
+def test_delete_topics_on_every_broker_then_create_again(cluster, zk):  # noqa: F811 - zk: the fixture
+    """A topic with partitions on two brokers, written and with a group's committed offsets, deleted with
+    confluent-kafka's AdminClient: gone from Metadata, from both data directories and from ZooKeeper (partition
+    map, group offsets, the deletion record); a producer of it is told the topic is unknown. Created again it
+    is empty, from offset 0, under a new topic id, and kafka-python deletes it again. Unknown topics, a topic
+    of a broker's server.ini (which would come back at its restart) and a topic id no topic has are refused
+    naming the problem."""
+    from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import UnknownTopicOrPartitionError
+    b1 = cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    b2 = cluster.start_broker(2)
+    _create_on(b1.kafka_port, "gone", 2)
+    _create_on(b2.kafka_port, "gone", 1)
+    bootstrap = f"{b1.bootstrap},{b2.bootstrap}"
+    wait_until(lambda: _partitions(bootstrap, "gone") == 3, what="gone's 3 partitions in Metadata")
+    p = Producer({"bootstrap.servers": bootstrap, **QUIET})
+    for n in range(3):
+        p.produce("gone", b"m%d" % n, partition=n)
     assert p.flush(30) == 0
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap, **QUIET})
-    with pytest.raises(KafkaException) as e:
-        admin.delete_topics(["t"])["t"].result(20)
-    assert e.value.args[0].code() == 73  # TOPIC_DELETION_DISABLED (librdkafka shows Kafka's text, not ours)
-    with socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=15) as s:
-        for version, body in ((6, {"topics": [{"name": "t", "topic_id": bytes(16)}], "timeout_ms": 1000}),
-                              (5, {"topic_names": ["t"], "timeout_ms": 1000})):
-            s.sendall(encode_request(20, version, version, "x", body))
-            (r,) = decode_response(20, version, _read(s))[1]["responses"]
-            assert (r["name"], r["error_code"]) == ("t", codes.TOPIC_DELETION_DISABLED)
-            assert "metaq has no topic deletion yet" in r["error_message"]
-    kadmin = KafkaAdminClient(bootstrap_servers=broker.bootstrap, request_timeout_ms=20000)
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "g", **QUIET})
+    c.commit(offsets=[TopicPartition("gone", n, 1) for n in range(3)], asynchronous=False)
+    c.close()
+    paths = ZkPaths(cluster.zk_root)
+    assert zk.get_children(paths.group_offsets("g", "gone"))
+    old_map = zk.get(paths.kafka_topic("gone"))[0]
+    with cluster.client(MetaqAdmin) as metaq_admin:  # an operator closed a partition (MetaQ's closePartitions)
+        metaq_admin.close_partitions("gone", 1, 0, 0)
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, **QUIET})
+    assert admin.delete_topics(["gone"], operation_timeout=30)["gone"].result(45) is None
+    assert _partitions(bootstrap, "gone") == 0
+    for b in (b1, b2):
+        assert _dirs(b.workdir / "data", "gone") == []
+        assert "[topic=gone]" not in (b.workdir / "data" / "runtime-topics.ini").read_text()
+    for path in (paths.kafka_topic("gone"), paths.topic("gone"), paths.group_offsets("g", "gone"),
+                 paths.topic_deletion("gone")):
+        assert zk.exists(path) is None, path
+    errors = []
+    p = Producer({"bootstrap.servers": bootstrap, "message.timeout.ms": 3000, **QUIET})
+    p.produce("gone", b"late", partition=0, on_delivery=lambda e, m: errors.append(e))
+    p.flush(15)
+    assert [e.code() for e in errors] in ([KafkaError.UNKNOWN_TOPIC_OR_PART], [KafkaError._UNKNOWN_TOPIC],
+                                          [KafkaError._MSG_TIMED_OUT]), errors
+    with socket.create_connection(("127.0.0.1", b1.kafka_port), timeout=15) as s:  # a consumer's ListOffsets
+        s.sendall(encode_request(2, 5, 1, "x", {"replica_id": -1, "isolation_level": 0, "topics": [
+            {"name": "gone", "partitions": [{"partition_index": 0, "current_leader_epoch": -1, "timestamp": -1}]}]}))
+        (t,) = decode_response(2, 5, _read(s))[1]["topics"]
+    assert t["partitions"][0]["error_code"] == codes.UNKNOWN_TOPIC_OR_PARTITION
+
+    kadmin = KafkaAdminClient(bootstrap_servers=b2.bootstrap, request_timeout_ms=30000)
     try:
-        with pytest.raises(TopicDeletionDisabledError):
-            kadmin.delete_topics(["t"])
+        kadmin.create_topics([NewTopic("gone", 2, 1)])
+        wait_until(lambda: _partitions(bootstrap, "gone") == 2, what="gone created again")
+        assert json.loads(zk.get(paths.kafka_topic("gone"))[0]) == {  # on the controller, broker 1
+            "version": 1, "topicId": json.loads(zk.get(paths.kafka_topic("gone"))[0])["topicId"],
+            "partitions": ["1-0", "1-1"]}
+        assert json.loads(zk.get(paths.kafka_topic("gone"))[0])["topicId"] != json.loads(old_map)["topicId"]
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "g", **QUIET})
+        try:
+            assert [c.get_watermark_offsets(TopicPartition("gone", n), timeout=15) for n in (0, 1)] == [(0, 0)] * 2
+            assert all(tp.offset < 0 for tp in c.committed([TopicPartition("gone", 0)], timeout=15))
+        finally:
+            c.close()
+        again = Producer({"bootstrap.servers": bootstrap, **QUIET})  # open: the closed partition was the old one's
+        delivered = []
+        again.produce("gone", b"new", partition=0, on_delivery=lambda e, m: delivered.append(e and e.code()))
+        again.flush(30)
+        assert delivered == [None], delivered
+        kadmin.delete_topics(["gone"], timeout_ms=30000)
+        assert _partitions(bootstrap, "gone") == 0 and _dirs(b1.workdir / "data", "gone") == []
+        with pytest.raises(UnknownTopicOrPartitionError):
+            kadmin.delete_topics(["never-was"], timeout_ms=5000)
     finally:
         kadmin.close()
-    assert _partitions(broker.bootstrap, "t") == 2
+    for version in (1, 5, 6):
+        (r,) = _delete_raw(b2.kafka_port, ["t"], version)
+        assert r["error_code"] == codes.INVALID_REQUEST or version < 5, r
+        if version >= 5:
+            assert "broker(s) 1" in r["error_message"] and "[topic=t]" in r["error_message"], r
+    (r,) = _delete_raw(b1.kafka_port, ["t"])
+    assert r["error_code"] == codes.INVALID_REQUEST and "broker 1's configuration file" in r["error_message"], r
+    (r,) = _delete_raw(b1.kafka_port, [(None, b"\x07" * 16)])
+    assert r["error_code"] == codes.UNKNOWN_TOPIC_ID, r
+    assert _partitions(bootstrap, "t") == 1 and _dirs(b1.workdir / "data", "t") == ["t-0"]
+
+    # metaq's own command line and Admin client
+    assert metaq(cluster, "topics", "create", "gone", "--partitions", "1").returncode == 0
+    wait_until(lambda: _partitions(bootstrap, "gone") == 2, what="gone on both brokers again")
+    r = metaq(cluster, "topics", "delete", "gone")
+    assert r.returncode == 0 and b"topic gone: deleted" in r.stdout, r
+    assert _partitions(bootstrap, "gone") == 0 and all(_dirs(b.workdir / "data", "gone") == [] for b in (b1, b2))
+    r = metaq(cluster, "topics", "delete", "t")
+    assert r.returncode == 1 and b"[topic=t]" in r.stderr and b"broker 1" in r.stderr, r
+    with cluster.client(MetaqAdmin) as admin, pytest.raises(UnknownTopicError, match="never-was"):
+        admin.delete_topic("never-was")
+
+
+def test_delete_topics_needs_delete_on_the_topic(secured, zk):  # noqa: F811 - zk: the fixture
+    """bob may describe topic d but not delete it: TOPIC_AUTHORIZATION_FAILED and nothing is deleted; ops,
+    with Delete on d, deletes it."""
+    b, pki = secured
+    add_acls(zk, b.settings["zk.root"], [Acl("User:ops", "Allow", "Create", "cluster", "metaq-cluster"),
+                                         Acl("User:ops", "Allow", "Delete", "topic", "d"),
+                                         Acl("User:bob", "Allow", "Describe", "topic", "d")])
+    with _logged_in(b, pki, "ops") as s:
+        s.sendall(encode_request(19, 5, 1, "x", {"topics": [
+            {"name": "d", "num_partitions": 1, "replication_factor": -1, "assignments": [], "configs": []}],
+            "timeout_ms": 10000, "validate_only": False}))
+        assert decode_response(19, 5, _read(s))[1]["topics"][0]["error_code"] == codes.NONE
+    body = {"topics": [{"name": "d", "topic_id": bytes(16)}], "timeout_ms": 20000}
+    with _logged_in(b, pki, "bob") as s:
+        s.sendall(encode_request(20, 6, 1, "x", body))
+        (r,) = decode_response(20, 6, _read(s))[1]["responses"]
+    assert r["error_code"] == codes.TOPIC_AUTHORIZATION_FAILED, r
+    assert _dirs(b.workdir / "data", "d") == ["d-0"]
+    with _logged_in(b, pki, "ops") as s:
+        s.sendall(encode_request(20, 6, 1, "x", body))
+        (r,) = decode_response(20, 6, _read(s))[1]["responses"]
+    assert r["error_code"] == codes.NONE, r
+    assert _dirs(b.workdir / "data", "d") == []
+
+
+def test_a_deletion_cut_short_by_kill_9_is_finished_at_restart_one_waits_for_a_transaction(cluster, zk):  # noqa: F811
+    """The state a kill -9 leaves in the middle of a deletion: the record in ZooKeeper, one partition renamed
+    ``*.deleted``, the other still there. The restarted broker removes the renamed one without opening it,
+    deletes the rest, finishes the deletion and logs no error; other topics keep their messages. Then a
+    topic with an open metaq transaction: its deletion waits (REQUEST_TIMED_OUT, puts refused as "being
+    deleted") until the transaction ends, and is done after its rollback."""
+    import os
+    import signal
+
+    from confluent_kafka import Producer
+    b = cluster.start_broker(1)
+    for topic in ("gone", "kept"):
+        _create_on(b.kafka_port, topic, 2)
+    wait_until(lambda: _partitions(b.bootstrap, "gone") == 2 and _partitions(b.bootstrap, "kept") == 2,
+               what="both topics in Metadata")
+    p = Producer({"bootstrap.servers": b.bootstrap, **QUIET})
+    for topic in ("gone", "kept"):
+        p.produce(topic, b"x", partition=1)
+    assert p.flush(30) == 0
+    os.kill(b.proc.pid, signal.SIGKILL)
+    b.proc.wait(10)
+    data = b.workdir / "data"
+    os.rename(data / "gone-0", data / "gone-0.deleted")
+    paths = ZkPaths(cluster.zk_root)
+    zk.create(paths.topic_deletion("gone"), b"{}", makepath=True)
+    b = cluster.start_broker(1)
+    wait_until(lambda: zk.exists(paths.topic_deletion("gone")) is None, timeout=30, what="the deletion done")
+    assert os.listdir(data) and _dirs(data, "gone") == [] and _dirs(data, "kept") == ["kept-0", "kept-1"]
+    assert _partitions(b.bootstrap, "gone") == 0 and zk.exists(paths.kafka_topic("gone")) is None
+    log = b.log_path.read_text()
+    assert "Traceback" not in log and " ERROR " not in log, b.log_tail(40)
     from confluent_kafka import Consumer, TopicPartition
-    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "x", **QUIET})
+    c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": "x", **QUIET})
     try:
-        assert c.get_watermark_offsets(TopicPartition("t", 0), timeout=15) == (0, 1)
+        assert c.get_watermark_offsets(TopicPartition("kept", 1), timeout=15) == (0, 1)
     finally:
         c.close()
+
+    # a metaq transaction with batches in the topic: the deletion waits for it, puts are refused meanwhile
+    from metaq_broker.client import Producer as MetaqProducer
+    mp = cluster.client(MetaqProducer)
+    try:
+        tx = mp.transaction("sink-a/1")
+        tx.send_batch("kept", [b"open"], partition="1-0")
+        (r,) = _delete_raw(b.kafka_port, ["kept"], timeout_ms=1500)
+        assert r["error_code"] == codes.REQUEST_TIMED_OUT and "goes on" in r["error_message"], r
+        assert _dirs(data, "kept") == ["kept-0", "kept-1"]
+        with pytest.raises(UnknownTopicError, match="being deleted"):
+            mp.send_batch("kept", [b"refused"], partition="1-1")
+        tx.rollback()
+    finally:
+        mp.close()
+    wait_until(lambda: _dirs(data, "kept") == [] and zk.exists(paths.topic_deletion("kept")) is None, timeout=30,
+               what="the deletion done once the transaction ended")
+    assert "its deletion on broker 1 waits: 1 transaction(s)" in b.log_path.read_text()
 
 
 def test_create_partitions_raced_or_repeated_grows_once(broker):
@@ -369,3 +543,81 @@ def test_create_partitions_raced_or_repeated_grows_once(broker):
     assert r["error_code"] == codes.INVALID_CONFIG and "between 1 and 10000" in r["error_message"], r
     (_, fut), = admin.describe_configs([ConfigResource("topic", "t")]).items()
     assert fut.result(15)["numPartitions"].value == "4"
+
+
+def test_a_replicated_group_deletes_on_every_member_when_the_master_is_killed(tmp_path, zookeeper, zk_root):
+    """A group of three: topic gone written acks=all; DeleteTopics (timeout 0: answered once recorded) to the
+    master, killed -9 right after. The two members left delete their copies, the new master finishes the
+    deletion (no copy comes back from a member), and the killed member, restarted once the record is gone,
+    deletes its copy too (the master has none and the group's entry is gone)."""
+    import os
+    import signal
+
+    from confluent_kafka import Producer
+
+    from metaq_broker.devtools.group import BrokerGroup
+    group = BrokerGroup(tmp_path, 1, zookeeper.connect_string, zk_root, members=3,
+                        topics={"kept": {"numPartitions": 1}}).start()
+    try:
+        first = group.wait_master()
+        group.wait_in_sync(range(3))
+        master = group.members[first]
+        _create_on(master.kafka_port, "gone", 2)
+        bootstrap = ",".join(m.bootstrap for m in group.members)
+        quiet = {"log_level": 0}  # the killed member's connection errors are expected
+        wait_until(lambda: _partitions(bootstrap, "gone", quiet) == 2, what="gone in Metadata")
+        p = Producer({"bootstrap.servers": bootstrap, "acks": "all", **quiet})
+        for n in (0, 1):
+            p.produce("gone", b"x", partition=n)
+        assert p.flush(30) == 0
+        wait_until(lambda: all(_dirs(m.workdir / "data", "gone") == ["gone-0", "gone-1"] for m in group.members),
+                   what="gone copied to every member")
+        (r,) = _delete_raw(master.kafka_port, ["gone"], timeout_ms=0)
+        os.kill(master.proc.pid, signal.SIGKILL)
+        master.proc.wait(10)
+        assert r["error_code"] == codes.NONE, r
+        group.wait_master(timeout=30, other_than=first)
+        paths = group.paths
+        wait_until(lambda: group.zk.exists(paths.topic_deletion("gone")) is None, timeout=60,
+                   what="the deletion finished by the members left")
+        others = [m for i, m in enumerate(group.members) if i != first]
+        assert all(_dirs(m.workdir / "data", "gone") == [] for m in others)
+        assert group.zk.exists(paths.kafka_topic("gone")) is None and group.zk.exists(paths.topic("gone")) is None
+        assert _dirs(master.workdir / "data", "gone") == ["gone-0", "gone-1"]  # killed before it could
+        master.start()
+        wait_until(lambda: _dirs(master.workdir / "data", "gone") == [], timeout=60,
+                   what="the restarted member's copy deleted")
+        group.wait_in_sync(range(3), timeout=60)
+        live = ",".join(m.bootstrap for m in group.members)
+        assert _partitions(live, "gone", quiet) == 0 and _partitions(live, "kept", quiet) == 1
+        assert all(_dirs(m.workdir / "data", "gone") == [] for m in group.members)
+
+        # created again on the same master: acks=all waits for the replicas again (the old topic's high
+        # watermark, 5, must not acknowledge the new one's first message while both replicas are frozen)
+        master = group.members[group.wait_master()]
+        _create_on(master.kafka_port, "again", 1)
+        wait_until(lambda: _partitions(live, "again", quiet) == 1, what="again in Metadata")
+        p = Producer({"bootstrap.servers": live, "acks": "all", **quiet})
+        for _ in range(5):
+            p.produce("again", b"old", partition=0)
+        assert p.flush(30) == 0
+        (r,) = _delete_raw(master.kafka_port, ["again"])
+        assert r["error_code"] == codes.NONE, r
+        _create_on(master.kafka_port, "again", 1)
+        wait_until(lambda: _partitions(live, "again", quiet) == 1, what="again in Metadata again")
+        group.wait_in_sync(range(3), timeout=60)
+        frozen = [m for m in group.members if m is not master]
+        delivered = []
+        p = Producer({"bootstrap.servers": master.bootstrap, "acks": "all", **quiet})
+        for m in frozen:
+            os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            p.produce("again", b"new", partition=0, on_delivery=lambda e, m: delivered.append(e))
+            p.poll(1.5)
+            assert delivered == [], "acknowledged by the deleted topic's high watermark"
+        finally:
+            for m in frozen:
+                os.kill(m.proc.pid, signal.SIGCONT)
+        assert p.flush(60) == 0 and delivered == [None], delivered
+    finally:
+        group.stop()

@@ -12,7 +12,7 @@ from kazoo.exceptions import NoNodeError
 from metaq_broker.client.base import ClientBase
 from metaq_broker.errors import InvalidPartitionError, MetaqError, OffsetOutOfRangeError
 from metaq_broker.proto import metaq_pb2 as pb
-from metaq_broker.protocol.services import DESCRIBE_GROUPS, groups_path
+from metaq_broker.protocol.services import DELETE_TOPIC, DESCRIBE_GROUPS, groups_path, topics_path
 from metaq_broker.zk.group_offsets import GroupHasMembersError, GroupStore, UnknownGroupError
 from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk import layout_upgrade, metaq_nodes, topic_entries
@@ -199,6 +199,13 @@ class Admin(ClientBase):
             self.call(bid, "CreateTopic", pb.CreateTopicRequest(
                 topic=topic, num_partitions=num_partitions, config={k: str(v) for k, v in (config or {}).items()}))
         return [p for bid in ids for p in self._describe_on(bid, topic)]
+
+    def delete_topic(self, topic: str, timeout_s: float = 30.0) -> bool:
+        """Delete ``topic`` on every broker and member of its groups, with its groups' offsets (Kafka's
+        DeleteTopics; Delete on the topic): True once done, False if it is recorded but not done within
+        ``timeout_s`` (a broker that has it is down: it finishes when that broker is back)."""
+        request = {"topic": topic, "timeoutMs": int(timeout_s * 1000)}
+        return bool(self.broker_json_call(topics_path(DELETE_TOPIC), request, timeout_s + 15)["done"])
 
     def _describe_on(self, bid: int, topic: str) -> list:
         d = self.call(bid, "DescribeTopic", pb.TopicRequest(topic=topic), retries=3)

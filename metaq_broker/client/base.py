@@ -200,15 +200,16 @@ class ClientBase:
         """``metaq.v1.Groups/<method>`` (``protocol.services``) on the first live broker that answers."""
         return self.broker_json_call(groups_path(method), request)["offsets"]
 
-    def broker_json_call(self, path: str, request: dict) -> dict:
-        """A JSON method (``protocol.services``: ``/service/method``) on the first live broker that answers."""
+    def broker_json_call(self, path: str, request: dict, timeout: Optional[float] = None) -> dict:
+        """A JSON method (``protocol.services``: ``/service/method``) on the first live broker that answers
+        (``timeout``: each call's, default the client's)."""
         brokers = sorted(self.cluster.brokers())
         if not brokers:
             raise InvalidPartitionError(f"no live broker to call {path} on")
         error = None
         for bid in brokers:
             try:
-                return json.loads(self.call(bid, path, json.dumps(request).encode()))
+                return json.loads(self.call(bid, path, json.dumps(request).encode(), timeout))
             except BrokerUnavailableError as e:
                 error = e
         raise error

@@ -8,6 +8,7 @@ COMMIT_OFFSETS, FETCH_OFFSETS = "CommitOffsets", "FetchOffsets"
 DESCRIBE_GROUPS = "DescribeGroups"  # the groups a principal may see (server/group_listing.py)
 SINKS_SERVICE = "metaq.v1.Sinks"  # the exactly-once sinks' decision records (server/sinks.py)
 DECIDE, READ_DECISION, FORGET_DECISIONS, SWEEP_BATCH_WRITES = "Decide", "Read", "Forget", "SweepBatchWrites"
+TOPICS_SERVICE, DELETE_TOPIC = "metaq.v1.Topics", "DeleteTopic"  # topic deletion (server/topic_deletion.py)
 SESSION_METADATA = "metaq-session"  # the session token a call carries after a SASL login
 
 
@@ -17,3 +18,7 @@ def groups_path(method: str) -> str:
 
 def sinks_path(method: str) -> str:
     return f"/{SINKS_SERVICE}/{method}"
+
+
+def topics_path(method: str) -> str:
+    return f"/{TOPICS_SERVICE}/{method}"

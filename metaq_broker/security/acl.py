@@ -1,7 +1,7 @@
 """Kafka-shaped ACLs and their evaluation. An ACL allows or denies one principal (or ``User:*``) one
 operation on resources of one type named literally (``*`` is every name) or by a prefix. A request is
 allowed when some ACL allows it and none denies it; super users are always allowed. As in Kafka, Read,
-Write and Alter imply Describe, and All stands for every operation."""
+Write, Delete and Alter imply Describe, and All stands for every operation."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,13 @@ from typing import Iterable
 from metaq_broker.errors import ConfigError
 from metaq_broker.security.settings import parse_principal
 
-OPERATIONS = ("Read", "Write", "Create", "Describe", "Alter", "ClusterAction", "DescribeConfigs", "All")
+OPERATIONS = ("Read", "Write", "Create", "Delete", "Describe", "Alter", "ClusterAction", "DescribeConfigs", "All")
 RESOURCE_TYPES = ("topic", "group", "cluster", "sink")
 PATTERN_TYPES = ("literal", "prefixed")
 PERMISSIONS = ("Allow", "Deny")
 CLUSTER = "metaq-cluster"  # the one cluster resource's name (Kafka's kafka-cluster)
 WILDCARD = "*"
-_IMPLIES_DESCRIBE = ("Read", "Write", "Alter")
+_IMPLIES_DESCRIBE = ("Read", "Write", "Delete", "Alter")
 
 
 def _pick(what: str, value: str, allowed) -> str:

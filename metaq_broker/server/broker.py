@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metaq_broker import __version__
-from metaq_broker.errors import ConfigError, NotMasterError
+from metaq_broker.errors import ConfigError, InvalidTopicError, NotMasterError, UnknownTopicError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol import rawput
@@ -49,12 +49,14 @@ from metaq_broker.server.replica_manager import ReplicaManager
 from metaq_broker.server.service import BrokerService
 from metaq_broker.server.sinks import SinkDecisionsService
 from metaq_broker.server.stats import BrokerStats
+from metaq_broker.server.topic_deletion import TopicDeletions, deletion_service
 from metaq_broker.server.txn_resolver import TransactionResolver
 from metaq_broker.store import MessageStore, validate_topic_name
 from metaq_broker.store.durable import make_dirs, open_to_others, replace_file, restrict_tree
 from metaq_broker.store.message_store import TRANSACTIONS_DIRECTORY
 from metaq_broker.store.transactions import TransactionManager
 from metaq_broker.zk import groups as zk_groups
+from metaq_broker.zk import topic_entries
 from metaq_broker.zk.acls import AclCache
 from metaq_broker.zk.kafka_cluster import KafkaClusterCache
 from metaq_broker.zk.metaq_layout import broker_uri
@@ -161,6 +163,9 @@ class Broker:
         # Replication (with ZooKeeper): who this member is, its role, the master's and the replica's parts
         self.identity = self.group = self.replicas = self.fetcher = None
         self.producer_ids: Optional[ProducerIds] = None  # InitProducerId's ids (server/producer_ids.py)
+        self.deletions: Optional[TopicDeletions] = None  # topic deletions recorded in ZooKeeper, carried out here
+        self._postponed: dict = {}  # topic -> why its deletion here waits, as last logged
+        self._checked_gone: dict = {}  # topic -> when the master last had none of it (``_gone_on_master``)
         self.instance: Optional[str] = None  # the locked data directory (boot id, device, inode): see _lock_data
         self._lock_fd = -1
         self._security_zk = self._users = self._acls = None  # the ZooKeeper session and caches auth reads
@@ -328,13 +333,15 @@ class Broker:
                                       sync_topics=self._sync_topics, on_fenced=calls.wake,
                                       security=cfg.security.replication_client(),
                                       problem=cfg.security.replication_problem(),
-                                      fetch_timeout_s=cfg.replica_lag_max_ms / 1000)
+                                      fetch_timeout_s=cfg.replica_lag_max_ms / 1000,
+                                      gone_on_master=self._gone_on_master)
         self.registration = BrokerRegistration(
             cfg.zk_connect, cfg.zk_root, cfg.broker_id, self._member_info(),
             {t: self.store.topic_config(t).num_partitions for t in self.store.topics()},
             session_timeout=cfg.zk_session_timeout_ms / 1000, zk_security=cfg.zk_security,
             replica_id=cfg.replica_id, on_registered=self._registered, before_register=self._before_register,
-            metaq_uri=None if self.metaq_port is None else broker_uri(cfg.advertised_host, self.metaq_port))
+            metaq_uri=None if self.metaq_port is None else broker_uri(cfg.advertised_host, self.metaq_port),
+            static_topics=cfg.topics)
         self.group = calls.member = GroupMember(
             self.registration, cfg.zk_root, cfg.broker_id, cfg.replica_id, self.identity.uuid,
             cfg.zk_session_timeout_ms / 1000, node_data=self._member_info, standing=self._standing,
@@ -353,7 +360,7 @@ class Broker:
         self.handler = RequestHandler(
             self.store, cfg.broker_id, Limits(cfg.max_transfer_size, cfg.max_fetch_wait_ms, self.put_limit),
             self.auth, self.stats, self.disk, create_topic=self.create_topic, transactions=self.transactions,
-            add_partitions=self.add_partitions,
+            add_partitions=self.add_partitions, delete_topic=self.delete_topic, deleting=self._deleting,
             group=self.group, replicas=self.replicas,
             producer_ids=self._new_producer_ids(),
             settle_ahead=self._settle_ahead, observe=self.metrics.observe_rpc if self.metrics else None,
@@ -361,7 +368,8 @@ class Broker:
             own_addresses=(f"{host}:{self.port}", "" if self.data_port is None else f"{host}:{self.data_port}"))
         service = BrokerService(self.handler)
         pb_grpc.add_BrokerServicer_to_server(service, self.server)
-        self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), service.auth_handler()))
+        self.server.add_generic_rpc_handlers((service.raw_handler(), service.lookup_handler(), service.auth_handler(),
+                                              deletion_service(self.auth, self.handler, lambda: self.deletions)))
         if self.uses_zookeeper:  # what clients keep in ZooKeeper, through the broker and its ACL checks
             self.server.add_generic_rpc_handlers((
                 GroupOffsetsService(self.auth, self._groups_zk, cfg.zk_root).handler(),
@@ -399,6 +407,11 @@ class Broker:
         stack.callback(self.registration.stop)
         self.registration.start()
         stack.callback(self.fetcher.stop)
+        self.deletions = TopicDeletions(self._zk_if_connected, ZkPaths(cfg.zk_root), cfg.broker_id,
+                                        topics=self.store.topics, delete_here=self._delete_topic_here,
+                                        publishes=lambda: self.registration.publish_topics)
+        stack.callback(self.deletions.stop)
+        self.deletions.start()
         stack.callback(self.group.stop)
         self.group.start()
         role = self.group.wait_role(max(5.0, 2 * cfg.zk_session_timeout_ms / 1000))
@@ -425,7 +438,7 @@ class Broker:
         else:
             cluster = self._static_cluster
         self.kafka_server = KafkaServer(self.handler, self._kafka_listener, cluster, groups,
-                                        auto_create=cfg.auto_create_topics, config=cfg)
+                                        auto_create=cfg.auto_create_topics, config=cfg, deletions=self.deletions)
         stack.callback(self._stop_listener, self._kafka_listener)
         self.kafka_server.start()
 
@@ -617,6 +630,8 @@ class Broker:
         try:
             listed = stub.ListTopics(pb.ListTopicsRequest(), timeout=10, metadata=link.metadata())
             for summary in listed.topics:
+                if self._deleting(summary.topic):
+                    continue  # deleted here, or soon: never copied back
                 have = summary.topic in self.store.topics()
                 if have and self.store.topic_config(summary.topic).num_partitions >= summary.num_partitions:
                     continue
@@ -741,6 +756,9 @@ class Broker:
                               f"start); raise maxTransferSize")
         with self._topic_lock:
             created = topic not in self.store.topics()
+            if created and self._deleting(topic):
+                raise InvalidTopicError(f"topic {topic!r} is being deleted; create it again once its deletion is "
+                                        f"done (it is gone from Metadata and `metaq topics`)")
             config = self.store.create_topic(topic, config)
             if created:
                 if self.replicas is not None:
@@ -767,13 +785,110 @@ class Broker:
             self.registration.add_topic(topic, config.num_partitions)
         return config
 
+    # -- deleting topics (server/topic_deletion.py) ----------------------------------------------------
+    def delete_topic(self, topic: str, requested_by: str) -> None:
+        """Record ``topic``'s deletion (the request: any member may take it): every broker then deletes its
+        copy, and the record is gone once no broker has the topic (``deletions.wait_done``). A topic some
+        broker's server.ini configures is refused (it would come back at that broker's restart)."""
+        cfg = self.config
+        validate_topic_name(topic)
+        if topic in cfg.topics:
+            raise ConfigError(f"topic {topic!r} is configured in broker {cfg.broker_id}'s configuration file "
+                              f"{cfg.source or '(server.ini)'} ([topic={topic}]): it would come back at that broker's "
+                              f"restart; remove the section there (and restart it) to delete the topic")
+        if self.deletions is None:
+            if topic not in self.store.topics():
+                raise UnknownTopicError(f"unknown topic {topic!r}")
+            if not self._delete_topic_here(topic):
+                raise ConfigError(f"topic {topic!r} cannot be deleted now: {self._postponed.get(topic)}")
+            return
+        zk = self._zk_if_connected()
+        if zk is None:
+            raise NotMasterError(f"not master: broker {cfg.broker_id} has no ZooKeeper session now to record the "
+                                 f"deletion of {topic!r}; retry")
+        paths = ZkPaths(cfg.zk_root)
+        if topic not in self.store.topics() and not topic_entries.partition_counts(zk, paths, topic) \
+                and not self._deleting(topic):
+            raise UnknownTopicError(f"unknown topic {topic!r}")
+        static = topic_entries.static_brokers(zk, paths, topic)
+        if static:
+            raise ConfigError(f"topic {topic!r} is configured in the configuration file (server.ini, "
+                              f"[topic={topic}]) of broker(s) {', '.join(map(str, static))}: it would come back at "
+                              f"their restart; remove the section there (and restart them) to delete the topic")
+        self.deletions.record(zk, topic, requested_by, self.registration.acl)
+        log.info("deletion of topic %s recorded (asked by %s)", topic, requested_by)
+
+    def _deleting(self, topic: str) -> bool:
+        return self.deletions is not None and self.deletions.is_pending(topic)
+
+    def _delete_topic_here(self, topic: str) -> bool:
+        """Delete this member's copy of ``topic``: forgotten by runtime-topics.ini, its partitions removed
+        from the store (crash-safe, ``MessageStore.delete_topic``), its entry unpublished. False while it
+        must wait: a transaction that has batches in it is still live (it ends by its commit, rollback or
+        timeout; puts to the topic are refused meanwhile), or this broker's server.ini configures it."""
+        why = None
+        if topic in self.config.topics:
+            why = (f"it is configured in {self.config.source or 'server.ini'} ([topic={topic}]): remove the section "
+                   f"and restart this broker")
+        elif self.transactions is not None and self.transactions.on_topic(topic):
+            xids = self.transactions.on_topic(topic)
+            why = f"{len(xids)} transaction(s) with batches in it are not settled yet ({', '.join(xids[:3])})"
+        if why is not None:
+            if self._postponed.get(topic) != why:
+                log.warning("topic %s: its deletion on broker %d waits: %s", topic, self.config.broker_id, why)
+            self._postponed[topic] = why
+            return False
+        self._postponed.pop(topic, None)
+        with self._topic_lock:
+            if topic not in self.store.topics():
+                return True
+            self._forget_topic(topic)  # first: after a crash from here on, the record finishes the deletion
+            with self.fetcher.applying() if self.fetcher is not None else contextlib.nullcontext():
+                self.store.delete_topic(topic)
+            if self.replicas is not None:
+                self.replicas.topic_deleted(topic)
+        self.stats.forget_topic(topic)
+        if self.handler is not None:
+            self.handler.topic_deleted(topic)
+        if self.registration is not None:
+            self.registration.remove_topic(topic)
+        return True
+
+    def _gone_on_master(self, topics: list) -> None:
+        """A replica's fetcher found that the master has none of ``topics``: each whose deletion is recorded,
+        or that has no entry of this group any more (deleted while this member was away, the record finished
+        since), is deleted here too. Asked of ZooKeeper at most every few seconds per topic."""
+        zk = self._zk_if_connected()
+        if zk is None:
+            return
+        now = time.monotonic()
+        paths = ZkPaths(self.config.zk_root)
+        for topic in topics:
+            if now - self._checked_gone.get(topic, -10.0) < 5.0:
+                continue
+            self._checked_gone[topic] = now
+            try:
+                gone = self._deleting(topic) or not zk.exists(paths.topic_entry(topic, self.config.broker_id))
+            except Exception as e:  # noqa: BLE001 - asked again next time
+                log.debug("could not check topic %s in ZooKeeper: %s", topic, e)
+                continue
+            if gone and topic not in self.config.topics:
+                log.warning("topic %s: the master has none of it and no deletion keeps it: deleted here too", topic)
+                self._delete_topic_here(topic)
+
+    def _forget_topic(self, topic: str) -> None:
+        self._write_runtime_topics(lambda parser: parser.remove_section(f"topic={topic}"))
+
     def _remember_topic(self, topic: str, config) -> None:
+        self._write_runtime_topics(lambda parser: parser.__setitem__(f"topic={topic}", topic_ini_values(config)))
+
+    def _write_runtime_topics(self, change) -> None:
         path = self._runtime_topics_path()
         parser = configparser.ConfigParser(interpolation=None)
         parser.optionxform = str
         if path.exists():
             parser.read(path, encoding="utf-8")
-        parser[f"topic={topic}"] = topic_ini_values(config)
+        change(parser)
         text = io.StringIO()
         parser.write(text)
         replace_file(path, text.getvalue().encode("utf-8"))

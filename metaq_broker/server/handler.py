@@ -218,11 +218,13 @@ class RequestHandler:
     """One per broker. ``auth`` (``BrokerAuth``) says who a caller is and what it may do; ``group``
     (``GroupMember``, None without ZooKeeper) whether this member serves clients; ``replicas``
     (``ReplicaManager``, None without ZooKeeper) what acknowledgements wait for; ``create_topic``,
-    ``add_partitions`` and ``settle_ahead`` are the broker's (it persists and registers topics; its resolver
-    settles in-doubt transactions)."""
+    ``add_partitions``, ``delete_topic``, ``deleting`` and ``settle_ahead`` are the broker's (it persists,
+    registers and deletes topics; its resolver settles in-doubt transactions)."""
 
     def __init__(self, store, broker_id: int, limits: Limits, auth, stats: BrokerStats, disk: DiskState, *,
-                 create_topic: Callable, add_partitions: Optional[Callable] = None, transactions=None, group=None,
+                 create_topic: Callable, add_partitions: Optional[Callable] = None,
+                 delete_topic: Optional[Callable] = None, deleting: Callable[[str], bool] = lambda topic: False,
+                 transactions=None, group=None,
                  replicas=None, producer_ids=None,
                  settle_ahead: Optional[Callable] = None, observe: Optional[Callable] = None,
                  paths: ZkPaths = ZkPaths(), own_addresses: tuple = ("", ""), auto_create_topics: bool = False):
@@ -241,6 +243,8 @@ class RequestHandler:
         self.own_addresses = own_addresses  # this broker's (address, data address), as clients reach them
         self._create_topic = create_topic
         self._add_partitions = add_partitions
+        self._delete_topic = delete_topic  # the broker's: records a deletion (server/topic_deletion.py)
+        self._deleting = deleting  # topic -> whether its deletion is recorded: puts to it are refused
         self._settle_ahead = settle_ahead
         self._observe = observe  # (method name, seconds) -> None, or None without metrics
         self._closed: set = set()  # (topic, partition) closed by an operator
@@ -307,6 +311,8 @@ class RequestHandler:
         if xid:
             self._allow_sink(principal, xid)
         self.store.topic_config(topic)
+        if self._deleting(topic):
+            raise UnknownTopicError(f"topic {topic!r} is being deleted: it takes no more messages")
         self.gate()
 
     def put(self, principal: str, request: rawput.Request) -> PutResult:
@@ -597,6 +603,19 @@ class RequestHandler:
             validate_topic_name(topic)
         else:
             self._create_topic(topic, num_partitions, {})
+
+    def delete_topic(self, principal: str, topic: str) -> None:
+        """Kafka's DeleteTopics (and ``metaq topics delete``): Delete on the topic, then the broker records the
+        deletion, which every broker carries out (``server/topic_deletion.py``). Any member may take it."""
+        self._allow(principal, "Delete", "topic", topic)
+        if self._delete_topic is None:
+            raise ConfigError("this broker deletes no topics")
+        self._delete_topic(topic, principal)
+
+    def topic_deleted(self, topic: str) -> None:
+        """``topic`` was deleted here: its closed partitions are forgotten (one created again starts open)."""
+        with self._closed_lock:
+            self._closed = {tp for tp in self._closed if tp[0] != topic}
 
     def close_partitions(self, principal: str, topic: str, start: int, end: int) -> TopicDescription:
         """MetaQ's closePartitions: partitions ``start..end`` take no puts or fetches until opened again."""

@@ -1,6 +1,6 @@
 """Kafka's admin requests about the broker and a topic's partitions, without I/O: DescribeConfigs of a
-broker resource, and what CreatePartitions asks of this broker. ``kafka_listener.py`` calls these and
-encodes the answers.
+broker resource, what CreatePartitions asks of this broker, and the topics a DeleteTopics request names.
+``kafka_listener.py`` calls these and encodes the answers.
 
 A broker's settings are its INI file's ``[system]`` keys as loaded (``server/config.py``), under metaq's
 names, plus Kafka's name where one means the same (``num.partitions``, ``advertised.listeners``, ...).
@@ -125,19 +125,17 @@ def describe_configs_entries(settings: list, keys: Optional[list]) -> list:
 
 
 # -- DeleteTopics ---------------------------------------------------------------------------------------------
-TOPIC_DELETION_REFUSED = (
-    "metaq has no topic deletion yet (Kafka's delete.topic.enable=false): a topic's partitions on every broker "
-    "and every member of their groups, its ZooKeeper registration and Kafka partition map, its consumer groups' "
-    "offsets and the open readers and transactions on it would have to go together (docs/kafka.md, DeleteTopics)")
+DELETE_WAIT_MAX_S = 60.0  # a DeleteTopics request waits at most this long for its deletions (its timeout_ms less)
 
 
-def delete_topics_response(body: dict, version: int) -> dict:
-    """Every topic named answered TOPIC_DELETION_DISABLED with the reason; nothing is deleted."""
-    named = [{"name": t["name"], "topic_id": t["topic_id"]} for t in body["topics"]] if version >= 6 else \
-        [{"name": name, "topic_id": bytes(16)} for name in body["topic_names"]]
-    return {"throttle_time_ms": 0,
-            "responses": [{**t, "error_code": codes.TOPIC_DELETION_DISABLED, "error_message": TOPIC_DELETION_REFUSED}
-                          for t in named]}
+def deletions_asked(body: dict, version: int) -> list:
+    """The answer entries of a DeleteTopics request, one per topic named (by name, or by id from v6), in
+    order: ``name`` None where only the id was given."""
+    if version >= 6:
+        return [{"name": t["name"], "topic_id": t["topic_id"], "error_code": codes.NONE, "error_message": None}
+                for t in body["topics"]]
+    return [{"name": name, "topic_id": bytes(16), "error_code": codes.NONE, "error_message": None}
+            for name in body["topic_names"]]
 
 
 # -- CreatePartitions -------------------------------------------------------------------------------------

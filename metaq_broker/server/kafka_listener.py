@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import numpy as np
 import pyarrow as pa
 
-from metaq_broker.errors import AuthenticationError, InvalidPartitionError, NotMasterError, UnknownTopicError
+from metaq_broker.errors import (AuthenticationError, ConfigError, InvalidPartitionError, NotMasterError,
+                                 UnknownTopicError)
 from metaq_broker.names import parse_partition_name
 from metaq_broker.protocol import rawput
 from metaq_broker.protocol import records as mrecords
@@ -46,6 +47,7 @@ from metaq_broker.protocol.kafka.protocol import (KafkaRequestError, Request, ap
 from metaq_broker.security.acl import CLUSTER
 from metaq_broker.server import kafka_admin, kafka_metadata
 from metaq_broker.zk.kafka_cluster import node_id
+from metaq_broker.zk.kafka_partitions import uuid_to_str
 from metaq_broker.server.handler import FetchRequest, OffsetQuery, RequestHandler
 from metaq_broker.server.kafka_pipeline import InFlight
 from metaq_broker.server.listener import GO_ON, Connection, Limits, Listener, Step
@@ -84,7 +86,7 @@ class KafkaServer:
     ``BrokerConfig``, which DescribeConfigs of the broker describes."""
 
     def __init__(self, handler: RequestHandler, listener: Listener, cluster: Callable, groups=None,
-                 auto_create: bool = False, config=None):
+                 auto_create: bool = False, config=None, deletions=None):
         self.handler = handler
         self.listener = listener
         self.port = listener.port
@@ -94,6 +96,7 @@ class KafkaServer:
         self.broker_id = handler.broker_id
         self.node_id = node_id(self.broker_id, config.replica_id if config is not None else 0)  # this member's
         self.config = config  # the broker's BrokerConfig: DescribeConfigs of the broker resource
+        self.deletions = deletions  # the broker's TopicDeletions (None without ZooKeeper: deleted at once)
         security = handler.auth.security
         self._sasl = security.uses_sasl
         self._certificates = security.client_auth == "required"
@@ -104,7 +107,7 @@ class KafkaServer:
                       13: self._group_call("leave_group"), 14: self.sync_group,
                       15: self._group_call("describe_groups"), 16: self._group_call("list_groups"),
                       17: self.sasl_again, 18: self.api_versions, 19: self.create_topics,
-                      20: lambda conn, request: kafka_admin.delete_topics_response(request.body, request.api_version),
+                      20: self.delete_topics,
                       22: self.init_producer_id, 23: self.offset_for_leader_epoch, 32: self.describe_configs,
                       36: self.sasl_again, 37: self.create_partitions,
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
@@ -515,6 +518,54 @@ class KafkaServer:
                 entry["error_code"], entry["error_message"] = self._code(e, "Kafka CreateTopics")
             out.append(entry)
         return {"throttle_time_ms": 0, "topics": out}
+
+    def delete_topics(self, conn, request: Request) -> dict:
+        """Delete topics (``handler.delete_topic``: Delete on each; the deletion recorded, carried out by every
+        broker), then wait up to the request's timeout_ms for them to be gone from every broker: one that takes
+        longer is answered REQUEST_TIMED_OUT and deleted all the same, as Kafka does. By topic id from v6."""
+        b, snap = request.body, self.cluster()
+        out = kafka_admin.deletions_asked(b, request.api_version)
+        recorded = []
+        for entry in out:
+            try:
+                name = entry["name"]
+                if name is None:
+                    name = entry["name"] = snap.topic_by_id(entry["topic_id"])
+                    if name is None:
+                        raise _Refused(codes.UNKNOWN_TOPIC_ID, f"unknown topic id {uuid_to_str(entry['topic_id'])}")
+                elif name in snap.maps:
+                    entry["topic_id"] = snap.maps[name].topic_id
+                self.handler.delete_topic(conn.principal, name)
+                recorded.append(entry)
+            except _Refused as e:
+                entry.update(error_code=e.code, error_message=e.message)
+            except ConfigError as e:  # a topic of some broker's server.ini, or one that cannot be deleted now
+                entry.update(error_code=codes.INVALID_REQUEST, error_message=str(e))
+            except Exception as e:  # noqa: BLE001
+                entry["error_code"], entry["error_message"] = self._code(e, "Kafka DeleteTopics")
+        wait_s = min(b["timeout_ms"], kafka_admin.DELETE_WAIT_MAX_S * 1000) / 1000
+        if recorded and self.deletions is not None and wait_s > 0:
+            left = self._await_gone([e["name"] for e in recorded], wait_s)
+            for entry in recorded:
+                if entry["name"] in left:
+                    entry.update(error_code=codes.REQUEST_TIMED_OUT,
+                                 error_message=f"the deletion of {entry['name']!r} is recorded but not done within "
+                                               f"{b['timeout_ms']} ms (a broker that has it is down or busy?): it "
+                                               f"goes on")
+        return {"throttle_time_ms": 0, "responses": out}
+
+    def _await_gone(self, names: list, wait_s: float) -> set:
+        """Wait up to ``wait_s`` for the deletions of ``names`` to be done and this listener's view of the
+        cluster to have none of them; the names still there."""
+        deadline = time.monotonic() + wait_s
+        left = self.deletions.wait_done(names, wait_s)
+        while True:
+            snap = self.cluster()
+            left |= {n for n in names if n in snap.topics or n in snap.maps}
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
+            left = self.deletions.wait_done(names, 0)
 
     def create_partitions(self, conn, request: Request) -> dict:
         """Grow topics (``kafka_admin.partitions_to_add``): the new partitions on this broker, the one Kafka's

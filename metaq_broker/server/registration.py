@@ -35,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 from kazoo.client import KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
@@ -63,7 +63,7 @@ class BrokerRegistration:
     def __init__(self, zk_connect: str, root: str, broker_id: int, address: dict, topics: dict,
                  session_timeout: float = 10.0, zk_security: Optional[ZkSecurity] = None,
                  replica_id: Optional[int] = None, on_registered=lambda: None, before_register=lambda client: None,
-                 metaq_uri: Optional[str] = None):
+                 metaq_uri: Optional[str] = None, static_topics: Iterable[str] = ()):
         self.paths = ZkPaths(root)
         self.layout = MetaqZkLayout(root)
         self.metaq_uri = metaq_uri  # meta://host:port of this broker's MetaQ listener (metaqPort), or None
@@ -77,6 +77,7 @@ class BrokerRegistration:
         self._registered_session = None
         self.address = dict(address)
         self.topics: dict = dict(topics)
+        self.static_topics = frozenset(static_topics)  # the topics of server.ini: their entries say so
         self.session_timeout = session_timeout
         self.zk_security = zk_security
         self._acl = public_acl(zk_security)  # None: kazoo's default (open, or private with zk.auth)
@@ -292,7 +293,7 @@ class BrokerRegistration:
             metaq_nodes.withdraw_slave(self.client, self.layout, self.broker_id, self.replica_id)
 
     def _write_topic(self, topic: str, num_partitions: int, metaq: bool = True) -> None:
-        data = topic_entries.entry(num_partitions, self.broker_id)
+        data = topic_entries.entry(num_partitions, self.broker_id, topic in self.static_topics)
         path = self.paths.topic_entry(topic, self.broker_id)
         try:
             self.client.create(path, data, acl=self._acl, makepath=True)
@@ -312,6 +313,10 @@ class BrokerRegistration:
     def add_topic(self, topic: str, num_partitions: int) -> None:
         """Publish one (new or resized) topic."""
         self._update({**self.topics, topic: num_partitions}, only=[topic])
+
+    def remove_topic(self, topic: str) -> None:
+        """Unpublish one (deleted) topic."""
+        self._update({t: n for t, n in self.topics.items() if t != topic}, only=[])
 
     def set_topics(self, topics: dict) -> None:
         """Publish exactly ``topics`` ({topic: numPartitions}); unpublish the ones no longer listed."""

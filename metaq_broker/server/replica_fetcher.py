@@ -117,7 +117,9 @@ class ReplicaFetcher:
     (``master``: the master's ZooKeeper node, a dict with host, port, dataPort), and returns how many it
     created or grew; ``on_fenced(epoch)`` is told when the master's epoch differs from the one followed (the
     group member re-reads the state). ``security`` is how to reach the master, ``problem`` why it cannot
-    be (``BrokerSecurity.replication_client``, ``replication_problem``). ``fetch_timeout_s`` bounds every
+    be (``BrokerSecurity.replication_client``, ``replication_problem``); ``gone_on_master(topics)`` is told
+    the topics this member has and the master has none of (deleted there while this member was away: the
+    broker decides, ``Broker._gone_on_master``). ``fetch_timeout_s`` bounds every
     socket operation (connect, send, each receive): replicaLagMaxMs.
 
     Locks: ``_lock`` (control: the target, the socket) is never held while waiting on the network;
@@ -127,10 +129,11 @@ class ReplicaFetcher:
     def __init__(self, store, transactions, replica_id: int, uuid: str,
                  sync_topics: Callable[[dict, MasterLink], int], on_fenced: Callable[[int], None],
                  security: Optional[ClientSecurity] = None, problem: Optional[str] = None,
-                 fetch_timeout_s: float = FETCH_TIMEOUT_S):
+                 fetch_timeout_s: float = FETCH_TIMEOUT_S, gone_on_master: Callable[[list], None] = lambda t: None):
         self.store, self.transactions = store, transactions
         self.replica_id, self.uuid = replica_id, bytes.fromhex(uuid)
         self._sync_topics, self._on_fenced = sync_topics, on_fenced
+        self._gone_on_master = gone_on_master  # told the topics the master has none of (deleted there?)
         # How to reach the master (BrokerSecurity.replication_client), and why it cannot be, if so
         self.security, self._problem = security or ClientSecurity(), problem
         self._context: Optional[ssl.SSLContext] = None
@@ -145,6 +148,7 @@ class ReplicaFetcher:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.learned_hw: dict = {}  # (topic, partition) -> the master's HW in its last reply
+        self.unknown_on_master: list = []  # topics of which the master's last reply knew no partition
         self.truncations = self.truncated_offsets = 0  # cuts where the log parted from the master's (metrics)
         self._body = np.empty(0, np.uint8)  # reply bodies, reused
 
@@ -174,6 +178,10 @@ class ReplicaFetcher:
             self._lock.notify_all()
         with self._apply:
             pass
+
+    def applying(self):
+        """The lock a reply is applied under: a topic deleted while holding it is in no request under way."""
+        return self._apply
 
     def stop(self) -> None:
         with self._lock:
@@ -223,6 +231,8 @@ class ReplicaFetcher:
                         self._sock = sock
                 with self._apply:
                     topics_changed = self._exchange(sock, target, link)
+                if self.unknown_on_master:
+                    self._gone_on_master(self.unknown_on_master)
                 if topics_changed and not self._sync_topics(master, link):
                     # The master has partitions this member lacks, yet listed no topic to create: ACLs hide them.
                     raise ReplicationRefused(
@@ -375,6 +385,8 @@ class ReplicaFetcher:
         if self.transactions is not None and (journal or head.flags & rp.FLAG_JOURNAL_SNAPSHOT):
             self.transactions.apply(journal, head.journal_first_seq, head.journal_last_seq,
                                     bool(head.flags & rp.FLAG_JOURNAL_SNAPSHOT))
+        known = {pf.topic for pf, sec in zip(req.partitions, sections) if sec.status != rp.SECTION_UNKNOWN}
+        self.unknown_on_master = sorted({pf.topic for pf in req.partitions} - known)
         written, learned = [], []
         for pf, sec in zip(req.partitions, sections):
             key = (pf.topic, pf.partition)

@@ -260,6 +260,16 @@ class ReplicaManager:
                         [self.store.partition(topic, n) for n in partitions]:
                     p.set_high_watermark(p.earliest_offset)
 
+    def topic_deleted(self, topic: str) -> None:
+        """Forget ``topic``'s high watermarks and what replicas fetched of it: a topic created again under
+        the name starts from offset 0, and must not be acknowledged by the old one's numbers."""
+        with self._cond:
+            self._hw = {k: v for k, v in self._hw.items() if k[0] != topic}
+            for prog in self.progress.values():
+                for d in (prog.durable, prog.fetched, prog.sent_end):
+                    for key in [k for k in d if k[0] == topic]:
+                        del d[key]
+
     def refresh_all(self) -> None:
         """Move every partition's HW (a tick: the master's own fsyncs, markers, idle partitions)."""
         with self._cond:

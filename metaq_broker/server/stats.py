@@ -69,6 +69,11 @@ class BrokerStats:
                 c = self._counters.setdefault(key, PartitionCounters())
         return c
 
+    def forget_topic(self, topic: str) -> None:
+        """A deleted topic's counters go (one created again under the name counts from zero)."""
+        with self._lock:
+            self._counters = {k: c for k, c in self._counters.items() if k[0] != topic}
+
     def uptime(self) -> float:
         return time.monotonic() - self.started
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -40,6 +41,35 @@ def make_dirs(directory: Path) -> Path:
             pass
         fsync_dir(d.parent)
     return directory
+
+
+DELETED_SUFFIX = ".deleted"  # a directory being removed (``remove_dir``): never opened, finished off on start
+
+
+def remove_dir(directory: Path) -> None:
+    """Remove ``directory`` and what is below it so that a crash at any point leaves either the directory
+    whole or a ``<name>.deleted`` one, which ``finish_removals`` removes on the next start: renamed first
+    (atomic, the rename fsynced into the parent), then removed, then the parent fsynced again."""
+    directory = Path(directory)
+    doomed = directory.with_name(directory.name + DELETED_SUFFIX)
+    if doomed.exists():  # a removal cut short: finished now, the new one renamed over nothing
+        shutil.rmtree(doomed)
+    os.rename(directory, doomed)
+    fsync_dir(directory.parent)
+    shutil.rmtree(doomed)
+    fsync_dir(directory.parent)
+
+
+def finish_removals(parent: Path) -> list:
+    """Remove every ``*.deleted`` directory below ``parent`` (removals a crash cut short); their names."""
+    done = []
+    for entry in sorted(Path(parent).iterdir()):
+        if entry.name.endswith(DELETED_SUFFIX) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+            done.append(entry.name)
+    if done:
+        fsync_dir(Path(parent))
+    return done
 
 
 def replace_file(path: Path, data: bytes) -> None:

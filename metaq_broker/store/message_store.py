@@ -14,7 +14,7 @@ import numpy as np
 from metaq_broker.errors import InvalidPartitionError, InvalidTopicError, StoreClosedError, UnknownTopicError
 from metaq_broker.ids import MessageIdAllocator
 from metaq_broker.store.config import TopicConfig, validate_topic_name
-from metaq_broker.store.durable import make_dirs
+from metaq_broker.store.durable import finish_removals, make_dirs, remove_dir
 from metaq_broker.store.partition import AppendResult, FetchResult, PartitionLog
 
 TRANSACTIONS_DIRECTORY = "transactions"  # the broker's transaction journal lives beside the partitions
@@ -45,6 +45,8 @@ class MessageStore:
         self._epoch: Optional[tuple] = None  # (epoch, replica id) of begin_epoch: topics created later too
         self._written = 0  # bumped on every append anywhere (wait_written)
         self._written_cond = threading.Condition()
+        for name in finish_removals(self.data_path):  # a topic's deletion cut short by a crash: finished
+            log.warning("removed %s: a deleted topic's partition whose removal a stop or crash cut short", name)
         on_disk: dict = {}
         for entry in sorted(self.data_path.iterdir()):
             if not entry.is_dir() or entry.name == TRANSACTIONS_DIRECTORY:
@@ -132,6 +134,24 @@ class MessageStore:
             self._configs[topic] = grown
             return grown
 
+    def delete_topic(self, topic: str) -> int:
+        """Delete ``topic``: no longer listed, its partitions closed (appends under way finish first, later
+        ones fail as on a closed log), then each partition directory removed crash-safely (``remove_dir``:
+        after a crash a ``*.deleted`` directory is finished off on open, never opened). Returns how many
+        partitions were removed; an unknown topic is UnknownTopicError."""
+        with self._lock:
+            self._check_open()
+            config = self._configs.pop(topic, None)
+            if config is None:
+                raise UnknownTopicError(f"unknown topic {topic!r}")
+            parts = [self._partitions.pop((topic, p)) for p in range(config.num_partitions)]
+        for part in parts:
+            part.close()
+        for part in parts:
+            remove_dir(part.directory)
+        log.info("deleted topic %s: %d partition directories removed", topic, len(parts))
+        return len(parts)
+
     def partition(self, topic: str, partition: int) -> PartitionLog:
         if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
             try:
@@ -147,8 +167,11 @@ class MessageStore:
         return [self.partition(topic, p) for p in range(self.topic_config(topic).num_partitions)]
 
     def all_partitions(self) -> list:
-        """Every partition of every topic, in topic then partition order."""
-        return [p for topic in self.topics() for p in self.partitions(topic)]
+        """Every partition of every topic, in topic then partition order: those of listed topics only (a
+        topic still opening or deleted meanwhile is left out)."""
+        counts = {t: c.num_partitions for t, c in list(self._configs.items())}
+        return [p for (t, n), p in sorted(list(self._partitions.items()), key=lambda kv: kv[0])
+                if n < counts.get(t, 0)]
 
     # -- data -----------------------------------------------------------------------------------------
     def append(self, topic: str, partition: int, values, keys=None, attributes=None, flags=None) -> AppendResult:

@@ -200,6 +200,11 @@ class TransactionManager:
         with self._lock:
             return [t for t in self._live.values() if t.state is OPEN]
 
+    def on_topic(self, topic: str) -> list:
+        """The xids of live transactions (open, prepared, settling) with a batch in ``topic``."""
+        with self._lock:
+            return sorted(t.xid for t in self._live.values() if any(key[0] == topic for key in t.partitions))
+
     def counts(self) -> dict:
         with self._lock:
             out = {str(s): 0 for s in (OPEN, PREPARED, COMMITTING, ABORTING)}
@@ -366,7 +371,10 @@ class TransactionManager:
         if not t.settling:  # settled meanwhile by another caller
             return
         commit = t.state is COMMITTING
+        topics = set(self.store.topics())
         for (topic, partition) in sorted(t.partitions):
+            if topic not in topics:
+                continue  # deleted (a put raced the deletion): no log is left to mark
             part = self.store.partition(topic, partition)
             if t.number in part.txns.ongoing:
                 part.append_marker(t.number, commit)

@@ -180,7 +180,7 @@ def brokers(obj, fmt, forget):
 # -- topics -------------------------------------------------------------------------------------------
 @main.group()
 def topics():
-    """List, describe and create topics."""
+    """List, describe, create and delete topics."""
 
 
 @topics.command("list")
@@ -219,6 +219,22 @@ def topics_create(obj, topic, partitions, broker_ids, settings):
     with _client(Admin, obj) as admin:
         names = _run(admin.create_topic, topic, partitions, list(broker_ids) or None, config)
         click.echo(f"topic {topic}: partitions {','.join(names)}")
+
+
+@topics.command("delete")
+@click.argument("topic")
+@click.option("--timeout", type=click.FloatRange(0, 60), default=30.0, show_default=True,
+              help="seconds to wait for the deletion to be done on every broker")
+@click.pass_obj
+def topics_delete(obj, topic, timeout):
+    """Delete TOPIC on every broker and member of its groups, with its groups' offsets (Delete on the topic).
+    A topic of a broker's server.ini is refused: it would come back at that broker's restart."""
+    with _client(Admin, obj) as admin:
+        if _run(admin.delete_topic, topic, timeout):
+            click.echo(f"topic {topic}: deleted")
+        else:
+            click.echo(f"topic {topic}: deletion recorded, not done within {timeout:g}s (a broker that has it is "
+                       f"down or busy); it goes on")
 
 
 # -- produce / consume --------------------------------------------------------------------------------

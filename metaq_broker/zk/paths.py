@@ -8,7 +8,8 @@ their data can be metaq's JSON (docs/protocol.md, "ZooKeeper layout"). Brokers, 
 Spark connector cannot drift apart on a path spelling::
 
     <root>/brokers/metaq/ids/<brokerId>                   ephemeral, JSON addresses of a group's master
-    <root>/brokers/metaq/topics/<topic>/<brokerId>-m      JSON {"numPartitions": n, "brokerId": id}
+    <root>/brokers/metaq/topics/<topic>/<brokerId>-m      JSON {"numPartitions": n, "brokerId": id}, and
+                                                          "static": true for a topic of its server.ini
     <root>/brokers/starting/<brokerId>                    ephemeral, JSON: a restarted broker waiting for the
                                                           session of its previous run to expire
     <root>/brokers/groups/<brokerId>/state                JSON: the replicated group's epoch, master, in-sync set
@@ -23,6 +24,8 @@ Spark connector cannot drift apart on a path spelling::
     <root>/kafka/cluster_id                               JSON {"version": "1", "id": <22 chars>}: Kafka's cluster id
     <root>/kafka/topics/<topic>                           JSON: the topic's Kafka id and its partitions in Kafka's
                                                           numbering (append-only: a number is never reused)
+    <root>/admin/delete_topics/<topic>                    JSON: a topic's deletion, recorded until no broker has
+                                                          the topic any more (Kafka's path; zk/topic_deletions.py)
     <root>/sinks/<sinkId>/batches/<batchId:020d>          exactly-once sink decisions
     <root>/latest_producer_id_block                       JSON: the last block of producer ids a broker took
     <root>/config/users/<quoted user>                     JSON {"SCRAM-SHA-256": salted credential}
@@ -178,6 +181,13 @@ class ZkPaths:
 
     def kafka_topic(self, topic: str) -> str:
         return f"{self.kafka_topics()}/{check_component('topic', topic)}"
+
+    # -- topics being deleted (zk/topic_deletions.py) ---------------------------------------------------
+    def topic_deletions(self) -> str:
+        return f"{self.root}/admin/delete_topics"
+
+    def topic_deletion(self, topic: str) -> str:
+        return f"{self.topic_deletions()}/{check_component('topic', topic)}"
 
     # -- exactly-once sink decisions ------------------------------------------------------------------
     def producer_id_block(self) -> str:

@@ -1,7 +1,8 @@
 """A broker's topic entries (``<root>/brokers/metaq/topics/<topic>/<brokerId>-m``, JSON ``{"numPartitions",
-"brokerId"}``): persistent, so a broker that is down keeps its partitions in the cluster's view (keys do
-not move, queries keep their offsets). The broker writes them when it registers; these are the reads
-and removals the broker (stale entries at registration) and ``metaq brokers forget`` share. (MetaQ's own
+"brokerId"}``, and ``"static": true`` for a topic of the broker's server.ini, which no deletion may remove:
+it would come back at the broker's restart): persistent, so a broker that is down keeps its partitions in the
+cluster's view (keys do not move, queries keep their offsets). The broker writes them when it registers; these are
+the reads and removals the broker (stale entries at registration) and ``metaq brokers forget`` share. (MetaQ's own
 entries in ``topics-pub|sub`` are ephemeral, written only by a broker with a MetaQ listener:
 ``zk/metaq_nodes.py``.)"""
 from __future__ import annotations
@@ -13,9 +14,10 @@ from kazoo.exceptions import NoNodeError
 from metaq_broker.zk.paths import ZkPaths
 
 
-def entry(num_partitions: int, broker_id: int) -> bytes:
+def entry(num_partitions: int, broker_id: int, static: bool = False) -> bytes:
     """The JSON of an entry."""
-    return json.dumps({"numPartitions": int(num_partitions), "brokerId": int(broker_id)}).encode()
+    return json.dumps({"numPartitions": int(num_partitions), "brokerId": int(broker_id),
+                       **({"static": True} if static else {})}).encode()
 
 
 def parse_entry(data: bytes) -> tuple:
@@ -48,6 +50,23 @@ def partition_counts(zk, paths: ZkPaths, topic: str) -> dict:
         except (NoNodeError, ValueError, KeyError, TypeError):
             continue
     return counts
+
+
+def static_brokers(zk, paths: ZkPaths, topic: str) -> list:
+    """The brokers whose server.ini configures ``topic`` (their entries say ``static``), sorted."""
+    try:
+        names = zk.get_children(paths.topic(topic))
+    except NoNodeError:
+        return []
+    found = []
+    for name in names:
+        try:
+            m = json.loads(zk.get(f"{paths.topic(topic)}/{name}")[0])
+            if m.get("static") is True:
+                found.append(int(m["brokerId"]))
+        except (NoNodeError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return sorted(found)
 
 
 def delete(zk, paths: ZkPaths, topic: str, broker_id: int) -> None:
