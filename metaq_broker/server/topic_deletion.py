@@ -22,6 +22,7 @@ from kazoo.exceptions import KazooException
 
 from metaq_broker.protocol.services import DELETE_TOPIC, TOPICS_SERVICE
 from metaq_broker.server.json_rpc import json_method
+from metaq_broker.server.kafka_admin import DELETE_WAIT_MAX_S
 from metaq_broker.zk import topic_deletions, topic_entries
 from metaq_broker.zk.paths import ZkPaths
 
@@ -29,21 +30,22 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 0.5  # records read again this often while any is pending
 IDLE_S = 5.0  # and this often while none is
-WAIT_MAX_S = 60.0  # a request waits at most this long for its deletion to be done
 
 
 def deletion_service(auth, handler, deletions: Callable[[], Optional["TopicDeletions"]]) -> grpc.GenericRpcHandler:
     """``metaq.v1.Topics/DeleteTopic`` (JSON ``{"topic", "timeoutMs"}``), what ``Admin.delete_topic`` and
     ``metaq topics delete`` call: ``handler.delete_topic`` (Delete on the topic), then up to ``timeoutMs``
-    (at most ``WAIT_MAX_S``) for the deletion to be done; answers ``{"done": bool}`` (False: recorded, still
-    going on). ``deletions()``: the broker's ``TopicDeletions`` (None without ZooKeeper: done at once)."""
+    (at most ``DELETE_WAIT_MAX_S``, as Kafka's DeleteTopics) for the deletion to be done; answers
+    ``{"done": bool}`` (False: recorded, still going on). ``deletions()``: the broker's ``TopicDeletions``
+    (None without ZooKeeper: done at once)."""
     def delete(principal: str, m: dict) -> dict:
         topic, timeout_ms = m["topic"], m.get("timeoutMs", 30_000)
         if not isinstance(topic, str) or not isinstance(timeout_ms, int):
             raise ValueError('expected JSON {"topic": <name>, "timeoutMs": <int>}')
         handler.delete_topic(principal, topic)
         waiting = deletions()
-        done = waiting is None or not waiting.wait_done([topic], min(max(timeout_ms, 0) / 1000, WAIT_MAX_S))
+        wait_s = min(max(timeout_ms, 0) / 1000, DELETE_WAIT_MAX_S)
+        done = waiting is None or not waiting.wait_done([topic], wait_s)
         return {"done": done}
     return grpc.method_handlers_generic_handler(TOPICS_SERVICE, {DELETE_TOPIC: json_method(auth, delete,
                                                                                             "delete topic")})
