@@ -82,9 +82,10 @@ def test_a_broker_upgrades_the_older_layout_on_start(cluster, zk_clients, zk_roo
 
     cluster.start_broker(1, settings={"metaqPort": 0, "numPartitions": 2}, topics={"orders": {}})
 
-    # topic entries: copied to metaq's nodes; the older ones removed but those of a broker up in that layout
-    for b, n in ((1, 2), (2, 1), (3, 1)):
-        assert json.loads(zk.get(paths.topic_entry("orders", b))[0]) == {"numPartitions": n, "brokerId": b}
+    # topic entries: copied to metaq's nodes; the older ones removed but those of a broker up in that layout;
+    # broker 1's own entry says its server.ini configures the topic (no deletion may remove it)
+    for b, n, extra in ((1, 2, {"static": True}), (2, 1, {}), (3, 1, {})):
+        assert json.loads(zk.get(paths.topic_entry("orders", b))[0]) == {"numPartitions": n, "brokerId": b, **extra}
     assert zk.get(layout.topic_pub_broker("orders", 1))[0] == b'{"numParts":2,"broker":"1-m"}'  # MetaQ's now
     assert zk.get(layout.topic_sub_broker("orders", 1))[0] == b'{"numParts":2,"broker":"1-m"}'
     assert zk.exists(layout.topic_pub_broker("orders", 2)) is None
