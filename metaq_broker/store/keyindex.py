@@ -14,7 +14,14 @@ previous entry in the same slot, newest first; a query walks one chain. Adapted:
   an append rate with the index at least 0.9 of the rate without (benchmarks/bench_store.py); the table
   grows fourfold (a rebuild) when the chains average more than four entries;
 * false hash matches are removed by comparing the real key, read from the log at the answer's offset
-  (``lookup``'s ``read_keys``).
+  (``lookup``'s ``read_keys``);
+* an append only queues its batch's keys (``defer``: a copy of the key bytes, under the partition's write
+  lock, before the batch is published); one thread per process (``_Indexer``) hashes and chains them
+  while the appender writes, fsyncs and replies, and every reader of the index (a lookup, sealing,
+  truncation, a write of the file) first applies what is queued, in order, under the index's lock. So a
+  lookup finds every message a reader could read when it began, the append path waits for no hashing
+  (the goal above: ~60 ns a key under the write lock before), and a queue longer than ``MAX_LAG_KEYS``
+  is applied by the appender itself.
 
 Message ids need no index of their own: ids grow with offsets and are dense in a batch, so the offset
 index finds them (``PartitionLog.offset_for_msg_id``).
@@ -23,8 +30,11 @@ Pure: arrays and the file's bytes; the log is read by the caller. docs/storage-f
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import os
+import queue
 import struct
 import threading
 from pathlib import Path
@@ -53,6 +63,9 @@ _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NO_LOCK = contextlib.nullcontext()
 _EMPTY = np.zeros(1, np.uint8)  # the data of a column of empty keys
 _BINARY = pa.binary()
+MAX_LAG_KEYS = 1 << 18  # keys queued by appends and not yet indexed, at most (then the appender indexes them)
+
+log = logging.getLogger(__name__)
 
 
 def hash_key(key: bytes) -> int:
@@ -152,17 +165,34 @@ class KeyIndex:
 
     def __init__(self, base_offset: int, start: int, max_slot_bits: int = MAX_SLOT_BITS, capacity: int = 1024):
         """``max_slot_bits`` caps the table (tests make every key collide with 0: one slot)."""
-        self.base_offset, self.start, self.next_offset = base_offset, start, base_offset
+        self.base_offset, self.start, self._next_offset = base_offset, start, base_offset
         self._max_bits = max_slot_bits
         self._bits = slot_bits = _bits_for(0, max_slot_bits)
         self._slots = np.zeros(1 << slot_bits, np.uint32)
         self._hash, self._prev, self._off = (np.zeros(capacity, np.uint32) for _ in range(3))
         self._n = 0
         self._lock: Optional[threading.Lock] = threading.Lock()
+        # Appends queued by ``defer`` and not yet applied, oldest first: (first offset, key bytes, starts,
+        # lengths, next offset), the bytes None for a batch without keys. Appended by the partition's writer,
+        # applied and removed under ``_lock``; the keys counted on each side by its one writer.
+        self._pending: collections.deque = collections.deque()
+        self._queued_keys = self._applied_keys = 0
+        self._scheduled = False  # on the indexer's queue
+
+    @property
+    def next_offset(self) -> int:
+        """The index covers the segment's offsets below this, every queued append applied."""
+        self.catch_up()
+        return self._next_offset
+
+    @next_offset.setter
+    def next_offset(self, value: int) -> None:
+        self._next_offset = value
 
     @property
     def size(self) -> int:
-        """Entries: messages with a key."""
+        """Entries: messages with a key (every queued append applied)."""
+        self.catch_up()
         return self._n
 
     @property
@@ -170,7 +200,8 @@ class KeyIndex:
         return self._bits
 
     def columns(self) -> tuple:
-        """(hashes, previous entries, relative offsets) of the entries."""
+        """(hashes, previous entries, relative offsets) of the entries (every queued append applied)."""
+        self.catch_up()
         n = self._n
         return self._hash[:n], self._prev[:n], self._off[:n]
 
@@ -209,12 +240,59 @@ class KeyIndex:
     def cover(self, next_offset: int) -> None:
         """The index covers offsets below ``next_offset`` (messages without keys, markers)."""
         with self._writing():
-            self.next_offset = max(self.next_offset, next_offset)
+            self._apply_pending()
+            self._next_offset = max(self._next_offset, next_offset)
+
+    def defer(self, base_offset: int, count: int, body: Optional[records.EncodedBody] = None) -> None:
+        """``add_body`` (``cover`` for a body of None: a marker) for an appended batch of ``count`` messages
+        at ``base_offset``, applied later: by the indexer thread, or by whoever reads the index first. Keeps
+        a copy of the key bytes (a receive buffer may be used again). Callers serialise (the partition's
+        write lock) and call in offset order."""
+        self._writing()
+        spans = None if body is None else records.body_keys(body)
+        if spans is None:
+            self._pending.append((base_offset, None, None, None, base_offset + count))
+        else:
+            data, starts, lengths = spans
+            lo, hi = (int(starts[0]), int(starts[-1]) + max(int(lengths[-1]), 0)) if len(starts) else (0, 0)
+            self._pending.append((base_offset, data[lo:hi].copy(), starts - lo, lengths.copy(), base_offset + count))
+            self._queued_keys += len(starts)
+        if self._queued_keys - self._applied_keys > MAX_LAG_KEYS:  # the indexer is behind: catch up here
+            self.catch_up()
+        elif not self._scheduled:
+            self._scheduled = True
+            _INDEXER.schedule(self)
+
+    def catch_up(self) -> None:
+        """Apply every queued append (``defer``), in order."""
+        if self._pending:
+            with self._lock:
+                self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """``catch_up`` under ``_lock``. An append is taken off the queue only once applied: one that
+        fails stays, and every later reader fails on it too rather than answer without it."""
+        pending = self._pending
+        while pending:
+            offsets, data, starts, lengths, next_offset = pending[0]
+            if data is None:
+                self._next_offset = max(self._next_offset, next_offset)
+            else:
+                self._add_spans(offsets, data, starts, lengths, next_offset)
+                self._applied_keys += len(starts)
+            pending.popleft()
 
     def add_spans(self, offsets, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                   next_offset: Optional[int] = None) -> None:
         """``add`` for keys given as spans of ``data`` (``records.body_keys``): key i is
         ``data[starts[i]:][:lengths[i]]``, none where the length is below 0."""
+        with self._writing():
+            self._apply_pending()
+            self._add_spans(offsets, data, starts, lengths, next_offset)
+
+    def _add_spans(self, offsets, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   next_offset: Optional[int]) -> None:
+        """``add_spans`` under ``_lock``."""
         n = len(starts)
         if isinstance(offsets, (int, np.integer)):
             rels, last = np.arange(n, dtype=np.int64) + (int(offsets) - self.base_offset), int(offsets) + n - 1
@@ -224,18 +302,17 @@ class KeyIndex:
                 raise ValueError(f"{len(offsets)} offsets for {n} keys")
             rels, last = offsets - self.base_offset, int(offsets[-1]) if n else None
         keyed = np.flatnonzero(lengths >= 0)
-        with self._writing():
-            if len(keyed):
-                first, final = int(rels[keyed[0]]), int(rels[keyed[-1]])
-                if self.base_offset + first < self.next_offset or final >= 1 << 32:
-                    raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
-                                     f"this index's (base offset {self.base_offset}, {self._n} entries)")
-                self._make_room(len(keyed))
-                self._n = _kernels()[0](data if len(data) else _EMPTY, starts, lengths, rels, self._slots,
-                                        np.uint32(32 - self._bits), self._hash, self._prev, self._off, self._n)
-            cover = next_offset if next_offset is not None else None if last is None else last + 1
-            if cover is not None:
-                self.next_offset = max(self.next_offset, cover)
+        if len(keyed):
+            first, final = int(rels[keyed[0]]), int(rels[keyed[-1]])
+            if self.base_offset + first < self._next_offset or final >= 1 << 32:
+                raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
+                                 f"this index's (base offset {self.base_offset}, {self._n} entries)")
+            self._make_room(len(keyed))
+            self._n = _kernels()[0](data if len(data) else _EMPTY, starts, lengths, rels, self._slots,
+                                    np.uint32(32 - self._bits), self._hash, self._prev, self._off, self._n)
+        cover = next_offset if next_offset is not None else None if last is None else last + 1
+        if cover is not None:
+            self._next_offset = max(self._next_offset, cover)
 
     def _writing(self):
         if self._lock is None:
@@ -264,16 +341,18 @@ class KeyIndex:
     def truncate(self, offset: int) -> None:
         """Forget every message at or after ``offset`` (a replica's cut of its tail)."""
         with self._writing():
+            self._apply_pending()
             k = int(np.searchsorted(self._off[: self._n], max(offset - self.base_offset, 0), "left"))
             if k < self._n:
                 self._rebuild(k, _bits_for(k, self._max_bits))
-            self.next_offset = min(self.next_offset, max(offset, self.base_offset))
+            self._next_offset = min(self._next_offset, max(offset, self.base_offset))
 
     # -- looking up -------------------------------------------------------------------------------------
     def candidates(self, key_hash: int, lo: int, hi: int, limit: int) -> list:
         """Offsets in [lo, hi) of messages whose key hashes like ``key_hash`` (a 64-bit ``hash_key``),
         newest first, at most ``limit``. Some keys may only share the hash: ``lookup`` compares them."""
         with self._lock or _NO_LOCK:
+            self._apply_pending()
             n, slots, hashes, prevs, rels = self._n, self._slots, self._hash, self._prev, self._off
             if not n or limit < 1:
                 return []
@@ -301,8 +380,10 @@ class KeyIndex:
         """The file's bytes, as parts for one write: header, slots, then the three entry columns.
         ``segment_size``: bytes of the segment file it describes (a load checks them)."""
         with self._lock or _NO_LOCK:
-            columns = [np.array(self._slots)] + [np.array(c) for c in self.columns()]
-            n, bits, next_offset = self._n, self._bits, self.next_offset
+            self._apply_pending()
+            n = self._n
+            columns = [np.array(self._slots)] + [np.array(c[:n]) for c in (self._hash, self._prev, self._off)]
+            bits, next_offset = self._bits, self._next_offset
         head = HEADER.pack(MAGIC, self.base_offset, self.start, next_offset, segment_size, bits, n,
                            crc(memoryview(columns[0]).cast("B")),
                            _crcs(memoryview(c).cast("B") for c in columns[1:]))
@@ -352,17 +433,53 @@ class KeyIndex:
             raise IndexProblem("has entries out of order or chains that do not point back")
         index = cls(base_offset, start, MAX_SLOT_BITS, 0)
         index._bits, index._slots, (index._hash, index._prev, index._off) = bits, slots, columns
-        index._n, index.next_offset, index._lock = n, next_offset, None
+        index._n, index._next_offset, index._lock = n, next_offset, None
         return index
 
     def writable_copy(self) -> "KeyIndex":
         """An in-memory copy that ``add`` and ``truncate`` may change (a sealed segment made the tail again)."""
+        self.catch_up()
         copy = KeyIndex(self.base_offset, self.start, self._max_bits, max(1024, 2 * self._n))
         copy._bits, copy._slots = self._bits, np.array(self._slots)
         for mine, theirs in zip(self.columns(), (copy._hash, copy._prev, copy._off)):
             theirs[: self._n] = mine
-        copy._n, copy.next_offset = self._n, self.next_offset
+        copy._n, copy._next_offset = self._n, self._next_offset
         return copy
+
+
+class _Indexer:
+    """The thread that applies the appends queued on key indexes (``KeyIndex.defer``), one per process,
+    started with the first: its compiled kernel releases the GIL, so it hashes while the appending thread
+    writes, fsyncs (both without the GIL) and replies. A daemon: what it has not applied at exit is in the
+    log, from which the next start rebuilds the tail's index."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pid = None
+        self._start = threading.Lock()
+
+    def schedule(self, index: KeyIndex) -> None:
+        if self._pid != os.getpid():  # the first use, or a forked child (which has no thread of its parent's)
+            with self._start:
+                if self._pid != os.getpid():
+                    self._queue = queue.SimpleQueue()
+                    threading.Thread(target=self._run, args=(self._queue,), name="metaq-key-indexer",
+                                     daemon=True).start()
+                    self._pid = os.getpid()
+        self._queue.put(index)
+
+    @staticmethod
+    def _run(work: queue.SimpleQueue) -> None:
+        while True:
+            index = work.get()
+            index._scheduled = False  # before applying: an append queued meanwhile schedules it again
+            try:
+                index.catch_up()
+            except Exception:  # noqa: BLE001 - the append stays queued: every reader of the index fails on it
+                log.exception("applying appends to the key index of offset %d failed", index.base_offset)
+
+
+_INDEXER = _Indexer()
 
 
 def _crcs(parts) -> int:

@@ -450,11 +450,8 @@ class PartitionLog:
         seg.append(parts, nbytes, batches)
         keys = seg.keys
         for (base, msg_id), (body, txn, flags, commit, producer) in zip(placed, items):
-            if keys is not None:  # before the batch is published: a reader finds what it can read
-                if flags & records.CONTROL:
-                    keys.cover(base + body.count)
-                else:
-                    keys.add_body(base, body)
+            if keys is not None:  # queued before the batch is published: a lookup applies it first
+                keys.defer(base, body.count, None if flags & records.CONTROL else body)
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing
                     self.txns.on_marker(txn, base, commit)
