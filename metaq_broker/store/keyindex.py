@@ -172,8 +172,9 @@ class KeyIndex:
         self._hash, self._prev, self._off = (np.zeros(capacity, np.uint32) for _ in range(3))
         self._n = 0
         self._lock: Optional[threading.Lock] = threading.Lock()
-        # Appends queued by ``defer`` and not yet applied, oldest first: (first offset, key bytes, starts,
-        # lengths, next offset), the bytes None for a batch without keys. Appended by the partition's writer,
+        # Appends queued by ``defer`` and not yet applied, oldest first: (first offset, a copy of the key
+        # bytes, where each key starts in it (None: back to back), their lengths, next offset); the bytes None
+        # for a batch without keys. Appended by the partition's writer,
         # applied and removed under ``_lock``; the keys counted on each side by its one writer.
         self._pending: collections.deque = collections.deque()
         self._queued_keys = self._applied_keys = 0
@@ -249,14 +250,20 @@ class KeyIndex:
         a copy of the key bytes (a receive buffer may be used again). Callers serialise (the partition's
         write lock) and call in offset order."""
         self._writing()
-        spans = None if body is None else records.body_keys(body)
-        if spans is None:
+        keys = None if body is None else body.keys
+        if keys is None:
             self._pending.append((base_offset, None, None, None, base_offset + count))
-        else:
-            data, starts, lengths = spans
+            return
+        if isinstance(keys, pa.Array):  # its bytes may be a view of a buffer used again: copied
+            data, starts, lengths = records.body_keys(body)
             lo, hi = (int(starts[0]), int(starts[-1]) + max(int(lengths[-1]), 0)) if len(starts) else (0, 0)
-            self._pending.append((base_offset, data[lo:hi].copy(), starts - lo, lengths.copy(), base_offset + count))
-            self._queued_keys += len(starts)
+            data, starts = data[lo:hi].copy(), starts - lo
+        else:  # parsed from a receive buffer: key bytes back to back from ``at``; starts summed when applied
+            lengths, at = keys
+            data = np.frombuffer(body.parts[0], np.uint8, int(np.maximum(lengths, 0).sum()), at).copy()
+            starts = None
+        self._pending.append((base_offset, data, starts, lengths.copy(), base_offset + count))
+        self._queued_keys += len(lengths)
         if self._queued_keys - self._applied_keys > MAX_LAG_KEYS:  # the indexer is behind: catch up here
             self.catch_up()
         elif not self._scheduled:
@@ -274,12 +281,15 @@ class KeyIndex:
         fails stays, and every later reader fails on it too rather than answer without it."""
         pending = self._pending
         while pending:
-            offsets, data, starts, lengths, next_offset = pending[0]
+            base_offset, data, starts, lengths, next_offset = pending[0]
             if data is None:
                 self._next_offset = max(self._next_offset, next_offset)
             else:
-                self._add_spans(offsets, data, starts, lengths, next_offset)
-                self._applied_keys += len(starts)
+                if starts is None:
+                    sized = np.maximum(lengths, 0)
+                    starts = np.cumsum(sized) - sized
+                self._add_spans(base_offset, data, starts, lengths, next_offset)
+                self._applied_keys += len(lengths)
             pending.popleft()
 
     def add_spans(self, offsets, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
