@@ -175,9 +175,11 @@ class PartitionLog:
     # under ``_write_lock`` (and ``_flush_cond``). Readers take no lock: they read the ends first, then
     # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
     # ``_flush_cond``, then ``_data_cond`` (waiters for data only), then a watcher's event (``watch``); a
-    # group commit's leader releases ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock``
-    # too: ``_metaq_end``, ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``,
-    # ``_identity``, ``_closed``.
+    # group commit's leader releases ``_flush_cond`` before it takes ``_write_lock``. A segment's key index
+    # lock comes after ``_write_lock`` and a segment's ``_keys_lock`` and takes none itself (the indexer
+    # thread and lookups hold only it). Under ``_write_lock`` too: ``_metaq_end``, ``_last_ts``,
+    # ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``, ``_identity``, ``_closed``, and queuing
+    # a batch's keys on the active segment's key index (``KeyIndex.defer``).
 
     def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
                  ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
