@@ -9,10 +9,11 @@ previous entry in the same slot, newest first; a query walks one chain. Adapted:
   index turns a time range into an offset range first (``offset_range``), and a chain, walked newest first,
   stops at the first entry below it. An entry is 12 bytes (RocketMQ's 20): 32 bits of the key's 64-bit
   hash, the previous entry's number, and the offset relative to the segment's base;
-* a batch's keys are hashed and chained by one compiled loop (numba): numpy took 90-180 ns a key (a
+* a batch's keys are hashed, then chained, by two compiled loops (numba): numpy took 90-180 ns a key (a
   dozen passes over the words, one sort of the slots), as much as the append itself, where the goal is
-  an append rate with the index at least 0.9 of the rate without (benchmarks/bench_store.py); the table
-  grows fourfold (a rebuild) when the chains average more than four entries;
+  an append rate with the index at least 0.9 of the rate without (benchmarks/bench_key_index.py); one
+  loop doing both took 50-100 ns a key once the table outgrew the caches, two take ~30; the table grows
+  fourfold (a rebuild) when the chains average more than four entries;
 * false hash matches are removed by comparing the real key, read from the log at the answer's offset
   (``lookup``'s ``read_keys``);
 * an append only queues its batch's keys (``defer``: a copy of the key bytes, under the partition's write
@@ -72,7 +73,7 @@ def hash_key(key: bytes) -> int:
     """The key's 64-bit hash: over its little-endian 8-byte words ``x_j`` (the last zero-padded), with
     ``y_j = ((x_j + (j + 1)·φ)·M1) mod 2^64``, the sum ``len·φ + Σ (y_j ^ (y_j >> 32))`` modulo 2^64, mixed by
     splitmix64's finaliser (φ, M1 and its constants as in splitmix64). An index keeps its high 32 bits;
-    ``_index_keys`` computes the same for a batch."""
+    ``_hash_keys`` computes the same for a batch."""
     key = bytes(key)
     total = len(key) * _GOLDEN
     for j in range(0, len(key), 8):
@@ -84,11 +85,12 @@ def hash_key(key: bytes) -> int:
     return z ^ (z >> 31)
 
 
-def _index_keys(data, starts, lengths, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - compiled
-    """Entries n + 1, n + 2, ... for the keys ``data[starts[i]:][:lengths[i]]`` (a length below 0: no key,
-    no entry) of the messages at relative offsets ``rels[i]``: the high 32 bits of each key's
-    ``hash_key``, chained behind its slot's head. Returns the new entry count. Run compiled
-    (``_kernels``): a loop per key, in machine code."""
+def _hash_keys(data, starts, lengths, rels, hashes, offs, n):  # pragma: no cover - run compiled (``_kernels``)
+    """Entries n, n + 1, ... (0-based) for the keys ``data[starts[i]:][:lengths[i]]`` (a length below 0: no
+    key, no entry) of the messages at relative offsets ``rels[i]``: the high 32 bits of each key's
+    ``hash_key`` and the offset, not yet chained (``_chain`` does). Returns the new entry count. Apart from
+    the chaining so that this loop touches nothing at random and ``_chain``'s, small, has its table reads
+    in flight together: about twice as fast as one loop doing both once the table outgrows the caches."""
     golden, m1, m2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)  # local: numba folds them once
     eight, one = np.uint64(8), np.uint64(1)
     for i in range(starts.shape[0]):
@@ -108,16 +110,14 @@ def _index_keys(data, starts, lengths, rels, slots, shift, hashes, prevs, offs, 
             j += 8
         total = (total ^ (total >> np.uint64(30))) * m1
         total = (total ^ (total >> np.uint64(27))) * m2
-        h = np.uint32((total ^ (total >> np.uint64(31))) >> np.uint64(32))
-        s = h >> shift
-        hashes[n], prevs[n], offs[n] = h, slots[s], rels[i]
+        hashes[n], offs[n] = np.uint32((total ^ (total >> np.uint64(31))) >> np.uint64(32)), rels[i]
         n += 1
-        slots[s] = n
     return n
 
 
 def _chain(h32, rels, slots, shift, hashes, prevs, offs, n):  # pragma: no cover - run compiled (``_kernels``)
-    """``_index_keys`` for entries whose hashes are known (a rebuild: growth, truncation)."""
+    """Chain entries n + 1, n + 2, ... (1-based) with hashes ``h32`` and relative offsets ``rels`` behind
+    their slots' heads (``_hash_keys``' entries, or a rebuild's: growth, truncation); returns the count."""
     for i in range(h32.shape[0]):
         s = h32[i] >> shift
         hashes[n], prevs[n], offs[n] = h32[i], slots[s], rels[i]
@@ -130,11 +130,11 @@ _KERNELS = None
 
 
 def _kernels():
-    """(_index_keys, _chain), compiled on first use and cached on disk by numba."""
+    """(_hash_keys, _chain), compiled on first use and cached on disk by numba."""
     global _KERNELS
     if _KERNELS is None:
         import numba  # lazy: a second to import and compile; lookups (hash_key, chain walks) need neither
-        _KERNELS = tuple(numba.njit(cache=True, nogil=True)(f) for f in (_index_keys, _chain))
+        _KERNELS = tuple(numba.njit(cache=True, nogil=True)(f) for f in (_hash_keys, _chain))
     return _KERNELS
 
 
@@ -318,8 +318,11 @@ class KeyIndex:
                 raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
                                  f"this index's (base offset {self.base_offset}, {self._n} entries)")
             self._make_room(len(keyed))
-            self._n = _kernels()[0](data if len(data) else _EMPTY, starts, lengths, rels, self._slots,
-                                    np.uint32(32 - self._bits), self._hash, self._prev, self._off, self._n)
+            hash_keys, chain = _kernels()
+            n = self._n
+            m = hash_keys(data if len(data) else _EMPTY, starts, lengths, rels, self._hash, self._off, n)
+            self._n = chain(self._hash[n:m], self._off[n:m], self._slots, np.uint32(32 - self._bits), self._hash,
+                            self._prev, self._off, n)
         cover = next_offset if next_offset is not None else None if last is None else last + 1
         if cover is not None:
             self._next_offset = max(self._next_offset, cover)
