@@ -27,7 +27,8 @@ previous entry in the same slot, newest first; a query walks one chain. Adapted:
 Message ids need no index of their own: ids grow with offsets and are dense in a batch, so the offset
 index finds them (``PartitionLog.offset_for_msg_id``).
 
-Pure: arrays and the file's bytes; the log is read by the caller. docs/storage-format.md, section 15.
+Pure apart from the indexer thread: arrays and the file's bytes; the log is read by the caller.
+docs/storage-format.md, section 15.
 """
 from __future__ import annotations
 
@@ -173,9 +174,9 @@ class KeyIndex:
         self._n = 0
         self._lock: Optional[threading.Lock] = threading.Lock()
         # Appends queued by ``defer`` and not yet applied, oldest first: (first offset, a copy of the key
-        # bytes, where each key starts in it (None: back to back), their lengths, next offset); the bytes None
-        # for a batch without keys. Appended by the partition's writer,
-        # applied and removed under ``_lock``; the keys counted on each side by its one writer.
+        # bytes, where each key starts in them (None: back to back), their lengths, next offset); the bytes
+        # None for a batch without keys. Appended by the partition's writer, applied and removed under
+        # ``_lock``; the keys counted on each side by its one writer.
         self._pending: collections.deque = collections.deque()
         self._queued_keys = self._applied_keys = 0
         self._scheduled = False  # on the indexer's queue
@@ -185,10 +186,6 @@ class KeyIndex:
         """The index covers the segment's offsets below this, every queued append applied."""
         self.catch_up()
         return self._next_offset
-
-    @next_offset.setter
-    def next_offset(self, value: int) -> None:
-        self._next_offset = value
 
     @property
     def size(self) -> int:
@@ -219,15 +216,6 @@ class KeyIndex:
         spans = records.body_keys(records.EncodedBody(len(keys), 0, [], 0, 0, None, 0, 0, keys))
         self.add_spans(offsets, *spans, next_offset=next_offset)
 
-    def add_body(self, base_offset: int, body: records.EncodedBody) -> None:
-        """Index an appended batch's keys (``records.body_keys``: views of the body, no Arrow conversion);
-        its messages are at ``base_offset`` on."""
-        spans = records.body_keys(body)
-        if spans is None:
-            self.cover(base_offset + body.count)
-        else:
-            self.add_spans(base_offset, *spans)
-
     def add_batches(self, u8: np.ndarray, positions: np.ndarray, next_offset: int) -> None:
         """Index the keys of the whole batches at ``positions`` of ``u8`` (``records.key_spans``: a replica's
         copy, a rebuild from the log), markers left out; afterwards the index covers below ``next_offset``."""
@@ -245,10 +233,10 @@ class KeyIndex:
             self._next_offset = max(self._next_offset, next_offset)
 
     def defer(self, base_offset: int, count: int, body: Optional[records.EncodedBody] = None) -> None:
-        """``add_body`` (``cover`` for a body of None: a marker) for an appended batch of ``count`` messages
-        at ``base_offset``, applied later: by the indexer thread, or by whoever reads the index first. Keeps
-        a copy of the key bytes (a receive buffer may be used again). Callers serialise (the partition's
-        write lock) and call in offset order."""
+        """Index an appended batch of ``count`` messages at ``base_offset`` (its keys: ``records.body_keys``;
+        a body of None, a marker: none) later: by the indexer thread, or by whoever reads the index first.
+        Keeps a copy of the key bytes (a receive buffer may be used again). Callers serialise (the
+        partition's write lock) and call in offset order."""
         self._writing()
         keys = None if body is None else body.keys
         if keys is None:
