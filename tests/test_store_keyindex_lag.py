@@ -17,6 +17,8 @@ import shutil
 import sys
 import threading
 
+import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -194,3 +196,18 @@ def test_each_acknowledged_append_is_found_at_once_while_others_append_and_roll(
     finally:
         sys.setswitchinterval(old)
         log.close()
+
+
+def test_keys_in_a_buffer_used_again_after_the_append_are_indexed_as_appended(tmp_path, held):
+    """An Arrow key column over a caller's buffer (as a zero-copy decode makes), overwritten once the append
+    returned and before the indexer ran: the index holds the keys as they were written."""
+    buffer = bytearray(b"k1k22")
+    keys = pa.Array.from_buffers(pa.binary(), 3, [None, pa.py_buffer(np.array([0, 2, 2, 5], np.int32).tobytes()),
+                                                  pa.py_buffer(buffer)])
+    log = PartitionLog.open(tmp_path / "p", "t", 0, TopicConfig())
+    log.append([b"v", b"w", b"x"], keys=keys)
+    buffer[:] = b"zzzzz"
+    assert lookup.by_key(log, b"k1").offsets == [0]
+    assert lookup.by_key(log, b"").offsets == [1]
+    assert lookup.by_key(log, b"k22").offsets == [2]
+    log.close()
