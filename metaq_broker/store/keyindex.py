@@ -161,6 +161,12 @@ class KeyIndex:
     of the key's hash (whose top ``slot_bits`` bits pick the slot), the previous entry of the slot, and the
     offset relative to ``base_offset``.
 
+    Appending only hashes: entries [``_chained``, ``_n``) are hashed, not yet in the slots' chains. Whatever
+    reads the chains (a lookup, the file's bytes, ``columns``) chains them first, with the table size
+    ``_bits_for`` gives for the entry count (rebuilt when that changed): the same bytes as chaining per
+    batch, but the table's random reads and writes come in one tight pass, mostly once per segment (at
+    sealing), not batch by batch into a table that the appends' own data pushed out of the caches.
+
     A writable index serialises ``add``, ``truncate`` and ``candidates`` with its own lock (chains are
     rewritten in place as they grow); a loaded one never changes and takes none."""
 
@@ -171,7 +177,7 @@ class KeyIndex:
         self._bits = slot_bits = _bits_for(0, max_slot_bits)
         self._slots = np.zeros(1 << slot_bits, np.uint32)
         self._hash, self._prev, self._off = (np.zeros(capacity, np.uint32) for _ in range(3))
-        self._n = 0
+        self._n = self._chained = 0  # entries; entries in the chains (``_bits`` is ``_bits_for`` of it)
         self._lock: Optional[threading.Lock] = threading.Lock()
         # Appends queued by ``defer`` and not yet applied, oldest first: (first offset, a copy of the key
         # bytes, where each key starts in them (None: back to back), their lengths, next offset); the bytes
@@ -195,13 +201,30 @@ class KeyIndex:
 
     @property
     def slot_bits(self) -> int:
-        return self._bits
+        with self._lock or _NO_LOCK:
+            self._ready()
+            return self._bits
 
     def columns(self) -> tuple:
         """(hashes, previous entries, relative offsets) of the entries (every queued append applied)."""
-        self.catch_up()
-        n = self._n
-        return self._hash[:n], self._prev[:n], self._off[:n]
+        with self._lock or _NO_LOCK:
+            self._ready()
+            n = self._n
+            return self._hash[:n], self._prev[:n], self._off[:n]
+
+    def _ready(self) -> None:
+        """Under ``_lock``: every queued append applied and every entry chained."""
+        self._apply_pending()
+        n, chained = self._n, self._chained
+        if chained == n:
+            return
+        bits = _bits_for(n, self._max_bits)
+        if bits != self._bits:
+            self._rebuild(n, bits)
+        else:
+            _kernels()[1](self._hash[chained:n], self._off[chained:n], self._slots, np.uint32(32 - bits), self._hash,
+                          self._prev, self._off, chained)
+            self._chained = n
 
     # -- building ---------------------------------------------------------------------------------------
     def add(self, offsets, keys, next_offset: Optional[int] = None) -> None:
@@ -306,11 +329,8 @@ class KeyIndex:
                 raise ValueError(f"offsets {self.base_offset + first}..{self.base_offset + final} cannot follow "
                                  f"this index's (base offset {self.base_offset}, {self._n} entries)")
             self._make_room(len(keyed))
-            hash_keys, chain = _kernels()
-            n = self._n
-            m = hash_keys(data if len(data) else _EMPTY, starts, lengths, rels, self._hash, self._off, n)
-            self._n = chain(self._hash[n:m], self._off[n:m], self._slots, np.uint32(32 - self._bits), self._hash,
-                            self._prev, self._off, n)
+            self._n = _kernels()[0](data if len(data) else _EMPTY, starts, lengths, rels, self._hash, self._off,
+                                    self._n)
         cover = next_offset if next_offset is not None else None if last is None else last + 1
         if cover is not None:
             self._next_offset = max(self._next_offset, cover)
@@ -321,12 +341,10 @@ class KeyIndex:
         return self._lock
 
     def _make_room(self, m: int) -> None:
-        """Room for ``m`` more entries, the table grown first if they make the chains too long."""
+        """Room for ``m`` more entries in the columns."""
         n = self._n
         if n + m >= 1 << 32:
             raise ValueError("a segment's key index holds fewer than 2^32 entries")
-        if _bits_for(n + m, self._max_bits) != self._bits:
-            self._rebuild(n, _bits_for(n + m, self._max_bits))
         if n + m > len(self._hash):
             self._hash, self._prev, self._off = (_grown(a, n, max(2 * len(a), n + m))
                                                  for a in (self._hash, self._prev, self._off))
@@ -337,15 +355,16 @@ class KeyIndex:
         slots = np.zeros(1 << bits, np.uint32)
         _kernels()[1](self._hash[:n], self._off[:n], slots, np.uint32(32 - bits), self._hash, self._prev,
                       self._off, 0)
-        self._bits, self._slots, self._n = bits, slots, n
+        self._bits, self._slots, self._n, self._chained = bits, slots, n, n
 
     def truncate(self, offset: int) -> None:
         """Forget every message at or after ``offset`` (a replica's cut of its tail)."""
         with self._writing():
             self._apply_pending()
             k = int(np.searchsorted(self._off[: self._n], max(offset - self.base_offset, 0), "left"))
-            if k < self._n:
+            if k < self._chained:  # chains through the cut entries: made again without them
                 self._rebuild(k, _bits_for(k, self._max_bits))
+            self._n = min(self._n, k)
             self._next_offset = min(self._next_offset, max(offset, self.base_offset))
 
     # -- looking up -------------------------------------------------------------------------------------
@@ -353,7 +372,7 @@ class KeyIndex:
         """Offsets in [lo, hi) of messages whose key hashes like ``key_hash`` (a 64-bit ``hash_key``),
         newest first, at most ``limit``. Some keys may only share the hash: ``lookup`` compares them."""
         with self._lock or _NO_LOCK:
-            self._apply_pending()
+            self._ready()
             n, slots, hashes, prevs, rels = self._n, self._slots, self._hash, self._prev, self._off
             if not n or limit < 1:
                 return []
@@ -381,7 +400,7 @@ class KeyIndex:
         """The file's bytes, as parts for one write: header, slots, then the three entry columns.
         ``segment_size``: bytes of the segment file it describes (a load checks them)."""
         with self._lock or _NO_LOCK:
-            self._apply_pending()
+            self._ready()
             n = self._n
             columns = [np.array(self._slots)] + [np.array(c[:n]) for c in (self._hash, self._prev, self._off)]
             bits, next_offset = self._bits, self._next_offset
@@ -434,17 +453,19 @@ class KeyIndex:
             raise IndexProblem("has entries out of order or chains that do not point back")
         index = cls(base_offset, start, MAX_SLOT_BITS, 0)
         index._bits, index._slots, (index._hash, index._prev, index._off) = bits, slots, columns
-        index._n, index._next_offset, index._lock = n, next_offset, None
+        index._n, index._chained, index._next_offset, index._lock = n, n, next_offset, None
         return index
 
     def writable_copy(self) -> "KeyIndex":
         """An in-memory copy that ``add`` and ``truncate`` may change (a sealed segment made the tail again)."""
-        self.catch_up()
-        copy = KeyIndex(self.base_offset, self.start, self._max_bits, max(1024, 2 * self._n))
+        columns = self.columns()  # every entry chained
+        n = len(columns[0])
+        copy = KeyIndex(self.base_offset, self.start, self._max_bits, max(1024, 2 * n))
         copy._bits, copy._slots = self._bits, np.array(self._slots)
-        for mine, theirs in zip(self.columns(), (copy._hash, copy._prev, copy._off)):
-            theirs[: self._n] = mine
-        copy._n, copy._next_offset = self._n, self._next_offset
+        for mine, theirs in zip(columns, (copy._hash, copy._prev, copy._off)):
+            theirs[:n] = mine
+        copy._n = copy._chained = n
+        copy._next_offset = self._next_offset
         return copy
 
 
