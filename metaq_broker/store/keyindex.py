@@ -9,19 +9,20 @@ previous entry in the same slot, newest first; a query walks one chain. Adapted:
   index turns a time range into an offset range first (``offset_range``), and a chain, walked newest first,
   stops at the first entry below it. An entry is 12 bytes (RocketMQ's 20): 32 bits of the key's 64-bit
   hash, the previous entry's number, and the offset relative to the segment's base;
-* a batch's keys are hashed, then chained, by two compiled loops (numba): numpy took 90-180 ns a key (a
-  dozen passes over the words, one sort of the slots), as much as the append itself, where the goal is
-  an append rate with the index at least 0.9 of the rate without (benchmarks/bench_key_index.py); one
-  loop doing both took 50-100 ns a key once the table outgrew the caches, two take ~30; the table grows
-  fourfold (a rebuild) when the chains average more than four entries;
+* a batch's keys are hashed by one compiled loop (numba), and chained by another when the index is read
+  (``KeyIndex._ready``): numpy took 90-180 ns a key (a dozen passes over the words, one sort of the
+  slots), as much as the append itself, where the goal is an append rate with the index at least 0.9 of
+  the rate without (benchmarks/bench_key_index.py); one loop hashing and chaining per batch took 50-100
+  ns a key once the table outgrew the caches; the table grows fourfold (a rebuild) when the chains
+  average more than four entries;
 * false hash matches are removed by comparing the real key, read from the log at the answer's offset
   (``lookup``'s ``read_keys``);
 * an append only queues its batch's keys (``defer``: a copy of the key bytes, under the partition's write
-  lock, before the batch is published); one thread per process (``_Indexer``) hashes and chains them
-  while the appender writes, fsyncs and replies, and every reader of the index (a lookup, sealing,
+  lock, before the batch is published); one thread per process (``_Indexer``) hashes them while the
+  appender writes, fsyncs and replies, and every reader of the index (a lookup, sealing,
   truncation, a write of the file) first applies what is queued, in order, under the index's lock. So a
   lookup finds every message a reader could read when it began, the append path waits for no hashing
-  (the goal above: ~60 ns a key under the write lock before), and a queue longer than ``MAX_LAG_KEYS``
+  (45-100 ns a key under the write lock before), and a queue longer than ``MAX_LAG_KEYS``
   is applied by the appender itself.
 
 Message ids need no index of their own: ids grow with offsets and are dense in a batch, so the offset
@@ -89,9 +90,8 @@ def hash_key(key: bytes) -> int:
 def _hash_keys(data, starts, lengths, rels, hashes, offs, n):  # pragma: no cover - run compiled (``_kernels``)
     """Entries n, n + 1, ... (0-based) for the keys ``data[starts[i]:][:lengths[i]]`` (a length below 0: no
     key, no entry) of the messages at relative offsets ``rels[i]``: the high 32 bits of each key's
-    ``hash_key`` and the offset, not yet chained (``_chain`` does). Returns the new entry count. Apart from
-    the chaining so that this loop touches nothing at random and ``_chain``'s, small, has its table reads
-    in flight together: about twice as fast as one loop doing both once the table outgrows the caches."""
+    ``hash_key`` and the offset, not yet chained (``_chain`` does, when the index is read). Returns the new
+    entry count. Touches nothing at random."""
     golden, m1, m2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)  # local: numba folds them once
     eight, one = np.uint64(8), np.uint64(1)
     for i in range(starts.shape[0]):
