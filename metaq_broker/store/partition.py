@@ -175,9 +175,11 @@ class PartitionLog:
     # under ``_write_lock`` (and ``_flush_cond``). Readers take no lock: they read the ends first, then
     # ``_segments``, which then holds every offset below them. Lock order: ``_write_lock``, then
     # ``_flush_cond``, then ``_data_cond`` (waiters for data only), then a watcher's event (``watch``); a
-    # group commit's leader releases ``_flush_cond`` before it takes ``_write_lock``. Under ``_write_lock``
-    # too: ``_metaq_end``, ``_last_ts``, ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``,
-    # ``_identity``, ``_closed``.
+    # group commit's leader releases ``_flush_cond`` before it takes ``_write_lock``. A segment's key index
+    # lock comes after ``_write_lock`` and a segment's ``_keys_lock`` and takes none itself (the indexer
+    # thread and lookups hold only it). Under ``_write_lock`` too: ``_metaq_end``, ``_last_ts``,
+    # ``_unflushed``, ``producers``, ``_epochs`` and ``_next_epoch``, ``_identity``, ``_closed``, and queuing
+    # a batch's keys on the active segment's key index (``KeyIndex.defer``).
 
     def __init__(self, loaded: LoadedLog, topic: str, partition: int, config: TopicConfig,
                  ids: MessageIdAllocator, clock=time.time, on_written: Optional[Callable[[], None]] = None):
@@ -450,11 +452,8 @@ class PartitionLog:
         seg.append(parts, nbytes, batches)
         keys = seg.keys
         for (base, msg_id), (body, txn, flags, commit, producer) in zip(placed, items):
-            if keys is not None:  # before the batch is published: a reader finds what it can read
-                if flags & records.CONTROL:
-                    keys.cover(base + body.count)
-                else:
-                    keys.add_body(base, body)
+            if keys is not None:  # queued before the batch is published: a lookup applies it first
+                keys.defer(base, body.count, None if flags & records.CONTROL else body)
             if flags & records.CONTROL:
                 if txn:  # txn 0: an epoch marker, which settles nothing
                     self.txns.on_marker(txn, base, commit)

@@ -116,7 +116,9 @@ class Segment:
     its entries, then publishes ``_n``; readers read ``_n`` before ``_entries``).
 
     Its key index (a topic with ``key_index``): ``keys``, built in memory while the segment is appended
-    to (the partition adds each batch's keys under its write lock, before publishing them); once sealed,
+    to (the partition queues each batch's keys under its write lock, before publishing them; the indexer
+    thread or the next reader of the index applies them: ``KeyIndex.defer``); once sealed (which applies
+    the queue),
     written to ``<start>.keys`` by ``write_keys`` (outside the partition's write lock) and then read from
     the file when first asked (``key_index``), rebuilt from the log if the file is missing or damaged.
     ``_keys_lock`` guards that loading and writing."""
