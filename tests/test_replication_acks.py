@@ -98,6 +98,11 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
         g.members[first].start()
         return second
 
+    def in_sync_seen(producer) -> list:
+        """The in-sync set as the master holds it (DescribeGroup)."""
+        reply = producer.connection(1).call("DescribeGroup", pb.DescribeGroupRequest(), retries=3)
+        return sorted(m.replica_id for m in reply.members if m.in_sync)
+
     def prepared(producer) -> set:
         reply = producer.connection(1).call("RecoverTransactions", pb.RecoverTransactionsRequest(), retries=3)
         return {t.xid for t in reply.transactions}
@@ -146,8 +151,10 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
             for r in others:
                 freeze(r)
             try:
-                wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master], timeout=30,
-                           what="the in-sync set shrunk to the master")
+                # ZooKeeper has a shrink a moment before the master applies it (written, then applied): wait
+                # for the master's own view too, which its refusals follow
+                wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master] and in_sync_seen(producer) == [master],
+                           timeout=30, what="the in-sync set shrunk to the master, in ZooKeeper and on the master")
                 end = consumer.offset_bounds("t")["1-0"][2]
                 try:  # (e)
                     producer.transaction("ack-d").send_batch("t", [b"d"], partition="1-0")
