@@ -35,36 +35,41 @@ def topics_of(zk, paths: ZkPaths, broker_id: int) -> list:
     return sorted(t for t in topics if zk.exists(paths.topic_entry(t, broker_id)))
 
 
+def _entries_data(zk, paths: ZkPaths, topic: str):
+    """The data of each of ``topic``'s entries that is there when read (none for a topic no broker has)."""
+    try:
+        names = zk.get_children(paths.topic(topic))
+    except NoNodeError:
+        return
+    for name in names:
+        try:
+            yield zk.get(f"{paths.topic(topic)}/{name}")[0]
+        except NoNodeError:
+            continue
+
+
 def partition_counts(zk, paths: ZkPaths, topic: str) -> dict:
     """``{brokerId: numPartitions}`` of ``topic`` from its entries (brokers down at the moment included);
     {} for a topic no broker has. An unreadable entry counts as none."""
-    try:
-        entries = zk.get_children(paths.topic(topic))
-    except NoNodeError:
-        return {}
     counts = {}
-    for name in entries:
+    for data in _entries_data(zk, paths, topic):
         try:
-            broker_id, n = parse_entry(zk.get(f"{paths.topic(topic)}/{name}")[0])
+            broker_id, n = parse_entry(data)
             counts[broker_id] = n
-        except (NoNodeError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
     return counts
 
 
 def static_brokers(zk, paths: ZkPaths, topic: str) -> list:
     """The brokers whose server.ini configures ``topic`` (their entries say ``static``), sorted."""
-    try:
-        names = zk.get_children(paths.topic(topic))
-    except NoNodeError:
-        return []
     found = []
-    for name in names:
+    for data in _entries_data(zk, paths, topic):
         try:
-            m = json.loads(zk.get(f"{paths.topic(topic)}/{name}")[0])
+            m = json.loads(data)
             if m.get("static") is True:
                 found.append(int(m["brokerId"]))
-        except (NoNodeError, ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return sorted(found)
 
