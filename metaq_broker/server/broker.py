@@ -827,11 +827,11 @@ class Broker:
         must wait: a transaction that has batches in it is still live (it ends by its commit, rollback or
         timeout; puts to the topic are refused meanwhile), or this broker's server.ini configures it."""
         why = None
+        xids = self.transactions.on_topic(topic) if self.transactions is not None else []
         if topic in self.config.topics:
             why = (f"it is configured in {self.config.source or 'server.ini'} ([topic={topic}]): remove the section "
                    f"and restart this broker")
-        elif self.transactions is not None and self.transactions.on_topic(topic):
-            xids = self.transactions.on_topic(topic)
+        elif xids:
             why = f"{len(xids)} transaction(s) with batches in it are not settled yet ({', '.join(xids[:3])})"
         if why is not None:
             if self._postponed.get(topic) != why:
