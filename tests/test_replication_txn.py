@@ -64,9 +64,11 @@ def prepared_on_master(producer) -> set:
     return {t.xid for t in reply.transactions}
 
 
-def roll_back_leftovers(producer) -> None:
-    """Roll back what earlier tests left prepared (only when a test runs alone): they hold readers back."""
-    for xid in prepared_on_master(producer):
+def roll_back_leftovers(producer, keep=()) -> None:
+    """Roll back what earlier tests left prepared but ``keep``: they hold readers back. There are some when
+    a test runs without the tests before it in this file, as when pytest-xdist hands them to another worker
+    (each worker then builds the module's group: CI's failure of stop 31)."""
+    for xid in prepared_on_master(producer) - set(keep):
         producer.connection(1).call("RollbackTransaction", pb.TransactionRequest(xid=xid), retries=3)
 
 
@@ -146,12 +148,12 @@ def test_the_new_master_settles_from_the_decision_record(after_failover, group, 
     """The Spark sink's case: the driver records its decision and dies; the new master's resolver commits."""
     _, xids, sink = after_failover
     producer, consumer = clients
+    roll_back_leftovers(producer, keep={x for _, x in xids["by-decision"]})  # ahead of it in the log
     zk = group.zk
     zk.ensure_path(sink.rsplit("/", 1)[0])
     txn_decisions.decide_commit(zk, sink, "r1", [list(x) for x in xids["by-decision"]])
     expected = sorted(values("by-decision-1-0", 5) + values("by-decision-1-1", 5))
-    # The resolver's round is a second; a minute bounds it on a loaded machine (20 s timed out once in CI).
-    wait_until(lambda: visible(consumer, b"by-decision-") == expected, timeout=60, what="the resolver committed it")
+    wait_until(lambda: visible(consumer, b"by-decision-") == expected, timeout=30, what="the resolver committed it")
     assert not {x for _, x in xids["by-decision"]} & prepared_on_master(producer)
 
 
