@@ -79,7 +79,9 @@ def clock():
 # -- real ZooKeeper and broker processes ---------------------------------------------------------------
 import itertools  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 _roots = itertools.count()
@@ -190,6 +192,27 @@ def process_states(pids) -> dict:
         except (OSError, IndexError):
             out[pid] = "gone"
     return out
+
+
+def interrupt(procs, timeout: float = 30.0) -> list:
+    """SIGINT ``procs`` (``metaq`` commands, Popen with pipes) as a user's Ctrl-C; [(stdout, stderr)] once
+    all exited. One still running after ``timeout`` fails the test with the stack of each of its threads
+    (the commands dump them on SIGUSR1), so a hang says where it waits."""
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    deadline, outs, hung = time.monotonic() + timeout, [], []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            p.kill()
+            out, err = p.communicate()
+            outs.append((out, err))
+            hung.append(f"pid {p.pid} {p.args[-6:]}:\n{err.decode(errors='replace')[-6000:]}")
+    assert not hung, f"still running {timeout:g}s after SIGINT:\n" + "\n".join(hung)
+    return outs
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+from conftest import interrupt, wait_until
 
+from metaq_broker.client.admin import Admin
+from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 
 pytestmark = pytest.mark.process
@@ -86,6 +90,27 @@ def test_a_cli_command_ends_with_a_clear_error_when_zookeeper_is_gone(doomed_zoo
     r = run_script("from metaq_broker.tools.cli import main; main()", "--zk", connect, "topics", "list")
     assert r.returncode != 0
     assert f"cannot connect to ZooKeeper at {connect}" in r.stderr + r.stdout
+
+
+def test_a_group_member_following_a_topic_ends_on_ctrl_c_when_zookeeper_is_gone(doomed_zookeeper):
+    """``metaq consume --group --follow`` leaves its group on Ctrl-C; with ZooKeeper gone it cannot (kazoo
+    held the call until a reconnect: the command hung), and it ends anyway, saying so; its nodes go with its
+    session."""
+    connect = doomed_zookeeper.connect_string
+    follower = subprocess.Popen([sys.executable, "-m", "metaq_broker.tools.cli", "--zk", connect, "consume", "t",
+                                 "--group", "g", "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with Admin(zk_connect=connect) as admin, Producer(zk_connect=connect) as producer:
+            wait_until(lambda: admin.group_members("g"), timeout=30, what="the follower joined its group")
+            wait_until(lambda: len(producer.partitions("t")) == 2, what="the topic routed")
+            producer.send_batch("t", [b"m0", b"m1"], partition="1-0")
+        assert follower.stdout.readline() == b"m0\n" and follower.stdout.readline() == b"m1\n"
+        doomed_zookeeper.stop()
+        time.sleep(1)
+        (out, err), = interrupt([follower], timeout=BOUND_S)
+    finally:
+        follower.kill()
+    assert follower.returncode != 0 and b"could not leave in ZooKeeper" in err, err[-3000:].decode()
 
 
 SPARK_DRIVER = """

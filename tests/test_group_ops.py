@@ -2,14 +2,13 @@
 reset-offsets`` (each target, a partition subset, the dry run, refusal while members are live),
 ``metaq groups delete``, ``metaq consume --group`` joining the group and committing (the client's
 ``GroupMember``, which rebalances), and the errors."""
-import signal
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 
 import pytest
-from conftest import wait_until
+from conftest import interrupt, wait_until
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer, GroupMember
@@ -155,12 +154,10 @@ def test_consume_with_a_group_joins_it_and_commits_what_it_printed(running):
             with running.client(Producer) as p:
                 p.send_batch(TOPIC, [b"late"], partition="1-1")
             wait_until(lambda: committed(running, "cg") == {"1-0": 20, "1-1": 6}, what="the new message committed")
-            follower.send_signal(signal.SIGINT)
-            follower.wait(30)
+            (out, _), = interrupt([follower])
             assert admin.group_members("cg") == []  # it left the group
     finally:
         follower.kill()
-        out = follower.communicate()[0]
     assert out.split()[-1] == b"late" and len(out.split()) == 19 + 5 + 1
     r = metaq(running, "groups", "cg")
     assert [line.split()[-1] for line in r.stdout.splitlines()[1:]] == [b"0", b"0"]  # no lag
@@ -178,9 +175,7 @@ def test_two_group_members_share_the_partitions(running):
             assert set(owners.values()) == set(store.members("pair"))
             wait_until(lambda: committed(running, "pair") == {"1-0": 20, "1-1": 5}, what="all read and committed")
     finally:
-        for f in followers:
-            f.send_signal(signal.SIGINT)
-        outs = [f.communicate(timeout=30)[0] for f in followers]
+        outs = [out for out, _ in interrupt(followers)]
     assert sorted(b"".join(outs).split()) == sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(5)]
                                                     + [b"c%d" % i for i in range(10)])
 

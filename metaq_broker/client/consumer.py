@@ -24,6 +24,7 @@ from metaq_broker.protocol import records
 from metaq_broker.protocol.lookup import DEFAULT_MAX_ANSWERS, MAX_ANSWERS, LookupRequest
 from metaq_broker.protocol.services import COMMIT_OFFSETS, FETCH_OFFSETS
 from metaq_broker.zk.group_offsets import GroupStore
+from metaq_broker.zk.session import negotiated_timeout
 
 log = logging.getLogger(__name__)
 
@@ -280,11 +281,9 @@ class Consumer(ClientBase):
             self.commit(topic, {p: self.positions[(topic, p)] for p in owned})
 
     def close(self) -> None:
-        if self._owned:  # joined the group (subscribe): leave it
-            for topic, parts in self._owned.items():
-                for p in parts:
-                    self._groups.release(self.group, topic, p, self.consumer_id)
-            self._groups.leave(self.group, self.consumer_id)
+        if self._owned:  # joined the group (subscribe): leave it, within the session's time
+            self._groups.leave(self.group, self.consumer_id, self._owned,
+                               timeout=negotiated_timeout(self.cluster.zk) or 10.0)
         super().close()
 
 

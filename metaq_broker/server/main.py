@@ -3,6 +3,7 @@ Any [system] or per-topic default key may be given as a flag, e.g. ``--serverPor
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -49,6 +50,7 @@ def main(argv=None) -> None:
     # start in order instead of by the default, abrupt death.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack on stderr
     try:
         config = load(args.config, overrides)
         broker = Broker(config, repair=args.repair)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import io
 import json
+import signal
 import sys
 import time
 from datetime import datetime
@@ -76,6 +78,7 @@ def _run(fn, *args, **kwargs):
 @click.pass_context
 def main(ctx, zk, zk_root, brokers, command_config):
     """metaq: a MetaQ-style message broker with an exactly-once Spark connector."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a command that hangs waits
     props = None
     if command_config is not None:
         try:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Iterable, Optional
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
+from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError, RolledBackError
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.names import parse_partition_name
@@ -273,11 +274,35 @@ class GroupStore:
                                            f"{group!r} in another live session") from None
             self.zk.set(path, data)
 
-    def leave(self, group: str, consumer_id: str) -> None:
+    def leave(self, group: str, consumer_id: str, owned: Optional[dict] = None, timeout: float = 10.0) -> bool:
+        """Give up the partitions this member owns (``{topic: [partition]}``) and its membership, waiting
+        at most ``timeout`` seconds: a member closing while ZooKeeper is unreachable must still end (kazoo
+        holds a call until it reconnects), and its nodes, ephemeral, go when its session expires instead.
+        True if it left now."""
+        deadline = time.monotonic() + timeout
+        wait = lambda result: result.get(timeout=max(deadline - time.monotonic(), 0.001))  # noqa: E731
         try:
-            self.zk.delete(self.paths.group_member(group, consumer_id))
-        except NoNodeError:
-            pass
+            paths = [self.paths.group_owner(group, t, p) for t, parts in (owned or {}).items() for p in parts]
+            reads = [(path, self.zk.get_async(path)) for path in paths]
+            deletes = []
+            for path, read in reads:
+                try:
+                    data, stat = wait(read)
+                except NoNodeError:
+                    continue
+                if data.decode() == consumer_id:
+                    deletes.append(self.zk.delete_async(path, version=stat.version))
+            deletes.append(self.zk.delete_async(self.paths.group_member(group, consumer_id)))
+            for d in deletes:
+                try:
+                    wait(d)
+                except (NoNodeError, BadVersionError):
+                    continue  # gone already, or another member's now
+            return True
+        except (KazooException, self.zk.handler.timeout_exception) as e:
+            log.warning("group %s: member %s could not leave in ZooKeeper (%s: %s); its nodes go when its "
+                        "session expires", group, consumer_id, type(e).__name__, e)
+            return False
 
     def members(self, group: str, topic: Optional[str] = None) -> list:
         """Sorted consumer ids of live members (only those subscribed to ``topic`` if given)."""
