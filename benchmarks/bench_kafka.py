@@ -12,6 +12,11 @@ acknowledged after the fsync covering it):
   default ``fetch.wait.max.ms`` 500 and ``fetch.min.bytes`` 1) reading every message of a topic, against
   metaq's ``Consumer.read_range`` of the same topic (the baseline); msgs/s.
 
+* the client's ceiling: the same producer loop into librdkafka's own in-memory mock broker
+  (``test.mock.num.brokers``, in the client's process: no network, no disk, no fsync), and the same
+  consumer loop reading those messages back from it: what one Python thread gets out of confluent-kafka
+  at all, so "Kafka listener / ceiling" says how much of it metaq's broker leaves on the table.
+
 Goals (issue 27): Kafka produce >= 0.7 x metaq's msgs/s, Kafka consume >= 0.7 x metaq's, broker CPU per
 Kafka-produced message <= 1.5 x per metaq put message. Figures only, best of ``--rounds``; nothing is
 asserted. One ``BrokerProcess`` and a ``LocalZooKeeper`` on loopback, stopped and removed at the end.
@@ -22,6 +27,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pyarrow as pa
 
@@ -36,6 +42,8 @@ from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
 BATCH = 10_000
 SIZES = (100, 1024)
 PARTITIONS = ("1-0", "1-1")
+PRODUCER = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "queue.buffering.max.messages": 1_000_000,
+            "log_level": 3}
 
 
 def values(n: int, size: int) -> list:
@@ -64,8 +72,12 @@ def produce_metaq(z: dict, broker: BrokerProcess, topic: str, data: list) -> dic
 
 def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
     from confluent_kafka import Producer  # lazy: only this benchmark needs it
-    p = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "linger.ms": 5, "batch.size": 1 << 20,
-                  "queue.buffering.max.messages": 1_000_000, "log_level": 3})
+    return produce_confluent(Producer({"bootstrap.servers": broker.bootstrap, **PRODUCER}), topic, data, broker)
+
+
+def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess] = None) -> dict:
+    """The producer loop (per message, a delivery callback: what a Python application writes) into
+    whatever ``p`` is connected to; the broker's CPU per message when ``broker`` is given."""
     p.produce(topic, data[0])  # connections and metadata, outside the timing
     p.flush(30)
     failed = []
@@ -73,7 +85,7 @@ def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
     def report(err, msg):
         if err:
             failed.append(err)
-    cpu0, t0 = proc_cpu_s(broker.proc.pid), time.perf_counter()
+    cpu0, t0 = proc_cpu_s(broker.proc.pid) if broker else 0.0, time.perf_counter()
     for v in data:
         try:
             p.produce(topic, v, on_delivery=report)
@@ -83,10 +95,12 @@ def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
     if p.flush(120):
         raise RuntimeError("confluent-kafka did not deliver every message within 120 s")
     seconds = time.perf_counter() - t0
-    cpu = proc_cpu_s(broker.proc.pid) - cpu0
     if failed:
         raise RuntimeError(f"{len(failed)} messages failed: {failed[:3]}")
-    return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6}
+    out = {"msgs_per_s": len(data) / seconds}
+    if broker:
+        out["broker_us_per_msg"] = (proc_cpu_s(broker.proc.pid) - cpu0) / len(data) * 1e6
+    return out
 
 
 def consume_metaq(z: dict, topic: str, n: int) -> dict:
@@ -101,11 +115,18 @@ def consume_metaq(z: dict, topic: str, n: int) -> dict:
 
 
 def consume_kafka(broker: BrokerProcess, topic: str, n: int) -> dict:
+    return consume_confluent(broker.bootstrap, topic, n)
+
+
+def consume_confluent(bootstrap: str, topic: str, n: int) -> dict:
+    """The consumer loop (assign every partition from 0, ``consume(10000)``, look at each message) reading
+    ``topic`` to its end from ``bootstrap``."""
     from confluent_kafka import Consumer, TopicPartition  # lazy: only this benchmark needs it
-    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "bench", "enable.auto.commit": False,
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench", "enable.auto.commit": False,
                   "fetch.max.bytes": 8 << 20, "max.partition.fetch.bytes": 4 << 20, "log_level": 3})
-    ends = sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=15)[1] for p in (0, 1))
-    c.assign([TopicPartition(topic, p, 0) for p in (0, 1)])
+    partitions = list(c.list_topics(topic, timeout=15).topics[topic].partitions)
+    ends = sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=15)[1] for p in partitions)
+    c.assign([TopicPartition(topic, p, 0) for p in partitions])
     got, t0 = 0, time.perf_counter()
     deadline = t0 + 300
     while got < ends and time.perf_counter() < deadline:
@@ -117,6 +138,15 @@ def consume_kafka(broker: BrokerProcess, topic: str, n: int) -> dict:
     if got < n:
         raise RuntimeError(f"confluent-kafka's consumer read {got} of {n}")
     return {"msgs_per_s": got / seconds}
+
+
+def client_ceiling(topic: str, data: list) -> tuple:
+    """(produce, consume) of the same loops against librdkafka's mock broker: the client's own limit."""
+    from confluent_kafka import Producer  # lazy: only this benchmark needs it
+    p = Producer({"test.mock.num.brokers": 1, **PRODUCER})
+    produced = produce_confluent(p, topic, data)
+    mock = next(iter(p.list_topics(topic, timeout=15).brokers.values()))  # lives as long as ``p``
+    return produced, consume_confluent(f"{mock.host}:{mock.port}", topic, len(data))
 
 
 def main() -> None:
@@ -151,6 +181,12 @@ def main() -> None:
                 for name, case in cases.items():
                     runs.setdefault(name, []).append(case())
                     log(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name][-1].items()))
+                ceiling = dict(zip((f"produce {size} B confluent-kafka into the mock",
+                                    f"consume {size} B confluent-kafka from the mock"),
+                                   client_ceiling(f"mock-{size}-{r}", data)))
+                for name, result in ceiling.items():
+                    runs.setdefault(name, []).append(result)
+                    log(f"round {r + 1} {name}: msgs_per_s {result['msgs_per_s']:,.1f}")
         best = {name: {k: (max if k == "msgs_per_s" else min)(x[k] for x in rs) for k in rs[0]}
                 for name, rs in runs.items()}
         results["cases"] = best
@@ -166,6 +202,12 @@ def main() -> None:
                 {"name": f"broker CPU per Kafka-produced message {size} B", "value": pk["broker_us_per_msg"],
                  "unit": "us/msg", "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"],
                  "goal": "<= 1.5", "note": "lower is better"},
+                {"name": f"confluent-kafka produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
+                 "baseline": "the client's ceiling (mock broker)",
+                 "baseline_value": best[f"produce {size} B confluent-kafka into the mock"]["msgs_per_s"]},
+                {"name": f"confluent-kafka consume {size} B", "value": ck["msgs_per_s"], "unit": "msgs/s",
+                 "baseline": "the client's ceiling (mock broker)",
+                 "baseline_value": best[f"consume {size} B confluent-kafka from the mock"]["msgs_per_s"]},
             ]
         results["figures"] = figures
         print(f"\n{'case':<36} {'msgs/s':>12} {'broker us/msg':>14}")
@@ -174,7 +216,8 @@ def main() -> None:
             print(f"{name:<36} {b['msgs_per_s']:>12,.0f} {'' if cpu is None else f'{cpu:.2f}':>14}")
         print()
         for f in figures:
-            print(f"{f['name']} / {f['baseline']}: {f['value'] / f['baseline_value']:.2f} (goal {f['goal']})")
+            goal = f" (goal {f['goal']})" if "goal" in f else ""
+            print(f"{f['name']} / {f['baseline']}: {f['value'] / f['baseline_value']:.2f}{goal}")
         write_json(args.json, results)
     finally:
         teardown(tmp, broker, zk)

@@ -16,6 +16,7 @@ from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol.status import RemoteNotEnoughReplicasError
 from conftest import process_states, wait_until
+from test_replication_basic import in_sync_seen
 
 TOPICS = {"synced": {"numPartitions": 1},
           "written": {"numPartitions": 1, "unflushThreshold": 1_000_000, "unflushInterval": 3_600_000}}
@@ -97,11 +98,6 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
         wait_until(lambda: producer.cluster.brokers().get(1) == g.members[second].address, what="new master seen")
         g.members[first].start()
         return second
-
-    def in_sync_seen(producer) -> list:
-        """The in-sync set as the master holds it (DescribeGroup)."""
-        reply = producer.connection(1).call("DescribeGroup", pb.DescribeGroupRequest(), retries=3)
-        return sorted(m.replica_id for m in reply.members if m.in_sync)
 
     def prepared(producer) -> set:
         reply = producer.connection(1).call("RecoverTransactions", pb.RecoverTransactionsRequest(), retries=3)

@@ -23,6 +23,15 @@ def read_all(consumer, topic="orders") -> list:
     return out
 
 
+def in_sync_seen(producer, broker_id: int = 1) -> list:
+    """The in-sync set as the group's master holds it (DescribeGroup). ZooKeeper's state holds an expansion
+    a moment before the master applies it (and a shrink before it leaves the ack set), so a put that needs
+    ``minInSyncReplicas`` waits for this, not for ``BrokerGroup.wait_in_sync`` alone."""
+    from metaq_broker.proto import metaq_pb2 as pb
+    reply = producer.connection(broker_id).call("DescribeGroup", pb.DescribeGroupRequest(), retries=3)
+    return sorted(m.replica_id for m in reply.members if m.in_sync)
+
+
 def log_bytes(data_path, topic="orders", partitions=2) -> list:
     """Every partition's record bytes, read from a stopped member's data directory."""
     store = MessageStore(data_path, background_interval=None)

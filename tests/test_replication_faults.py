@@ -17,7 +17,7 @@ from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotEnoughReplicasError,
                                           RemoteNotMasterError)
 from conftest import wait_until
-from test_replication_basic import log_bytes, read_all
+from test_replication_basic import in_sync_seen, log_bytes, read_all
 
 pytestmark = pytest.mark.process
 
@@ -92,6 +92,7 @@ def test_min_insync_refuses_acks_all_and_acks_one_still_writes(tmp_path, zookeep
             wait_until(lambda: consumer.offsets("orders")["1-0"][1] == end_before + 1, what="acks=1 visible")
             g.members[others[0]].start()
             g.wait_in_sync([master, others[0]])
+            wait_until(lambda: in_sync_seen(producer) == sorted([master, others[0]]), what="the master saw it join")
             Producer.send_batch(producer, "orders", [b"again"])
             assert sorted(read_all(consumer)) == [b"again", b"ok", b"one"]
     finally:

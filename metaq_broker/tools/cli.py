@@ -78,7 +78,8 @@ def _run(fn, *args, **kwargs):
 @click.pass_context
 def main(ctx, zk, zk_root, brokers, command_config):
     """metaq: a MetaQ-style message broker with an exactly-once Spark connector."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a command that hangs waits
+    with contextlib.suppress(ValueError, RuntimeError):  # not where stderr is no file (click's CliRunner)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a command that hangs waits
     props = None
     if command_config is not None:
         try:
