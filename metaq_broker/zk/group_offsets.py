@@ -280,7 +280,9 @@ class GroupStore:
         holds a call until it reconnects), and its nodes, ephemeral, go when its session expires instead.
         True if it left now."""
         deadline = time.monotonic() + timeout
-        wait = lambda result: result.get(timeout=max(deadline - time.monotonic(), 0.001))  # noqa: E731
+
+        def wait(result):
+            return result.get(timeout=max(deadline - time.monotonic(), 0.001))
         try:
             paths = [self.paths.group_owner(group, t, p) for t, parts in (owned or {}).items() for p in parts]
             reads = [(path, self.zk.get_async(path)) for path in paths]
