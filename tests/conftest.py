@@ -56,6 +56,16 @@ def pytest_collection_modifyitems(config, items):
     for item, lanes in lanes_of.items():
         for lane in sorted(lanes):
             item.add_marker(lane)
+        if lanes != {"unit"} and _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """The test shares a module-scoped fixture (a broker group, a SparkSession, a browser): with
+    ``--dist loadgroup`` (README's command) its module's tests run on one worker, in file order, so the
+    fixture is built once and no test finds the state another worker's tests were to leave (stop 31's CI
+    failure: a module's transactions settled by tests sent elsewhere)."""
+    return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
 
 
 class FakeClock:
