@@ -118,9 +118,9 @@ class Segment:
     Its key index (a topic with ``key_index``): ``keys``, built in memory while the segment is appended
     to (the partition queues each batch's keys under its write lock, before publishing them; the indexer
     thread or the next reader of the index applies them: ``KeyIndex.defer``); once sealed (which applies
-    the queue),
-    written to ``<start>.keys`` by ``write_keys`` (outside the partition's write lock) and then read from
-    the file when first asked (``key_index``), rebuilt from the log if the file is missing or damaged.
+    the queue), written to ``<start>.keys`` by ``write_keys`` (outside the partition's write lock) and then
+    read from the file when first asked (``key_index``), rebuilt from the log if the file is missing or
+    damaged.
     ``_keys_lock`` guards that loading and writing."""
 
     def __init__(self, directory: Path, start: int, base_offset: int, fd: int, size: int, summary: Summary,
