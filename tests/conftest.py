@@ -68,6 +68,22 @@ def _uses_a_module_fixture(item) -> bool:
     return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
 
 
+NO_SKIPS = "METAQ_TESTS_NO_SKIPS"  # set by .ci/run: there every test must run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where ``METAQ_TESTS_NO_SKIPS`` is set (CI, which installs every tool the tests need), a skipped test
+    fails naming why it would have skipped: a skip there hides what the test was to show. Elsewhere the
+    tests that need Chromium, node or kcat skip saying how to get them."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get(NO_SKIPS) and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped where every test must run ({NO_SKIPS} is set): {reason}"
+
+
 class FakeClock:
     """A settable clock (seconds), passed as ``clock=`` so time-dependent behaviour is deterministic."""
 

@@ -80,3 +80,30 @@ def test_a_test_marked_unit_may_not_use_a_process_fixture(suite):
     r = suite.runpytest("-q")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*test_a.py: test_liar is marked unit but uses process fixtures*"])
+
+
+def test_a_skip_fails_where_every_test_must_run(suite, monkeypatch):
+    """CI sets METAQ_TESTS_NO_SKIPS (.ci/run): a test that would skip (a tool missing) fails there, naming
+    why; elsewhere it skips. An expected failure (xfail) stays what it is."""
+    suite.makepyfile(test_a='''import pytest
+pytestmark = pytest.mark.unit
+
+def test_needs_a_tool():
+    pytest.skip("chromium is not installed")
+
+@pytest.mark.skipif(True, reason="kcat is not installed")
+def test_marked():
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_expected():
+    assert False
+''')
+    monkeypatch.delenv("METAQ_TESTS_NO_SKIPS", raising=False)
+    suite.runpytest("-q").assert_outcomes(skipped=2, xfailed=1)
+    monkeypatch.setenv("METAQ_TESTS_NO_SKIPS", "1")
+    r = suite.runpytest("-q")
+    r.assert_outcomes(failed=1, errors=1, xfailed=1)  # skipif skips in the setup: an error there
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    for why in ("chromium is not installed", "kcat is not installed"):
+        r.stdout.fnmatch_lines([f"*skipped where every test must run*{why}*"])
