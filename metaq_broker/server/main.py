@@ -38,12 +38,16 @@ def main(argv=None) -> None:
     # An operator's own setting wins.
     os.environ.setdefault("GRPC_VERBOSITY", "INFO" if args.log_level == "DEBUG" else "ERROR")
     from metaq_broker.server.broker import Broker  # noqa: PLC0415 - lazy: after GRPC_VERBOSITY, see above
-    broker, started = None, False
+    broker, started, asked_to_stop = None, False, []
 
     def on_signal(signum, frame):
         logging.getLogger("metaq_broker").info("signal %d: shutting down", signum)
         if not started:
-            raise SystemExit(0)  # still starting: Broker.start's own clean-up closes what it opened
+            # Still starting: Broker.start's own clean-up closes what it opened. The SystemExit can be lost
+            # (one raised inside a ctypes callback, numba compiling, is printed and ignored): noted, so a
+            # start that completes anyway stops at once.
+            asked_to_stop.append(signum)
+            raise SystemExit(0)
         broker.stop()
 
     # Installed before the start, so a SIGTERM while the store recovers or ZooKeeper is awaited ends the
@@ -63,6 +67,9 @@ def main(argv=None) -> None:
     except (ConfigError, MetaqError) as e:
         sys.stderr.write(f"metaq-broker: {e}\n")
         sys.exit(2)
+    if asked_to_stop:  # a signal came during the start and its SystemExit was swallowed: stop now
+        broker.stop()
+        return
     print(f"metaq broker {config.broker_id} listening on {broker.address}", flush=True)
     broker.wait()
 
