@@ -12,7 +12,7 @@ Cases, each for values of 100 B and 1 KiB with 16-byte keys, 1,000 records per b
   same records; and ``aiokafka decode`` (aiokafka's record reader, compiled, one Python object per record:
   the well-kept library alternative to our walk).
 * start-up: import of numba and ``records.warm_up()`` in a fresh interpreter, numba's cache warm (what a
-  broker pays at start), and with the cache emptied (the first start on a machine).
+  broker pays at its Kafka listener's first connection), and with the cache emptied (the first start on a machine).
 
 Figures only, best of several passes (``--quick``: fewer records, fewer passes); ratios are against the
 same run's metaq baselines. ``MB/s`` counts value bytes.

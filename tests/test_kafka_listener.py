@@ -330,6 +330,21 @@ def test_api_versions_at_every_version_and_the_unsupported_answer(broker):
     assert any(k["api_key"] == 18 and k["max_version"] == 4 for k in answer["api_keys"])
 
 
+def test_the_compiled_walks_load_at_the_first_kafka_connection_not_at_start(cluster):
+    """A broker that no Kafka client reaches never loads numba (at start it cost every broker a second of
+    CPU); its first Kafka connection loads the walks in the background and a produce behind it is served."""
+    b = cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    maps = Path(f"/proc/{b.proc.pid}/maps")
+    with MetaqProducer(zk_connect=cluster.zk_connect, zk_root=cluster.zk_root) as producer:
+        producer.send_batch("t", [b"unkeyed"] * 10)  # metaq's own puts need no compiled walk either
+    assert "llvmlite" not in maps.read_text(), "numba loaded by a broker no Kafka client has reached"
+    body = {"client_software_name": "metaq-test", "client_software_version": "1.0"}
+    cid, answer = decode_response(18, 3, _exchange(b.kafka_port, encode_request(18, 3, 1, "t", body)))
+    assert answer["error_code"] == codes.NONE
+    wait_until(lambda: "llvmlite" in maps.read_text(), what="numba loaded after the first Kafka connection")
+    assert _produce(b.bootstrap, "t", [(b"k", b"v", [("h", b"1")], None)]) == []
+
+
 def test_hostile_frames_close_the_connection_and_the_broker_serves_on(broker):
     port = broker.kafka_port
     for hostile in (struct.pack(">i", 2_000_000_000) + b"x" * 100,  # a huge declared size

@@ -138,15 +138,30 @@ def test_pipelined_produce_requests_share_group_commits(cluster):
     assert 1 <= used <= 8, f"{used:.0f} fsyncs for 16 pipelined requests"
 
 
+def _settled_threads(pid: int) -> int:
+    """The broker's thread count once it stays the same for half a second."""
+    seen = [_threads(pid)]
+
+    def same() -> bool:
+        time.sleep(0.5)
+        seen.append(_threads(pid))
+        return seen[-1] == seen[-2]
+    wait_until(same, what="the broker's thread count settled")
+    return seen[-1]
+
+
 def test_a_client_gone_with_requests_in_flight_leaves_its_batches_stored_and_no_thread(broker):
     pid = broker.proc.pid
-    before = _threads(pid)  # no Kafka connection yet
+    with socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=30) as s:  # the first connection:
+        s.sendall(_produce_frame(1, "t", [b"first"]))  # the listener's warm-up (numba: a thread of its own) done
+        assert _partition_answer(_answers(s, [(0, PRODUCE_V)])[0][1])["error_code"] == codes.NONE
+    before = _settled_threads(pid)  # no Kafka connection left
     for round_ in range(3):
         s = socket.create_connection(("127.0.0.1", broker.kafka_port), timeout=30)
         s.sendall(b"".join(_produce_frame(i, "t", [b"r%d-%d" % (round_, i)] * 50) for i in range(1, 21)))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, answers unread
         s.close()
-    want = {b"r%d-%d" % (r, i) for r in range(3) for i in range(1, 21)}
+    want = {b"first"} | {b"r%d-%d" % (r, i) for r in range(3) for i in range(1, 21)}
     # Whatever was appended is acknowledged (visible) though nobody reads the answers; a reset may cut the
     # requests the broker had not read yet, so each round's batches are a prefix of what was sent, whole
     wait_until(lambda: _threads(pid) <= before, timeout=60, what="the connections' threads ended")

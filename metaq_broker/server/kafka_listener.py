@@ -113,8 +113,7 @@ class KafkaServer:
                       42: self._group_call("delete_groups"), 60: self.describe_cluster}
 
     def start(self) -> "KafkaServer":
-        krecords.warm_up()  # the compiled record walks loaded (or compiled) now, not in a client's first fetch
-        self.listener.start(self)
+        self.listener.start(self, krecords.warm_up)  # the compiled record walks, at the first connection
         return self
 
     def stop(self, grace: float = 5.0) -> None:

@@ -17,6 +17,12 @@ socket, checked between reads, not Python's socket timeouts, which poll before e
 ``sendfile`` needs a blocking socket); OpenSSL retries a kernel timeout without end, so a TLS connection
 uses Python's.
 
+A protocol whose parsing needs compiled kernels (the Kafka and MetaQ listeners: numba's import and cache
+load, a second of CPU) passes ``warm_up`` to ``start``: it runs in a thread of its own at the first accepted
+connection, so a broker that no client of the protocol reaches never pays for it, and the first client's
+opening requests (ApiVersions, Metadata, the login) overlap it; a request needing the kernels sooner waits
+for them (Python's import lock, numba's compile lock).
+
 A connection logged in with a session (SASL) is shut down by the accepting thread as soon as the broker
 learns that its user was changed or removed (``sessions.watch_sessions``: the user cache's ZooKeeper
 watch) or when the session expires.
@@ -39,7 +45,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.security.tls import ANONYMOUS
@@ -234,6 +240,7 @@ class Listener:
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._framing: Optional[Framing] = None
+        self._warm_up: Optional[Callable[[], None]] = None  # run at the first connection, then None
         self._conns: dict = {}  # Connection -> its thread
         self._new: dict = {}  # socket -> _New (the accepting thread's only)
         self._lock = threading.Lock()
@@ -249,8 +256,8 @@ class Listener:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"metaq-{name}-accept", daemon=True)
 
-    def start(self, framing: Framing) -> "Listener":
-        self._framing = framing
+    def start(self, framing: Framing, warm_up: Optional[Callable[[], None]] = None) -> "Listener":
+        self._framing, self._warm_up = framing, warm_up
         if self._sessions is not None:
             self._sessions.watch_sessions(self._user_changed)
         self._acceptor.start()
@@ -363,11 +370,21 @@ class Listener:
                 log.debug("%s: connection from %s failed: %s", self.name, peer, e)
                 sock.close()
                 continue
+            if self._warm_up is not None:
+                threading.Thread(target=self._warm, args=(self._warm_up,), name=f"metaq-{self.name}-warm-up",
+                                 daemon=True).start()
+                self._warm_up = None
             new = _New(Connection(self, sock, peer, self._context is not None),
                        time.monotonic() + self.limits.login_timeout_s, self._context is not None)
             self._new[sock] = new
             self._selector.register(sock, selectors.EVENT_READ, new)
             self._advance(new)
+
+    def _warm(self, warm_up: Callable[[], None]) -> None:
+        try:
+            warm_up()
+        except Exception:  # the requests that need the kernels load them themselves and report what fails
+            log.exception("%s: warming up failed", self.name)
 
     def _advance(self, new: _New) -> None:
         """Take the connection as far as its bytes allow: the handshake, then the login."""

@@ -120,8 +120,7 @@ class MetaqServer:
         self._long_keys: dict = {}  # xid -> an XA key too long to be the xid itself (``_xid``)
 
     def start(self) -> "MetaqServer":
-        text.warm_up()  # the compiled put scan loaded (or compiled) now, not in a client's first pipeline
-        self.listener.start(self)
+        self.listener.start(self, text.warm_up)  # the compiled put scan, at the first connection
         return self
 
     def stop(self, grace: float = 5.0) -> None:

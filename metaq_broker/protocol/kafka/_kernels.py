@@ -1,5 +1,5 @@
 """Compiled loops over Kafka records (numba, ``cache=True``: compiled once per machine, then loaded from
-numba's cache in well under a second; ``records.warm_up`` does that at broker start).
+numba's cache in well under a second; ``records.warm_up`` does that at the Kafka listener's first connection).
 
 Why compiled: a record's fields are varints, and where record i+1 starts depends on record i's length
 varint, so finding the records is a sequential walk that numpy cannot express; these loops do it at native

@@ -26,9 +26,15 @@ import numpy as np
 import pyarrow as pa
 
 from metaq_broker.errors import InvalidMessageError
-from metaq_broker.protocol.kafka import _kernels as K
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.records import crc
+
+
+def _compiled():
+    """The compiled walks (``_kernels.py``), imported on first use: numba's import and cache load cost a
+    broker about a second of CPU, which one that no Kafka client reaches never pays (``warm_up``)."""
+    from metaq_broker.protocol.kafka import _kernels  # lazy: numba, a second of CPU (see above)
+    return _kernels
 
 NONE, GZIP, SNAPPY, LZ4, ZSTD = 0, 1, 2, 3, 4
 CODECS = {NONE: "none", GZIP: "gzip", SNAPPY: "snappy", LZ4: "lz4", ZSTD: "zstd"}
@@ -231,6 +237,7 @@ def decode(data, verify: bool = True, max_uncompressed: int = DEFAULT_MAX_UNCOMP
         src = np.concatenate([r[0][r[1]:r[2]] for r in regions])
         ends = np.cumsum([r[2] - r[1] for r in regions]).astype(np.int64)
         starts = ends - np.array([r[2] - r[1] for r in regions], np.int64)
+    K = _compiled()
     status, bad_b, bad_r, ts, od, ks, kl, vs, vl, hc, hs, re = K.walk(src, starts, ends, counts)
     if status:
         raise KafkaRecordError(f"batch {bad_b}, record {bad_r}: {K.ERRORS[status]}", codes.CORRUPT_MESSAGE, int(bad_b))
@@ -263,6 +270,7 @@ def _headers(src: np.ndarray, hc: np.ndarray, hs: np.ndarray, re: np.ndarray) ->
     np.cumsum(hc, out=offsets[1:])
     total = int(offsets[-1])
     if total:
+        K = _compiled()
         status, bad, hks, hkl, hvs, hvl = K.walk_headers(src, hc, hs, re)
         if status:
             raise KafkaRecordError(f"record {int(bad)}: its headers: {K.ERRORS[status]}", codes.CORRUPT_MESSAGE)
@@ -366,6 +374,7 @@ def encode(offsets, timestamps, keys, values, headers=None, batch_starts=None, c
     off_delta = offsets - np.repeat(base_offset, counts)
     if (off_delta < 0).any() or (off_delta > 0x7FFFFFFF).any():
         raise InvalidMessageError("offsets must rise within a batch, by less than 2**31")
+    K = _compiled()
     bodies, sizes = K.record_sizes(ts_delta, off_delta, ko, kl, vo, vl, h_first, hkl, hvl)
     section = np.add.reduceat(sizes, starts)
     if codec == NONE:  # the records are written in place, after room for their batch's header

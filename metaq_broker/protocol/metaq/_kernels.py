@@ -1,5 +1,5 @@
 """Compiled loops over a buffer of pipelined MetaQ ``put`` lines (numba, ``cache=True``: compiled once per
-machine, then loaded from numba's cache; ``text.warm_up`` does that at listener start).
+machine, then loaded from numba's cache; ``text.warm_up`` does that at the MetaQ listener's first connection).
 
 Why compiled: where put i+1 starts depends on put i's declared body length, so finding a buffer's puts is
 a sequential walk that numpy cannot express, and a regular expression, ``int()`` and ``zlib.crc32`` per put
