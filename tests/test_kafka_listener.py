@@ -342,6 +342,7 @@ def test_the_compiled_walks_load_at_the_first_kafka_connection_not_at_start(clus
     cid, answer = decode_response(18, 3, _exchange(b.kafka_port, encode_request(18, 3, 1, "t", body)))
     assert answer["error_code"] == codes.NONE
     wait_until(lambda: "llvmlite" in maps.read_text(), what="numba loaded after the first Kafka connection")
+    wait_until(lambda: "kafka: compiled kernels loaded in" in b.log_path.read_text(), what="the warm-up logged")
     assert _produce(b.bootstrap, "t", [(b"k", b"v", [("h", b"1")], None)]) == []
 
 

@@ -8,6 +8,7 @@ resume, and the members' logs end identical. The checks are the nemesis harness'
 and nothing is left behind, not even by a run that was killed.
 
 Needs root, ``ip`` and ``nft`` (``.ci/run`` installs nftables); without them these tests fail saying so."""
+import collections
 import json
 import os
 import signal
@@ -108,7 +109,14 @@ class Load:
 
     def wait_acked(self, n: int, after: float = 0.0, timeout: float = 30.0, what: str = "acks=all puts") -> float:
         """Wait until ``n`` acks=all puts were acknowledged after ``after``; returns when the first was."""
-        wait_until(lambda: len(self.acked(after=after)) >= n, timeout=timeout, what=what)
+        try:
+            wait_until(lambda: len(self.acked(after=after)) >= n, timeout=timeout, what=what)
+        except AssertionError as e:  # say what the writers were told instead
+            with self.history.lock:
+                tried = list(self.history.attempts)
+            outcomes = collections.Counter(f"{a.writer} {a.outcome}" for a in tried)
+            raise AssertionError(f"{e}; attempts: {dict(outcomes)}; the last errors: "
+                                 f"{[a.error for a in tried if a.error][-5:]}") from None
         return min(a.done for a in self.acked(after=after))
 
     def finish(self) -> dict:

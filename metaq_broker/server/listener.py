@@ -381,10 +381,13 @@ class Listener:
             self._advance(new)
 
     def _warm(self, warm_up: Callable[[], None]) -> None:
+        started = time.monotonic()
         try:
             warm_up()
         except Exception:  # the requests that need the kernels load them themselves and report what fails
             log.exception("%s: warming up failed", self.name)
+        else:
+            log.info("%s: compiled kernels loaded in %.1f s", self.name, time.monotonic() - started)
 
     def _advance(self, new: _New) -> None:
         """Take the connection as far as its bytes allow: the handshake, then the login."""
