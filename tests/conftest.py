@@ -71,17 +71,25 @@ def _uses_a_module_fixture(item) -> bool:
 NO_SKIPS = "METAQ_TESTS_NO_SKIPS"  # set by .ci/run: there every test must run
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
+def _fail_a_skip(report) -> None:
     """Where ``METAQ_TESTS_NO_SKIPS`` is set (CI, which installs every tool the tests need), a skipped test
-    fails naming why it would have skipped: a skip there hides what the test was to show. Elsewhere the
-    tests that need Chromium, node or kcat skip saying how to get them."""
-    outcome = yield
-    report = outcome.get_result()
+    or module fails naming why it would have skipped: a skip there hides what the test was to show.
+    Elsewhere the tests that need Chromium, node or kcat skip saying how to get them."""
     if report.skipped and os.environ.get(NO_SKIPS) and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped where every test must run ({NO_SKIPS} is set): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    _fail_a_skip((yield).get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips as it is collected (``importorskip``, ``pytest.skip(allow_module_level=True)``)."""
+    _fail_a_skip((yield).get_result())
 
 
 class FakeClock:

@@ -6,15 +6,15 @@ import sys
 from conftest import wait_until
 
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.zookeeper import LIGHT_JVM
 
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only
 
 
-# A test's JVM lives for minutes on a busy machine: C1 alone (no C2 compiler threads) and the serial collector
-# cost the Spark modules ~16% less CPU (measured: test_spark_source*.py, 183 -> 154 CPU-s), which the whole
-# suite's two cores feel; behaviour is the same
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+# A test's JVM lives for minutes on a busy machine: LIGHT_JVM's flags cost the Spark modules ~16% less CPU
+# (measured: test_spark_source*.py, 183 -> 154 CPU-s), which the whole suite's two cores feel
+JVM_OPTIONS = " ".join(LIGHT_JVM)
 
 
 def spark_builder(master="local[2]", app="metaq-tests"):

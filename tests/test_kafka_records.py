@@ -13,6 +13,7 @@ import struct
 import numpy as np
 import pyarrow as pa
 import pytest
+from aiokafka.record import default_records as aiokafka_records
 
 from metaq_broker.protocol.kafka import codes, records
 from metaq_broker.protocol.kafka.records import HEADERS_TYPE, KafkaRecordError
@@ -20,8 +21,6 @@ from metaq_broker.protocol.records import crc
 
 pytestmark = pytest.mark.unit
 
-aiokafka_records = pytest.importorskip("aiokafka.record.default_records",
-                                       reason="pip install -e .[test] installs aiokafka")
 
 
 def columns(n, seed=0):

@@ -83,15 +83,18 @@ def test_a_test_marked_unit_may_not_use_a_process_fixture(suite):
 
 
 def test_a_skip_fails_where_every_test_must_run(suite, monkeypatch):
-    """CI sets METAQ_TESTS_NO_SKIPS (.ci/run): a test that would skip (a tool missing) fails there, naming
-    why; elsewhere it skips. An expected failure (xfail) stays what it is."""
-    suite.makepyfile(test_a='''import pytest
+    """CI sets METAQ_TESTS_NO_SKIPS (.ci/run): a test or module that would skip (a tool missing) fails there,
+    naming why; elsewhere it skips. An expected failure (xfail) stays what it is."""
+    suite.makepyfile(test_a='''import shutil
+import pytest
 pytestmark = pytest.mark.unit
+MISSING = shutil.which("metaq-no-such-tool") is None
 
 def test_needs_a_tool():
-    pytest.skip("chromium is not installed")
+    if MISSING:
+        pytest.skip("chromium is not installed")
 
-@pytest.mark.skipif(True, reason="kcat is not installed")
+@pytest.mark.skipif(MISSING, reason="kcat is not installed")
 def test_marked():
     pass
 
@@ -100,10 +103,21 @@ def test_expected():
     assert False
 ''')
     monkeypatch.delenv("METAQ_TESTS_NO_SKIPS", raising=False)
-    suite.runpytest("-q").assert_outcomes(skipped=2, xfailed=1)
+    suite.makepyfile(test_b='''import pytest
+pytestmark = pytest.mark.unit
+pytest.importorskip("metaq_no_such_module", reason="metaq_no_such_module is not installed")
+
+def test_never_collected():
+    pass
+''')
+    suite.runpytest("-q").assert_outcomes(skipped=3, xfailed=1)
     monkeypatch.setenv("METAQ_TESTS_NO_SKIPS", "1")
-    r = suite.runpytest("-q")
+    r = suite.runpytest("-q", "test_a.py")
     r.assert_outcomes(failed=1, errors=1, xfailed=1)  # skipif skips in the setup: an error there
     assert r.ret == pytest.ExitCode.TESTS_FAILED
     for why in ("chromium is not installed", "kcat is not installed"):
         r.stdout.fnmatch_lines([f"*skipped where every test must run*{why}*"])
+    r = suite.runpytest("-q", "test_b.py")  # a module skipped as it is collected: a collection error
+    r.assert_outcomes(errors=1)
+    assert r.ret == pytest.ExitCode.INTERRUPTED
+    r.stdout.fnmatch_lines(["*skipped where every test must run*metaq_no_such_module is not installed*"])

@@ -25,6 +25,11 @@ from metaq_broker.devtools.process import ChildProcess
 
 log = logging.getLogger(__name__)
 
+# The flags of a development JVM (this ZooKeeper; the tests' Spark sessions use them too): C1 alone and the
+# serial collector, since its load needs neither C2 nor parallel GC threads, and a test suite's many JVMs
+# share two cores. Behaviour is the same.
+LIGHT_JVM = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+
 
 
 def pyspark_jars() -> Path:
@@ -129,10 +134,8 @@ class LocalZooKeeper:
         if self.tls:  # a secure port needs a configuration file and the Netty connection factory
             args = [self._write_tls_config()]
             netty = ["-Dzookeeper.serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory"]
-        # C1 alone and the serial collector: a development ZooKeeper's load needs neither C2 nor parallel GC
-        # threads, and the test suite's many ZooKeepers share two cores
-        cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, "-Xmx256m", "-XX:TieredStopAtLevel=1",
-               "-XX:+UseSerialGC", "-cp", f"{pyspark_jars()}/*",
+        cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, "-Xmx256m", *LIGHT_JVM, "-cp",
+               f"{pyspark_jars()}/*",
                "org.apache.zookeeper.server.ZooKeeperServerMain", *args]
         # Its own session: Ctrl-C in a terminal is ours to handle (we stop it in order).
         self._child = ChildProcess("ZooKeeper", cmd, self.log_path, own_session=True)
