@@ -332,12 +332,16 @@ def test_api_versions_at_every_version_and_the_unsupported_answer(broker):
 
 def test_the_compiled_walks_load_at_the_first_kafka_connection_not_at_start(cluster):
     """A broker that no Kafka client reaches never loads numba (at start it cost every broker a second of
-    CPU); its first Kafka connection loads the walks in the background and a produce behind it is served."""
+    CPU); its first Kafka connection loads the walks in the background, even when that connection is an
+    attacker's, and a produce behind it is served."""
     b = cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
     maps = Path(f"/proc/{b.proc.pid}/maps")
     with MetaqProducer(zk_connect=cluster.zk_connect, zk_root=cluster.zk_root) as producer:
         producer.send_batch("t", [b"unkeyed"] * 10)  # metaq's own puts need no compiled walk either
     assert "llvmlite" not in maps.read_text(), "numba loaded by a broker no Kafka client has reached"
+    with socket.create_connection(("127.0.0.1", b.kafka_port), timeout=10) as s:  # the first connection:
+        s.sendall(struct.pack(">i", 2_000_000_000) + b"x" * 100)  # a huge declared size
+        assert s.recv(100) == b""  # closed, nothing answered
     body = {"client_software_name": "metaq-test", "client_software_version": "1.0"}
     cid, answer = decode_response(18, 3, _exchange(b.kafka_port, encode_request(18, 3, 1, "t", body)))
     assert answer["error_code"] == codes.NONE

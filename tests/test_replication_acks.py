@@ -53,7 +53,10 @@ def test_what_a_put_acknowledgement_says_under_each_flush_policy(tmp_path, zooke
             g.members[master].kill()
             second = g.wait_master(timeout=30, other_than=master)
             wait_until(lambda: producer.cluster.brokers().get(1) == g.members[second].address, what="new master")
-            assert values(consumer, "written") == [b"w"] and values(consumer, "synced") == [b"s"]
+            # Visible once the new master's high watermark passes it: when the other in-sync replica has
+            # fetched from it (docs/replication.md, "Readers"), a moment after the election
+            wait_until(lambda: values(consumer, "written") == [b"w"] and values(consumer, "synced") == [b"s"],
+                       what="both puts read back from the new master")
     finally:
         g.stop()
 
