@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metaq_broker.client import Admin, Consumer, Producer  # the package's own names, as the README shows
 from metaq_broker.devtools.broker_process import BrokerProcess
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.errors import DiskFullError, MessageTooLargeError
 from metaq_broker.protocol.status import RemoteDiskFullError, RemoteMessageTooLargeError, error_of
 
@@ -65,7 +64,6 @@ def test_a_full_disk_is_refused_plainly_counted_shown_in_health_and_writes_resum
     """``grpc``: a static broker list and a producer told to put with ``PutRaw`` calls; ``dataport``: found
     through ZooKeeper, so puts go over the broker's data port."""
     disk = small_disk(tmp_path / "disk", 2048)
-    metrics_port = free_port()
     if via == "grpc":
         zk, connect = {"zk.connect": "none"}, {}
     else:
@@ -73,7 +71,8 @@ def test_a_full_disk_is_refused_plainly_counted_shown_in_health_and_writes_resum
         zk = {"zk.connect": zookeeper.connect_string, "zk.root": zk_root}
         connect = {"zk_connect": zookeeper.connect_string, "zk_root": zk_root}
     broker = BrokerProcess(tmp_path / "broker", 0, settings={
-        "dataPath": disk.path / "data", "metricsPort": metrics_port, **zk}, topics={"t": {"numPartitions": 1}}).start()
+        "dataPath": disk.path / "data", "metricsPort": 0, **zk}, topics={"t": {"numPartitions": 1}}).start()
+    metrics_port = broker.metrics_port
     data = str(disk.path / "data")
     connect = connect or {"brokers": f"0={broker.address}"}
     try:

@@ -12,7 +12,6 @@ from conftest import wait_until
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.zk.group_offsets import GroupStore
 
 pytestmark = pytest.mark.unit
@@ -71,8 +70,7 @@ def test_every_query_names_only_metrics_a_live_broker_exports(cluster):
         if p["type"] != "row":
             assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
 
-    port = free_port()
-    cluster.start_broker(1, settings={"metricsPort": port, "numPartitions": 2})
+    port = cluster.start_broker(1, settings={"metricsPort": 0, "numPartitions": 2}).metrics_port
     with cluster.client(Admin) as admin, cluster.client(Producer) as producer, cluster.client(Consumer) as consumer:
         wait_until(lambda: admin.brokers(), what="broker registered")
         admin.create_topic("t")

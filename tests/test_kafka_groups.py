@@ -18,7 +18,6 @@ from kazoo.client import KazooClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.messages import APIS
 from metaq_broker.protocol.kafka.schema import decode, encode_parts
@@ -347,8 +346,7 @@ def test_list_describe_and_delete_groups(env):
 # -- metaq groups shows a Kafka group -------------------------------------------------------------------
 def test_metaq_groups_and_lag_metrics_show_a_kafka_groups_offsets(cluster, zookeeper):
     """... and `metaq groups delete` is refused while a Kafka member lives."""
-    metrics_port = free_port()
-    cluster.start_broker(1, settings={"metricsPort": metrics_port}, topics={"orders": {"numPartitions": 2}})
+    metrics_port = cluster.start_broker(1, settings={"metricsPort": 0}, topics={"orders": {"numPartitions": 2}}).metrics_port
     with cluster.client(Producer) as p:
         p.send_batch("orders", [b"m%d" % i for i in range(10)], partition="1-0")
         p.send_batch("orders", [b"n%d" % i for i in range(5)], partition="1-1")

@@ -123,11 +123,8 @@ def test_pipelined_produce_requests_share_group_commits(cluster):
     answering thread's first fsync starts, which covers them all (2-3 fsyncs here; at most 8 wait at once,
     MAX_IN_FLIGHT). An answering thread that started on each request as soon as it was queued took one
     fsync per request (16 here): each fsync ran while the next request was being decoded."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    b = cluster.start_broker(1, settings={"metricsPort": port}, topics={"g": {"numPartitions": 1}})
-    wait_until(lambda: b.kafka_port is not None, what="the Kafka listener")
+    b = cluster.start_broker(1, settings={"metricsPort": 0}, topics={"g": {"numPartitions": 1}})
+    port = b.metrics_port
     before = _fsyncs(port, "g")
     with socket.create_connection(("127.0.0.1", b.kafka_port), timeout=60) as s:
         s.sendall(b"".join(_produce_frame(i, "g", [b"v%d" % i] * 1000) for i in range(1, 17)))

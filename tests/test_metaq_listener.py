@@ -339,11 +339,10 @@ def test_acknowledged_metaq_puts_survive_kill_9_at_their_positions(tmp_path, see
     import threading
 
     from metaq_broker.devtools.broker_process import BrokerProcess
-    from metaq_broker.devtools.zookeeper import free_port
     rng = random.Random(seed)
-    port = free_port()
-    broker = BrokerProcess(tmp_path / "b", 1, settings={"metaqPort": port, "dataPort": -1},
+    broker = BrokerProcess(tmp_path / "b", 1, settings={"metaqPort": 0, "dataPort": -1},
                            topics={"t": {"numPartitions": 1}}).start()
+    port = broker.metaq_port
     acked, stop = {}, threading.Event()
 
     def produce():
@@ -373,7 +372,7 @@ def test_acknowledged_metaq_puts_survive_kill_9_at_their_positions(tmp_path, see
         writer.join(30)
         assert not writer.is_alive()
         broker.start()
-        conn = Connection("127.0.0.1", port)
+        conn = Connection("127.0.0.1", broker.metaq_port)  # any free port again
         stored, position = {}, 0
         while True:
             reply = get(conn, "t", 0, position, max_size=4096)

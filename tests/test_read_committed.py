@@ -17,7 +17,6 @@ from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.dataconn import DataConnection
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawfetch, records
 from metaq_broker.protocol.status import RemoteOffsetOutOfRangeError
@@ -39,8 +38,7 @@ COMMITTED_1 = {2 * BIG + 1: b"after"}
 @pytest.fixture(params=[0, -1], ids=["dataport", "fetchraw"])
 def txlog(request, cluster):
     """A broker (data port on, or off: FetchRaw) holding committed, rolled-back and open transactions."""
-    metrics = free_port()
-    cluster.start_broker(1, settings={"dataPort": request.param, "metricsPort": metrics,
+    broker = cluster.start_broker(1, settings={"dataPort": request.param, "metricsPort": 0,
                                       "transactionTimeout": 600_000},
                          topics={TOPIC: {"numPartitions": 2}})
     with cluster.client(Producer) as p:
@@ -76,7 +74,7 @@ def txlog(request, cluster):
             c.commit()
 
         yield SimpleNamespace(cluster=cluster, broker=cluster.brokers[1], data_port=request.param != -1,
-                              metrics=metrics, commit_c=commit_c)
+                              metrics=broker.metrics_port, commit_c=commit_c)
 
 
 def committed_rows(table):

@@ -14,7 +14,6 @@ from metaq_broker.client.admin import Admin
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.tools.cli import main
 from conftest import wait_until
 from webconsole import cell, open_page, start_console, stop_console, texts
@@ -28,7 +27,7 @@ def env(tmp_path_factory, zookeeper):
     group = BrokerGroup(tmp_path_factory.mktemp("group"), 1, zookeeper.connect_string, root, members=3,
                         topics=TOPICS)
     for m in group.members:
-        m.settings["metricsPort"] = free_port()
+        m.settings["metricsPort"] = 0  # any free port: member.metrics_port
     plain = BrokerProcess(tmp_path_factory.mktemp("plain"), 2, zookeeper.connect_string,
                           settings={"zk.root": root, "zk.sessionTimeout": 4000}, topics={"alone": {}})
     try:
@@ -52,7 +51,7 @@ def rows_of(admin, broker_id=1) -> dict:
 
 def scrape(member) -> dict:
     """{(name, labels as a sorted tuple): value} of a member's /metrics."""
-    port = member.settings["metricsPort"]
+    port = member.metrics_port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -8,7 +8,6 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from pyspark.sql import functions as F
-from spark_helpers import metaq_session
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
@@ -19,11 +18,10 @@ TOPICS = {"in": {"numPartitions": 2}, "out": {"numPartitions": 2}}
 
 
 @pytest.fixture(scope="module")
-def spark():
+def spark(spark_sessions):
     """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    session = metaq_session("local[2,4]", "metaq-replication-tests")
-    yield session
-    session.stop()
+    with spark_sessions.use("local[2,4]") as session:
+        yield session
 
 
 def values_of(consumer, topic) -> Counter:

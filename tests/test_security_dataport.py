@@ -19,7 +19,6 @@ from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.fetcher import PartitionFetcher
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.net.blocking import recv_exact
@@ -70,9 +69,8 @@ def client_sasl(pki, user="alice", password="alice-pw") -> ClientSecurity:
 def start(cluster, settings, **kw):
     """A broker process with metrics on; (process, data port address, a scrape of its metrics: HTTPS, as
     alice under SASL_SSL)."""
-    port = free_port()
-    b = cluster.start_broker(1, {"metricsPort": port, **settings}, topics={"t": {"numPartitions": 1}}, **kw)
-    metrics = functools.partial(Scrape, port, settings["ssl.ca.location"], ("alice", "alice-pw")
+    b = cluster.start_broker(1, {"metricsPort": 0, **settings}, topics={"t": {"numPartitions": 1}}, **kw)
+    metrics = functools.partial(Scrape, b.metrics_port, settings["ssl.ca.location"], ("alice", "alice-pw")
                                 if settings["security.protocol"] == "SASL_SSL" else None)
     zk = KazooClient(hosts=cluster.zk_connect)
     zk.start(15)

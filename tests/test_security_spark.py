@@ -5,7 +5,6 @@ import time
 
 import pytest
 from conftest import wait_until
-from spark_helpers import metaq_session
 
 from metaq_broker.client import Consumer, Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
@@ -51,10 +50,9 @@ def setup(tmp_path_factory, zookeeper, pki):
 
 
 @pytest.fixture(scope="module")
-def spark():
-    session = metaq_session("local[2]", "metaq-security-tests")
-    yield session
-    session.stop()
+def spark(spark_sessions):
+    with spark_sessions.use("local[2]") as session:
+        yield session
 
 
 def options(s, user, password):

@@ -18,12 +18,11 @@ from conftest import wait_until
 from kazoo.client import KazooClient
 from pyspark import TaskContext
 from pyspark.sql import functions as F
-from spark_helpers import fill, metaq_session, reader
+from spark_helpers import fill, reader
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.zk import decisions as txn_decisions
 from metaq_spark.options import OptionError, SinkOptions, parse_sink
 from metaq_spark.sink import SinkSchemaError, check_schema
@@ -36,11 +35,10 @@ def expected(per_partition=PER_PARTITION):
 
 
 @pytest.fixture(scope="module")
-def spark():
+def spark(spark_sessions):
     """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    session = metaq_session("local[2,4]", "metaq-sink-tests")
-    yield session
-    session.stop()
+    with spark_sessions.use("local[2,4]") as session:
+        yield session
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +108,7 @@ def start_brokers(cluster, out_brokers=(1, 2), timeout_ms=60_000, per_partition=
         topics = {"out": {"numPartitions": 1}} if bid in out_brokers else {}
         if bid == 1:
             topics["in"] = {"numPartitions": 2}
-        cluster.start_broker(bid, settings={"transactionTimeout": timeout_ms, "metricsPort": free_port()},
+        cluster.start_broker(bid, settings={"transactionTimeout": timeout_ms, "metricsPort": 0},
                              topics=topics)
     fill(cluster, "in", per_partition, ["1-0", "1-1"])
     with cluster.client(Producer) as p:
@@ -142,7 +140,7 @@ def prepared(cluster, bid, batch=None):
 
 def open_transactions(broker):
     """Open (not yet prepared) transactions on a broker, from its Prometheus metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{broker.settings['metricsPort']}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.metrics_port}/metrics", timeout=5) as r:
         m = re.search(r'metaq_open_transactions\{state="open"\} (\S+)', r.read().decode())
     return int(float(m.group(1))) if m else 0
 

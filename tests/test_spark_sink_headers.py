@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, TopicPartition
 from conftest import wait_until
 from pyspark import TaskContext
 from pyspark.sql import functions as F
-from spark_helpers import metaq_session, reader
+from spark_helpers import reader
 from test_spark_sink import prepared, settled, writer
 
 from metaq_broker.client.consumer import Consumer as MetaqConsumer
@@ -24,11 +24,10 @@ BIG = 256 << 10  # a header value of 256 KiB on some rows
 
 
 @pytest.fixture(scope="module")
-def spark():
+def spark(spark_sessions):
     """local[2, 4]: a failed task is tried again, up to 4 times (as on a cluster)."""
-    session = metaq_session("local[2,4]", "metaq-sink-headers-tests")
-    yield session
-    session.stop()
+    with spark_sessions.use("local[2,4]") as session:
+        yield session
 
 
 def header_rows(n: int, tag: str) -> list:

@@ -40,25 +40,38 @@ class BrokerProcess:
 
     @property
     def kafka_port(self) -> Optional[int]:
-        """The Kafka listener's port of the current run, from its log line "listening on ... Kafka port N"
-        (None before it listens, or with kafkaPort=-1)."""
+        """The Kafka listener's port of the current run (None before it listens, or with kafkaPort=-1)."""
+        return self._logged_port("Kafka")
+
+    @property
+    def metaq_port(self) -> Optional[int]:
+        """The MetaQ listener's port of the current run (``metaqPort`` 0: any free port)."""
+        return self._logged_port("MetaQ")
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        """The Prometheus port of the current run (``metricsPort`` 0: any free port; a port a test chose
+        beforehand could be taken by another test's process before the broker binds it)."""
+        return self._logged_port("metrics")
+
+    def _logged_port(self, what: str) -> Optional[int]:
+        """A listener's port from the current run's log line "listening on ..., <what> port N"."""
+        found = re.findall(rf"listening on \S+.*?, {what} port (\d+)", self._run_log())
+        return int(found[-1]) if found else None
+
+    def _run_log(self) -> str:
+        """The current run's log."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_start)
-                text = f.read().decode(errors="replace")
+                return f.read().decode(errors="replace")
         except OSError:
-            return None
-        found = re.findall(r"listening on \S+.*?, Kafka port (\d+)", text)
-        return int(found[-1]) if found else None
+            return ""
 
     @property
     def bootstrap(self) -> str:
         """``bootstrap.servers`` for a Kafka client."""
-        deadline = time.monotonic() + 10  # the line follows the health check's SERVING by a moment
-        port = self.kafka_port
-        while port is None and self.proc is not None and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            port = self.kafka_port
+        port = self.kafka_port  # logged before ``start`` returns
         if port is None:
             raise RuntimeError(f"broker {self.broker_id} has no Kafka listener (kafkaPort=-1, or not started)")
         return f"127.0.0.1:{port}"
@@ -112,6 +125,9 @@ class BrokerProcess:
             stub = health_pb2_grpc.HealthStub(channel)
             self._child.start(lambda: stub.Check(health_pb2.HealthCheckRequest(service="metaq.v1.Broker"), timeout=1)
                               .status == health_pb2.HealthCheckResponse.SERVING, timeout, interval=0.1)
+        deadline = time.monotonic() + 10  # the "listening on" line, with the ports chosen, follows SERVING
+        while "listening on" not in self._run_log() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         return self
 
     def _health_channel(self) -> grpc.Channel:

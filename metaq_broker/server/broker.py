@@ -198,9 +198,11 @@ class Broker:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._write_health(self.disk.full)
-        log.info("metaq broker %d listening on %s%s%s (data in %s)", self.config.broker_id, self.address,
+        log.info("metaq broker %d listening on %s%s%s%s%s (data in %s)", self.config.broker_id, self.address,
                  f", data port {self.data_port}" if self.data_port is not None else "",
                  f", Kafka port {self.kafka_port}" if self.kafka_port is not None else "",
+                 f", MetaQ port {self.metaq_port}" if self.metaq_port is not None else "",
+                 f", metrics port {self.metrics_port}" if self.metrics_port is not None else "",
                  Path(self.config.data_path).resolve())
         return self
 
