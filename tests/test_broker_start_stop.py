@@ -218,3 +218,24 @@ def test_a_test_brokers_chosen_port_taken_before_its_start_is_chosen_again(tmp_p
         with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{taken}"):
             given.start()
         given.kill()
+
+
+@pytest.mark.process
+def test_a_test_brokers_ports_and_readiness_come_from_this_runs_log_line(tmp_path):
+    """``BrokerProcess.start`` returns once this run's "listening on" line is written, and reads the ports
+    the broker chose (``metricsPort``/``metaqPort`` 0) from it: after a restart, not from the run before,
+    whose line is still in the log (ready_by_log returned at once on a restart, before the broker listened)."""
+    from metaq_broker.devtools.broker_process import BrokerProcess
+
+    b = BrokerProcess(tmp_path / "b", 1, settings={"metricsPort": 0, "metaqPort": 0})
+    try:
+        for ready_by_log in (False, True, True):
+            b.start(ready_by_log=ready_by_log)
+            ports = (b.metrics_port, b.metaq_port, b.kafka_port)
+            assert None not in ports
+            for port in ports:  # this run's: something listens there now
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            assert b.stop() == 0
+            assert all(port_is_free(port) for port in ports)
+    finally:
+        b.kill()

@@ -59,6 +59,10 @@ class BrokerProcess:
         found = re.findall(rf"listening on \S+.*?, {what} port (\d+)", self._run_log())
         return int(found[-1]) if found else None
 
+    def _listening(self) -> bool:
+        """The current run has logged that it listens (a restart's log still holds the run before)."""
+        return "listening on" in self._run_log()
+
     def _run_log(self) -> str:
         """The current run's log."""
         try:
@@ -118,15 +122,14 @@ class BrokerProcess:
         self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
         if ready_by_log:
-            self._child.start(lambda: "listening on" in self.log_path.read_text(errors="replace"), timeout,
-                              interval=0.1)
+            self._child.start(self._listening, timeout, interval=0.1)
             return self
         with self._health_channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             self._child.start(lambda: stub.Check(health_pb2.HealthCheckRequest(service="metaq.v1.Broker"), timeout=1)
                               .status == health_pb2.HealthCheckResponse.SERVING, timeout, interval=0.1)
         deadline = time.monotonic() + 10  # the "listening on" line, with the ports chosen, follows SERVING
-        while "listening on" not in self._run_log() and self.proc.poll() is None and time.monotonic() < deadline:
+        while not self._listening() and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         return self
 
