@@ -1,6 +1,7 @@
 """The suite's lanes (tests/conftest.py): a test without one fails the collection, fixtures put a test into
 theirs even in a module marked unit, a test's own unit mark may not hide a fixture's needs, and ``-m unit``
 selects only what needs nothing else. Run on small suites in a temporary directory with this conftest."""
+import os
 from pathlib import Path
 
 import pytest
@@ -84,17 +85,19 @@ def test_a_test_marked_unit_may_not_use_a_process_fixture(suite):
 
 def test_a_skip_fails_where_every_test_must_run(suite, monkeypatch):
     """CI sets METAQ_TESTS_NO_SKIPS (.ci/run): a test or module that would skip (a tool missing) fails there,
-    naming why; elsewhere it skips. An expected failure (xfail) stays what it is."""
+    naming why; elsewhere it skips; with the tool there, it runs. An expected failure (xfail) stays what it is.
+    The tool is a program (``metaq-lanes-tool`` on PATH) and a module (``metaq_lanes_module``) this test
+    installs for the last run."""
     suite.makepyfile(test_a='''import shutil
 import pytest
 pytestmark = pytest.mark.unit
-MISSING = shutil.which("metaq-no-such-tool") is None
+MISSING = shutil.which("metaq-lanes-tool") is None
 
 def test_needs_a_tool():
     if MISSING:
-        pytest.skip("chromium is not installed")
+        pytest.skip("metaq-lanes-tool is not installed")
 
-@pytest.mark.skipif(MISSING, reason="kcat is not installed")
+@pytest.mark.skipif(MISSING, reason="metaq-lanes-tool is not installed (skipif)")
 def test_marked():
     pass
 
@@ -102,22 +105,32 @@ def test_marked():
 def test_expected():
     assert False
 ''')
-    monkeypatch.delenv("METAQ_TESTS_NO_SKIPS", raising=False)
     suite.makepyfile(test_b='''import pytest
 pytestmark = pytest.mark.unit
-pytest.importorskip("metaq_no_such_module", reason="metaq_no_such_module is not installed")
+pytest.importorskip("metaq_lanes_module", reason="metaq_lanes_module is not installed")
 
-def test_never_collected():
+def test_collected_with_the_module():
     pass
 ''')
+    monkeypatch.delenv("METAQ_TESTS_NO_SKIPS", raising=False)
     suite.runpytest("-q").assert_outcomes(skipped=3, xfailed=1)
     monkeypatch.setenv("METAQ_TESTS_NO_SKIPS", "1")
     r = suite.runpytest("-q", "test_a.py")
     r.assert_outcomes(failed=1, errors=1, xfailed=1)  # skipif skips in the setup: an error there
     assert r.ret == pytest.ExitCode.TESTS_FAILED
-    for why in ("chromium is not installed", "kcat is not installed"):
+    for why in ("metaq-lanes-tool is not installed", "metaq-lanes-tool is not installed (skipif)"):
         r.stdout.fnmatch_lines([f"*skipped where every test must run*{why}*"])
     r = suite.runpytest("-q", "test_b.py")  # a module skipped as it is collected: a collection error
     r.assert_outcomes(errors=1)
     assert r.ret == pytest.ExitCode.INTERRUPTED
-    r.stdout.fnmatch_lines(["*skipped where every test must run*metaq_no_such_module is not installed*"])
+    r.stdout.fnmatch_lines(["*skipped where every test must run*metaq_lanes_module is not installed*"])
+
+    tool = suite.path / "bin" / "metaq-lanes-tool"  # the tools installed: every test runs
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    suite.makepyfile(metaq_lanes_module="")
+    r = suite.runpytest("-q")
+    r.assert_outcomes(passed=3, xfailed=1)
+    assert r.ret == pytest.ExitCode.OK
