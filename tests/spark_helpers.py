@@ -54,7 +54,7 @@ class SharedSpark:
         try:
             yield session
         finally:
-            if session.sparkContext._jsc is not None:  # still running: the module did not stop it
+            if _running(session):  # the module did not stop it
                 for q in session.streams.active:
                     q.stop()
                 for key, value in session.conf.getAll.items():
@@ -69,7 +69,7 @@ class SharedSpark:
     def _session_on(self, master):
         from pyspark import SparkContext
         current = self._session
-        if current is not None and current.sparkContext._jsc is not None and self._master == master:
+        if current is not None and _running(current) and self._master == master:
             return current
         self.stop()
         if SparkContext._active_spark_context is not None:  # a test's own session, left running
@@ -79,9 +79,14 @@ class SharedSpark:
         return self._session
 
     def stop(self):
-        if self._session is not None and self._session.sparkContext._jsc is not None:
+        if self._session is not None and _running(self._session):
             self._session.stop()
         self._session = None
+
+
+def _running(session) -> bool:
+    """The session's SparkContext is not stopped (``stop`` drops its Java context)."""
+    return session.sparkContext._jsc is not None
 
 
 def fill(cluster, topic, per_partition, partitions, batch=1000):
