@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import wait_until
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
@@ -93,12 +94,18 @@ def test_spark_batch_writes_across_broker_restarts_are_seen_by_a_read_planned_at
     armed, kills = threading.Event(), []
     stop = threading.Event()
 
+    def decided(root, sink) -> bool:
+        try:
+            return bool(zk.get_children(f"{root}/{sink}/batches"))
+        except NoNodeError:  # not recorded yet, or recorded and settled since the listing
+            return False
+
     def kill_at_the_decision():
         seen = set()
         while not stop.is_set():
             root = f"{cluster.zk_root}/sinks"
             for sink in zk.get_children(root) if zk.exists(root) else []:
-                if sink not in seen and zk.exists(f"{root}/{sink}/batches") and zk.get_children(f"{root}/{sink}/batches"):
+                if sink not in seen and decided(root, sink):
                     seen.add(sink)
                     if armed.is_set():
                         armed.clear()
@@ -112,7 +119,8 @@ def test_spark_batch_writes_across_broker_restarts_are_seen_by_a_read_planned_at
     acknowledged, n = 0, 0
     try:
         while len(kills) < 3:  # a decision the watcher polled past (a busy machine) arms the next write too
-            assert n < 15, f"the watcher caught {len(kills)} decisions in {n} writes"
+            assert n < 15 and watcher.is_alive(), f"the watcher caught {len(kills)} decisions in {n} writes " \
+                                                  f"(running: {watcher.is_alive()})"
             if n % 2 == 1:
                 armed.set()
             df = spark.range(n * 500, (n + 1) * 500, numPartitions=2).selectExpr("cast(id as string) as value")
