@@ -24,6 +24,7 @@ A module whose tests all use those fixtures needs no mark.
 """
 import compileall
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +42,35 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):
         for package in ("metaq_broker", "metaq_spark"):
             compileall.compile_dir(ROOT / package, quiet=1)
+        _make_jvm_archives(config)
+
+
+def _make_jvm_archives(config) -> None:
+    """The controller of a run that starts JVMs (not ``-m unit``) makes this machine's class-data archives
+    in the background if one is missing (jvm_archives.py; ~45 CPU-s once per machine, JDK and pyspark): a
+    ZooKeeper then starts on 0.7 CPU-s instead of 1.1, a Spark driver on 5 instead of 10.5. JVMs started
+    before they are made run without. ``pytest_unconfigure`` waits for it (bounded)."""
+    from metaq_broker.devtools import zookeeper
+    if config.getoption("markexpr", "").strip() == "unit" or not zookeeper.java_available():
+        return
+    from spark_helpers import driver_archive
+    if zookeeper.archive().is_file() and driver_archive().is_file():
+        return
+    log = zookeeper.archive().parent / "jvm_archives.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        config._jvm_archives = subprocess.Popen([sys.executable, str(ROOT / "tests" / "jvm_archives.py")],
+                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    maker = getattr(config, "_jvm_archives", None)
+    if maker is not None:
+        try:
+            maker.wait(180)
+        except subprocess.TimeoutExpired:
+            os.killpg(maker.pid, 9)
+            maker.wait()
 
 
 # fixture -> the lane of every test that uses it (directly or through other fixtures)

@@ -21,6 +21,7 @@ from typing import Optional
 
 from kazoo.client import KazooClient
 
+from metaq_broker.devtools import jvm
 from metaq_broker.devtools.process import ChildProcess
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 # serial collector, since its load needs neither C2 nor parallel GC threads, and a test suite's many JVMs
 # share two cores. Behaviour is the same.
 LIGHT_JVM = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+ZOOKEEPER_JVM = ("-Xmx256m", *LIGHT_JVM)
 
 
 
@@ -87,7 +89,7 @@ class LocalZooKeeper:
 
     def __init__(self, data_dir=None, port: Optional[int] = None, host: str = "127.0.0.1",
                  tick_time_ms: Optional[int] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-                 tls_ca: Optional[str] = None, tls_client_auth: str = "need"):
+                 tls_ca: Optional[str] = None, tls_client_auth: str = "need", jvm_options=()):
         self._temporary = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="metaq-zk-") if data_dir is None else data_dir)
         self.host = host
@@ -96,6 +98,7 @@ class LocalZooKeeper:
         self.tick_time_ms = tick_time_ms
         self.tls = (tls_cert, tls_key, tls_ca, tls_client_auth) if tls_cert else None
         self.secure_port = free_port(host) if tls_cert else None
+        self.jvm_options = list(jvm_options)  # added to the JVM's flags (``make_archive``'s)
         self._child: Optional[ChildProcess] = None
 
     @property
@@ -134,8 +137,9 @@ class LocalZooKeeper:
         if self.tls:  # a secure port needs a configuration file and the Netty connection factory
             args = [self._write_tls_config()]
             netty = ["-Dzookeeper.serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory"]
-        cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, "-Xmx256m", *LIGHT_JVM, "-cp",
-               f"{pyspark_jars()}/*",
+        jars = pyspark_jars()
+        cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, *ZOOKEEPER_JVM, *self.jvm_options,
+               *jvm.sharing_options(archive()), "-cp", f"{jars}/*",
                "org.apache.zookeeper.server.ZooKeeperServerMain", *args]
         # Its own session: Ctrl-C in a terminal is ours to handle (we stop it in order).
         self._child = ChildProcess("ZooKeeper", cmd, self.log_path, own_session=True)
@@ -205,6 +209,27 @@ class LocalZooKeeper:
 
     def __repr__(self) -> str:
         return f"LocalZooKeeper({self.connect_string}, data_dir={str(self.data_dir)!r}, running={self.running})"
+
+
+def archive() -> Path:
+    """This machine's class-data archive for ZooKeeper's JVM (``devtools/jvm.py``), made yet or not."""
+    return jvm.archive_path("zookeeper", java_executable() or "java", pyspark_jars(), ZOOKEEPER_JVM)
+
+
+def make_archive() -> bool:
+    """Make ZooKeeper's class-data archive unless there is one: a server started, a client session that
+    writes, a clean stop (the JVM writes the archive as it exits). True when it exists afterwards."""
+    def run(flags):
+        with LocalZooKeeper(jvm_options=flags) as zk:
+            client = KazooClient(zk.connect_string)
+            client.start(timeout=30)
+            try:
+                client.ensure_path("/metaq/archive")
+                client.create("/metaq/archive/session", ephemeral=True)
+            finally:
+                client.stop()
+                client.close()
+    return jvm.make(archive(), run)
 
 
 def run_foreground(port: int = 2181, data_dir=None) -> int:
