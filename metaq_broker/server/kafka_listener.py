@@ -703,13 +703,12 @@ def to_metaq(batches: krecords.Batches) -> tuple:
             raise krecords.KafkaRecordError("the batches of one partition come from different producers or "
                                             "their sequences are not consecutive", codes.INVALID_RECORD)
         producer = rawput.check_producer(int(pids[0]), int(h["producer_epoch"][0]), int(seqs[0]))
-    rec = batches.records
     # The columns as encode_body takes them fastest: create times as int64 ms (a view, no Arrow casts), no
     # headers column when no record has one (the usual case: nothing to count per record)
     timestamps = None if batches.log_append_time.any() else \
-        rec.column("timestamp").view(pa.int64()).to_numpy(zero_copy_only=True)
-    headers = rec.column("headers")
-    body = mrecords.encode_body(rec.column("value"), keys=rec.column("key"),
+        batches.column("timestamp").view(pa.int64()).to_numpy(zero_copy_only=True)
+    headers = batches.column("headers")
+    body = mrecords.encode_body(batches.column("value"), keys=batches.column("key"),
                                 headers=headers if len(headers.values) else None, timestamps=timestamps)
     return body, producer
 

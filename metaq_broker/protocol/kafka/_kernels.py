@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT = 0, 1, 2, 3, 4, 5
+OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT, BAD_OFFSET_DELTA = 0, 1, 2, 3, 4, 5, 6
 ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a negative or impossible length",
           LEFTOVER: "bytes left over after the batch's last record (its record count is wrong)",
           TOO_MANY_HEADERS: "a record's header count is impossible for its length",
-          BAD_VARINT: "a varint longer than its type allows"}
+          BAD_VARINT: "a varint longer than its type allows",
+          BAD_OFFSET_DELTA: "its offset delta is not its position in the batch"}
 
 
 @njit(cache=True, nogil=True)
@@ -40,7 +41,8 @@ def _varint(u8, p, end, max_bytes):
 def walk(u8, starts, ends, counts):
     """Find every record of the batches whose record regions are u8[starts[b]:ends[b]] (counts[b] records
     each). Returns (status, batch, record, arrays): per record its timestamp and offset deltas, key and value
-    start and length (-1: null), header count, where its headers start and where it ends."""
+    start and length (-1: null), header count, where its headers start and where it ends. A record whose
+    offset delta is not its position in its batch is refused (BAD_OFFSET_DELTA; Kafka's INVALID_RECORD)."""
     n = 0
     for b in range(len(counts)):
         n += counts[b]
@@ -71,6 +73,9 @@ def walk(u8, starts, ends, counts):
             o, p = _varint(u8, p, rec_end, 5)
             if p < 0:
                 return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            od[i] = o
+            if o != k:
+                return BAD_OFFSET_DELTA, b, k, ts, od, ks, kl, vs, vl, hc, hs, re
             ln, p = _varint(u8, p, rec_end, 5)
             if p < 0 or ln < -1 or p + max(ln, 0) > rec_end:
                 return (BAD_VARINT if p == -2 else BAD_LENGTH), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
@@ -89,7 +94,6 @@ def walk(u8, starts, ends, counts):
             if h < 0 or 2 * h > rec_end - p:  # each header is at least two one-byte varints
                 return TOO_MANY_HEADERS, b, k, ts, od, ks, kl, vs, vl, hc, hs, re
             ts[i] = t
-            od[i] = o
             hc[i] = h
             hs[i] = p
             re[i] = rec_end
