@@ -120,16 +120,30 @@ def test_a_broker_down_at_the_start_is_waited_for_and_its_old_rows_are_not_read(
         time.sleep(2)  # the query starts while broker 2 is down (without the fix it would start without 2-0)
         assert q.exception() is None
         cluster.start_broker(2, topics=topics)
-        for p in ("1-0", "2-0"):
-            send(cluster, "down", p, [b"after-%s" % p.encode()])
+        # The query chooses its starting offsets ("latest") once it sees broker 2 back, at a moment the test
+        # cannot see: a message sent before that moment is, rightly, not read. So send one a partition at a
+        # time until rows of both come (a full run once sent both before the query saw broker 2, and waited
+        # 90 s for rows that "latest" had rightly left out).
+        sent = {"1-0": 0, "2-0": 0}
 
         def rows():
             assert q.exception() is None, q.exception()
             return sorted((r.partition, r.offset, r.value) for r in
                           spark.sql("select partition, offset, value from down_rows").collect())
-        wait_until(lambda: len(rows()) >= 2, timeout=90, interval=0.2, what="the messages sent after the start")
+
+        def read_from_both() -> bool:
+            for p in sent:
+                send(cluster, "down", p, [b"after-%s-%d" % (p.encode(), sent[p])])
+                sent[p] += 1
+            return {r[0] for r in rows()} == set(sent)
+        wait_until(read_from_both, timeout=90, interval=0.3, what="rows sent after the start, of both partitions")
         q.processAllAvailable()
-        assert rows() == [("1-0", 10, b"after-1-0"), ("2-0", 10, b"after-2-0")]
+        got = rows()
+        for p, n in sent.items():  # from where "latest" was (never an old row: 10 were there before), to the end
+            mine = [(offset, value) for partition, offset, value in got if partition == p]
+            first = mine[0][0] - 10
+            assert first >= 0, mine
+            assert mine == [(10 + i, b"after-%s-%d" % (p.encode(), i)) for i in range(first, n)]
     finally:
         q.stop()
 

@@ -19,6 +19,7 @@ producer id i64, producer epoch i16, base sequence i32, record count i32, then t
 from __future__ import annotations
 
 import struct
+
 import cramjam
 import numpy as np
 import pyarrow as pa
@@ -290,8 +291,6 @@ def _headers(src: np.ndarray, hc: np.ndarray, hs: np.ndarray, re: np.ndarray) ->
     status, bad, hks, hkl, hvs, hvl = K.walk_headers(src, hc, hs, re)
     if status:
         raise KafkaRecordError(f"record {int(bad)}: its headers: {K.ERRORS[status]}", codes.CORRUPT_MESSAGE)
-    if max(int(hkl.sum()), int(np.maximum(hvl, 0).sum())) > _MAX_INT32:
-        raise KafkaRecordError("header keys or values of one partition exceed 2 GiB", codes.RECORD_LIST_TOO_LARGE)
     keys = _binary(src, hks, hkl, pa.string())
     try:
         keys.validate(full=True)
