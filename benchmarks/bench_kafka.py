@@ -7,7 +7,8 @@ acknowledged after the fsync covering it):
 
 * produce: confluent-kafka's ``Producer`` (librdkafka; ``linger.ms`` 5, ``batch.size`` 1 MB, lz4 off) into
   the Kafka listener, against metaq's ``Producer.send_batch`` with batches of 10,000 (the baseline), each
-  into a topic of its own with 2 partitions; msgs/s, and the broker's CPU (user + system) per message.
+  into a topic of its own with 2 partitions; msgs/s, the broker's CPU (user + system) per message, and per
+  produce request with the messages a request carried (the broker's metrics count the requests).
 * consume: confluent-kafka's ``Consumer`` (assign, ``consume(10000)``, at most the messages left; librdkafka's
   default ``fetch.wait.max.ms`` 500 and ``fetch.min.bytes`` 1) reading every message of a topic, against
   metaq's ``Consumer.read_range`` of the same topic (the baseline); msgs/s.
@@ -24,8 +25,10 @@ asserted. One ``BrokerProcess`` and a ``LocalZooKeeper`` on loopback, stopped an
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -58,16 +61,32 @@ def wait_topic(producer: MetaqProducer, topic: str) -> None:
         time.sleep(0.05)
 
 
+def requests_served(broker: BrokerProcess, method: str) -> float:
+    """How many ``method`` requests the broker has answered (its metrics: metaq_rpc_latency_seconds_count)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{broker.metrics_port}/metrics", timeout=10).read().decode()
+    found = re.search(r'metaq_rpc_latency_seconds_count\{method="%s"\} (\S+)' % method, text)
+    return float(found.group(1)) if found else 0.0
+
+
+def per_request(broker: BrokerProcess, method: str, before: float, n: int, cpu: float) -> dict:
+    """Messages and broker CPU per produce request: tells a cost per request (a client that sends smaller
+    requests pays it more often) from a cost per message."""
+    requests = max(requests_served(broker, method) - before, 1.0)
+    return {"msgs_per_request": n / requests, "broker_us_per_request": cpu / requests * 1e6}
+
+
 def produce_metaq(z: dict, broker: BrokerProcess, topic: str, data: list) -> dict:
     with MetaqProducer(**z) as p:
         wait_topic(p, topic)
         p.send_batch(topic, data[:10])  # connections made, outside the timing
+        requests0 = requests_served(broker, "PutData")
         cpu0, t0 = proc_cpu_s(broker.proc.pid), time.perf_counter()
         for i in range(0, len(data), BATCH):
             p.send_batch(topic, pa.array(data[i:i + BATCH], pa.binary()))
         seconds = time.perf_counter() - t0
         cpu = proc_cpu_s(broker.proc.pid) - cpu0
-    return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6}
+    return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6,
+            **per_request(broker, "PutData", requests0, len(data), cpu)}
 
 
 def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
@@ -91,6 +110,7 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
     def report(err, msg):
         if err:
             failed.append(err)
+    requests0 = requests_served(broker, "KafkaProduce") if broker else 0.0
     cpu0, t0 = proc_cpu_s(broker.proc.pid) if broker else 0.0, time.perf_counter()
     for v in data:
         try:
@@ -105,7 +125,8 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
         raise RuntimeError(f"{len(failed)} messages failed: {failed[:3]}")
     out = {"msgs_per_s": len(data) / seconds}
     if broker:
-        out["broker_us_per_msg"] = (proc_cpu_s(broker.proc.pid) - cpu0) / len(data) * 1e6
+        cpu = proc_cpu_s(broker.proc.pid) - cpu0
+        out.update(broker_us_per_msg=cpu / len(data) * 1e6, **per_request(broker, "KafkaProduce", requests0, len(data), cpu))
     return out
 
 
@@ -173,7 +194,7 @@ def main() -> None:
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
         topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka") for size in SIZES
                   for r in range(rounds)}
-        broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"zk.root": "/bench"},
+        broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"zk.root": "/bench", "metricsPort": 0},
                                topics=topics).start()
         z = {"zk_connect": zk.connect_string, "zk_root": "/bench"}
         runs: dict = {}
@@ -195,7 +216,7 @@ def main() -> None:
                 for name, result in ceiling.items():
                     runs.setdefault(name, []).append(result)
                     log(f"round {r + 1} {name}: msgs_per_s {result['msgs_per_s']:,.1f}")
-        best = {name: {k: (max if k == "msgs_per_s" else min)(x[k] for x in rs) for k in rs[0]}
+        best = {name: {k: (max if k in ("msgs_per_s", "msgs_per_request") else min)(x[k] for x in rs) for k in rs[0]}
                 for name, rs in runs.items()}
         results["cases"] = best
         figures = []
@@ -218,10 +239,11 @@ def main() -> None:
                  "baseline_value": best[f"consume {size} B confluent-kafka from the mock"]["msgs_per_s"]},
             ]
         results["figures"] = figures
-        print(f"\n{'case':<36} {'msgs/s':>12} {'broker us/msg':>14}")
+        print(f"\n{'case':<36} {'msgs/s':>12} {'broker us/msg':>14} {'msgs/request':>13} {'broker us/request':>18}")
         for name, b in best.items():
-            cpu = b.get("broker_us_per_msg")
-            print(f"{name:<36} {b['msgs_per_s']:>12,.0f} {'' if cpu is None else f'{cpu:.2f}':>14}")
+            cells = [f"{b[k]:,.{d}f}" if k in b else "" for k, d in
+                     (("broker_us_per_msg", 2), ("msgs_per_request", 0), ("broker_us_per_request", 0))]
+            print(f"{name:<36} {b['msgs_per_s']:>12,.0f} {cells[0]:>14} {cells[1]:>13} {cells[2]:>18}")
         print()
         for f in figures:
             goal = f" (goal {f['goal']})" if "goal" in f else ""
