@@ -71,7 +71,9 @@ def requests_served(broker: BrokerProcess, method: str) -> float:
 def per_request(broker: BrokerProcess, method: str, before: float, n: int, cpu: float) -> dict:
     """Messages and broker CPU per produce request: tells a cost per request (a client that sends smaller
     requests pays it more often) from a cost per message."""
-    requests = max(requests_served(broker, method) - before, 1.0)
+    requests = requests_served(broker, method) - before
+    if requests <= 0:
+        raise RuntimeError(f"the broker's metrics counted no {method} request: no per-request figures")
     return {"msgs_per_request": n / requests, "broker_us_per_request": cpu / requests * 1e6}
 
 
@@ -126,7 +128,8 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
     out = {"msgs_per_s": len(data) / seconds}
     if broker:
         cpu = proc_cpu_s(broker.proc.pid) - cpu0
-        out.update(broker_us_per_msg=cpu / len(data) * 1e6, **per_request(broker, "KafkaProduce", requests0, len(data), cpu))
+        out.update(broker_us_per_msg=cpu / len(data) * 1e6,
+                   **per_request(broker, "KafkaProduce", requests0, len(data), cpu))
     return out
 
 

@@ -50,13 +50,13 @@ def _make_jvm_archives(config) -> None:
     in the background if one is missing (jvm_archives.py; ~45 CPU-s once per machine, JDK and pyspark): a
     ZooKeeper then starts on 0.7 CPU-s instead of 1.1, a Spark driver on 5 instead of 10.5. JVMs started
     before they are made run without. ``pytest_unconfigure`` waits for it (bounded)."""
-    from metaq_broker.devtools import zookeeper
+    from metaq_broker.devtools import jvm, zookeeper
     if config.getoption("markexpr", "").strip() == "unit" or not zookeeper.java_available():
         return
     from spark_helpers import driver_archive
     if zookeeper.archive().is_file() and driver_archive().is_file():
         return
-    log = zookeeper.archive().parent / "jvm_archives.log"
+    log = jvm.cache_dir() / "jvm_archives.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         config._jvm_archives = subprocess.Popen([sys.executable, str(ROOT / "tests" / "jvm_archives.py")],

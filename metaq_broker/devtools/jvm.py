@@ -1,4 +1,5 @@
-"""Class-data archives for the development JVMs: ZooKeeper, and the Spark drivers of the quickstart and tests.
+"""Class-data archives for the development JVMs: ZooKeeper's (tests, quickstart, ``metaq zookeeper``) and
+the tests' Spark drivers (tests/spark_helpers.py; the quickstart's own Spark driver does not use one).
 
 Why: such a JVM spends most of its short life loading and verifying classes. The JDK's class-data sharing
 (CDS; a dynamic archive, JDK 13+) maps the classes a JVM loaded once from an archive instead: measured on

@@ -139,7 +139,7 @@ class LocalZooKeeper:
             netty = ["-Dzookeeper.serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory"]
         jars = pyspark_jars()
         cmd = [java, "-Dzookeeper.admin.enableServer=false", *netty, *ZOOKEEPER_JVM, *self.jvm_options,
-               *jvm.sharing_options(archive()), "-cp", f"{jars}/*",
+               *jvm.sharing_options(archive(java, jars)), "-cp", f"{jars}/*",
                "org.apache.zookeeper.server.ZooKeeperServerMain", *args]
         # Its own session: Ctrl-C in a terminal is ours to handle (we stop it in order).
         self._child = ChildProcess("ZooKeeper", cmd, self.log_path, own_session=True)
@@ -211,9 +211,10 @@ class LocalZooKeeper:
         return f"LocalZooKeeper({self.connect_string}, data_dir={str(self.data_dir)!r}, running={self.running})"
 
 
-def archive() -> Path:
-    """This machine's class-data archive for ZooKeeper's JVM (``devtools/jvm.py``), made yet or not."""
-    return jvm.archive_path("zookeeper", java_executable() or "java", pyspark_jars(), ZOOKEEPER_JVM)
+def archive(java: Optional[str] = None, jars: Optional[Path] = None) -> Path:
+    """This machine's class-data archive for ZooKeeper's JVM (``devtools/jvm.py``), made yet or not; ``java``
+    and ``jars`` when the caller has them already (``start``)."""
+    return jvm.archive_path("zookeeper", java or java_executable() or "java", jars or pyspark_jars(), ZOOKEEPER_JVM)
 
 
 def make_archive() -> bool:
