@@ -14,6 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from aiokafka.record import default_records as aiokafka_records
+from fuzzing import fuzz_settings, mutated
+from hypothesis import event, given
+from hypothesis import strategies as st
 
 from metaq_broker.protocol.kafka import codes, records
 from metaq_broker.protocol.kafka.records import HEADERS_TYPE, KafkaRecordError
@@ -116,6 +119,23 @@ def test_bad_batches_are_refused_by_name(data, problem, code):
     assert e.value.kafka_code == code and codes.code_of(e.value) == code
 
 
+@pytest.mark.parametrize("headers", [None, [[("h", b"v")]]], ids=["no header", "a header"])
+def test_a_record_longer_than_its_fields_is_refused(headers):
+    """Kafka reads a record's fields and requires them to end where its length says (DefaultRecord: "Invalid
+    record size"); a record whose length claims a byte more, with a stray byte there, is refused whether or
+    not the partition has headers (without any, the walk once skipped the stray byte and took the record)."""
+    data = bytearray(records.encode([0], [1_700_000_000_000], None, pa.array([b"abc"], pa.binary()),
+                                    None if headers is None else pa.array(headers, HEADERS_TYPE)))
+    assert data[61] >> 1 == len(data) - 62  # the record's length varint: one byte, the rest of the batch
+    data[61] += 2  # zigzag: one more
+    data += b"\x07"
+    struct.pack_into(">i", data, 8, len(data) - 12)
+    struct.pack_into(">I", data, 17, crc(bytes(data[21:])))
+    with pytest.raises(KafkaRecordError, match="record 0.*left over at the end of a record") as e:
+        records.decode(bytes(data))
+    assert e.value.kafka_code == codes.CORRUPT_MESSAGE
+
+
 def test_second_batch_is_named():
     with pytest.raises(KafkaRecordError, match="batch 1 at byte"):
         records.decode(batch() + batch(fix_crc=False)[:20] + b"\x01" + batch()[21:])
@@ -153,3 +173,124 @@ def test_log_append_time_batches_take_the_max_timestamp():
     got = records.decode(data)
     assert got.log_append_time.all()
     assert got.records.column("timestamp").cast(pa.int64()).to_pylist() == [20, 20]
+
+
+def _varint(data: bytes, p: int, end: int, max_bytes: int) -> tuple:
+    shift = result = 0
+    for _ in range(max_bytes):
+        if p >= end:
+            raise ValueError("varint past the end")
+        b = data[p]
+        p += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return (result >> 1) ^ -(result & 1), p
+        shift += 7
+    raise ValueError("varint too long")
+
+
+def _field(data: bytes, p: int, end: int) -> tuple:
+    n, p = _varint(data, p, end, 5)
+    if n < -1 or p + max(n, 0) > end:
+        raise ValueError("bad length")
+    return (None if n < 0 else data[p:p + n]), p + max(n, 0)
+
+
+def reference_rows(data: bytes) -> list:
+    """Kafka's own reading rules for uncompressed batches (DefaultRecordBatch, DefaultRecord: a record's
+    fields end exactly where its length says), in plain Python, one byte at a time: (key, value, headers)
+    of every record, or ValueError. The oracle the compiled walk is compared with."""
+    rows, pos = [], 0
+    if not data:
+        raise ValueError("no batch")
+    while pos < len(data):
+        if len(data) - pos < records.HEADER_SIZE:
+            raise ValueError("short header")
+        h = records.HEADER.unpack_from(data, pos)
+        length, magic, attributes, last_delta, count = h[1], h[3], h[5], h[6], h[12]
+        end = pos + 12 + length
+        if magic != 2 or length < records.HEADER_SIZE - 12 or end > len(data):
+            raise ValueError("bad batch header")
+        if count < 1 or count > length or last_delta != count - 1:
+            raise ValueError("bad record count")
+        p = pos + records.HEADER_SIZE
+        for k in range(count):
+            size, p = _varint(data, p, end, 5)
+            record_end = p + size
+            if size < 6 or record_end > end:
+                raise ValueError("bad record length")
+            p += 1  # attributes (int8)
+            _, p = _varint(data, p, record_end, 10)
+            delta, p = _varint(data, p, record_end, 5)
+            if delta != k:
+                raise ValueError("bad offset delta")
+            key, p = _field(data, p, record_end)
+            value, p = _field(data, p, record_end)
+            n_headers, p = _varint(data, p, record_end, 5)
+            if n_headers < 0:
+                raise ValueError("bad header count")
+            headers = []
+            for _ in range(n_headers):
+                name, p = _field(data, p, record_end)
+                if name is None:
+                    raise ValueError("null header key")
+                header_value, p = _field(data, p, record_end)
+                headers.append((name.decode("utf-8"), header_value))  # UnicodeDecodeError is a ValueError
+            if p != record_end:
+                raise ValueError("bytes left over in a record")
+            rows.append((key, value, headers))
+        if p != end:
+            raise ValueError("bytes left over in a batch")
+        pos = end
+    return rows
+
+
+@pytest.fixture(scope="module", params=["headers", "no headers"])
+def two_batches(request):
+    """Two uncompressed batches (keys, nulls, headers or none: a partition without any header takes another
+    path) to damage: the walk, not the CRC, meets the damage."""
+    keys, values, headers, ts = columns(12, seed=3)
+    return bytes(records.encode(np.arange(12), ts, pa.array(keys, pa.binary()), pa.array(values, pa.binary()),
+                                pa.array(headers, HEADERS_TYPE) if request.param == "headers" else None,
+                                batch_starts=[0, 7]))
+
+
+@fuzz_settings(short=400)
+@given(data=st.data())
+def test_any_damage_to_batches_is_refused_by_name_or_decodes_to_valid_columns(two_batches, data):
+    """An attacker's Produce records: whatever bytes the compiled walk meets (CRC not checked, so damage
+    reaches it), decode either refuses them with a KafkaRecordError or returns exactly the batches' record
+    count in columns Arrow validates in full (no read past a region, no negative length let through)."""
+    damaged = data.draw(mutated(two_batches))
+    try:
+        got = records.decode(damaged, verify=False)
+    except KafkaRecordError as e:
+        assert str(e) and e.kafka_code in (codes.CORRUPT_MESSAGE, codes.INVALID_RECORD,
+                                           codes.UNSUPPORTED_COMPRESSION_TYPE, codes.RECORD_LIST_TOO_LARGE)
+        got = None
+    else:
+        got.records.validate(full=True)
+        assert got.records.num_rows == int(got.counts.sum())
+    if any(h[5] & 0x7 for h in _headers_of(damaged)):
+        return  # the codec bits were hit: the damaged bytes were handed to a decompressor (bounded, refused)
+    try:
+        expected = reference_rows(damaged)
+    except (ValueError, struct.error):
+        event("refused by Kafka's rules")
+        assert got is None, "decode accepted bytes that Kafka's reading rules refuse"
+        return
+    event("accepted by Kafka's rules")
+    assert got is not None, "decode refused bytes that Kafka's reading rules accept"
+    assert as_rows(got) == expected
+
+
+def _headers_of(data: bytes) -> list:
+    """The batch headers that can be read from ``data`` (for its codec bits), as far as they go."""
+    out, pos = [], 0
+    while len(data) - pos >= records.HEADER_SIZE:
+        h = records.HEADER.unpack_from(data, pos)
+        out.append(h)
+        if h[1] < records.HEADER_SIZE - 12:
+            break
+        pos += 12 + h[1]
+    return out

@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT, BAD_OFFSET_DELTA = 0, 1, 2, 3, 4, 5, 6
+OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT, BAD_OFFSET_DELTA, RECORD_LEFTOVER = range(8)
 ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a negative or impossible length",
           LEFTOVER: "bytes left over after the batch's last record (its record count is wrong)",
           TOO_MANY_HEADERS: "a record's header count is impossible for its length",
           BAD_VARINT: "a varint longer than its type allows",
-          BAD_OFFSET_DELTA: "its offset delta is not its position in the batch"}
+          BAD_OFFSET_DELTA: "its offset delta is not its position in the batch",
+          RECORD_LEFTOVER: "bytes left over at the end of a record (its length is wrong)"}
 
 
 @njit(cache=True, nogil=True)
@@ -93,6 +94,8 @@ def walk(u8, starts, ends, counts):
                 return (TRUNCATED if p == -1 else BAD_VARINT), b, k, ts, od, ks, kl, vs, vl, hc, hs, re
             if h < 0 or 2 * h > rec_end - p:  # each header is at least two one-byte varints
                 return TOO_MANY_HEADERS, b, k, ts, od, ks, kl, vs, vl, hc, hs, re
+            if h == 0 and p != rec_end:  # a record's fields end where its length says (walk_headers: with headers)
+                return RECORD_LEFTOVER, b, k, ts, od, ks, kl, vs, vl, hc, hs, re
             ts[i] = t
             hc[i] = h
             hs[i] = p
@@ -134,7 +137,7 @@ def walk_headers(u8, hc, hs, re):
             p += max(ln, 0)
             j += 1
         if p != end:
-            return LEFTOVER, i, hks, hkl, hvs, hvl
+            return RECORD_LEFTOVER, i, hks, hkl, hvs, hvl
     return OK, 0, hks, hkl, hvs, hvl
 
 
