@@ -122,6 +122,9 @@ class _GroupCalls:
         if self.member is not None:
             self.member.higher_epoch_seen(epoch)
 
+    def lease_valid(self) -> bool:
+        return self.member is not None and self.member.lease_valid()
+
 
 class Broker:
     """``start()`` opens the store, serves gRPC (and the data port) and registers in ZooKeeper (unless
@@ -330,7 +333,8 @@ class Broker:
         self.identity = load_or_create(cfg.data_path, cfg.broker_id, cfg.replica_id)
         self.replicas = ReplicaManager(self.store, self.transactions, cfg.broker_id, cfg.replica_id,
                                        self.identity.uuid, cfg.replica_lag_max_ms / 1000, alter_isr=calls.alter_isr,
-                                       on_higher_epoch=calls.higher_epoch_seen, wake=calls.wake)
+                                       on_higher_epoch=calls.higher_epoch_seen, wake=calls.wake,
+                                       lease_valid=calls.lease_valid)
         self.fetcher = ReplicaFetcher(self.store, self.transactions, cfg.replica_id, self.identity.uuid,
                                       sync_topics=self._sync_topics, on_fenced=calls.wake,
                                       security=cfg.security.replication_client(),

@@ -93,17 +93,20 @@ class ReplicaManager:
     """``alter_isr(isr) -> bool`` writes the in-sync set (``[(replicaId, uuid), ...]``) to ZooKeeper with
     the state's version; False when the write lost (a newer epoch: the caller demotes) or ZooKeeper did not
     answer. It is called by ``tick`` only, never with ``_cond`` held. ``wake()`` asks the group thread for
-    an early ``tick`` (a replica may join or must leave the in-sync set)."""
+    an early ``tick`` (a replica may join or must leave the in-sync set). ``lease_valid()`` says whether
+    this master's lease still holds (read without a lock, so it may be called with ``_cond`` held)."""
 
     def __init__(self, store, transactions, broker_id: int, replica_id: int, uuid: str, lag_max_s: float,
                  alter_isr: Callable[[list], bool], on_higher_epoch: Callable[[int], None] = lambda e: None,
-                 clock=time.monotonic, wake: Callable[[], None] = lambda: None):
+                 clock=time.monotonic, wake: Callable[[], None] = lambda: None,
+                 lease_valid: Callable[[], bool] = lambda: True):
         self.store, self.transactions = store, transactions
         self.broker_id, self.replica_id, self.uuid = broker_id, replica_id, uuid
         self._on_higher_epoch = on_higher_epoch
         self.lag_max_s = lag_max_s
         self._alter_isr = alter_isr
         self._wake = wake
+        self._lease_valid = lease_valid
         self._clock = clock
         self._cond = threading.Condition()
         self.epoch = 0
@@ -196,12 +199,18 @@ class ReplicaManager:
                 self._cond.wait(min(left, 0.05))
 
     def _check_acknowledging(self, topic: Optional[str], where: str) -> None:
-        """NotAcknowledgedError unless this member is master and its ack set has the topic's
-        minInSyncReplicas (holding the lock)."""
+        """NotAcknowledgedError unless this member is master with a valid lease and its ack set has the
+        topic's minInSyncReplicas (holding the lock). A lease that ran out ends the wait at once: its
+        replicas are refused their fetches from then on, so the HW cannot move, and waiting on would only
+        make the client time out instead of hearing why."""
         if not self.active:
             raise NotAcknowledgedError(
                 f"not acknowledged: this member stopped being master of group {self.broker_id} while waiting for "
                 f"its in-sync set; {where} may or may not be stored")
+        if not self._lease_valid():
+            raise NotAcknowledgedError(
+                f"not acknowledged: the lease of group {self.broker_id}'s master ran out (no word from ZooKeeper) "
+                f"while waiting for its in-sync set; {where} may or may not be stored")
         need = self._min_insync(topic) if topic is not None else 1
         if len(self.ack_set) < need:
             raise NotAcknowledgedError(
