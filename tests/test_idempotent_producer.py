@@ -3,6 +3,7 @@ after the broker stored it, or the broker killed and restarted) is sent again an
 duplicates, gaps and fenced epochs are refused with errors naming producer, partition and sequences; a
 replicated group's master killed with kill -9 under an idempotent producer loses and doubles nothing.
 ``Producer(idempotent=False)`` keeps the old rule (never resent), shown beside."""
+import logging
 import os
 import signal
 import socket
@@ -269,7 +270,7 @@ def test_a_group_master_killed_under_an_idempotent_producer_loses_and_doubles_no
         group.stop()
 
 
-def test_a_put_left_in_doubt_is_never_reported_as_stored_nothing(tmp_path, zookeeper, zk_root):
+def test_a_put_left_in_doubt_is_never_reported_as_stored_nothing(tmp_path, zookeeper, zk_root, caplog):
     """Both replicas frozen under minInSyncReplicas=2: the master stores an idempotent acks=all put and
     answers ``not acknowledged`` once the in-sync set shrinks; the producer sends it again and every resend
     is refused ``not enough in-sync replicas ... nothing was written``, true of the resend only. At the
@@ -290,14 +291,16 @@ def test_a_put_left_in_doubt_is_never_reported_as_stored_nothing(tmp_path, zooke
                 os.kill(m.proc.pid, signal.SIGSTOP)
             try:
                 began = time.monotonic()
+                caplog.set_level(logging.INFO, logger="metaq_broker.client")  # its resends, should this fail
                 try:
-                    producer.send_batch("t", [b"in doubt"])
+                    acked = producer.send_batch("t", [b"in doubt"])
                     failed = None
                 except BrokerUnavailableError as e:
                     failed = e
                 took = time.monotonic() - began
-                assert failed is not None, ("acknowledged with both replicas frozen; their states: "
-                                            f"{process_states(m.proc.pid for m in replicas)} (T: stopped)")
+                assert failed is not None, (f"acknowledged ({acked}) after {took:.2f} s with both replicas frozen; "
+                                            f"their states: {process_states(m.proc.pid for m in replicas)} "
+                                            f"(T: stopped); the master's log: {group.members[master].log_path}")
             finally:
                 for m in replicas:
                     os.kill(m.proc.pid, signal.SIGCONT)
