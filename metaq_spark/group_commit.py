@@ -32,14 +32,16 @@ from pyspark.sql.streaming import StreamingQueryListener
 
 from metaq_broker.security.settings import ZkSecurity
 from metaq_broker.zk.group_offsets import GroupStore
-from metaq_broker.zk.session import client_subtrees, new_client, start_client
+from metaq_broker.zk.session import ZooKeeperUnavailableError, client_subtrees, new_client, start_client
 
 log = logging.getLogger(__name__)
 
 MARKER = "@metaq"
 IDENTITIES = "@identity"  # {topic: {partition: identity of the log the offsets are of}} (planning.py)
 RESTARTS = "@from"  # {topic: {partition: offset}}: the batch reads a new log of the partition from there
-ATTEMPTS = 5
+ATTEMPTS = 5  # a write that failed for a moment (a lost connection, a version race) is tried again
+CONNECT_S = 10.0  # how long one connect to ZooKeeper may take
+AWAY_S = 30.0  # after a connect that failed, the ensemble is not tried again for this long
 
 
 def mark(offsets: dict, zk_connect: str, zk_root: str, group: Optional[str], secured: bool = False) -> dict:
@@ -63,23 +65,41 @@ def identities_in(offsets: Optional[dict]) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-class _Recorder:
-    """One kazoo client per ZooKeeper ensemble, shared by every query of this process."""
+class _Away(ZooKeeperUnavailableError):
+    """ZooKeeper could not be reached a moment ago: not tried now (``_Recorder``)."""
 
-    def __init__(self):
+
+class _Recorder:
+    """One kazoo client per ZooKeeper ensemble, shared by every query of this process. An ensemble that
+    could not be reached is not tried again for ``away_s``: each record meanwhile returns False at once.
+    Without that, every progress event and every source ``commit`` waited ``ATTEMPTS`` connect timeouts
+    (~50 s) while ZooKeeper was gone, stalling the stream, and Spark's listener bus held ``spark.stop()``
+    that long for each event it still had queued. Nothing is lost by skipping: writes only move offsets
+    forward, and the next record after ZooKeeper is back writes the newest ones."""
+
+    def __init__(self, connect_s: float = CONNECT_S, away_s: float = AWAY_S):
         self._lock = threading.Lock()
         self._stores: dict = {}
+        self._connect_s, self._away_s = connect_s, away_s
+        self._away_until: dict = {}  # (zk_connect, root) -> monotonic time before which no connect is tried
 
     def _store(self, zk_connect: str, root: str, security: Optional[ZkSecurity]):
         with self._lock:
-            store = self._stores.get((zk_connect, root))
+            key = (zk_connect, root)
+            store = self._stores.get(key)
             if store is None:
+                if time.monotonic() < self._away_until.get(key, 0.0):
+                    raise _Away(f"ZooKeeper at {zk_connect} could not be reached a moment ago")
                 # Bounded reconnects: a client whose ZooKeeper went away is dropped and made anew at the
                 # next write, rather than retrying (and logging) forever in the driver.
-                client = new_client(zk_connect, 10.0, security, reconnect_tries=3)
+                client = new_client(zk_connect, self._connect_s, security, reconnect_tries=3)
                 client.share_below(*client_subtrees(root))
-                start_client(client, zk_connect, 10.0)
-                store = self._stores[(zk_connect, root)] = GroupStore(client, root)
+                try:
+                    start_client(client, zk_connect, self._connect_s)
+                except ZooKeeperUnavailableError:
+                    self._away_until[key] = time.monotonic() + self._away_s
+                    raise
+                store = self._stores[key] = GroupStore(client, root)
             return store
 
     def _forget(self, zk_connect: str, root: str) -> None:
@@ -94,7 +114,7 @@ class _Recorder:
         """Write ``{topic: {partition: offset}}`` for ``group``, never lowering a recorded offset of the same
         log (the source's ``commit`` and the listener race), with the logs' ``identities`` ({topic:
         {partition: identity}}); retried, and a failure is logged, never raised: ZooKeeper being away must
-        not fail or stall a stream."""
+        not fail or stall a stream (an unreachable ZooKeeper is not retried: see the class)."""
         for attempt in range(ATTEMPTS):
             try:
                 store = self._store(zk_connect, root, security)
@@ -104,9 +124,11 @@ class _Recorder:
                 return True
             except Exception as e:  # noqa: BLE001 - reported, never fatal
                 self._forget(zk_connect, root)
-                if attempt == ATTEMPTS - 1:
-                    log.warning("could not record offsets of group %s in ZooKeeper %s%s: %s",
-                                group, zk_connect, root, e)
+                unreachable = isinstance(e, ZooKeeperUnavailableError)
+                if unreachable or attempt == ATTEMPTS - 1:
+                    if not isinstance(e, _Away):  # said once each time it goes away
+                        log.warning("could not record offsets of group %s in ZooKeeper %s%s: %s%s", group, zk_connect,
+                                    root, e, f"; not tried again for {self._away_s:.0f}s" if unreachable else "")
                     return False
                 time.sleep(0.2 * 2 ** attempt)
         return False

@@ -147,7 +147,10 @@ def test_a_spark_driver_with_a_metaq_query_ends_when_zookeeper_is_gone(doomed_zo
         first = proc.stdout.readline()
         assert first.strip() == "running True", first + proc.stderr.read(3000)
         doomed_zookeeper.stop()
-        out, err = proc.communicate("\n", timeout=BOUND_S + 30)
+        # 6 s of the driver's own, then at most one recording of group offsets that gives up (one connect
+        # timeout, metaq_spark.group_commit), then Spark's stop: ~20 s; each progress event still queued
+        # used to hold spark.stop() for ~50 s
+        out, err = proc.communicate("\n", timeout=45)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()

@@ -13,7 +13,7 @@ from spark_helpers import fill, reader, run_available_now
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
-from metaq_spark.group_commit import MARKER, RECORDER
+from metaq_spark.group_commit import MARKER, RECORDER, _Recorder
 
 
 def send(cluster, topic, partition, values):
@@ -212,3 +212,30 @@ def test_recorded_group_offsets_never_move_backwards(zookeeper, zk_root):
         # A plain commit (an operator resetting the group) may still move it back.
         consumer.commit("t", {"1-0": 7})
         assert consumer.committed("t")["1-0"] == 7
+
+
+def test_an_unreachable_zookeeper_is_not_waited_for_at_every_record(own_zookeeper, zk_root):
+    """ZooKeeper gone: the first record gives up after one connect timeout (not ``ATTEMPTS`` of them: ~50 s
+    per progress event held the stream, and ``spark.stop()`` for each event still queued), the next ones
+    at once without connecting; once it is back and the pause is over, records are written again, and
+    what was skipped meanwhile is covered by the newest offsets."""
+    zk = own_zookeeper
+    connect_s = 2.0
+    recorder = _Recorder(connect_s=connect_s, away_s=8.0)
+    try:
+        assert recorder.record(zk.connect_string, zk_root, "g-away", {"t": {"1-0": 5}})
+        zk.stop()
+        began = time.monotonic()
+        assert not recorder.record(zk.connect_string, zk_root, "g-away", {"t": {"1-0": 6}})
+        first = time.monotonic() - began
+        began = time.monotonic()
+        assert not recorder.record(zk.connect_string, zk_root, "g-away", {"t": {"1-0": 7}})
+        assert time.monotonic() - began < connect_s, "a record connected again to a ZooKeeper just found away"
+        assert first < 30, f"the first record while ZooKeeper was away took {first:.1f} s"
+        zk.start()
+        wait_until(lambda: recorder.record(zk.connect_string, zk_root, "g-away", {"t": {"1-0": 8}}), timeout=30,
+                   interval=1.0, what="a record once ZooKeeper is back")
+        with Consumer(zk_connect=zk.connect_string, zk_root=zk_root, group="g-away") as consumer:
+            assert consumer.committed("t") == {"1-0": 8}
+    finally:
+        recorder.close()
