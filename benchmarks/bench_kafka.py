@@ -7,7 +7,7 @@ acknowledged after the fsync covering it):
 
 * produce: confluent-kafka's ``Producer`` (librdkafka; ``linger.ms`` 5, ``batch.size`` 1 MB, lz4 off) into
   the Kafka listener, against metaq's ``Producer.send_batch`` with batches of 10,000 (the baseline), each
-  into a topic of its own with 2 partitions; msgs/s, the broker's CPU (user + system) per message, and per
+  into a topic of its own with 2 partitions; msgs/s, the broker's CPU (user + system, from its threads' schedstat: ``CpuMeter``) per message, and per
   produce request with the messages a request carried (the broker's metrics count the requests).
 * consume: confluent-kafka's ``Consumer`` (assign, ``consume(10000)``, at most the messages left; librdkafka's
   default ``fetch.wait.max.ms`` 500 and ``fetch.min.bytes`` 1) reading every message of a topic, against
@@ -35,7 +35,7 @@ from typing import Optional
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import (add_common_options, log, proc_cpu_s, run_facts, scratch_dir,  # noqa: E402
+from benchmarks.common import (CpuMeter, add_common_options, log, run_facts, scratch_dir,  # noqa: E402
                                teardown, write_json)
 from metaq_broker.client import Consumer as MetaqConsumer  # noqa: E402
 from metaq_broker.client import Producer as MetaqProducer  # noqa: E402
@@ -82,11 +82,11 @@ def produce_metaq(z: dict, broker: BrokerProcess, topic: str, data: list) -> dic
         wait_topic(p, topic)
         p.send_batch(topic, data[:10])  # connections made, outside the timing
         requests0 = requests_served(broker, "PutData")
-        cpu0, t0 = proc_cpu_s(broker.proc.pid), time.perf_counter()
+        meter, t0 = CpuMeter(broker.proc.pid), time.perf_counter()
         for i in range(0, len(data), BATCH):
             p.send_batch(topic, pa.array(data[i:i + BATCH], pa.binary()))
         seconds = time.perf_counter() - t0
-        cpu = proc_cpu_s(broker.proc.pid) - cpu0
+        cpu = meter.seconds()
     return {"msgs_per_s": len(data) / seconds, "broker_us_per_msg": cpu / len(data) * 1e6,
             **per_request(broker, "PutData", requests0, len(data), cpu)}
 
@@ -113,7 +113,7 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
         if err:
             failed.append(err)
     requests0 = requests_served(broker, "KafkaProduce") if broker else 0.0
-    cpu0, t0 = proc_cpu_s(broker.proc.pid) if broker else 0.0, time.perf_counter()
+    meter, t0 = CpuMeter(broker.proc.pid) if broker else None, time.perf_counter()
     for v in data:
         try:
             p.produce(topic, v, on_delivery=report)
@@ -127,7 +127,7 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
         raise RuntimeError(f"{len(failed)} messages failed: {failed[:3]}")
     out = {"msgs_per_s": len(data) / seconds}
     if broker:
-        cpu = proc_cpu_s(broker.proc.pid) - cpu0
+        cpu = meter.seconds()
         out.update(broker_us_per_msg=cpu / len(data) * 1e6,
                    **per_request(broker, "KafkaProduce", requests0, len(data), cpu))
     return out

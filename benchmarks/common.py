@@ -40,6 +40,38 @@ def proc_cpu_s(pid: Optional[int], system_only: bool = False) -> float:
     return ((0 if system_only else int(v[11])) + int(v[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_ns(pid: int) -> dict:
+    """{thread id: nanoseconds on a CPU} of a process's live threads (/proc/PID/task/TID/schedstat)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            pass
+    return out
+
+
+class CpuMeter:
+    """CPU seconds one process uses from ``CpuMeter(pid)`` to ``seconds()``, summed over its threads'
+    schedstat nanoseconds: /proc/PID/stat counts 10 ms ticks, so a case that costs the broker 50 ms read
+    +-20 %. A thread that ended in between takes its nanoseconds with it: when the ticks (which keep an
+    ended thread's time) say more than two ticks beyond the sum, or there is no schedstat, they are used."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._ticks, self._ns = proc_cpu_s(pid), _threads_ns(pid)
+
+    def seconds(self) -> float:
+        ns, ticks = _threads_ns(self.pid), proc_cpu_s(self.pid) - self._ticks
+        precise = sum(v - self._ns.get(t, 0) for t, v in ns.items()) / 1e9
+        return ticks if not ns or ticks - precise > 2 / os.sysconf("SC_CLK_TCK") else precise
+
+
 def values_array(start: int, n: int) -> pa.Array:
     """n binary values of VALUE_SIZE bytes; value i starts with its 8-byte little-endian index."""
     buf = np.zeros((n, VALUE_SIZE), dtype=np.uint8)
