@@ -127,6 +127,7 @@ class Segment:
                  entries: np.ndarray, mutable: bool, n: Optional[int] = None, keys: Optional[KeyIndex] = None):
         self.directory = directory
         self.start = start
+        self._path = directory / (segment_name(start) + LOG_SUFFIX)  # named in every append's error path
         self.base_offset = base_offset
         self.fd = fd
         self.size = size  # bytes in the file, header included
@@ -156,7 +157,7 @@ class Segment:
     # -- naming -------------------------------------------------------------------------------------
     @property
     def path(self) -> Path:
-        return self.directory / (segment_name(self.start) + LOG_SUFFIX)
+        return self._path
 
     @property
     def index_path(self) -> Path:
