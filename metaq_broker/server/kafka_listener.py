@@ -347,7 +347,7 @@ class KafkaServer:
         batches = krecords.decode(data)
         body, producer = to_metaq(batches)
         appended = self.handler.append_encoded(conn.principal, rawput.Request(topic, n, "", None, acks, producer), body)
-        return appended, bool(batches.log_append_time.any())
+        return appended, bool(batches.attributes_any & krecords.TIMESTAMP_TYPE)
 
     # -- fetching -------------------------------------------------------------------------------------
     def fetch(self, conn, request: Request) -> dict:
@@ -692,7 +692,7 @@ def to_metaq(batches: krecords.Batches) -> tuple:
     (``RequestHandler.put_encoded``: not parsed again). Transactional and control
     batches are refused (Kafka transactions are not supported)."""
     h = batches.header
-    if batches.transactional.any() or batches.control.any():
+    if batches.attributes_any & (krecords.TRANSACTIONAL | krecords.CONTROL):
         raise krecords.KafkaRecordError(kafka_metadata.TRANSACTIONS_REFUSED, codes.INVALID_RECORD)
     producer = None
     pids = h["producer_id"]
@@ -705,8 +705,7 @@ def to_metaq(batches: krecords.Batches) -> tuple:
         producer = rawput.check_producer(int(pids[0]), int(h["producer_epoch"][0]), int(seqs[0]))
     # The columns as encode_body takes them fastest: create times as int64 ms (a view, no Arrow casts), no
     # headers column when no record has one (the usual case: nothing to count per record)
-    timestamps = None if batches.log_append_time.any() else \
-        batches.column("timestamp").view(pa.int64()).to_numpy(zero_copy_only=True)
+    timestamps = None if batches.attributes_any & krecords.TIMESTAMP_TYPE else batches.timestamps_ms
     headers = batches.column("headers")
     body = mrecords.encode_body(batches.column("value"), keys=batches.column("key"),
                                 headers=headers if len(headers.values) else None, timestamps=timestamps)
