@@ -405,3 +405,14 @@ def test_sweep_removes_what_a_killed_run_left():
         assert mine.hosts["y"].namespace in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                            text=True).stdout
     assert f"{netns.PREFIX}{tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def test_consecutive_networks_of_a_process_take_new_addresses():
+    """A test's hosts never get the addresses of the previous test's in the same process
+    (``Network._free_subnet``): nothing that outlived that test can meet them."""
+    _netns_or_fail()
+    subnets = []
+    for _ in range(3):
+        with netns.Network() as net:
+            subnets.append(net.client.address.rsplit(".", 1)[0])
+    assert len(set(subnets)) == 3, subnets

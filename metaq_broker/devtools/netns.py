@@ -123,7 +123,8 @@ class Network:
     """A bridge with the client and zookeeper addresses, and a namespace per ``add_host``."""
 
     def __init__(self):
-        serial = next(_serial) % 16
+        made = next(_serial)
+        serial = made % 16
         self.tag = f"{os.getpid():x}x{serial:x}"  # in every link name (15 characters at most)
         self.bridge = f"{PREFIX}{self.tag}b"
         self._ns_prefix = f"{PREFIX}-{os.getpid()}-{serial}-"
@@ -131,7 +132,7 @@ class Network:
         self._veths: list = []
         self._cuts: set = set()
         self._closed = False
-        subnet = self._free_subnet()
+        subnet = self._free_subnet(made)
         self._addresses = iter(subnet.hosts())
         _open.add(self)
         try:
@@ -147,11 +148,16 @@ class Network:
         self._prefixlen = subnet.prefixlen
 
     @staticmethod
-    def _free_subnet() -> ipaddress.IPv4Network:
-        """A /24 in 10.213.0.0/16 that no address or route of this machine uses."""
+    def _free_subnet(made: int) -> ipaddress.IPv4Network:
+        """A /24 in 10.213.0.0/16 that no address or route of this machine uses, and not the one this
+        process's previous network had (``made``: how many it made before): a test's hosts never reuse the
+        addresses of the test before, so nothing that outlived it (neighbour entries, conntrack, a
+        connection gRPC still shares between channels) can meet them. (A full run once saw a new network's
+        client get no answer from a member at an address the previous test had used; the members reached
+        each other meanwhile.)"""
         used = set(re.findall(r"\b10\.213\.(\d+)\.", _run("ip", "-4", "-o", "addr").stdout
                               + _run("ip", "-4", "route").stdout))
-        start = os.getpid() % 240
+        start = (os.getpid() + 17 * made) % 256
         for i in range(256):
             n = (start + i) % 256
             if str(n) not in used:
