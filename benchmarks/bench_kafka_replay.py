@@ -11,7 +11,7 @@ For values of 100 B and 1 KiB (no keys, one partition) and requests of 1,000, 4,
   librdkafka sends them with lz4 off), ``KafkaServer.append_produce`` (decode, ``to_metaq``, append), its
   acknowledgement and ``encode_response``: what the Kafka listener runs per request;
 * ``metaq put`` (the baseline): ``records.parse_body`` of the same messages as metaq's producer encodes
-  them, ``RequestHandler.append_encoded`` and ``acknowledge``: what the data port runs per ``PutData``.
+  them, ``RequestHandler.put_encoded``: what the data port runs per ``PutData``.
 
 Both go to one broker of this process's own (no ZooKeeper), into a topic with the default durability, group
 commit (one fsync per request either way), and into one acknowledged when written (``unflushThreshold``
@@ -108,8 +108,7 @@ def main() -> None:
         def put(item) -> None:
             topic, (count, attributes, body, crc) = item
             request = rawput.Request(topic, 0, "", None, rawput.ACKS_ALL, None)
-            handler.acknowledge(handler.append_encoded(ANONYMOUS, request, mrecords.parse_body(count, attributes,
-                                                                                               body, crc)))
+            handler.put_encoded(ANONYMOUS, request, mrecords.parse_body(count, attributes, body, crc))
         figures = []
         for durability, topic in durabilities.items():
             for size in SIZES:

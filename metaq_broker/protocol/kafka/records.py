@@ -19,7 +19,6 @@ producer id i64, producer epoch i16, base sequence i32, record count i32, then t
 from __future__ import annotations
 
 import struct
-from typing import Optional
 
 import cramjam
 import numpy as np
@@ -84,8 +83,10 @@ class Batches:
     def __init__(self, columns: list, header: np.ndarray, counts: np.ndarray, timestamps_ms: np.ndarray):
         self._columns, self.header, self.counts = columns, header, counts
         self.timestamps_ms = timestamps_ms  # the timestamp column's int64 milliseconds (the same buffer)
+        # every batch's attribute bits OR-ed together: one numpy call where a Produce asks three questions
+        # (any transactional, control, LogAppendTime batch?), each a few microseconds of fixed cost
+        self.attributes_any = int(np.bitwise_or.reduce(header["attributes"]))
         self._records = None
-        self._attributes_any: Optional[int] = None
 
     def column(self, name: str) -> pa.Array:
         return self._columns[RECORD_SCHEMA.get_field_index(name)]
@@ -95,14 +96,6 @@ class Batches:
         if self._records is None:
             self._records = pa.RecordBatch.from_arrays(self._columns, schema=RECORD_SCHEMA)
         return self._records
-
-    @property
-    def attributes_any(self) -> int:
-        """Every batch's attribute bits OR-ed together: one numpy call where a Produce asks three questions
-        (any transactional, control, LogAppendTime batch?), each a few microseconds of fixed cost."""
-        if self._attributes_any is None:
-            self._attributes_any = int(np.bitwise_or.reduce(self.header["attributes"]))
-        return self._attributes_any
 
     @property
     def codec(self) -> np.ndarray:

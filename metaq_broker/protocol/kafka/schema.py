@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field as dc_field
-from functools import lru_cache
 from typing import Any, Callable, Optional
 
 from metaq_broker.errors import MetaqError
@@ -379,9 +378,22 @@ def _field_codec(f: Field, version: int, flexible: bool):
     return read_array, write_array
 
 
-@lru_cache(maxsize=None)
+# Compiled codecs by the identity of the fields tuple (held in the value, so its id is not reused while
+# cached): schema tables are module constants, and hashing a tuple of Fields (as ``lru_cache`` did) cost
+# ~8 us of each request and each answer
+_CODECS: dict = {}
+
+
 def codec(fields: tuple, version: int, flexible: bool) -> StructCodec:
     """The compiled codec of a struct at a version (cached: compiled once per struct and version)."""
+    key = (id(fields), version, flexible)
+    hit = _CODECS.get(key)
+    if hit is None or hit[0] is not fields:
+        hit = _CODECS[key] = (fields, _compile(fields, version, flexible))
+    return hit[1]
+
+
+def _compile(fields: tuple, version: int, flexible: bool) -> StructCodec:
     c = StructCodec(fields, version, flexible)
     for f in fields:
         if not f.has(version):
@@ -398,23 +410,10 @@ def codec(fields: tuple, version: int, flexible: bool) -> StructCodec:
     return c
 
 
-# ``codec`` by the identity of the fields tuple (held here, so its id is not reused): ``codec``'s own cache
-# hashes every Field of the tuple, ~8 us of each request and of each answer
-_BY_IDENTITY: dict = {}
-
-
-def _codec_of(fields: tuple, version: int, flexible: bool) -> StructCodec:
-    key = (id(fields), version, flexible)
-    hit = _BY_IDENTITY.get(key)
-    if hit is None or hit[0] is not fields:
-        hit = _BY_IDENTITY[key] = (fields, codec(fields, version, flexible))
-    return hit[1]
-
-
 def decode(fields: tuple, version: int, flexible: bool, buf, pos: int = 0, whole: bool = True) -> tuple[dict, int]:
     """Decode one struct from ``buf`` at ``pos``; with ``whole`` the struct must end the buffer."""
     r = Reader(buf, pos)
-    value = _codec_of(fields, version, flexible).read(r)
+    value = codec(fields, version, flexible).read(r)
     if whole and r.pos != r.end:
         raise KafkaDecodeError(f"{r.end - r.pos} bytes left over after the message (version {version})")
     return value, r.pos
@@ -423,7 +422,7 @@ def decode(fields: tuple, version: int, flexible: bool, buf, pos: int = 0, whole
 def encode_parts(fields: tuple, version: int, flexible: bool, value: dict) -> list:
     """Encode one struct to a list of buffers (``records`` views stay separate parts)."""
     w = Writer()
-    _codec_of(fields, version, flexible).write(w, value)
+    codec(fields, version, flexible).write(w, value)
     return w.finish()
 
 
