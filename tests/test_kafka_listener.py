@@ -333,8 +333,9 @@ def test_api_versions_at_every_version_and_the_unsupported_answer(broker):
 def test_the_compiled_walks_load_at_the_first_kafka_connection_not_at_start(cluster):
     """A broker that no Kafka client reaches never loads numba (at start it cost every broker a second of
     CPU); its first Kafka connection loads the walks in the background, even when that connection is an
-    attacker's, and a produce behind it is served."""
-    b = cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    attacker's, and a produce behind it is served. (Started as an operator starts it: the test suite's
+    zygote, devtools/zygote.py, loads them before it forks its brokers.)"""
+    b = cluster.start_broker(1, topics={"t": {"numPartitions": 1}}, forkable=False)
     maps = Path(f"/proc/{b.proc.pid}/maps")
     with MetaqProducer(zk_connect=cluster.zk_connect, zk_root=cluster.zk_root) as producer:
         producer.send_batch("t", [b"unkeyed"] * 10)  # metaq's own puts need no compiled walk either

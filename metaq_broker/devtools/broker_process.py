@@ -21,7 +21,8 @@ class BrokerProcess:
     ``<workdir>/broker.log``. ``settings`` are [system] keys; ``topics`` maps names to their keys."""
 
     def __init__(self, workdir, broker_id: int = 0, zk_connect: str = "none", port: Optional[int] = None,
-                 settings: Optional[dict] = None, topics: Optional[dict] = None, health_certificate=None):
+                 settings: Optional[dict] = None, topics: Optional[dict] = None, health_certificate=None,
+                 forkable: bool = True):
         self.workdir = Path(workdir)
         self.broker_id = broker_id
         self.port = port or free_port()
@@ -31,6 +32,10 @@ class BrokerProcess:
                          "dataPath": str(self.workdir / "data"), "zk.connect": zk_connect, **(settings or {})}
         self.topics = topics or {}
         self.health_certificate = health_certificate  # (cert, key) PEM paths when ssl.client.auth=required
+        # may be forked from a warm interpreter where the test suite enables it (zygote.py), unless it runs
+        # under a wrapper or with --log-level (gRPC reads its verbosity as it is imported); False: started as
+        # an operator starts it, for a test of what a broker loads as it starts
+        self.forkable = forkable
         self._child: Optional[ChildProcess] = None
         self._log_start = 0  # where the current run's lines begin in the log
 
@@ -120,7 +125,8 @@ class BrokerProcess:
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
         self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                   forkable=self.forkable and not wrapper and "--log-level" not in args)
         if ready_by_log:
             self._child.start(self._listening, timeout, interval=0.1)
             return self
@@ -135,13 +141,15 @@ class BrokerProcess:
 
     def _health_channel(self) -> grpc.Channel:
         """A channel for the readiness check: TLS trusting ``ssl.ca.location`` when the broker uses TLS."""
+        options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                   ("grpc.max_reconnect_backoff_ms", 100)]  # polled while the broker starts: not gRPC's 1 s
         if str(self.settings.get("security.protocol", "PLAINTEXT")).upper() == "PLAINTEXT":
-            return grpc.insecure_channel(self.address)
+            return grpc.insecure_channel(self.address, options)
         ca = self.settings.get("ssl.ca.location")
         key, chain = ((read_pem("key", self.health_certificate[1]), read_pem("cert", self.health_certificate[0]))
                       if self.health_certificate else (None, None))
         return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(
-            read_pem("ssl.ca.location", ca) if ca else None, key, chain))
+            read_pem("ssl.ca.location", ca) if ca else None, key, chain), options)
 
     def log_tail(self, lines: int = 30) -> str:
         return self._child.log_tail(lines) if self._child else "(no log)"

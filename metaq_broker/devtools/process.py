@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from metaq_broker.devtools import zygote
 
 log = logging.getLogger(__name__)
 
@@ -18,13 +22,16 @@ _running: "set[ChildProcess]" = set()
 
 class ChildProcess:
     """``argv`` run with stdout and stderr appended to ``log_path``. ``own_session``: a Ctrl-C at the
-    terminal reaches only the parent, which then stops the child in order."""
+    terminal reaches only the parent, which then stops the child in order. ``forkable``: ``argv`` is
+    ``[sys.executable, "-m", module, ...]`` and may be forked from a warm interpreter where the test suite
+    enabled it (zygote.py); ``proc`` is then a ``zygote.ForkedProcess``, with Popen's methods."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Optional[dict] = None,
-                 cwd: Optional[Path] = None, own_session: bool = False):
+                 cwd: Optional[Path] = None, own_session: bool = False, forkable: bool = False):
         self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
         self.env, self.cwd, self.own_session = env, cwd, own_session
-        self.proc: Optional[subprocess.Popen] = None
+        self.forkable = forkable and self.argv[:2] == [sys.executable, "-m"]
+        self.proc = None  # subprocess.Popen or zygote.ForkedProcess
 
     @property
     def running(self) -> bool:
@@ -39,9 +46,12 @@ class ChildProcess:
         """Launch, then wait until ``ready()`` is true (exceptions count as not yet). RuntimeError with
         the log's tail if the process exits first or is not ready within ``timeout`` (then it is killed)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.env, cwd=self.cwd, start_new_session=self.own_session)
+        self.proc = zygote.spawn(self.argv[2], self.argv[3:], self.env if self.env is not None else dict(os.environ),
+                                 self.log_path, self.cwd, self.own_session) if self.forkable else None
+        if self.proc is None:
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                             env=self.env, cwd=self.cwd, start_new_session=self.own_session)
         _running.add(self)
         if ready is None:
             return self

@@ -74,5 +74,14 @@ def main(argv=None) -> None:
     broker.wait()
 
 
+def preload() -> None:
+    """Import what ``main`` imports and load the Kafka listener's compiled kernels, ahead of any start: the
+    test suite forks its brokers from a process that ran this (devtools/zygote.py), ~0.5 CPU-s a start."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as main() sets it for every level but DEBUG
+    from metaq_broker.protocol.kafka import records  # noqa: PLC0415 - lazy: as main's, after GRPC_VERBOSITY
+    from metaq_broker.server.broker import Broker  # noqa: F401, PLC0415 - lazy: as main's, after GRPC_VERBOSITY
+    records.warm_up()
+
+
 if __name__ == "__main__":
     main()
