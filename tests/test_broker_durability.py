@@ -157,7 +157,8 @@ def test_a_sigterm_while_the_broker_starts_stops_it_in_order(tmp_path):
     log = tmp_path / "broker.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "metaq_broker.server.main", "--brokerId", "3", "--serverPort",
-                                 "0", "--zk.connect", f"127.0.0.1:{free_port()}", "--dataPath", str(tmp_path / "data")],
+                                 "0", "--kafkaPort", "0", "--zk.connect", f"127.0.0.1:{free_port()}", "--dataPath",
+                                 str(tmp_path / "data")],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: "Connecting to 127.0.0.1" in log.read_text(), what="the broker waiting for ZooKeeper")
@@ -195,7 +196,7 @@ def test_a_sigterm_swallowed_during_the_start_still_stops_the_broker(tmp_path):
     handler's SystemExit; the start went on and the broker served until killed. The signal is also noted,
     and a start that completes anyway stops at once."""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(SIGNAL_SWALLOWED), "--brokerId", "4", "--serverPort",
-                        "0", "--zk.connect", "none", "--dataPath", str(tmp_path / "data")],
+                        "0", "--kafkaPort", "0", "--zk.connect", "none", "--dataPath", str(tmp_path / "data")],
                        capture_output=True, text=True, timeout=60)
     assert "Exception ignored on calling ctypes callback" in r.stderr  # the SystemExit was lost, as in CI
     assert r.returncode == 0 and "main returned" in r.stdout, r.stdout + r.stderr[-3000:]

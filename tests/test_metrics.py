@@ -207,7 +207,7 @@ def test_metrics_port_setting_in_the_ini_file(tmp_path):
 def test_metrics_port_flag_of_the_broker_process(tmp_path):
     log = tmp_path / "broker.log"
     base = [sys.executable, "-m", "metaq_broker.server.main", "--brokerId", "7", "--serverPort", "0",
-            "--zk.connect", "none", "--dataPath", str(tmp_path / "data")]
+            "--kafkaPort", "0", "--zk.connect", "none", "--dataPath", str(tmp_path / "data")]  # 9092: parallel tests
     bad = subprocess.run(base + ["--metricsPort", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "metricsPort: 'x' is not an integer" in bad.stderr
     with open(log, "wb") as out:
