@@ -98,6 +98,18 @@ def test_no_child_outlives_the_process_that_asked_for_it(tmp_path):
     wait_until(lambda: not Path(f"/proc/{child}").exists(), timeout=15, what=f"child {child} to be gone")
 
 
+def test_a_child_dies_with_its_zygote(tmp_path):
+    env = _env(PYTHONPATH=f"{TESTS}:{tmp_path}")  # a zygote of its own, killed here
+    proc, log = _spawn(tmp_path, "sleep", env=env)
+    _printed(log)
+    zygote_pid = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert zygote_pid != os.getpid()
+    os.kill(zygote_pid, signal.SIGKILL)
+    assert proc.wait(15) == -signal.SIGKILL  # the zygote gone, its answer is -9 ...
+    wait_until(lambda: not Path(f"/proc/{proc.pid}").exists(), timeout=15, what="the child gone")  # ... and true
+    assert zygote.spawn("zygote_child", ["return"], env, tmp_path / "after.log") is None  # then exec
+
+
 def test_a_zygote_whose_module_leaves_a_thread_running_does_not_fork(tmp_path):
     env = _env(ZYGOTE_CHILD_THREAD="1", PYTHONPATH=f"{TESTS}:{tmp_path}")  # not the zygote of the others
     assert zygote.spawn("zygote_child", ["return"], env, tmp_path / "a.log") is None

@@ -17,11 +17,13 @@ otherwise, as it does when the module does not import; ``spawn`` then returns No
 
 Protocol (one Unix connection per child): the request as one JSON line; the answer the child's pid, then,
 when it ends, its exit code as ``subprocess`` gives it (negative: the signal). A connection that closes
-while its child runs kills the child; the zygote's stdin closing (its parent gone) kills them all.
+while its child runs kills the child; the zygote's stdin closing (its parent gone) kills them all, and a
+child dies with its zygote (``PR_SET_PDEATHSIG``).
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import json
 import logging
@@ -219,6 +221,7 @@ def _serve(module: str, path: str):
     sel.register(wake_r, selectors.EVENT_READ, "child")
     sel.register(sys.stdin.buffer, selectors.EVENT_READ, "parent")
     children: dict = {}  # pid -> its connection
+    zygote = os.getpid()
     sys.stdout.write("ready\n")
     sys.stdout.flush()
 
@@ -240,7 +243,7 @@ def _serve(module: str, path: str):
                                                                   if k.fileobj is not sys.stdin.buffer)}:
                         s.close()
                     sel.close()
-                    return _become(module, json.loads(request))
+                    return _become(module, json.loads(request), zygote)
                 children[pid] = conn
                 conn.sendall(b"%d\n" % pid)
                 sel.register(conn, selectors.EVENT_READ, ("running", pid))
@@ -297,11 +300,14 @@ def _reap(children: dict, sel) -> None:
             conn.close()
 
 
-def _become(module: str, request: dict):
+def _become(module: str, request: dict, zygote: int):
     """In the child: the process ``python -m module`` would be, but for the interpreter's start."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the zygote
+    if os.getppid() != zygote:  # it died before the line above
+        os._exit(1)
     if request["own_session"]:
         os.setsid()
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
