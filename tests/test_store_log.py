@@ -260,15 +260,19 @@ def test_store_opens_topics_found_on_disk_and_keeps_all_partitions(tmp_path):
         assert store.partition("runtime", 1).last_stable_offset == 1
 
 
-def test_background_thread_flushes_interval_topics(tmp_path, monkeypatch):
+def test_background_thread_flushes_interval_topics(tmp_path, monkeypatch, clock):
+    """The store's clock stands still until the append is made: on a real one, a loaded machine let 50 ms
+    pass before it, so the append found its interval due, fsynced itself and waited on the closed gate
+    for ever (a full run hung here)."""
     with MessageStore(tmp_path, {"t": TopicConfig(unflush_threshold=10 ** 6, unflush_interval_ms=50)},
-                      background_interval=0.02) as store:
+                      background_interval=0.02, clock=clock) as store:
         spy = FsyncSpy(monkeypatch)
         spy.gate.clear()  # fsyncs wait: the append below is acknowledged, not yet durable
         p = store.partition("t", 0)
         store.append("t", 0, [b"a"])
         assert p.recovery_point == 0 and spy.calls == 0
         spy.gate.set()
+        clock.advance(1.0)  # its interval has passed: the background thread's next round fsyncs it
         # nothing but the background thread fsyncs now (no append, flush or close follows)
         wait_until(lambda: p.recovery_point == 1, timeout=5, what="the background fsync covering the append")
         assert spy.calls >= 1 and str(p.segments()[-1].path) in spy.paths
