@@ -5,8 +5,8 @@ same run (``metaq_broker/devtools/zygote.py``; the test suite starts ~430 broker
 
 Each round starts one broker each way (``BrokerProcess`` against a local ZooKeeper, alternating which goes
 first), then stops it with SIGTERM. Per start: the broker's CPU seconds when it is ready (its gRPC health
-check says SERVING; /proc ticks since its birth, or since its fork), the wall time from the start call to
-ready, and the time SIGTERM takes to end it. Medians over ``--starts`` rounds (default 10; ``--quick`` 3).
+check says SERVING; its threads' CPU time since its start or fork, ``CpuMeter``), the wall time from the
+start call to ready, and the time SIGTERM takes to end it. Medians over ``--starts`` rounds (default 10; ``--quick`` 3).
 The zygote's own start (once per pytest worker) is reported beside them. Figures only, no timing asserted.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_common_options, log, proc_cpu_s, run_facts, scratch_dir, teardown, write_json  # noqa: E402
+from benchmarks.common import (CpuMeter, add_common_options, log, proc_cpu_s, run_facts, scratch_dir,  # noqa: E402
+                               teardown, write_json)
 from metaq_broker.devtools import zygote  # noqa: E402
 from metaq_broker.devtools.broker_process import BrokerProcess  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
@@ -30,7 +31,7 @@ def start_once(tmp: Path, zk: LocalZooKeeper, n: int, forked: bool) -> dict:
     t0 = time.perf_counter()
     b.start()
     ready = time.perf_counter() - t0
-    cpu = proc_cpu_s(b.proc.pid)
+    cpu = CpuMeter(b.proc.pid, since_start=True).seconds()
     assert isinstance(b.proc, zygote.ForkedProcess) == forked, "the start was not the kind measured"
     parent = int(Path(f"/proc/{b.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     t1 = time.perf_counter()

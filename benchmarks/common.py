@@ -60,11 +60,12 @@ class CpuMeter:
     """CPU seconds one process uses from ``CpuMeter(pid)`` to ``seconds()``, summed over its threads'
     schedstat nanoseconds: /proc/PID/stat counts 10 ms ticks, so a case that costs the broker 50 ms read
     +-20 %. A thread that ended in between takes its nanoseconds with it: when the ticks (which keep an
-    ended thread's time) say more than two ticks beyond the sum, or there is no schedstat, they are used."""
+    ended thread's time) say more than two ticks beyond the sum, or there is no schedstat, they are used.
+    ``since_start``: from the process's start (or its fork) instead."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, since_start: bool = False):
         self.pid = pid
-        self._ticks, self._ns = proc_cpu_s(pid), _threads_ns(pid)
+        self._ticks, self._ns = (0.0, {}) if since_start else (proc_cpu_s(pid), _threads_ns(pid))
 
     def seconds(self) -> float:
         ns, ticks = _threads_ns(self.pid), proc_cpu_s(self.pid) - self._ticks

@@ -34,3 +34,20 @@ def test_a_thread_that_ended_is_counted_through_the_ticks():
     t.start()
     t.join()
     assert meter.seconds() >= 0.1 - 0.02  # its 100 ms, within a tick either side
+
+
+@pytest.mark.process  # a child process of its own
+def test_since_start_reads_a_process_from_its_start():
+    """A child that burns 60 ms of CPU before anyone can meter it: ``since_start`` counts them (to the
+    millisecond, not to the tick), as the kernel's own total for it does."""
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.06\n"
+                              "while time.process_time() < end: pass\nprint(flush=True)\ntime.sleep(30)"],
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # it has burnt its 60 ms
+        measured = CpuMeter(child.pid, since_start=True).seconds()
+        assert measured >= 0.06 and CpuMeter(child.pid).seconds() < 0.005, measured
+    finally:
+        child.kill()
+        child.wait()

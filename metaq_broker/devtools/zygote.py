@@ -118,13 +118,10 @@ class _Zygote:
             conn.sendall(json.dumps({"args": args, "env": env, "log": str(log_path),
                                      "cwd": None if cwd is None else str(cwd),
                                      "own_session": own_session}).encode() + b"\n")
-            line = b""
-            while not line.endswith(b"\n"):  # byte by byte: the exit code's line may follow at once
-                byte = conn.recv(1)
-                if not byte:
-                    raise ConnectionError("the zygote closed the connection")
-                line += byte
-            return ForkedProcess(int(line), args, conn)
+            line, rest = _read_line(conn)
+            if line is None:
+                raise ConnectionError("the zygote closed the connection")
+            return ForkedProcess(int(line), args, conn, rest)  # rest: the exit code may follow at once
         except BaseException:
             conn.close()
             raise
@@ -145,9 +142,9 @@ class ForkedProcess:
     """A zygote's child, with the part of ``subprocess.Popen``'s interface that callers use: ``pid``,
     ``args``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
 
-    def __init__(self, pid: int, args: list, conn: socket.socket):
+    def __init__(self, pid: int, args: list, conn: socket.socket, received: bytes = b""):
         self.pid, self.args, self.returncode = pid, args, None
-        self._conn, self._received = conn, b""
+        self._conn, self._received = conn, received  # what came after the pid's line
         self._lock = threading.Lock()  # one reader of the exit code at a time (``poll`` does not wait for it)
 
     def poll(self) -> Optional[int]:
@@ -233,7 +230,7 @@ def _serve(module: str, path: str):
             elif key.data == "request":
                 conn = key.fileobj
                 sel.unregister(conn)
-                request = _read_line(conn)
+                request, _ = _read_line(conn)
                 if request is None:
                     conn.close()
                     continue
@@ -269,14 +266,16 @@ def _serve(module: str, path: str):
                     pass
 
 
-def _read_line(conn: socket.socket) -> Optional[bytes]:
+def _read_line(conn: socket.socket) -> tuple:
+    """(the first line, without its newline, or None if the connection closed first; what came after it)."""
     data = b""
-    while not data.endswith(b"\n"):
+    while b"\n" not in data:
         chunk = conn.recv(65536)
         if not chunk:
-            return None
+            return None, data
         data += chunk
-    return data
+    line, rest = data.split(b"\n", 1)
+    return line, rest
 
 
 def _reap(children: dict, sel) -> None:
