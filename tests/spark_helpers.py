@@ -7,10 +7,11 @@ import sys
 from conftest import wait_until
 
 from metaq_broker.client.producer import Producer
-from metaq_broker.devtools import jvm
-from metaq_broker.devtools.zookeeper import LIGHT_JVM, java_executable, pyspark_jars
+from metaq_broker.devtools import jvm, sparkhome
+from metaq_broker.devtools.zookeeper import LIGHT_JVM, java_executable
 
 os.environ["PYSPARK_PYTHON"] = sys.executable
+sparkhome.use()  # Python workers import the installed pyspark, not the wheel's zip (sparkhome.py)
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only
 
 
@@ -22,7 +23,7 @@ JVM_OPTIONS = " ".join(LIGHT_JVM)
 def driver_archive():
     """The class-data archive of the tests' Spark drivers (``devtools/jvm.py``; made by jvm_archives.py): a
     driver's start, first job and stop cost 10.5 CPU-s without it and 5 with it."""
-    return jvm.archive_path("spark-driver", java_executable() or "java", pyspark_jars(), LIGHT_JVM)
+    return jvm.archive_path("spark-driver", java_executable() or "java", sparkhome.spark_jars(), LIGHT_JVM)
 
 
 def spark_builder(master="local[2]", app="metaq-tests", driver_flags=()):
