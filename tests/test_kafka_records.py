@@ -297,3 +297,25 @@ def _headers_of(data: bytes) -> list:
             break
         pos += 12 + h[1]
     return out
+
+
+def test_gathering_fields_copies_each_range_and_refuses_one_outside_its_buffers():
+    """The compiled copy behind every decoded key, value and header (``_kernels.gather``, one memcpy a
+    field) copies exactly the ranges, nulls as nothing, and copies nothing it cannot check: a range past
+    the source or an output too small is refused, never read or written out of bounds."""
+    from metaq_broker.protocol.kafka import _kernels
+    src = np.frombuffer(b"..abc.de...f", np.uint8)
+    starts, lengths = np.array([2, 0, 6, 11], np.int64), np.array([3, -1, 2, 1], np.int32)
+    out, offsets = np.zeros(6, np.uint8), np.zeros(5, np.int32)
+    assert _kernels.gather(src, starts, lengths, out, offsets) == 6
+    assert out.tobytes() == b"abcdef" and offsets.tolist() == [0, 3, 3, 5, 6]
+    arr = records._binary(src, starts, lengths, pa.binary())
+    assert arr.to_pylist() == [b"abc", None, b"de", b"f"] and arr.null_count == 1
+    arr.validate(full=True)
+    assert _kernels.gather(src, np.array([11], np.int64), np.array([2], np.int32), out, offsets) == -1
+    assert _kernels.gather(src, np.array([-1], np.int64), np.array([2], np.int32), out, offsets) == -1
+    assert _kernels.gather(src, starts, lengths, np.zeros(5, np.uint8), offsets) == -1
+    with pytest.raises(KafkaRecordError, match="out of their batch"):
+        records._binary(src, np.array([11], np.int64), np.array([2], np.int32), pa.binary())
+    with pytest.raises(IndexError, match="outside its column"):  # encode's copy checks its ranges too
+        _kernels._put(np.zeros(4, np.uint8), 0, src, 10, 3)

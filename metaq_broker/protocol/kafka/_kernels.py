@@ -9,7 +9,9 @@ the record it stopped at instead of reading past its region; ``records.py`` turn
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 OK, TRUNCATED, BAD_LENGTH, LEFTOVER, TOO_MANY_HEADERS, BAD_VARINT, BAD_OFFSET_DELTA, RECORD_LEFTOVER = range(8)
 ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a negative or impossible length",
@@ -18,6 +20,19 @@ ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a n
           BAD_VARINT: "a varint longer than its type allows",
           BAD_OFFSET_DELTA: "its offset delta is not its position in the batch",
           RECORD_LEFTOVER: "bytes left over at the end of a record (its length is wrong)"}
+
+
+@intrinsic
+def _copy(typingctx, dst, dst_at, src, src_at, n):
+    """``dst[dst_at:dst_at + n] = src[src_at:src_at + n]`` as one memcpy, unchecked (callers check the bounds):
+    numba compiles the slice assignment to a generic loop, ~39 ns per 100-byte field against ~3.5."""
+    def codegen(context, builder, signature, args):
+        d, d_at, s, s_at, size = args
+        dst_arr = context.make_array(signature.args[0])(context, builder, d)
+        src_arr = context.make_array(signature.args[2])(context, builder, s)
+        cgutils.raw_memcpy(builder, builder.gep(dst_arr.data, [d_at]), builder.gep(src_arr.data, [s_at]), size, 1)
+        return context.get_dummy_value()
+    return types.void(dst, dst_at, src, src_at, n), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -141,6 +156,26 @@ def walk_headers(u8, hc, hs, re):
     return OK, 0, hks, hkl, hvs, hvl
 
 
+@njit(cache=True, nogil=True)
+def gather(u8, starts, lengths, out, offsets):
+    """Copy the ranges ``u8[starts[i]:starts[i] + lengths[i]]`` (length -1: null, nothing) back to back into
+    ``out``, ``offsets[i]`` where range i begins there (n + 1 entries: an Arrow binary column's offsets).
+    Returns the bytes written, or -1 (nothing trusted) if a range lies outside ``u8`` or would overrun
+    ``out``: never for ranges ``walk`` found."""
+    q = 0
+    offsets[0] = 0
+    for i in range(len(starts)):
+        ln = lengths[i]
+        if ln > 0:
+            s = starts[i]
+            if s < 0 or s + ln > len(u8) or q + ln > len(out):
+                return -1
+            _copy(out, np.int64(q), u8, np.int64(s), np.int64(ln))
+            q += ln
+        offsets[i + 1] = q
+    return q
+
+
 # ---------------------------------------------------------------------------------------------------
 # Encoding
 
@@ -169,7 +204,9 @@ def _put_zz(out, q, v):
 @njit(cache=True, nogil=True)
 def _put(out, q, data, off, ln):
     if ln > 0:
-        out[q:q + ln] = data[off:off + ln]
+        if off < 0 or off + ln > len(data) or q + ln > len(out):  # never: encode sized ``out`` from the columns
+            raise IndexError("a record field lies outside its column or its batch")
+        _copy(out, np.int64(q), data, np.int64(off), np.int64(ln))
     return q + max(ln, 0)
 
 

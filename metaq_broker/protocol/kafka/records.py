@@ -173,28 +173,22 @@ def _compress(codec: int, data: np.ndarray) -> bytes:
 
 def _binary(u8: np.ndarray, starts: np.ndarray, lengths: np.ndarray, typ) -> pa.Array:
     """The ranges ``u8[starts[i]:starts[i] + lengths[i]]`` (length -1: null) as one Arrow array of ``typ``,
-    bytes back to back. The ranges lie in order (the records' walk found them so), so ``u8`` seen as a
-    binary array whose entries alternate between the bytes between ranges and the ranges is valid, and
-    Arrow's ``take`` of every second entry copies them (a memcpy each, into Arrow's pooled memory: no fresh
-    pages to fault in per request, which a numba loop into a new array paid)."""
+    bytes back to back: the compiled ``gather`` copies them into buffers from Arrow's memory pool, which
+    keeps its pages (a fresh numpy array per request faults its pages in again; Arrow's ``take`` of every
+    second entry of ``u8`` seen as a binary array cost 19 µs a call and 13 ns a record: measured 132 µs
+    against ~50 for 10,000 values of 100 B)."""
     n = len(starts)
-    valid = lengths >= 0
-    nulls = n - int(np.count_nonzero(valid))
+    nulls = int(np.count_nonzero(lengths < 0))
     if nulls == n:
         return pa.nulls(n, typ)
-    large = len(u8) > _MAX_INT32
-    bounds = np.empty(2 * n + 1, np.int64 if large else np.int32)
-    bounds[0] = starts[0]
-    bounds[1::2] = starts
-    bounds[2::2] = starts + np.maximum(lengths, 0)
-    if (bounds[1:] < bounds[:-1]).any() or bounds[-1] > len(u8):  # never: the walk checked every length
-        raise KafkaRecordError("record fields out of order or past their batch", codes.CORRUPT_MESSAGE)
-    whole = pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), 2 * n,
-                                  [None, pa.py_buffer(bounds), pa.py_buffer(u8)])
-    picked = whole.take(pa.array(np.arange(1, 2 * n, 2, dtype=np.int64), mask=~valid if nulls else None))
-    if large:  # decode checked that a column's bytes fit 2 GiB
-        picked = picked.cast(pa.binary())
-    return picked if typ == pa.binary() else picked.view(typ)
+    total = int(lengths.sum(dtype=np.int64)) + nulls
+    if total > _MAX_INT32:  # decode refuses keys or values over 2 GiB before; headers stay within them
+        raise KafkaRecordError("record fields of one partition exceed 2 GiB", codes.RECORD_LIST_TOO_LARGE)
+    data, offsets = pa.allocate_buffer(total), pa.allocate_buffer(4 * (n + 1))
+    if _compiled().gather(u8, starts, lengths, np.frombuffer(data, np.uint8), np.frombuffer(offsets, np.int32)) != total:
+        raise KafkaRecordError("record fields out of their batch", codes.CORRUPT_MESSAGE)  # never: walk checked
+    validity = pa.py_buffer(np.packbits(lengths >= 0, bitorder="little")) if nulls else None
+    return pa.Array.from_buffers(typ, n, [validity, offsets, data], null_count=nulls)
 
 
 def decode(data, verify: bool = True, max_uncompressed: int = DEFAULT_MAX_UNCOMPRESSED) -> Batches:
