@@ -24,8 +24,12 @@ ERRORS = {TRUNCATED: "a record runs past the end of its batch", BAD_LENGTH: "a n
 
 @intrinsic
 def _copy(typingctx, dst, dst_at, src, src_at, n):
-    """``dst[dst_at:dst_at + n] = src[src_at:src_at + n]`` as one memcpy, unchecked (callers check the bounds):
-    numba compiles the slice assignment to a generic loop, ~39 ns per 100-byte field against ~3.5."""
+    """``dst[dst_at:dst_at + n] = src[src_at:src_at + n]`` of two uint8 arrays as one memcpy, unchecked
+    (callers check the bounds): numba compiles the slice assignment to a generic loop, ~39 ns per 100-byte
+    field against ~3.5."""
+    if not all(isinstance(a, types.Array) and a.dtype == types.uint8 for a in (dst, src)):
+        return None  # positions count bytes: any other array does not type
+
     def codegen(context, builder, signature, args):
         d, d_at, s, s_at, size = args
         dst_arr = context.make_array(signature.args[0])(context, builder, d)
