@@ -315,6 +315,11 @@ def test_gathering_fields_copies_each_range_and_refuses_one_outside_its_buffers(
     assert _kernels.gather(src, np.array([11], np.int64), np.array([2], np.int32), out, offsets) == -1
     assert _kernels.gather(src, np.array([-1], np.int64), np.array([2], np.int32), out, offsets) == -1
     assert _kernels.gather(src, starts, lengths, np.zeros(5, np.uint8), offsets) == -1
+    assert _kernels.gather(src, starts, lengths, out, np.zeros(4, np.int32)) == -1  # offsets one short
+    from numba.core.errors import TypingError
+    for bad in (np.frombuffer(bytes(6), np.uint8), np.zeros(12, np.uint8)[::2]):  # read-only; strided
+        with pytest.raises(TypingError):
+            _kernels.gather(src, starts, lengths, bad, offsets)
     with pytest.raises(KafkaRecordError, match="out of their batch"):
         records._binary(src, np.array([11], np.int64), np.array([2], np.int32), pa.binary())
     with pytest.raises(IndexError, match="outside its column"):  # encode's copy checks its ranges too

@@ -2,6 +2,7 @@
 python/ zips, made once and in one piece, and Spark's Python workers importing the installed pyspark from
 it, compiled, instead of the zip they would compile at every start."""
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ def test_the_home_links_everything_of_the_wheel_but_its_python_zips(tmp_path, mo
     wheel = sparkhome.wheel_home()
     home = sparkhome.spark_home()
     assert home.parent == tmp_path
-    assert sorted(os.listdir(home)) == sorted(e for e in os.listdir(wheel) if e != "python")
+    assert sorted(os.listdir(home)) == sorted(e for e in os.listdir(wheel) if e not in ("python", "work", "__pycache__"))
     assert (wheel / "python" / "lib" / "pyspark.zip").is_file()  # what it leaves out exists in the wheel
     for entry in ("bin", "jars"):
         assert (home / entry).resolve() == wheel / entry
@@ -28,11 +29,31 @@ def test_the_home_links_everything_of_the_wheel_but_its_python_zips(tmp_path, mo
 def test_a_maker_killed_halfway_leaves_nothing_in_the_way(tmp_path, monkeypatch):
     monkeypatch.setenv("METAQ_JVM_CACHE", str(tmp_path))
     name = sparkhome.spark_home().name
-    os.rename(tmp_path / name, tmp_path / f".{name}.{os.getpid()}.partial")  # as a killed maker leaves it
-    (tmp_path / f".{name}.{os.getpid()}.partial" / "bin").unlink()
+    stale = tmp_path / f".{name}.killed"
+    os.rename(tmp_path / name, stale)  # as a maker killed before its rename leaves its temporary directory
+    (stale / "bin").unlink()
     home = sparkhome.spark_home()
     assert (home / "bin" / "spark-submit").is_file()
-    assert os.listdir(tmp_path) == [name]
+    assert sorted(os.listdir(tmp_path)) == sorted([name, stale.name])  # this maker's own temporary one is gone
+
+
+def test_a_home_that_cannot_be_made_leaves_spark_as_it_was(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("METAQ_JVM_CACHE", str(tmp_path / "a-file" / "cache"))  # mkdir fails: not a directory
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    sparkhome.use()
+    assert "SPARK_HOME" not in os.environ
+    assert "no SPARK_HOME of compiled pyspark" in caplog.text
+
+
+def test_only_a_wheel_with_spark_beside_it_is_a_home(tmp_path, monkeypatch):
+    """A pyspark from a Spark source tree (no bin/ or jars/ beside the package) is left to find its own."""
+    package = tmp_path / "src" / "pyspark"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.delitem(sys.modules, "pyspark", raising=False)  # find_spec: the path's, not an imported one
+    assert sparkhome.wheel_home() is None and sparkhome.spark_home() is None
 
 
 def test_use_keeps_a_spark_home_already_chosen(tmp_path, monkeypatch):

@@ -11,46 +11,54 @@ on 7.5 CPU-s, and on 3.2 from here. The test suite starts ~460 of them.
 This directory holds a link to each entry of the wheel's SPARK_HOME except ``python/``. Spark runs the
 same launch scripts and jars through the links, the zip Spark names on the workers' path does not exist
 (Python skips such an entry), and the workers import the pyspark the driver imports, of the same
-version, from its bytecode cache. Nothing else changes. It is made once per machine and pyspark
-installation, under a temporary name and renamed (two makers at once: the first rename wins), beside
-the JVM archives (``jvm.cache_dir()``).
+version, from its bytecode cache. Nothing else the tests run changes (``bin/pyspark``'s shell, which reads
+``python/``, is not run from here). It is made once per machine and pyspark installation, under a
+temporary name and renamed (two makers at once: the first rename wins), beside the JVM archives
+(``jvm.cache_dir()``).
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 from metaq_broker.devtools import jvm
 
-SKIPPED = "python"  # the wheel's python/lib: pyspark.zip and py4j's source zip
+log = logging.getLogger(__name__)
+
+# Not linked: the wheel's python/lib (pyspark.zip and py4j's source zip); what is written into a SPARK_HOME
+# as Spark and Python run (work/: local-cluster applications; __pycache__), so the home's name stays put
+LEFT_OUT = frozenset({"python", "work", "__pycache__"})
 
 
 def wheel_home() -> Optional[Path]:
-    """The installed pyspark's directory (its own SPARK_HOME), found without importing pyspark (0.3 s)."""
+    """The installed pyspark's directory when it is a Spark home (the wheel's: ``bin/spark-submit`` and
+    ``jars/`` beside the package), found without importing pyspark (0.3 s); else None (no pyspark, or one
+    from a Spark source tree, whose own SPARK_HOME pyspark finds as before)."""
     spec = importlib.util.find_spec("pyspark")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(os.path.realpath(list(spec.submodule_search_locations)[0]))
+    wheel = Path(os.path.realpath(list(spec.submodule_search_locations)[0]))
+    return wheel if (wheel / "bin" / "spark-submit").is_file() and (wheel / "jars").is_dir() else None
 
 
 def spark_home() -> Optional[Path]:
-    """This machine's SPARK_HOME for the installed pyspark (made if missing); None without pyspark."""
+    """This machine's SPARK_HOME for the installed pyspark (made if missing); None without a wheel's."""
     wheel = wheel_home()
     if wheel is None:
         return None
-    entries = sorted(e for e in os.listdir(wheel) if e != SKIPPED)
+    entries = sorted(e for e in os.listdir(wheel) if e not in LEFT_OUT)
     digest = hashlib.sha256("\0".join([str(wheel), *entries]).encode()).hexdigest()[:16]
     home = jvm.cache_dir() / f"spark-home-{digest}"
     if home.is_dir():
         return home
     home.parent.mkdir(parents=True, exist_ok=True)
-    partial = home.with_name(f".{home.name}.{os.getpid()}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    partial = Path(tempfile.mkdtemp(dir=home.parent, prefix=f".{home.name}."))
     try:
         for entry in entries:
             os.symlink(wheel / entry, partial / entry)
@@ -72,8 +80,15 @@ def spark_jars() -> Optional[Path]:
 
 def use() -> None:
     """Point SPARK_HOME (this process's, which its children inherit) at ``spark_home()``, unless it is set
-    already: to another Spark, or to this one by the process that started us."""
-    if not os.environ.get("SPARK_HOME"):
+    already: to another Spark, or to this one by the process that started us. A home that cannot be made
+    (a read-only cache, no home directory, a full disk) leaves SPARK_HOME unset: Spark then runs from the
+    wheel, its workers compiling the zip, as without this module."""
+    if os.environ.get("SPARK_HOME"):
+        return
+    try:
         home = spark_home()
-        if home is not None:
-            os.environ["SPARK_HOME"] = str(home)
+    except (OSError, RuntimeError) as e:
+        log.warning("no SPARK_HOME of compiled pyspark for the Python workers (%s); they import the wheel's zip", e)
+        return
+    if home is not None:
+        os.environ["SPARK_HOME"] = str(home)

@@ -181,7 +181,7 @@ def _binary(u8: np.ndarray, starts: np.ndarray, lengths: np.ndarray, typ) -> pa.
     nulls = int(np.count_nonzero(lengths < 0))
     if nulls == n:
         return pa.nulls(n, typ)
-    total = int(lengths.sum(dtype=np.int64)) + nulls
+    total = int(np.maximum(lengths, 0).sum(dtype=np.int64))
     if total > _MAX_INT32:  # decode refuses keys or values over 2 GiB before; headers stay within them
         raise KafkaRecordError("record fields of one partition exceed 2 GiB", codes.RECORD_LIST_TOO_LARGE)
     data, offsets = pa.allocate_buffer(total), pa.allocate_buffer(4 * (n + 1))
