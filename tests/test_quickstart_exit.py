@@ -2,11 +2,14 @@
 JVM and its Python workers. The command runs in a child Python that is a subreaper (Linux), so processes
 orphaned on the way stay visible as its descendants instead of moving to init."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from metaq_broker.devtools import sparkhome
 
 pytestmark = [pytest.mark.process, pytest.mark.spark]
 
@@ -57,10 +60,14 @@ PROBE = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
 def test_quickstart_returns_only_when_every_process_it_started_is_gone(tmp_path):
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_HOME"}  # as a user runs it: no SPARK_HOME set
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     probe = json.loads(r.stdout.rpartition("PROBE ")[2])
     seen = " ".join(probe["seen"])
+    # Spark's JVM ran from the SPARK_HOME whose Python workers import the installed pyspark (sparkhome.py)
+    assert str(sparkhome.spark_home()) in seen, seen
     assert "org.apache.zookeeper" in seen or "zookeeper" in seen.lower(), seen
     assert "metaq_broker.server.main" in seen and "java" in seen  # the broker and Spark's JVM ran
     assert "org.apache.spark" in seen or "pyspark" in seen, seen

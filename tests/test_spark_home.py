@@ -82,3 +82,17 @@ def test_python_workers_import_the_installed_pyspark(spark):
     assert worker_file == pyspark.__file__
     assert ".zip" not in worker_file
     assert all(not os.path.exists(z) for z in zips)  # Spark still names its zip; nothing is there
+
+
+def test_launching_sets_the_home_for_a_start_and_then_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    """The quickstart starts Spark in whatever process runs it (a notebook's kernel, too): SPARK_HOME is
+    this home while the JVM starts, and afterwards what it was, unset or not."""
+    monkeypatch.setenv("METAQ_JVM_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    with sparkhome.launching():
+        assert os.environ["SPARK_HOME"] == str(sparkhome.spark_home())
+    assert "SPARK_HOME" not in os.environ
+    monkeypatch.setenv("SPARK_HOME", "/opt/spark")
+    with sparkhome.launching():
+        assert os.environ["SPARK_HOME"] == "/opt/spark"
+    assert os.environ["SPARK_HOME"] == "/opt/spark"

@@ -1,5 +1,5 @@
-"""A SPARK_HOME for the development runs' Spark (tests, ``jvm_archives.py``) whose Python workers import
-the installed pyspark, compiled once, instead of compiling it again in every worker.
+"""A SPARK_HOME for the Spark this project starts (the tests, ``jvm_archives.py``, ``metaq quickstart``) whose
+Python workers import the installed pyspark, compiled once, instead of compiling it again in every worker.
 
 Why: the pyspark wheel is its own SPARK_HOME, and Spark puts its ``python/lib/pyspark.zip`` (sources, no
 bytecode) first on every Python worker's path. Python never caches bytecode for a module in a zip, so each
@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -92,3 +93,19 @@ def use() -> None:
         return
     if home is not None:
         os.environ["SPARK_HOME"] = str(home)
+
+
+@contextmanager
+def launching():
+    """``use()`` for as long as a Spark JVM is being started (it and its Python workers keep the environment
+    they start with), then SPARK_HOME as it was: what a tool starting Spark in someone else's process (the
+    quickstart, maybe in a notebook) does, leaving that process's environment as it found it."""
+    before = os.environ.get("SPARK_HOME")
+    use()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARK_HOME", None)
+        else:
+            os.environ["SPARK_HOME"] = before
