@@ -84,6 +84,34 @@ def _stop_loads():
             c.stop()
 
 
+def _diagnosis(group) -> str:
+    """What the kernel and the members say when puts get no answer, for the failure message (a client in
+    this namespace now and then got DEADLINE_EXCEEDED from a master for 30 s before any cut, not reproduced
+    on purpose): neighbour entries and TCP connections here and in each member's namespace, each member's
+    cut set and the end of its log."""
+    try:
+        return _diagnose(group)
+    except Exception as e:  # noqa: BLE001 - the failure being reported matters more
+        return f"(no diagnosis: {e!r})"
+
+
+def _diagnose(group) -> str:
+    hosts = [m.host for m in group.members]
+    subnet = hosts[0].address.rsplit(".", 1)[0] + ".0/24"
+    lines = []
+    for where, wrap, commands in [("client", lambda argv: argv, (["ip", "neigh", "show", "to", subnet],
+                                                                  ["ss", "-tni", "dst", subnet]))] + \
+            [(h.name, h.wrap, (["ip", "neigh"], ["ss", "-tn"], ["nft", "list", "set", "inet", "mqnem", "cut"]))
+             for h in hosts]:
+        for argv in commands:
+            r = subprocess.run(wrap(argv), capture_output=True, text=True, timeout=10)
+            lines.append(f"[{where}] {' '.join(argv)}:\n{(r.stdout + r.stderr).strip()}")
+    for m in group.members:
+        log = m.log_path.read_text(errors="replace").splitlines() if m.log_path.exists() else []
+        lines.append(f"[{m.host.name}] the end of its log:\n" + "\n".join(log[-15:]))
+    return "\n".join(lines)
+
+
 class Load:
     """Writers (acks=all, acks=1, and ``extra(history)``) and a reader on TOPIC, recording into one History."""
 
@@ -116,7 +144,7 @@ class Load:
                 tried = list(self.history.attempts)
             outcomes = collections.Counter(f"{a.writer} {a.outcome}" for a in tried)
             raise AssertionError(f"{e}; attempts: {dict(outcomes)}; the last errors: "
-                                 f"{[a.error for a in tried if a.error][-5:]}") from None
+                                 f"{[a.error for a in tried if a.error][-5:]}\n{_diagnosis(self.group)}") from None
         return min(a.done for a in self.acked(after=after))
 
     def finish(self) -> dict:
