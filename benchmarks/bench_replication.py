@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (VALUE_SIZE, add_common_options, log, run_facts, scratch_dir,  # noqa: E402
                                teardown, values_array, write_json)
 from metaq_broker.client.producer import PipelinedSender, Producer  # noqa: E402
-from metaq_broker.devtools import netns  # noqa: E402
+from metaq_broker.devtools import netns, process  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
 from metaq_broker.proto import metaq_pb2 as pb  # noqa: E402
@@ -251,7 +251,7 @@ class Load(threading.Thread):
 
 
 def freeze(member) -> None:
-    os.kill(member.proc.pid, signal.SIGSTOP)
+    process.freeze(member.proc.pid)
 
 
 def thaw(member) -> None:

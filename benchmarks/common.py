@@ -16,6 +16,8 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 
+from metaq_broker.devtools.process import per_thread
+
 VALUE_SIZE = 100
 
 
@@ -42,18 +44,7 @@ def proc_cpu_s(pid: Optional[int], system_only: bool = False) -> float:
 
 def _threads_ns(pid: int) -> dict:
     """{thread id: nanoseconds on a CPU} of a process's live threads (/proc/PID/task/TID/schedstat)."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
-            pass
-    return out
+    return per_thread(pid, "schedstat", lambda text: int(text.split()[0]))
 
 
 class CpuMeter:

@@ -83,6 +83,7 @@ from metaq_broker.client.consumer import Consumer  # noqa: E402
 from metaq_broker.client.producer import Producer  # noqa: E402
 from metaq_broker.devtools import netns  # noqa: E402
 from metaq_broker.devtools.group import BrokerGroup  # noqa: E402
+from metaq_broker.devtools.process import freeze  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
 from metaq_broker.server.member_role import BOOTSTRAP_GRACE_S  # noqa: E402
 
@@ -344,7 +345,12 @@ class Harness:
         return self.group.members[r].host.name
 
     def signal(self, r: int, sig) -> None:
-        os.kill(self.group.members[r].proc.pid, sig)
+        """SIGSTOP returns once the member has stopped (``freeze``): the pause starts when it says."""
+        pid = self.group.members[r].proc.pid
+        if sig == signal.SIGSTOP:
+            freeze(pid)
+        else:
+            os.kill(pid, sig)
 
     def restart(self, r: int) -> None:
         self.down.discard(r)

@@ -3,7 +3,6 @@ included; persistent pooled connections; restarts; registration in ZooKeeper; th
 and over FetchRaw when it is off or unreachable."""
 import json
 import os
-import signal
 import socket
 import struct
 import threading
@@ -18,6 +17,7 @@ from metaq_broker.client.connection import BrokerConnection
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.process import freeze
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import dataport, rawput, records
 from metaq_broker.protocol.status import BrokerError
@@ -406,7 +406,7 @@ def test_a_put_whose_broker_dies_before_answering_fails_without_a_resend(cluster
         wait_until(lambda: producer.data_address(1) and producer.partitions("t"), what="broker in the cluster view")
         producer.send_batch("t", [b"first"], partition="1-0")
         body = records.encode_body([b"lost?"])
-        b.proc.send_signal(signal.SIGSTOP)
+        freeze(b.proc.pid)
         try:
             put = producer.start_put("t", "1-0", body)  # sent into the socket of a frozen broker
         finally:

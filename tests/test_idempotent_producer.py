@@ -16,6 +16,7 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.devtools.zookeeper import free_port
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import records
@@ -148,7 +149,7 @@ def test_a_data_port_put_to_a_broker_killed_before_answering_is_sent_again(clust
     with cluster.client(Producer, timeout=30) as producer:
         wait_until(lambda: producer.data_address(1) and producer.partitions("t"), what="broker in the cluster view")
         producer.send_batch("t", [b"first"], partition="1-0")
-        b.proc.send_signal(signal.SIGSTOP)
+        freeze(b.proc.pid)
         try:
             put = producer.start_put("t", "1-0", records.encode_body([b"cut off"]))
         finally:
@@ -288,7 +289,7 @@ def test_a_put_left_in_doubt_is_never_reported_as_stored_nothing(tmp_path, zooke
             wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic routed")
             producer.send_batch("t", [b"before"])
             for m in replicas:
-                os.kill(m.proc.pid, signal.SIGSTOP)
+                freeze(m.proc.pid)
             try:
                 began = time.monotonic()
                 caplog.set_level(logging.INFO, logger="metaq_broker.client")  # its resends, should this fail

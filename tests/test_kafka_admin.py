@@ -14,6 +14,7 @@ from conftest import wait_until
 from test_kafka_listener import _read_frame as _read
 
 from metaq_broker.client.admin import Admin as MetaqAdmin
+from metaq_broker.devtools.process import freeze
 from metaq_broker.errors import UnknownTopicError
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
@@ -610,7 +611,7 @@ def test_a_replicated_group_deletes_on_every_member_when_the_master_is_killed(tm
         delivered = []
         p = Producer({"bootstrap.servers": master.bootstrap, "acks": "all", **quiet})
         for m in frozen:
-            os.kill(m.proc.pid, signal.SIGSTOP)
+            freeze(m.proc.pid)
         try:
             p.produce("again", b"new", partition=0, on_delivery=lambda e, m: delivered.append(e))
             p.poll(1.5)

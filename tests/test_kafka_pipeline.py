@@ -23,6 +23,7 @@ from conftest import wait_until
 from test_kafka_listener import _read_frame
 
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.kafka import records as krecords
 from metaq_broker.protocol.kafka.protocol import decode_response, encode_request
@@ -204,7 +205,7 @@ def test_an_acks_all_produce_whose_in_sync_set_shrinks_is_answered_in_its_place(
         group.wait_in_sync(range(3))
         m = group.members[master]
         stopped = group.members[(master + 1) % 3].proc.pid
-        os.kill(stopped, signal.SIGSTOP)
+        freeze(stopped)
         with socket.create_connection(("127.0.0.1", m.kafka_port), timeout=60) as s:
             s.sendall(b"".join([_produce_frame(1, "s", [b"all-1"]), _produce_frame(2, "s", [b"one-2"], acks=1),
                                 _metadata_frame(3, "s")]))

@@ -17,6 +17,7 @@ from conftest import wait_until
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.errors import InvalidQueryError
 from metaq_broker.protocol import lookup as lookup_protocol
 from metaq_broker.protocol.status import RemoteInvalidArgumentError, RemoteUnknownTopicError
@@ -230,7 +231,7 @@ def test_a_truncated_replica_answers_as_its_log_after_taking_over(tmp_path, zook
             for i in range(30):
                 producer.send_batch("orders", [b"common-%d" % i] * 3, keys=[b"k", b"j", b"k"])
             for r in others:
-                os.kill(group.members[r].proc.pid, signal.SIGSTOP)
+                freeze(group.members[r].proc.pid)
             time.sleep(1.5)  # fetches in flight are answered before the puts below
             with Producer(acks="1", timeout=5.0, **z) as fast:
                 for i in range(30):

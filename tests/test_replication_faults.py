@@ -14,6 +14,7 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.protocol.status import (BrokerUnavailableError, RemoteNotEnoughReplicasError,
                                           RemoteNotMasterError)
 from conftest import wait_until
@@ -49,7 +50,7 @@ def test_a_frozen_master_is_fenced_and_rejoins(group):
         wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
         producer.send_batch("orders", [b"before-%d" % i for i in range(20)])
         old = group.members[first]
-        os.kill(old.proc.pid, signal.SIGSTOP)  # past the 4 s session timeout: another member takes over
+        freeze(old.proc.pid)  # past the 4 s session timeout: another member takes over
         second = group.wait_master(timeout=20, other_than=first)
         wait_until(lambda: producer.cluster.brokers().get(1) == group.members[second].address, what="new master seen")
         producer.send_batch("orders", [b"after-%d" % i for i in range(20)])
@@ -134,7 +135,7 @@ def test_an_old_master_cuts_what_it_wrote_past_the_high_watermark(group):
         wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
         producer.send_batch("orders", [b"common-%d" % i for i in range(30)])
         for r in others:
-            os.kill(group.members[r].proc.pid, signal.SIGSTOP)
+            freeze(group.members[r].proc.pid)
         time.sleep(1.5)  # fetches in flight are answered (a long poll ends within 0.5 s) before the puts below
         with Producer(zk_connect=group.zk_connect, zk_root=group.paths.root, acks="1", timeout=5.0) as fast:
             fast.send_batch("orders", [b"lost-%d" % i for i in range(10)])  # on the master alone
@@ -170,7 +171,7 @@ def test_unclean_election_only_when_enabled(tmp_path, zookeeper, zk_root):
         with producer, consumer:
             wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
             producer.send_batch("orders", [b"both-%d" % i for i in range(20)])
-            os.kill(g.members[other].proc.pid, signal.SIGSTOP)
+            freeze(g.members[other].proc.pid)
             wait_until(lambda: [r for r, _ in g.state()["isr"]] == [master], timeout=20, what="replica left the set")
             producer.send_batch("orders", [b"alone-%d" % i for i in range(20)])  # acknowledged by the master alone
         g.members[master].kill()

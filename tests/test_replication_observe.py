@@ -14,6 +14,7 @@ from metaq_broker.client.admin import Admin
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.tools.cli import main
 from conftest import wait_until
 from webconsole import cell, open_page, start_console, stop_console, texts
@@ -119,7 +120,7 @@ def test_a_stopped_replica_lags_then_catches_up(env):
     z = dict(zk_connect=group.zk_connect, zk_root=group.paths.root)
     with Producer(timeout=20.0, acks="1", **z) as producer:
         wait_until(lambda: len(producer.cluster.topic_partitions("orders")) == 2, what="topic routed")
-        os.kill(group.members[r].proc.pid, signal.SIGSTOP)
+        freeze(group.members[r].proc.pid)
         try:
             for i in range(20):
                 producer.send_batch("orders", [b"x-%d-%d" % (i, j) for j in range(50)])

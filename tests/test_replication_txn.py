@@ -14,6 +14,7 @@ import pytest
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
+from metaq_broker.devtools.process import freeze
 from metaq_broker.errors import TransactionError
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.store.journal_frames import split
@@ -209,7 +210,7 @@ def test_a_commit_cut_short_by_the_kill_is_resent_and_takes_effect_once(group, c
         done.set()
 
     for m in replicas:
-        os.kill(m.proc.pid, signal.SIGSTOP)
+        freeze(m.proc.pid)
     try:
         threading.Thread(target=commit, daemon=True).start()
         wait_until(lambda: commit_seqs(group.members[master], xid), what="commit journalled on the master")

@@ -23,6 +23,7 @@ from spark_helpers import fill, reader
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools.process import freeze
 from metaq_broker.zk import decisions as txn_decisions
 from metaq_spark.options import OptionError, SinkOptions, parse_sink
 from metaq_spark.sink import SinkSchemaError, check_schema
@@ -434,7 +435,7 @@ def test_broker_killed_during_commit(spark, cluster, zk, tmp_path):
     broker2 = cluster.brokers[2]
     wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2, batch=1), timeout=120,
                what="batch 1 prepared on broker 2")
-    broker2.proc.send_signal(signal.SIGSTOP)  # the driver's commit will wait on it
+    freeze(broker2.proc.pid)  # the driver's commit will wait on it
     try:
         (hooks / "go").touch()
         wait_until(lambda: any(1 in s for s in decisions(zk, cluster.zk_root).values())
@@ -502,7 +503,7 @@ def test_driver_killed_before_the_decision_and_while_committing(cluster, zk, tmp
     try:
         wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2, batch=2), timeout=180,
                    what="batch 2 prepared on broker 2")
-        broker2.proc.send_signal(signal.SIGSTOP)  # the commit reaches broker 1, then waits here
+        freeze(broker2.proc.pid)  # the commit reaches broker 1, then waits here
         try:
             (hooks / "go").touch()
             wait_until(lambda: any(2 in s for s in decisions(zk, cluster.zk_root).values())
@@ -564,7 +565,7 @@ def test_batch_write_with_a_sink_id_is_exactly_once_across_a_driver_crash(spark,
     try:
         wait_until(lambda: (hooks / "paused").exists() and prepared(cluster, 2), timeout=180,
                    what="task 0 prepared on broker 2")
-        broker2.proc.send_signal(signal.SIGSTOP)
+        freeze(broker2.proc.pid)
         try:
             (hooks / "go").touch()
             wait_until(lambda: any(0 in s for s in decisions(zk, cluster.zk_root).values())

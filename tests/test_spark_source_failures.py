@@ -8,7 +8,6 @@ error naming the partition and the broker. A restart from the checkpoint then re
 missing. No step depends on how fast anything runs: the checks that the outage really fell inside the
 read (the query is still running with the broker frozen, the restarted broker serves fetches of it) are
 assertions."""
-import signal
 import threading
 
 import pytest
@@ -17,6 +16,7 @@ from pyspark.errors import StreamingQueryException
 from spark_helpers import fill, reader, run_available_now
 
 from metaq_broker.client.admin import Admin
+from metaq_broker.devtools.process import freeze
 
 PARTS = ["1-0", "1-1"]
 
@@ -37,7 +37,7 @@ def freeze_then_kill_mid_read(cluster, admin, topic, still_running):
     wait_until(lambda: fetches_served(admin, topic) >= baseline + 5, timeout=120, interval=0.005,
                what="the read's first fetches")
     broker = cluster.brokers[1]
-    broker.proc.send_signal(signal.SIGSTOP)
+    freeze(broker.proc.pid)
     assert still_running(), "the read finished before the broker was frozen; make it longer"
     broker.kill()
 

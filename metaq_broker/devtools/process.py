@@ -97,6 +97,45 @@ class ChildProcess:
             self.proc.wait()
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped. ``kill`` returns before that: the
+    kernel wakes one thread to take the signal and the others run on (a replica fetching, fsyncing and
+    reporting its progress) until that thread is scheduled, tens of milliseconds under load. A test that
+    freezes a member and then acts would race them. RuntimeError naming the threads still running if
+    ``timeout`` passes."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        running = {tid: state for tid, state in thread_states(pid).items() if state not in "tTZX"}
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} was sent SIGSTOP but threads {running} (tid: state) still run "
+                               f"after {timeout:.0f}s")
+        time.sleep(0.001)
+
+
+def thread_states(pid: int) -> dict:
+    """{thread id: state letter from /proc (R running, S/D waiting, T stopped, Z exited)}; {} once gone."""
+    return per_thread(pid, "stat", lambda text: text.rsplit(")", 1)[1].split()[0])
+
+
+def per_thread(pid: int, name: str, parse: Callable[[str], object]) -> dict:
+    """{thread id: ``parse`` of /proc/PID/task/TID/``name``} of a process's live threads; {} once it is gone."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                out[int(tid)] = parse(f.read())
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile
+    return out
+
+
 @atexit.register
 def _stop_all() -> None:
     for child in list(_running):
