@@ -2,6 +2,7 @@
 partition; while that partition's broker is down, sending it waits (the producer's timeout) and then fails
 naming topic, partition and broker, and it never lands elsewhere."""
 import threading
+import time
 
 import pytest
 
@@ -47,14 +48,28 @@ def test_a_key_keeps_its_partition_while_its_broker_is_down(cluster):
         assert consumer.offsets("k", ["1-0", "1-1"]) == {
             n: (0, sum(2 for k in on_1 if home[k] == n)) for n in ("1-0", "1-1")}  # nothing moved here
 
+    # A producer opened while broker 2 is down waits for it, sending by key or to a partition it names
+    # (that one used to fail at once: "broker 2 is not alive").
     with cluster.client(Producer, timeout=60.0) as patient:
         wait_until(lambda: patient.cluster.registered_partitions("k"), what="topic")
         result = {}
-        waiting = threading.Thread(target=lambda: result.update(r=patient.send_batch("k", on_2[:1], keys=on_2[:1])))
-        waiting.start()
+
+        def send(what, **how):
+            try:
+                result[what] = patient.send_batch("k", on_2[:1], **how)
+            except Exception as e:  # noqa: BLE001 - asserted below
+                result[what] = e
+        waiting = [threading.Thread(target=send, args=("by key",), kwargs={"keys": on_2[:1]}),
+                   threading.Thread(target=send, args=("named",), kwargs={"partition": home[on_2[0]]})]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)
+        assert all(t.is_alive() for t in waiting), result  # waiting for broker 2, not failed
         cluster.start_broker(2, topics=TOPICS)
-        waiting.join(90)
-        assert [r.partition for r in result["r"]] == [home[on_2[0]]]
+        for t in waiting:
+            t.join(90)
+        assert {what: [r.partition for r in rs] for what, rs in result.items()} == {
+            "by key": [home[on_2[0]]], "named": [home[on_2[0]]]}, result
 
 
 def test_a_graceful_stop_moves_no_key_and_forget_removes_the_broker_for_good(cluster):

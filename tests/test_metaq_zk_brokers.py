@@ -24,7 +24,7 @@ from metaq_broker.server.config import load
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
-from test_replication_defects import wipe
+from zk_loss import wipe
 from tests.metaq_client import Cluster, GroupConsumer
 
 TOPIC = "orders"

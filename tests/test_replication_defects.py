@@ -20,6 +20,7 @@ import pytest
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools import process
 from metaq_broker.devtools.broker_process import BrokerProcess
 from metaq_broker.devtools.group import BrokerGroup
 from metaq_broker.devtools.zookeeper import free_port
@@ -36,6 +37,7 @@ from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk.session import negotiated_timeout, new_client, start_client
 from conftest import wait_until
 from test_replication_basic import Load, log_bytes, read_all
+from zk_loss import wipe
 
 pytestmark = pytest.mark.process
 
@@ -44,7 +46,7 @@ STRICT = {"orders": {"numPartitions": 2, "minInSyncReplicas": 2}}
 
 
 def freeze(member) -> None:
-    os.kill(member.proc.pid, signal.SIGSTOP)
+    process.freeze(member.proc.pid)
 
 
 def thaw(member) -> None:
@@ -281,13 +283,6 @@ def test_a_zookeeper_restart_stores_no_put_twice(tmp_path, own_zookeeper):
 
 
 # -- 2: ZooKeeper loses its data -----------------------------------------------------------------------
-
-def wipe(zk) -> None:
-    """ZooKeeper loses everything: stopped, its data (snapshots and transaction logs) deleted, started again."""
-    zk.stop()
-    shutil.rmtree(zk.data_dir / "data")
-    zk.start()
-
 
 def test_zookeeper_losing_its_data_loses_nothing_acknowledged(tmp_path, own_zookeeper):
     """Member 2 is stopped, 500 acks=all puts are acknowledged by members 0 and 1, all stop, ZooKeeper's

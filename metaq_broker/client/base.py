@@ -178,11 +178,19 @@ class ClientBase:
 
     def route(self, partition: str):
         """(connection, partition number on that broker) for a ``<brokerId>-<n>`` name."""
-        try:
-            bid, n = parse_partition_name(partition)
-        except ValueError as e:
-            raise InvalidPartitionError(str(e)) from None
+        bid, n = _parse(partition)
         return self.connection(bid), n
+
+    def check_partition(self, topic: str, partition: str) -> tuple:
+        """(brokerId, n) of a ``<brokerId>-<n>`` name whose broker this client knows (``ClusterView.known``:
+        alive, down with ``topic``'s partitions, or between masters; a put then waits for it);
+        InvalidPartitionError otherwise."""
+        bid, n = _parse(partition)
+        if bid not in self.cluster.brokers():
+            self.cluster.registered_partitions(topic)  # watched: its entries name the brokers that are down
+            if not self.cluster.known(bid):
+                raise InvalidPartitionError(f"broker {bid} is not alive (not registered)")
+        return bid, n
 
     # -- group offsets and decision records through a broker ------------------------------------------
     @property
@@ -292,3 +300,10 @@ class ClientBase:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _parse(partition: str) -> tuple:
+    try:
+        return parse_partition_name(partition)
+    except ValueError as e:
+        raise InvalidPartitionError(str(e)) from None

@@ -5,7 +5,8 @@ ZooKeeper round trip: a ChildrenWatch on ``brokers/metaq/ids`` plus a DataWatch 
 whether it is alive), a ChildrenWatch on ``brokers/metaq/topics`` (topic names), and, for each topic a
 caller asked about, a ChildrenWatch on its entries plus a DataWatch per ``<brokerId>-m`` entry (its
 partition count). Topic entries are persistent, so a topic's partitions are those of entries whose
-broker is alive. Kazoo re-arms all of these after reconnects and session expiry.
+broker is alive. Kazoo re-arms all of these after reconnects and session expiry; ``zk/watches.py``'s
+keep following when ZooKeeper lost its data (nodes written again with old zxids, roots missing).
 
 The same watches follow the layout before issue 28 (``SOURCES``: master nodes with metaq's JSON at
 ``brokers/ids/<b>``, entries with metaq's JSON in ``topics-pub``), so a client upgraded first keeps
@@ -29,13 +30,14 @@ import weakref
 from typing import Callable, Optional
 
 from kazoo.exceptions import KazooException, NoAuthError
-from kazoo.recipe.watchers import ChildrenWatch, DataWatch
+from kazoo.recipe.watchers import ChildrenWatch
 
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.zk import groups
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
 from metaq_broker.zk.session import client_subtrees, new_client, start_client
+from metaq_broker.zk.watches import FollowingChildrenWatch, FollowingDataWatch
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +116,10 @@ class ClusterView:
                 for source in SOURCES:
                     if source == "legacy" and not self._ensure_legacy_roots():
                         continue
-                    ChildrenWatch(self.zk, self._ids_root(source), functools.partial(self._on_broker_ids, source))
-                    ChildrenWatch(self.zk, self._topics_root(source), functools.partial(self._on_topic_names, source))
+                    FollowingChildrenWatch(self.zk, self._ids_root(source),
+                                           functools.partial(self._on_broker_ids, source))
+                    FollowingChildrenWatch(self.zk, self._topics_root(source),
+                                           functools.partial(self._on_topic_names, source))
             except BaseException:
                 self.close()
                 raise
@@ -180,13 +184,13 @@ class ClusterView:
         return sorted((b, n) for b, count in counts.items() for n in range(count))
 
     def known(self, broker_id: int) -> bool:
-        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now, or
-        a group with live members (electing a master): a call to it may wait for its (new) master instead
-        of failing at once."""
+        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now, one
+        that holds partitions of a topic it watches (down: topic entries stay), or a group with live members
+        (electing a master): a call to it may wait for its (new) master instead of failing at once."""
         if self.zk is None:
             return broker_id in self._static
         with self._lock:
-            if broker_id in self._last:
+            if broker_id in self._last or any(broker_id in counts for counts in self._parts.values()):
                 return True
         try:
             return bool(groups.members(self.zk, self.paths, broker_id))  # a group between masters
@@ -267,7 +271,7 @@ class ClusterView:
         # _brokers, so the order in which the two kinds of watch fire cannot leave a stale entry.
         for bid in sorted(new):
             path = self.paths.broker(bid) if source == "metaq" else self.layout.broker(bid)
-            DataWatch(self.zk, path, functools.partial(self._on_broker_data, source, bid))
+            FollowingDataWatch(self.zk, path, functools.partial(self._on_broker_data, source, bid))
 
     def _on_broker_data(self, source: str, bid: int, data, stat, event=None) -> None:
         info = None
@@ -369,7 +373,7 @@ class ClusterView:
             new = [b for b in sorted(ids) if (source, topic, b) not in self._entry_watched]
             self._entry_watched.update((source, topic, b) for b in new)
         for bid in new:  # the entry's DataWatch alone keeps _parts: present with data, or absent
-            DataWatch(self.zk, f"{self._entries(source, topic)}/{bid}-m",
+            FollowingDataWatch(self.zk, f"{self._entries(source, topic)}/{bid}-m",
                       functools.partial(self._on_topic_entry_data, source, topic, bid))
 
     def _on_topic_entry_data(self, source: str, topic: str, bid: int, data, stat, event=None) -> None:

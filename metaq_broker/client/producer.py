@@ -361,8 +361,8 @@ class Producer(ClientBase):
                     raise InvalidPartitionError(f"partition {name!r} is not a live partition of topic {topic!r} "
                                                 f"(live: {', '.join(sorted(live))})")
             return names, encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        if partition is not None:
-            self.route(partition)  # check it names a live broker
+        if partition is not None:  # a broker between masters (a failover): the put waits for one (_ResendingPut)
+            self.check_partition(topic, partition)
             return [partition], np.zeros(n, dtype=np.int64)
         if keys is not None and self.partitioner == "hash" and keys.null_count < len(keys):
             names = self.registered_partitions(topic)

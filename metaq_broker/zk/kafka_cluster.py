@@ -157,7 +157,7 @@ class KafkaClusterCache:
         self._trees, ready = [], []
         for path in roots:
             tree, event = TreeCache(zk, path), threading.Event()
-            tree.listen(lambda e, root=path, ev=event: self._on_event(root, ev, e))
+            tree.listen(lambda e, root=path, t=tree, ev=event: self._on_event(root, t, ev, e))
             tree.listen_fault(lambda e, root=path: log.error("the Kafka metadata cache of %s failed: %s", root, e))
             self._trees.append(tree)
             ready.append(event)
@@ -181,23 +181,51 @@ class KafkaClusterCache:
         for tree in self._trees:
             tree.close()
 
-    def _on_event(self, root: str, ready: threading.Event, event) -> None:
+    def _on_event(self, root: str, tree: TreeCache, ready: threading.Event, event) -> None:
         if event.event_type == TreeEvent.INITIALIZED:
+            changed = self._reload(root, tree)
             ready.set()
-            return
-        data = event.event_data
-        if data is None or not data.path.startswith(root + "/"):
-            return  # connection events, and the root node itself
-        with self._lock:
-            if event.event_type in (TreeEvent.NODE_ADDED, TreeEvent.NODE_UPDATED):
-                self._nodes[data.path] = data.data
-            elif event.event_type == TreeEvent.NODE_REMOVED:
-                self._nodes.pop(data.path, None)
-            else:
+            if not changed:
                 return
-            self._snapshot = None
+        else:
+            data = event.event_data
+            if data is None or not data.path.startswith(root + "/"):
+                return  # connection events, and the root node itself
+            with self._lock:
+                if event.event_type in (TreeEvent.NODE_ADDED, TreeEvent.NODE_UPDATED):
+                    self._nodes[data.path] = data.data
+                elif event.event_type == TreeEvent.NODE_REMOVED:
+                    self._nodes.pop(data.path, None)
+                else:
+                    return
+                self._snapshot = None
         for callback in list(self._listeners):
             try:
                 callback()
             except Exception:  # noqa: BLE001 - one bad listener must not stop the cache
                 log.exception("Kafka metadata change listener failed")
+
+    def _reload(self, root: str, tree: TreeCache) -> bool:
+        """Every node below ``root`` again from its tree, at the first load and after each new session: a node
+        that a ZooKeeper which lost its data wrote again can have the old node's mzxid, and TreeCache then
+        tells no change (it still holds the new data). True if anything changed."""
+        nodes = dict(_tree_nodes(tree, root))
+        with self._lock:
+            held = {p: d for p, d in self._nodes.items() if p.startswith(root + "/")}
+            if held == nodes:
+                return False
+            for path in held:
+                del self._nodes[path]
+            self._nodes.update(nodes)
+            self._snapshot = None
+            return True
+
+
+def _tree_nodes(tree: TreeCache, path: str):
+    """(path, data) of every node below ``path`` that ``tree`` holds."""
+    for child in tree.get_children(path) or ():
+        below = f"{path}/{child}"
+        node = tree.get_data(below)
+        if node is not None:
+            yield below, node.data
+        yield from _tree_nodes(tree, below)

@@ -138,6 +138,7 @@ class UserCache:
 
     def _on_event(self, event) -> None:
         if event.event_type == TreeEvent.INITIALIZED:
+            self._reload()
             self._ready.set()
             return
         data = event.event_data
@@ -161,6 +162,26 @@ class UserCache:
         self._version += 1
         self._typical = None
         if event.event_type != TreeEvent.NODE_ADDED:
+            self._tell([name])
+
+    def _reload(self) -> None:
+        """Every user again from the tree, at the first load and after each new session: a node that a
+        ZooKeeper which lost its data wrote again can have the old node's mzxid, and TreeCache then tells no
+        change (it still holds the new data). Listeners hear of the users changed or gone meanwhile."""
+        users = {}
+        for component in self._tree.get_children(self._path) or ():
+            node = self._tree.get_data(f"{self._path}/{component}")
+            credential = decode_user(node.data) if node is not None else None
+            if credential is not None:
+                users[unquote_component(component)] = credential
+        old, self._users = self._users, users
+        if users != old:
+            self._version += 1
+            self._typical = None
+            self._tell([name for name, credential in old.items() if users.get(name) != credential])
+
+    def _tell(self, names) -> None:
+        for name in names:
             for callback in self._listeners:
                 try:
                     callback(name)
