@@ -11,8 +11,8 @@ import pytest
 
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
+from metaq_broker.devtools import process
 from metaq_broker.devtools.group import BrokerGroup
-from metaq_broker.devtools.process import freeze
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.proto import metaq_pb2_grpc as pb_grpc
 from metaq_broker.protocol.status import RemoteNotEnoughReplicasError
@@ -89,7 +89,7 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
     z = dict(zk_connect=g.zk_connect, zk_root=g.paths.root)
 
     def freeze(r):
-        freeze(g.members[r].proc.pid)
+        process.freeze(g.members[r].proc.pid)
 
     def thaw(r):
         os.kill(g.members[r].proc.pid, signal.SIGCONT)
