@@ -374,7 +374,7 @@ class ClusterView:
             self._entry_watched.update((source, topic, b) for b in new)
         for bid in new:  # the entry's DataWatch alone keeps _parts: present with data, or absent
             FollowingDataWatch(self.zk, f"{self._entries(source, topic)}/{bid}-m",
-                      functools.partial(self._on_topic_entry_data, source, topic, bid))
+                               functools.partial(self._on_topic_entry_data, source, topic, bid))
 
     def _on_topic_entry_data(self, source: str, topic: str, bid: int, data, stat, event=None) -> None:
         count = None
