@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 from conftest import interrupt, wait_until
+import cli
 
 from metaq_broker.client.admin import Admin
 from metaq_broker.client.consumer import Consumer, GroupMember
@@ -18,12 +19,13 @@ from metaq_broker.zk.group_offsets import GroupStore
 TOPIC = "events"
 
 
-def cli(cluster):
-    return [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root]
+def command(cluster):
+    """``metaq`` as a process of its own: followers that run until Ctrl-C."""
+    return [sys.executable, "-m", "metaq_broker.tools.cli", *cli.cluster_args(cluster)]
 
 
 def metaq(cluster, *args):
-    return subprocess.run([*cli(cluster), *args], capture_output=True, timeout=120)
+    return cli.metaq(*cli.cluster_args(cluster), *args)
 
 
 @pytest.fixture
@@ -143,7 +145,7 @@ def test_consume_with_a_group_joins_it_and_commits_what_it_printed(running):
     assert r.stdout == b"a0\n" and committed(running, "cg") == {"1-0": 1, "1-1": 0}
 
     # --follow: a live member (reset refused while it runs) that commits each message it prints.
-    follower = subprocess.Popen([*cli(running), "consume", TOPIC, "--group", "cg", "--follow"],
+    follower = subprocess.Popen([*command(running), "consume", TOPIC, "--group", "cg", "--follow"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         with running.client(Admin) as admin:
@@ -164,7 +166,7 @@ def test_consume_with_a_group_joins_it_and_commits_what_it_printed(running):
 
 
 def test_two_group_members_share_the_partitions(running):
-    followers = [subprocess.Popen([*cli(running), "consume", TOPIC, "--group", "pair", "--follow"],
+    followers = [subprocess.Popen([*command(running), "consume", TOPIC, "--group", "pair", "--follow"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     try:
         with running.client(Admin) as admin:

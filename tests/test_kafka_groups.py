@@ -7,13 +7,12 @@ that lets another coordinator take a group over without a rebalance, a stale coo
 groups moving when a broker joins, a group metaq's own consumers use, ListGroups, DescribeGroups and
 DeleteGroups. Every answer is encoded at the versions served."""
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 from conftest import wait_until
+import cli
 from kazoo.client import KazooClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -366,8 +365,7 @@ def test_metaq_groups_and_lag_metrics_show_a_kafka_groups_offsets(cluster, zooke
                                                                                      ("orders", k1): 0}
 
         def metaq(*args):
-            return subprocess.run([sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect,
-                                   "--zk-root", cluster.zk_root, *args], capture_output=True, timeout=120)
+            return cli.metaq(*cli.cluster_args(cluster), *args)
 
         r = metaq("groups", "kafka-readers")
         assert r.returncode == 0, r.stderr

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from conftest import wait_until
+import cli
 from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.group import BrokerGroup
@@ -151,9 +150,7 @@ def test_bad_input_is_named(cluster):
 
 
 def metaq(cluster, *args):
-    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
-           *args]
-    return subprocess.run(cmd, capture_output=True, timeout=120)
+    return cli.metaq(*cli.cluster_args(cluster), *args)
 
 
 def test_metaq_lookup_prints_as_consume_does(cluster):

@@ -3,13 +3,12 @@ write into the partition log, fetches stop at the last stable offset (LSO) and l
 transactions and markers, whose offsets are gaps. The Consumer, ``metaq consume``/``offsets``, a batch and
 a streaming Spark read, each over the data port and over FetchRaw (``dataPort=-1``)."""
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from conftest import wait_until
+import cli
 from spark_helpers import reader, run_available_now
 from test_metrics import Scrape
 
@@ -82,9 +81,7 @@ def committed_rows(table):
 
 
 def metaq(cluster, *args):
-    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
-           *args]
-    return subprocess.run(cmd, capture_output=True, timeout=120)
+    return cli.metaq(*cli.cluster_args(cluster), *args)
 
 
 def test_the_consumer_sees_committed_messages_with_gaps_and_stops_at_the_lso(txlog):

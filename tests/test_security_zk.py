@@ -1,12 +1,11 @@
 """Users and ACLs in ZooKeeper, ZooKeeper's own ACLs (zk.auth) and TLS, and the `metaq users` / `metaq acls`
 commands, against a real ZooKeeper (and a real broker where registration matters)."""
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 from conftest import wait_until
+import cli
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
@@ -26,11 +25,8 @@ ZK_AUTH = "digest:metaq:zk-s3cret"
 
 
 def metaq(zk_connect, zk_root, *args, config=None, stdin=None):
-    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", zk_connect, "--zk-root", zk_root,
-           *(["--command-config", str(config)] if config else []), *args]
-    r = subprocess.run(cmd, input=stdin, capture_output=True, timeout=120)
-    r.out, r.err = r.stdout.decode(), r.stderr.decode()
-    return r
+    return cli.metaq("--zk", zk_connect, "--zk-root", zk_root, *(["--command-config", config] if config else []),
+                     *args, stdin=stdin)
 
 
 @pytest.fixture

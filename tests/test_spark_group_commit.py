@@ -9,6 +9,7 @@ import time
 
 import pytest
 from conftest import wait_until
+import cli
 from pyspark.sql import functions as F
 from spark_helpers import fill, reader, run_available_now
 
@@ -24,9 +25,9 @@ def committed(cluster, group, topic):
 
 def metaq_groups_cli(cluster, group):
     """``metaq groups GROUP`` as an operator runs it: {partition: lag}."""
-    out = subprocess.run([sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect,
-                          "--zk-root", cluster.zk_root, "groups", group],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    r = cli.metaq(*cli.cluster_args(cluster), "groups", group)
+    assert r.returncode == 0, r.err
+    out = r.out
     return {cols[2]: int(cols[5]) for cols in (line.split() for line in out.splitlines()[1:])}
 
 

@@ -3,12 +3,11 @@ them: the store (appends, a reopen's recovery, the index's byte counts), a real 
 and Consumer, ``metaq consume``, and Spark's source and sink."""
 import datetime
 import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
 from conftest import wait_until
+import cli
 from spark_helpers import reader
 
 from metaq_broker.client.consumer import Consumer
@@ -63,9 +62,7 @@ def broker(cluster):
 
 
 def consume_cli(cluster, *args):
-    cmd = [sys.executable, "-m", "metaq_broker.tools.cli", "--zk", cluster.zk_connect, "--zk-root", cluster.zk_root,
-           "consume", "t", *args]
-    r = subprocess.run(cmd, capture_output=True, timeout=120)
+    r = cli.metaq(*cli.cluster_args(cluster), "consume", "t", *args)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
