@@ -62,6 +62,8 @@ def group(tmp_path, zookeeper, zk_root, network):
                                   settings={"minInSyncReplicas": 2}, topics=TOPICS)
     try:
         g.start()
+        for m in g.members:  # forked from the zygote into its host's namespace, or started under ip netns exec
+            assert os.stat(f"/proc/{m.proc.pid}/ns/net").st_ino == os.stat(f"/run/netns/{m.host.namespace}").st_ino
         g.wait_master()
         g.wait_in_sync(range(3))
         yield g

@@ -66,6 +66,26 @@ def test_exit_codes_and_output_are_those_of_an_exec(tmp_path, args):
         assert forked[1] == "Traceback (most recent call last):" and forked[-1] == "ValueError: raised as asked"
 
 
+def test_a_child_forked_into_a_network_namespace_runs_there_and_a_missing_one_is_named(tmp_path):
+    """As ``ip netns exec`` starts a process (devtools/netns.py's brokers): in the namespace before it runs."""
+    from metaq_broker.devtools import netns
+    why = netns.unavailable()
+    assert why is None, f"this test needs network namespaces: {why}"
+    with netns.Network() as network:
+        host = network.add_host("z")
+        log = tmp_path / "in-namespace.log"
+        proc = zygote.spawn("zygote_child", ["sleep"], _env(), log, netns=host.namespace)
+        _printed(log)
+        assert os.stat(f"/proc/{proc.pid}/ns/net").st_ino == os.stat(f"/run/netns/{host.namespace}").st_ino
+        assert os.stat(f"/proc/{proc.pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+        proc.kill()
+        proc.wait(10)
+    log = tmp_path / "missing.log"
+    proc = zygote.spawn("zygote_child", ["sleep"], _env(), log, netns="metaq-no-such-namespace")
+    assert proc.wait(10) == 1
+    assert "cannot enter network namespace 'metaq-no-such-namespace'" in log.read_text()
+
+
 def test_a_stopped_child_is_not_reported_ended_and_signals_reach_it(tmp_path):
     proc, log = _spawn(tmp_path, "sleep")
     _printed(log)

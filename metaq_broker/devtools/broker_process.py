@@ -36,6 +36,7 @@ class BrokerProcess:
         # under a wrapper or with --log-level (gRPC reads its verbosity as it is imported); False: started as
         # an operator starts it, for a test of what a broker loads as it starts
         self.forkable = forkable
+        self.netns: Optional[str] = None  # the network namespace it runs in (devtools/netns.py)
         self._child: Optional[ChildProcess] = None
         self._log_start = 0  # where the current run's lines begin in the log
 
@@ -126,7 +127,8 @@ class BrokerProcess:
         argv = [*wrapper, sys.executable, "-m", "metaq_broker.server.main", "--config", str(config), *args]
         self._child = ChildProcess(f"broker {self.broker_id}", argv, self.log_path,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                   forkable=self.forkable and not wrapper and "--log-level" not in args)
+                                   forkable=self.forkable and not wrapper and "--log-level" not in args,
+                                   netns=self.netns)
         if ready_by_log:
             self._child.start(self._listening, timeout, interval=0.1)
             return self

@@ -261,14 +261,11 @@ class NetnsBroker(BrokerProcess):
                          settings={**(settings or {}), "hostName": host.address, "serverPort": SERVER_PORT,
                                    "dataPort": DATA_PORT})
         self.host = host
+        self.netns = host.namespace
 
     @property
     def address(self) -> str:
         return f"{self.host.address}:{self.port}"
-
-    def start(self, timeout: float = 30.0, args=(), wrapper=(), ready_by_log: bool = False) -> "NetnsBroker":
-        super().start(timeout, args, self.host.wrap(wrapper), ready_by_log)
-        return self
 
 
 def group_in_namespaces(network: Network, workdir, broker_id: int, zk_connect: str, zk_root: str = "/meta",

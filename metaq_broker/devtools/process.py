@@ -24,12 +24,14 @@ class ChildProcess:
     """``argv`` run with stdout and stderr appended to ``log_path``. ``own_session``: a Ctrl-C at the
     terminal reaches only the parent, which then stops the child in order. ``forkable``: ``argv`` is
     ``[sys.executable, "-m", module, ...]`` and may be forked from a warm interpreter where the test suite
-    enabled it (zygote.py); ``proc`` is then a ``zygote.ForkedProcess``, with Popen's methods."""
+    enabled it (zygote.py); ``proc`` is then a ``zygote.ForkedProcess``, with Popen's methods. ``netns``:
+    the named network namespace it runs in (forked into it, or started under ``ip netns exec``)."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Optional[dict] = None,
-                 cwd: Optional[Path] = None, own_session: bool = False, forkable: bool = False):
+                 cwd: Optional[Path] = None, own_session: bool = False, forkable: bool = False,
+                 netns: Optional[str] = None):
         self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
-        self.env, self.cwd, self.own_session = env, cwd, own_session
+        self.env, self.cwd, self.own_session, self.netns = env, cwd, own_session, netns
         self.forkable = forkable and self.argv[:2] == [sys.executable, "-m"]
         self.proc = None  # subprocess.Popen or zygote.ForkedProcess
 
@@ -47,10 +49,11 @@ class ChildProcess:
         the log's tail if the process exits first or is not ready within ``timeout`` (then it is killed)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = zygote.spawn(self.argv[2], self.argv[3:], self.env if self.env is not None else dict(os.environ),
-                                 self.log_path, self.cwd, self.own_session) if self.forkable else None
+                                 self.log_path, self.cwd, self.own_session, self.netns) if self.forkable else None
         if self.proc is None:
+            argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + self.argv
             with open(self.log_path, "ab") as out:
-                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                              env=self.env, cwd=self.cwd, start_new_session=self.own_session)
         _running.add(self)
         if ready is None:

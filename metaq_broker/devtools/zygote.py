@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 IMPORT_PREFIXES = ("PYTHON", "GRPC_", "NUMBA_", "ARROW_", "JE_ARROW", "OPENBLAS", "OMP_", "MIMALLOC", "LD_")
 _SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+CLONE_NEWNET = 0x40000000
 _enabled = False
 _lock = threading.Lock()
 _zygotes: dict = {}  # (module, import-time environment) -> _Zygote (None: it could not start)
@@ -57,9 +58,11 @@ def enable() -> None:
 
 
 def spawn(module: str, args: Sequence[str], env: dict, log_path: Path, cwd=None,
-          own_session: bool = False) -> Optional["ForkedProcess"]:
-    """``python -m module *args`` forked from a zygote, stdout and stderr appended to ``log_path``; None
-    where zygotes are not enabled or none can serve (the caller then starts the process itself)."""
+          own_session: bool = False, netns: Optional[str] = None) -> Optional["ForkedProcess"]:
+    """``python -m module *args`` forked from a zygote, stdout and stderr appended to ``log_path``, in the
+    named network namespace ``netns`` if one is given (``ip netns``; the child joins it before it runs
+    anything); None where zygotes are not enabled or none can serve (the caller then starts the process
+    itself)."""
     if not _enabled:
         return None
     key = (module, tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_PREFIXES))))
@@ -70,7 +73,7 @@ def spawn(module: str, args: Sequence[str], env: dict, log_path: Path, cwd=None,
         if zygote is None:
             return None
     try:
-        return zygote.spawn(list(args), env, log_path, cwd, own_session)
+        return zygote.spawn(list(args), env, log_path, cwd, own_session, netns)
     except OSError as e:  # the zygote died: later requests exec too
         log.warning("the %s zygote cannot fork (%s); starting processes without it", module, e)
         with _lock:
@@ -111,13 +114,14 @@ class _Zygote:
         shutil.rmtree(directory, ignore_errors=True)
         return None
 
-    def spawn(self, args: list, env: dict, log_path: Path, cwd, own_session: bool) -> "ForkedProcess":
+    def spawn(self, args: list, env: dict, log_path: Path, cwd, own_session: bool,
+              netns: Optional[str] = None) -> "ForkedProcess":
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
             conn.sendall(json.dumps({"args": args, "env": env, "log": str(log_path),
                                      "cwd": None if cwd is None else str(cwd),
-                                     "own_session": own_session}).encode() + b"\n")
+                                     "own_session": own_session, "netns": netns}).encode() + b"\n")
             line, rest = _read_line(conn)
             if line is None:
                 raise ConnectionError("the zygote closed the connection")
@@ -304,7 +308,8 @@ def _become(module: str, request: dict, zygote: int):
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the zygote
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the zygote
     if os.getppid() != zygote:  # it died before the line above
         os._exit(1)
     if request["own_session"]:
@@ -316,6 +321,15 @@ def _become(module: str, request: dict, zygote: int):
     os.dup2(out, 2)
     os.close(out)
     os.close(null)
+    if request.get("netns"):  # as ``ip netns exec`` does for the network (the one namespace a broker needs)
+        try:
+            fd = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            os.close(fd)
+        except OSError as e:  # in its log, as ``ip netns exec`` would say it
+            os.write(2, f"cannot enter network namespace {request['netns']!r}: {e}\n".encode())
+            os._exit(1)
     if request["cwd"]:
         os.chdir(request["cwd"])
     os.environ.clear()
