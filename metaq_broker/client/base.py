@@ -182,14 +182,14 @@ class ClientBase:
         return self.connection(bid), n
 
     def check_partition(self, topic: str, partition: str) -> tuple:
-        """(brokerId, n) of a ``<brokerId>-<n>`` name whose broker this client knows (``ClusterView.known``:
-        alive, down with ``topic``'s partitions, or between masters; a put then waits for it);
-        InvalidPartitionError otherwise."""
+        """(brokerId, n) of a ``<brokerId>-<n>`` name of a live broker, or of one that is down but registered
+        ``topic``'s partition (topic entries stay) or seen by this client (``ClusterView.known``: between
+        masters); InvalidPartitionError at once for any other."""
         bid, n = _parse(partition)
-        if bid not in self.cluster.brokers():
-            self.cluster.registered_partitions(topic)  # watched: its entries name the brokers that are down
-            if not self.cluster.known(bid):
-                raise InvalidPartitionError(f"broker {bid} is not alive (not registered)")
+        if bid not in self.cluster.brokers() and not (
+                self.cluster.zk is not None and (bid, n) in self.cluster.registered_partitions(topic)
+                or self.cluster.known(bid)):
+            raise InvalidPartitionError(f"broker {bid} is not alive (not registered)")
         return bid, n
 
     # -- group offsets and decision records through a broker ------------------------------------------

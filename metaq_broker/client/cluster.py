@@ -30,7 +30,6 @@ import weakref
 from typing import Callable, Optional
 
 from kazoo.exceptions import KazooException, NoAuthError
-from kazoo.recipe.watchers import ChildrenWatch
 
 from metaq_broker.errors import AuthenticationError
 from metaq_broker.zk import groups
@@ -184,13 +183,13 @@ class ClusterView:
         return sorted((b, n) for b, count in counts.items() for n in range(count))
 
     def known(self, broker_id: int) -> bool:
-        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now, one
-        that holds partitions of a topic it watches (down: topic entries stay), or a group with live members
-        (electing a master): a call to it may wait for its (new) master instead of failing at once."""
+        """Whether ``broker_id`` names a broker (group) this view has seen registered, live or not now, or
+        a group with live members (electing a master): a call to it may wait for its (new) master instead
+        of failing at once."""
         if self.zk is None:
             return broker_id in self._static
         with self._lock:
-            if broker_id in self._last or any(broker_id in counts for counts in self._parts.values()):
+            if broker_id in self._last:
                 return True
         try:
             return bool(groups.members(self.zk, self.paths, broker_id))  # a group between masters
@@ -362,8 +361,8 @@ class ClusterView:
             if (source, topic) in self._topic_watch:
                 return
             self._topic_watch[(source, topic)] = token
-        ChildrenWatch(self.zk, self._entries(source, topic),
-                      functools.partial(self._on_topic_entries, source, topic, token))
+        FollowingChildrenWatch(self.zk, self._entries(source, topic),  # superseded: its callback stops it
+                               functools.partial(self._on_topic_entries, source, topic, token))
 
     def _on_topic_entries(self, source: str, topic: str, token, children):
         with self._lock:

@@ -361,8 +361,8 @@ class Producer(ClientBase):
                     raise InvalidPartitionError(f"partition {name!r} is not a live partition of topic {topic!r} "
                                                 f"(live: {', '.join(sorted(live))})")
             return names, encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        if partition is not None:  # a broker between masters (a failover): the put waits for one (_ResendingPut)
-            self.check_partition(topic, partition)
+        if partition is not None:  # a broker down or between masters (a failover) is waited for, as a key's
+            self._await_broker(topic, partition, self.check_partition(topic, partition)[0])
             return [partition], np.zeros(n, dtype=np.int64)
         if keys is not None and self.partitioner == "hash" and keys.null_count < len(keys):
             names = self.registered_partitions(topic)
@@ -372,6 +372,16 @@ class Producer(ClientBase):
             return names, which
         names = self.partitions(topic)
         return names, np.full(n, self._rr.next(len(names)), dtype=np.int64)
+
+    def _await_broker(self, topic: str, name: str, broker_id: int) -> None:
+        """Wait (up to the producer's timeout) until the broker of a partition named by the caller is alive;
+        in the caller, so that ``send`` does not hand the wait to the thread that sends every partition's."""
+        deadline = time.monotonic() + self.pool.timeout
+        while broker_id not in self.cluster.brokers():
+            if time.monotonic() >= deadline:
+                raise PartitionUnavailableError(f"partition {name!r} of topic {topic!r} is on broker {broker_id}, "
+                                                f"which is down: waited {self.pool.timeout:g}s")
+            time.sleep(0.05)
 
     def _await_live(self, topic: str, names: list) -> None:
         """Wait (up to the producer's timeout) until the brokers of these key-hashed partitions are alive;

@@ -9,6 +9,7 @@ no broker or topic registered later was seen. These two watches go on in both ca
 """
 from __future__ import annotations
 
+from kazoo.exceptions import ConnectionClosedError
 from kazoo.protocol.states import EventType
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
@@ -34,16 +35,21 @@ class FollowingChildrenWatch(ChildrenWatch):
 
     def _get_children(self, event=None):
         super()._get_children(event)
-        with self._run_lock:
+        with self._run_lock:  # as kazoo calls back: one at a time
             if not self._stopped or self._func is None:
                 return  # following, or ended by its callback
             self._stopped, self._watch_established = False, False  # missing (NoNodeError)
             had, self._prior_children = self._prior_children, []
-        if had and (self._func([], event) if self._send_event else self._func([])) is False:
-            self._stopped, self._func = True, None
-            return
-        if self._client.exists(self._path, watch=self._created) is not None:
-            self._client.handler.spawn(self._get_children)  # created meanwhile
+            if had and (self._func([], event) if self._send_event else self._func([])) is False:
+                self._stopped, self._func = True, None
+                if self._allow_session_lost:
+                    self._client.remove_listener(self._session_watcher)
+                return
+        try:
+            if self._client.retry(self._client.exists, self._path, watch=self._created) is not None:
+                self._client.handler.spawn(self._get_children)  # created meanwhile
+        except ConnectionClosedError:
+            pass  # the client was closed: nothing to follow
 
     def _created(self, event) -> None:
         if event.type == EventType.CREATED:
