@@ -27,6 +27,5 @@ def metaq(*args, stdin=None, env=None) -> subprocess.CompletedProcess:
 
 
 def cluster_args(cluster) -> list:
-    """``--zk`` and ``--zk-root`` of a test cluster (conftest's ``Cluster``, or a ``BrokerGroup``)."""
-    root = getattr(cluster, "zk_root", None) or cluster.paths.root
-    return ["--zk", cluster.zk_connect, "--zk-root", root]
+    """``--zk`` and ``--zk-root`` of a test cluster (conftest's ``Cluster``)."""
+    return ["--zk", cluster.zk_connect, "--zk-root", cluster.zk_root]

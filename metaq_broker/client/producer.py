@@ -39,7 +39,7 @@ from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
 from metaq_broker.errors import InvalidPartitionError, MetaqError, OutOfOrderSequenceError, UnknownTopicError
-from metaq_broker.names import parse_partition_name, partition_name
+from metaq_broker.names import parse_partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
 from metaq_broker.protocol.dataport import ProtocolError
@@ -362,7 +362,8 @@ class Producer(ClientBase):
                                                 f"(live: {', '.join(sorted(live))})")
             return names, encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         if partition is not None:  # a broker down or between masters (a failover) is waited for, as a key's
-            self._await_broker(topic, partition, self.check_partition(topic, partition)[0])
+            self.check_partition(topic, partition)
+            self._await_live(topic, [partition], why="")
             return [partition], np.zeros(n, dtype=np.int64)
         if keys is not None and self.partitioner == "hash" and keys.null_count < len(keys):
             names = self.registered_partitions(topic)
@@ -373,30 +374,22 @@ class Producer(ClientBase):
         names = self.partitions(topic)
         return names, np.full(n, self._rr.next(len(names)), dtype=np.int64)
 
-    def _await_broker(self, topic: str, name: str, broker_id: int) -> None:
-        """Wait (up to the producer's timeout) until the broker of a partition named by the caller is alive;
-        in the caller, so that ``send`` does not hand the wait to the thread that sends every partition's."""
-        deadline = time.monotonic() + self.pool.timeout
-        while broker_id not in self.cluster.brokers():
-            if time.monotonic() >= deadline:
-                raise PartitionUnavailableError(f"partition {name!r} of topic {topic!r} is on broker {broker_id}, "
-                                                f"which is down: waited {self.pool.timeout:g}s")
-            time.sleep(0.05)
-
-    def _await_live(self, topic: str, names: list) -> None:
-        """Wait (up to the producer's timeout) until the brokers of these key-hashed partitions are alive;
-        a key never moves to another partition, so while its broker is down it waits, then fails."""
+    def _await_live(self, topic: str, names: list,
+                    why: str = " (keys keep their partition, they are not sent elsewhere)") -> None:
+        """Wait (up to the producer's timeout) until the brokers of these partitions are alive: key-hashed
+        ones (a key never moves to another partition) or one the caller named. In the caller, so that
+        ``send`` does not hand the wait to the thread that sends every partition's; then it fails."""
         deadline = time.monotonic() + self.pool.timeout
         while True:
-            down = set(names) - {partition_name(b, n) for b, n in self.cluster.topic_partitions(topic)}
+            alive = self.cluster.brokers()
+            down = [name for name in names if parse_partition_name(name)[0] not in alive]
             if not down:
                 return
             if time.monotonic() >= deadline:
                 name = min(down)
                 raise PartitionUnavailableError(
                     f"partition {name!r} of topic {topic!r} is on broker {parse_partition_name(name)[0]}, "
-                    f"which is down: waited {self.pool.timeout:g}s (keys keep their partition, they are not "
-                    f"sent elsewhere)")
+                    f"which is down: waited {self.pool.timeout:g}s{why}")
             time.sleep(0.05)
 
     def encode_batches(self, topic: str, values, keys=None, attributes=None, flags=None, partition=None,
