@@ -23,7 +23,9 @@ those fixtures. ``pytest -m unit`` runs no test of another lane; ``-m "not brows
 A module whose tests all use those fixtures needs no mark.
 """
 import compileall
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,7 @@ def pytest_configure(config):
     every broker, CLI and Spark worker process compiles metaq's modules again (0.15 s of CPU a broker start,
     ~430 starts). The controller compiles the packages once; the workers write their rewritten tests."""
     sys.dont_write_bytecode = False
+    _signals_as_in_a_terminal()
     from metaq_broker.devtools import sparkhome, zygote
     sparkhome.use()  # Spark's Python workers import the installed pyspark, not the wheel's zip: ~half their CPU
     if os.environ.get("METAQ_TEST_ZYGOTE") != "0":  # brokers forked from a warm interpreter (zygote.py): ~0.45
@@ -47,6 +50,17 @@ def pytest_configure(config):
         for package in ("metaq_broker", "metaq_spark"):
             compileall.compile_dir(ROOT / package, quiet=1)
         _make_jvm_archives(config)
+
+
+def _signals_as_in_a_terminal() -> None:
+    """A run started in the background by a script (``pytest ... &``) has SIGINT and SIGQUIT ignored (POSIX,
+    for a shell without job control), and so has every command a test starts and then stops with a
+    user's Ctrl-C: it never stops (stop 38's runs, until a worker's first SparkSession installed a
+    handler; the commands started after it had SIGINT back). The tests run as a command in a terminal."""
+    import signal
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL)):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, default)
 
 
 def _make_jvm_archives(config) -> None:
@@ -284,23 +298,52 @@ def process_states(pids) -> dict:
     return out
 
 
-def interrupt(procs, timeout: float = 30.0) -> list:
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}[platform.machine()]
+
+
+def _signal_state(pid: int) -> str:
+    """Where a process's signals stand (/proc: pending, blocked, ignored, caught, as hexadecimal masks; and
+    each thread's pending and blocked): what a SIGINT that was not acted on became."""
+    def fields(path):
+        try:
+            with open(path) as f:
+                return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+        except OSError:
+            return {}
+    threads = []
+    for task in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else []:
+        t = fields(f"/proc/{pid}/task/{task}/status")
+        threads.append(f"{task}: pnd {t.get('SigPnd')} blk {t.get('SigBlk')}")
+    whole = fields(f"/proc/{pid}/status")
+    return (f"shared pending {whole.get('ShdPnd')}, ignored {whole.get('SigIgn')}, caught {whole.get('SigCgt')}; "
+            f"threads {'; '.join(threads)}")
+
+
+def interrupt(procs, timeout: float = 30.0, to_a_side_thread: bool = False) -> list:
     """SIGINT ``procs`` (``metaq`` commands, Popen with pipes) as a user's Ctrl-C; [(stdout, stderr)] once
     all exited. One still running after ``timeout`` fails the test with the stack of each of its threads
-    (the commands dump them on SIGUSR1), so a hang says where it waits."""
+    (the commands dump them on SIGUSR1), so a hang says where it waits. The kernel hands a process's
+    signal to any of its threads; ``to_a_side_thread`` hands it to one that is not the main thread
+    (tgkill), where Python's handler cannot wake a main thread that waits without a timeout."""
     for p in procs:
-        p.send_signal(signal.SIGINT)
+        if to_a_side_thread:
+            side = next(int(t) for t in sorted(os.listdir(f"/proc/{p.pid}/task")) if int(t) != p.pid)
+            if ctypes.CDLL(None, use_errno=True).syscall(SYS_TGKILL, p.pid, side, signal.SIGINT) != 0:
+                raise OSError(ctypes.get_errno(), f"tgkill {p.pid} {side}")
+        else:
+            p.send_signal(signal.SIGINT)
     deadline, outs, hung = time.monotonic() + timeout, [], []
     for p in procs:
         try:
             outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
         except subprocess.TimeoutExpired:
+            signals = _signal_state(p.pid)
             p.send_signal(signal.SIGUSR1)
             time.sleep(1)
             p.kill()
             out, err = p.communicate()
             outs.append((out, err))
-            hung.append(f"pid {p.pid} {p.args[-6:]}:\n{err.decode(errors='replace')[-6000:]}")
+            hung.append(f"pid {p.pid} {p.args[-6:]} ({signals}):\n{err.decode(errors='replace')[-6000:]}")
     assert not hung, f"still running {timeout:g}s after SIGINT:\n" + "\n".join(hung)
     return outs
 

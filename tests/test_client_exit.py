@@ -11,8 +11,10 @@ import pytest
 from conftest import interrupt, wait_until
 
 from metaq_broker.client.admin import Admin
+from metaq_broker.client.consumer import GroupMember
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.broker_process import BrokerProcess
+from metaq_broker.zk.group_offsets import GroupStore
 
 pytestmark = pytest.mark.process
 
@@ -93,9 +95,11 @@ def test_a_cli_command_ends_with_a_clear_error_when_zookeeper_is_gone(doomed_zoo
 
 
 def test_a_group_member_following_a_topic_ends_on_ctrl_c_when_zookeeper_is_gone(doomed_zookeeper):
-    """``metaq consume --group --follow`` leaves its group on Ctrl-C; with ZooKeeper gone it cannot (kazoo
-    held the call until a reconnect: the command hung), and it ends anyway, saying so; its nodes go with its
-    session."""
+    """``metaq consume --group --follow`` commits and leaves its group on Ctrl-C; with ZooKeeper gone it
+    can do neither (kazoo holds a call until it reconnects: the command hung, in its leave and, stop 38's
+    run, in its last commit), and it ends anyway, saying so; its nodes go with its session. The Ctrl-C
+    comes while its periodic rebalance waits for ZooKeeper, and lands on a thread other than the main one
+    (the kernel may choose any: then a main thread waiting on a lock without a timeout never woke)."""
     connect = doomed_zookeeper.connect_string
     follower = subprocess.Popen([sys.executable, "-m", "metaq_broker.tools.cli", "--zk", connect, "consume", "t",
                                  "--group", "g", "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -104,13 +108,16 @@ def test_a_group_member_following_a_topic_ends_on_ctrl_c_when_zookeeper_is_gone(
             wait_until(lambda: admin.group_members("g"), timeout=30, what="the follower joined its group")
             wait_until(lambda: len(producer.partitions("t")) == 2, what="the topic routed")
             producer.send_batch("t", [b"m0", b"m1"], partition="1-0")
-        assert follower.stdout.readline() == b"m0\n" and follower.stdout.readline() == b"m1\n"
+            assert follower.stdout.readline() == b"m0\n" and follower.stdout.readline() == b"m1\n"
+            groups = GroupStore(admin.cluster.zk, "/meta")
+            wait_until(lambda: groups.fetch("g", "t").get("1-0") == 2, what="the printed messages committed")
         doomed_zookeeper.stop()
-        time.sleep(1)
-        (out, err), = interrupt([follower], timeout=BOUND_S)
+        time.sleep(GroupMember.REBALANCE_S + 1)  # its rebalance's commit waits for ZooKeeper, on a lock
+        (out, err), = interrupt([follower], timeout=BOUND_S, to_a_side_thread=True)
     finally:
         follower.kill()
     assert follower.returncode != 0 and b"could not leave in ZooKeeper" in err, err[-3000:].decode()
+    assert b"the group's offsets were not committed (ZooKeeper did not answer within 10s)" in err
 
 
 SPARK_DRIVER = """

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -162,6 +163,33 @@ def test_a_data_port_put_to_a_broker_killed_before_answering_is_sent_again(clust
         restart.join()
         assert producer.send_batch("t", [b"next"], partition="1-0")[0].base_offset == 2
     assert read_values(cluster.brokers[1].address) == [b"first", b"cut off", b"next"]
+
+
+def test_a_later_sequence_stored_first_does_not_refuse_an_earlier_one_never_stored(broker):
+    """Two threads' first puts to a partition race: the one stamped sequence 1 reaches the broker first,
+    which knows nothing of the producer yet and takes it (as Kafka does: the producer's state may have
+    expired). Sequence 0 then comes "before the batches kept": refused as a duplicate though never stored
+    (stop 38's run: ``RemoteDuplicateSequenceError`` from a plain ``send_batch``). The producer knows it
+    never stored it and sends it again with the next sequence: both stored, each once."""
+    with Producer(brokers={1: broker.address}, timeout=15.0) as producer:
+        held, sent = threading.Event(), threading.Event()
+        put_once = producer.put_once
+
+        def hold_sequence_0(topic, name, body, xid="", stamp=None, deadline=None):
+            if stamp is not None and stamp[2] == 0 and not sent.is_set():
+                sent.set()
+                assert held.wait(15)
+            return put_once(topic, name, body, xid, stamp, deadline)
+        producer.put_once = hold_sequence_0
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(producer.send_batch, "t", [b"stamped 0"], partition="1-0")
+            assert sent.wait(15)
+            assert producer.send_batch("t", [b"stamped 1"], partition="1-0")[0].base_offset == 0
+            held.set()
+            result = late.result(30)[0]
+        assert result.base_offset == 1 and not result.duplicate
+        assert producer.send_batch("t", [b"next"], partition="1-0")[0].base_offset == 2
+    assert read_values(broker.address) == [b"stamped 1", b"stamped 0", b"next"]
 
 
 def test_gaps_and_old_epochs_are_refused_by_name(broker):

@@ -2,6 +2,8 @@
 theirs even in a module marked unit, a test's own unit mark may not hide a fixture's needs, and ``-m unit``
 selects only what needs nothing else. Run on small suites in a temporary directory with this conftest."""
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,24 @@ def test_collected_with_the_module():
     r = suite.runpytest("-q")
     r.assert_outcomes(passed=3, xfailed=1)
     assert r.ret == pytest.ExitCode.OK
+
+
+@pytest.mark.process
+def test_a_run_started_in_the_background_starts_commands_that_ctrl_c_stops(suite):
+    """A script's ``pytest ... &`` runs with SIGINT and SIGQUIT ignored, which the commands its tests start
+    inherit: a test's Ctrl-C then never stopped them (stop 38's runs). The conftest puts both back."""
+    suite.makepyfile(test_a='''
+import signal, subprocess, sys
+import pytest
+pytestmark = pytest.mark.process
+
+def test_a_command_started_here_has_sigint_and_sigquit_at_their_defaults():
+    status = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                            capture_output=True, text=True, check=True).stdout
+    ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    assert not ignored & (1 << signal.SIGINT - 1 | 1 << signal.SIGQUIT - 1), hex(ignored)
+''')
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m pytest -q -p no:cacheprovider test_a.py & wait $!"],
+                       cwd=suite.path, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent)))  # the conftest's imports
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

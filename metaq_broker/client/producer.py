@@ -38,7 +38,8 @@ from metaq_broker.client.base import RESEND_WAIT, ClientBase
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
-from metaq_broker.errors import InvalidPartitionError, MetaqError, OutOfOrderSequenceError, UnknownTopicError
+from metaq_broker.errors import (DuplicateSequenceError, InvalidPartitionError, MetaqError, OutOfOrderSequenceError,
+                                 UnknownTopicError)
 from metaq_broker.names import parse_partition_name
 from metaq_broker.proto import metaq_pb2 as pb
 from metaq_broker.protocol import rawput, records
@@ -188,6 +189,16 @@ class _ResendingPut:
                             raise self._in_doubt(e) from e
                         raise
                     log.info("put to %s of %r refused (%s); sending it again", self.name, self.topic, e)
+                except DuplicateSequenceError as e:
+                    if self.stamp is None or self.maybe_stored is not None or \
+                            time.monotonic() + RESEND_WAIT > self.deadline:
+                        raise
+                    # Never stored (no send of it was left in doubt): a later sequence of this producer
+                    # reached the partition first while it knew nothing of the producer (two threads' first
+                    # puts to it race, or its state expired), and took that as where the producer stands.
+                    self.stamp = self.sequences.restamp(self)
+                    log.info("idempotent put to %s of %r refused as a duplicate (%s) though never stored; sending "
+                             "it again as sequence %d", self.name, self.topic, e, self.stamp[2])
                 except (BrokerUnavailableError, OutOfOrderSequenceError) as e:
                     if self.stamp is None or time.monotonic() + RESEND_WAIT > self.deadline or (
                             isinstance(e, OutOfOrderSequenceError) and not self.sequences.earlier_in_flight(self)):
@@ -272,6 +283,13 @@ class Sequences:
             self._next[key] = (seq + put.body.count) % (1 << 31)
             self._in_flight.setdefault(key, {})[put] = seq
             return self.producer_id, self.epoch, seq
+
+    def restamp(self, put: _ResendingPut) -> tuple:
+        """``put`` again with the partition's next sequence instead of the one it had (see
+        ``_ResendingPut.result``: one that stored nothing and was refused as a duplicate)."""
+        with self._lock:
+            self._in_flight.get((put.topic, put.name), {}).pop(put, None)
+        return self.stamp(put)
 
     def earlier_in_flight(self, put: _ResendingPut) -> bool:
         """Is a put with an earlier sequence to the same partition still unanswered?"""

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
-import io
 import json
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -336,15 +336,68 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
                     printed += len(messages)
                 out.flush()
                 if member is not None and moved:
-                    _run(member.commit)
+                    _in_group(member.commit)
                 if not moved and not follow:
                     break
-                if member is not None and follow and _run(member.rebalance_if_due):  # members come and go
+                if member is not None and follow and _in_group(member.rebalance_if_due):  # members come and go
                     parts, pos = _share(member)
         finally:
             if member is not None:
                 out.flush()
-                _run(member.commit)
+                _commit_before_exit(member)
+
+
+def _in_group(call):
+    """A following member's commit or rebalance. ZooKeeper lost meanwhile is a warning, not the end:
+    kazoo raises ConnectionLoss for the call it had sent and holds later ones until it reconnects, so
+    the next commit carries the positions."""
+    _, outcome = _awaited(lambda: _run(call))
+    if isinstance(outcome, KazooException):
+        click.echo(f"warning: the group's offsets were not committed ({type(outcome).__name__} from ZooKeeper); "
+                   "the next commit takes them", err=True)
+        return False
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+COMMIT_BEFORE_EXIT_S = 10.0
+
+
+def _commit_before_exit(member) -> None:
+    """The last commit of a member that ends (Ctrl-C, --max, the end of the topic) waits at most
+    COMMIT_BEFORE_EXIT_S: kazoo holds a call while ZooKeeper is away until it is back, and a command
+    must end (the call is dropped when the client closes). Not committed, what was printed since the
+    last commit is read again by the group."""
+    done, outcome = _awaited(lambda: _run(member.commit), COMMIT_BEFORE_EXIT_S)
+    if not done or isinstance(outcome, KazooException):
+        why = f"{type(outcome).__name__} from ZooKeeper" if done else \
+            f"ZooKeeper did not answer within {COMMIT_BEFORE_EXIT_S:g}s"
+        click.echo(f"warning: the group's offsets were not committed ({why}); the messages printed since the "
+                   "last commit will be read again", err=True)
+    elif isinstance(outcome, BaseException):
+        raise outcome
+
+
+def _awaited(call, bound: Optional[float] = None) -> tuple:
+    """(done, what ``call()`` returned or raised), run in a thread of its own while the command's thread
+    waits in slices of 0.1 s, for at most ``bound`` seconds: a command waiting on a lock without a timeout
+    (kazoo's calls) misses a Ctrl-C the kernel hands to another of its threads, since Python runs signal
+    handlers in the main thread only, between its bytecodes (stop 38's run: a commit held while
+    ZooKeeper was away never ended)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as e:  # noqa: BLE001 - returned to the command's thread
+            outcome.append(e)
+    worker = threading.Thread(target=run, daemon=True, name="awaited")
+    worker.start()
+    deadline = None if bound is None else time.monotonic() + bound
+    while worker.is_alive() and (deadline is None or time.monotonic() < deadline):
+        worker.join(0.1)
+    return (True, outcome[0]) if outcome else (False, None)
 
 
 def _print_message(out, m, fmt: str) -> None:
