@@ -29,3 +29,8 @@ def metaq(*args, stdin=None, env=None) -> subprocess.CompletedProcess:
 def cluster_args(cluster) -> list:
     """``--zk`` and ``--zk-root`` of a test cluster (conftest's ``Cluster``)."""
     return ["--zk", cluster.zk_connect, "--zk-root", cluster.zk_root]
+
+
+def metaq_on(cluster, *args, **kw) -> subprocess.CompletedProcess:
+    """``metaq *args`` against a test cluster (``cluster_args``)."""
+    return metaq(*cluster_args(cluster), *args, **kw)

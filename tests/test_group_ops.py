@@ -24,8 +24,7 @@ def command(cluster):
     return [sys.executable, "-m", "metaq_broker.tools.cli", *cli.cluster_args(cluster)]
 
 
-def metaq(cluster, *args):
-    return cli.metaq(*cli.cluster_args(cluster), *args)
+metaq = cli.metaq_on
 
 
 @pytest.fixture

@@ -365,7 +365,7 @@ def test_metaq_groups_and_lag_metrics_show_a_kafka_groups_offsets(cluster, zooke
                                                                                      ("orders", k1): 0}
 
         def metaq(*args):
-            return cli.metaq(*cli.cluster_args(cluster), *args)
+            return cli.metaq_on(cluster, *args)
 
         r = metaq("groups", "kafka-readers")
         assert r.returncode == 0, r.stderr

@@ -149,8 +149,7 @@ def test_bad_input_is_named(cluster):
                 call(raw)
 
 
-def metaq(cluster, *args):
-    return cli.metaq(*cli.cluster_args(cluster), *args)
+metaq = cli.metaq_on
 
 
 def test_metaq_lookup_prints_as_consume_does(cluster):

@@ -80,8 +80,7 @@ def committed_rows(table):
     return dict(zip(table.column("offset").to_pylist(), table.column("value").to_pylist()))
 
 
-def metaq(cluster, *args):
-    return cli.metaq(*cli.cluster_args(cluster), *args)
+metaq = cli.metaq_on
 
 
 def test_the_consumer_sees_committed_messages_with_gaps_and_stops_at_the_lso(txlog):

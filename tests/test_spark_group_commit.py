@@ -25,7 +25,7 @@ def committed(cluster, group, topic):
 
 def metaq_groups_cli(cluster, group):
     """``metaq groups GROUP`` as an operator runs it: {partition: lag}."""
-    r = cli.metaq(*cli.cluster_args(cluster), "groups", group)
+    r = cli.metaq_on(cluster, "groups", group)
     assert r.returncode == 0, r.err
     out = r.out
     return {cols[2]: int(cols[5]) for cols in (line.split() for line in out.splitlines()[1:])}

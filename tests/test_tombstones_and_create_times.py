@@ -62,7 +62,7 @@ def broker(cluster):
 
 
 def consume_cli(cluster, *args):
-    r = cli.metaq(*cli.cluster_args(cluster), "consume", "t", *args)
+    r = cli.metaq_on(cluster, "consume", "t", *args)
     assert r.returncode == 0, r.stderr
     return r.stdout
 

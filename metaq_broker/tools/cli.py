@@ -344,39 +344,27 @@ def consume(obj, topic, partitions, start, max_messages, fmt, follow, group):
         finally:
             if member is not None:
                 out.flush()
-                _commit_before_exit(member)
+                _in_group(member.commit, COMMIT_BEFORE_EXIT_S,
+                          "the messages printed since the last commit will be read again")
 
 
-def _in_group(call):
-    """A following member's commit or rebalance. ZooKeeper lost meanwhile is a warning, not the end:
-    kazoo raises ConnectionLoss for the call it had sent and holds later ones until it reconnects, so
-    the next commit carries the positions."""
-    _, outcome = _awaited(lambda: _run(call))
-    if isinstance(outcome, KazooException):
-        click.echo(f"warning: the group's offsets were not committed ({type(outcome).__name__} from ZooKeeper); "
-                   "the next commit takes them", err=True)
-        return False
-    if isinstance(outcome, BaseException):
+def _in_group(call, bound: Optional[float] = None, otherwise: str = "the next commit takes them"):
+    """A group member's commit or rebalance, run by ``_awaited`` for at most ``bound`` seconds. ZooKeeper
+    lost or silent is a warning ending in ``otherwise``, not the end of the command (False then): kazoo
+    raises ConnectionLoss for the call it had sent and holds later ones until it reconnects."""
+    done, outcome = _awaited(lambda: _run(call), bound)
+    if done and not isinstance(outcome, BaseException):
+        return outcome
+    if done and not isinstance(outcome, KazooException):
         raise outcome
-    return outcome
+    why = f"{type(outcome).__name__} from ZooKeeper" if done else f"ZooKeeper did not answer within {bound:g}s"
+    click.echo(f"warning: the group's offsets were not committed ({why}); {otherwise}", err=True)
+    return False
 
 
+# The last commit of a member that ends (Ctrl-C, --max, the end of the topic) waits this long at most: a
+# command must end while ZooKeeper is away (the call is dropped when the client closes).
 COMMIT_BEFORE_EXIT_S = 10.0
-
-
-def _commit_before_exit(member) -> None:
-    """The last commit of a member that ends (Ctrl-C, --max, the end of the topic) waits at most
-    COMMIT_BEFORE_EXIT_S: kazoo holds a call while ZooKeeper is away until it is back, and a command
-    must end (the call is dropped when the client closes). Not committed, what was printed since the
-    last commit is read again by the group."""
-    done, outcome = _awaited(lambda: _run(member.commit), COMMIT_BEFORE_EXIT_S)
-    if not done or isinstance(outcome, KazooException):
-        why = f"{type(outcome).__name__} from ZooKeeper" if done else \
-            f"ZooKeeper did not answer within {COMMIT_BEFORE_EXIT_S:g}s"
-        click.echo(f"warning: the group's offsets were not committed ({why}); the messages printed since the "
-                   "last commit will be read again", err=True)
-    elif isinstance(outcome, BaseException):
-        raise outcome
 
 
 def _awaited(call, bound: Optional[float] = None) -> tuple:
