@@ -21,11 +21,23 @@ def burn(cpu_s: float) -> None:
 
 
 def test_it_reads_this_process_to_the_millisecond():
-    """A 25 ms burn reads 25 ms (the kernel's own count, time.process_time), not 20 or 30 (ticks)."""
-    meter, before = CpuMeter(os.getpid()), time.process_time()
-    burn(0.025)
-    used, measured = time.process_time() - before, meter.seconds()
-    assert abs(measured - used) < 0.003, (measured, used)
+    """A 25 ms burn reads 25 ms (the kernel's own count, time.process_time), not 20 or 30 (ticks). The
+    process's other threads may run meanwhile (the test worker's, a run's leftovers), and both counts see
+    them: the reading lies between the kernel's count over the burn and over the meter's whole life (stop
+    39's run, under load: 29.0 ms read against 25.3 ms counted over the burn only). A thread that ends
+    meanwhile sends the meter to the ticks (the other test): tried again then, at most three times."""
+    for _ in range(3):
+        threads = set(os.listdir("/proc/self/task"))
+        outer = time.process_time()
+        meter = CpuMeter(os.getpid())
+        inner = time.process_time()
+        burn(0.025)
+        burnt = time.process_time() - inner
+        measured = meter.seconds()
+        lifetime = time.process_time() - outer
+        if threads <= set(os.listdir("/proc/self/task")):
+            break
+    assert burnt - 0.001 <= measured <= lifetime + 0.001, (measured, burnt, lifetime)
 
 
 def test_a_thread_that_ended_is_counted_through_the_ticks():

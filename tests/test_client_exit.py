@@ -220,3 +220,38 @@ def test_a_call_on_a_connection_closed_meanwhile_is_a_broker_error_that_did_noth
                 "the group's master moved" if retire else "the client is closing")):
             send("GetOffsets", pb.GetOffsetsRequest())
     assert conn.retired is retire
+
+
+def undrained_call(channel) -> None:
+    """Leave on ``channel`` the call gRPC's Python layer leaves when a KeyboardInterrupt lands between its
+    making an integrated call and starting the thread that drains it (grpc/_channel.py,
+    ``_channel_managed_call_management``): ``channel.close()`` waits for it forever."""
+    from grpc._cython import cygrpc
+    method = channel.unary_unary("/metaq.v1.Broker/GetOffsets")
+    _, operations, _, _ = method._prepare(b"", None, None, True, None)
+    channel._channel.integrated_call(cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, method._method, None,
+                                     None, None, None, ((operations, None),), method._context,
+                                     method._registered_call_handle)
+
+
+def test_a_command_ends_when_its_client_does_not_close(cluster, capsys):
+    """A `metaq` command's client closes within ``cli.CLOSE_S`` or the command ends without it, saying so:
+    stop 39's run had ``consume --follow`` hang after Ctrl-C in gRPC's channel close, waiting for a call the
+    Ctrl-C had interrupted as gRPC began it."""
+    import threading
+
+    from metaq_broker.client.consumer import Consumer
+    from metaq_broker.tools import cli
+    cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    ended = threading.Event()
+
+    def command():
+        with cli._client(Consumer, {"zk": cluster.zk_connect, "zk_root": cluster.zk_root, "brokers": None}) as c:
+            wait_until(lambda: c.partitions("t"), what="topic t")
+            c.offsets("t", ["1-0"])  # a connection to broker 1
+            undrained_call(c.pool.get(cluster.brokers[1].address).channel)
+        ended.set()
+
+    threading.Thread(target=command, daemon=True).start()
+    assert ended.wait(cli.CLOSE_S + 15), "the command did not end"
+    assert f"the connections to the brokers did not close within {cli.CLOSE_S:g}s" in capsys.readouterr().err

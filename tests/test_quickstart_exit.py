@@ -69,7 +69,7 @@ def test_quickstart_returns_only_when_every_process_it_started_is_gone(tmp_path)
     # Spark's JVM ran from the SPARK_HOME whose Python workers import the installed pyspark (sparkhome.py)
     assert str(sparkhome.spark_home()) in seen, seen
     assert "org.apache.zookeeper" in seen or "zookeeper" in seen.lower(), seen
-    assert "metaq_broker.server.main" in seen and "java" in seen  # the broker and Spark's JVM ran
+    assert "metaq_broker.server.main" in seen and "java" in seen, probe["seen"]
     assert "org.apache.spark" in seen or "pyspark" in seen, seen
     assert probe["left"] == {}, probe["left"]
     # and what it printed on the way: everything produced, read back, piped through Spark

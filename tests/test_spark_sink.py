@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 from pyspark import TaskContext
 from pyspark.sql import functions as F
 from spark_helpers import fill, reader
@@ -147,12 +148,27 @@ def open_transactions(broker):
 
 
 def decisions(zk, root):
-    """{sinkId: {batchId: Decision}} of every decision record under ``root``."""
+    """{sinkId: {batchId: Decision}} of every decision record under ``root``, read while the sinks make and
+    remove them: a node gone (or not yet made) between two reads is absent (stop 39's run: a NoNodeError)."""
+    def children(path):
+        try:
+            return zk.get_children(path)
+        except NoNodeError:
+            return []
     out = {}
-    for sink in zk.get_children(f"{root}/sinks") if zk.exists(f"{root}/sinks") else []:
+    for sink in children(f"{root}/sinks"):
         base = f"{root}/sinks/{sink}/batches"
-        out[sink] = {int(b): txn_decisions.read(zk, f"{base}/{b}")[0] for b in zk.get_children(base)}
+        out[sink] = {int(b): txn_decisions.read(zk, f"{base}/{b}")[0] for b in children(base)}
     return out
+
+
+def test_decisions_are_read_while_a_sink_makes_and_removes_them(zk, zk_root):
+    """``decisions``, which the driver-crash tests poll while the sinks work: a sink whose batches node is
+    not made yet, or that was removed between two reads, is read as it stands instead of a NoNodeError."""
+    zk.ensure_path(f"{zk_root}/sinks/nightly")
+    assert decisions(zk, zk_root) == {"nightly": {}}
+    zk.delete(f"{zk_root}/sinks", recursive=True)
+    assert decisions(zk, zk_root) == {}
 
 
 def arm(hooks, name):

@@ -43,15 +43,37 @@ from metaq_broker.zk.session import new_client, start_client
 ZK_HELP = "ZooKeeper connect string (env METAQ_ZK)"
 
 
+@contextlib.contextmanager
 def _client(cls, ctx_obj, **kw):
+    """A client for the command, closed within ``CLOSE_S`` when it ends (``_closed``)."""
     try:
         if ctx_obj.get("props") is not None:
             kw["security"] = _client_security(ctx_obj)
         if ctx_obj["brokers"]:
-            return cls(brokers=ctx_obj["brokers"], **kw)
-        return cls(zk_connect=ctx_obj["zk"], zk_root=ctx_obj["zk_root"], **kw)
+            client = cls(brokers=ctx_obj["brokers"], **kw)
+        else:
+            client = cls(zk_connect=ctx_obj["zk"], zk_root=ctx_obj["zk_root"], **kw)
     except (MetaqError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    try:
+        yield client
+    finally:
+        _closed(client)
+
+
+# A command's client closes within this, or the command ends without waiting for it: a gRPC channel's close
+# waits for every call begun on it to be drained, and a call whose start a Ctrl-C interrupted (between gRPC
+# making the call and starting the thread that drains it) never is (stop 39's run: consume hung in close)
+CLOSE_S = 5.0
+
+
+def _closed(client) -> None:
+    done, outcome = _awaited(client.close, CLOSE_S)
+    if not done:
+        click.echo(f"warning: the connections to the brokers did not close within {CLOSE_S:g}s; "
+                   f"exiting without them", err=True)
+    elif isinstance(outcome, BaseException):
+        raise outcome
 
 
 class Fail(click.ClickException):
