@@ -46,10 +46,22 @@ def pytest_configure(config):
     sparkhome.use()  # Spark's Python workers import the installed pyspark, not the wheel's zip: ~half their CPU
     if os.environ.get("METAQ_TEST_ZYGOTE") != "0":  # brokers forked from a warm interpreter (zygote.py): ~0.45
         zygote.enable()                             # CPU-s and ~0.3 s less a start; 0: each started by exec
+    _spark_drivers_as_the_tests_own()
     if not hasattr(config, "workerinput"):
         for package in ("metaq_broker", "metaq_spark"):
             compileall.compile_dir(ROOT / package, quiet=1)
         _make_jvm_archives(config)
+
+
+def _spark_drivers_as_the_tests_own() -> None:
+    """Spark drivers the tests start as a user does (``metaq quickstart``, the notebook, a script's own
+    session) run with the JVM flags of the tests' sessions (``spark_helpers.spark_builder``): C1 only, the
+    serial collector, the drivers' class-data archive, through ``SPARK_SUBMIT_OPTS``, which spark-submit
+    adds to a driver's options. They change how the JVM compiles, collects and loads classes, not what
+    Spark does; measured, the quickstart and notebook tests: 84 -> 51 busy CPU-s, 55 -> 40 s."""
+    from spark_helpers import JVM_OPTIONS, driver_archive
+    from metaq_broker.devtools import jvm
+    os.environ.setdefault("SPARK_SUBMIT_OPTS", " ".join([JVM_OPTIONS, *jvm.sharing_options(driver_archive())]))
 
 
 def _signals_as_in_a_terminal() -> None:
@@ -125,7 +137,16 @@ def pytest_collection_modifyitems(config, items):
         for lane in sorted(lanes):
             item.add_marker(lane)
         if lanes != {"unit"} and _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            item.add_marker(pytest.mark.xdist_group(_group(item.module)))
+
+
+def _group(module) -> str:
+    """The xdist group of a module's tests that share its fixtures: the module; the modules whose Spark
+    master is not the default (``SPARK_MASTER``, see ``spark``) form one group per master, so their session
+    is started once for them all (a switch of master stops the worker's session and starts another: ~9
+    CPU-s, and ~7 switches a run when they were spread over the workers)."""
+    master = getattr(module, "SPARK_MASTER", None)
+    return f"spark {master}" if master else module.__name__
 
 
 def _uses_a_module_fixture(item) -> bool:
@@ -358,10 +379,12 @@ def spark_sessions():
 
 
 @pytest.fixture(scope="module")
-def spark(spark_sessions):
-    """A loopback-only local[2] SparkSession with the metaq source registered, lent to one test module at
-    a time (a module that needs another master defines ``spark`` with ``spark_sessions.use(master)``)."""
-    with spark_sessions.use("local[2]") as session:
+def spark(spark_sessions, request):
+    """A loopback-only SparkSession with the metaq source registered, lent to one test module at a time:
+    local[2], or the master the module names in ``SPARK_MASTER`` (``local[2,4]``: a failed task is tried up
+    to 4 times, as on a cluster). A worker's session has one master; the modules naming another run on
+    one worker, one after another (``_group``), so the workers do not start a session for each switch."""
+    with spark_sessions.use(getattr(request.module, "SPARK_MASTER", "local[2]")) as session:
         yield session
 
 

@@ -5,6 +5,7 @@ this in the background when one is missing (conftest.py); JVMs started before it
 
     python tests/jvm_archives.py
 """
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,8 @@ def make_spark_driver_archive() -> bool:
 
     def run(flags):
         job = DUMP_JOB.format(tests=str(TESTS), flags=tuple(flags))
-        subprocess.run([sys.executable, "-c", job], check=True, timeout=300, stdout=subprocess.DEVNULL)
+        env = {k: v for k, v in os.environ.items() if k != "SPARK_SUBMIT_OPTS"}  # the flags are ``flags``
+        subprocess.run([sys.executable, "-c", job], check=True, timeout=300, stdout=subprocess.DEVNULL, env=env)
     return jvm.make(driver_archive(), run)
 
 

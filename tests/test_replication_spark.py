@@ -17,11 +17,7 @@ CHUNK = 750  # per partition, fed before the run and after each kill
 TOPICS = {"in": {"numPartitions": 2}, "out": {"numPartitions": 2}}
 
 
-@pytest.fixture(scope="module")
-def spark(spark_sessions):
-    """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    with spark_sessions.use("local[2,4]") as session:
-        yield session
+SPARK_MASTER = "local[2,4]"  # two task threads, and a failed task is tried up to 4 times (as on a cluster)
 
 
 def values_of(consumer, topic) -> Counter:

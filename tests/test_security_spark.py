@@ -49,12 +49,6 @@ def setup(tmp_path_factory, zookeeper, pki):
     zk.close()
 
 
-@pytest.fixture(scope="module")
-def spark(spark_sessions):
-    with spark_sessions.use("local[2]") as session:
-        yield session
-
-
 def options(s, user, password):
     return {"metaq.zk.connect": s["zk"], "metaq.zk.root": s["root"], "metaq.security.protocol": "SASL_SSL",
             "metaq.ssl.ca.location": s["pki"].ca, "metaq.sasl.mechanism": "SCRAM-SHA-256",

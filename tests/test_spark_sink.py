@@ -36,11 +36,7 @@ def expected(per_partition=PER_PARTITION):
     return Counter(f"out:{p}:{i}" for p in ("1-0", "1-1") for i in range(per_partition))
 
 
-@pytest.fixture(scope="module")
-def spark(spark_sessions):
-    """local[2, 4]: two task threads, and a failed task is tried up to 4 times (as on a cluster)."""
-    with spark_sessions.use("local[2,4]") as session:
-        yield session
+SPARK_MASTER = "local[2,4]"  # two task threads, and a failed task is tried up to 4 times (as on a cluster)
 
 
 @pytest.fixture(autouse=True)

@@ -23,11 +23,7 @@ SCHEMA = "value string, headers array<struct<key:string,value:binary>>"
 BIG = 256 << 10  # a header value of 256 KiB on some rows
 
 
-@pytest.fixture(scope="module")
-def spark(spark_sessions):
-    """local[2, 4]: a failed task is tried again, up to 4 times (as on a cluster)."""
-    with spark_sessions.use("local[2,4]") as session:
-        yield session
+SPARK_MASTER = "local[2,4]"  # two task threads, and a failed task is tried up to 4 times (as on a cluster)
 
 
 def header_rows(n: int, tag: str) -> list:
