@@ -142,9 +142,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _group(module) -> str:
     """The xdist group of a module's tests that share its fixtures: the module; the modules whose Spark
-    master is not the default (``SPARK_MASTER``, see ``spark``) form one group per master, so their session
-    is started once for them all (a switch of master stops the worker's session and starts another: ~9
-    CPU-s, and ~7 switches a run when they were spread over the workers)."""
+    master is not the default (``SPARK_MASTER``, see ``spark``) form one group per master, so one worker
+    starts their session once for them all (a switch of master stops the worker's SparkContext and starts
+    another; spread over the workers, the three local[2,4] modules caused several a run)."""
     master = getattr(module, "SPARK_MASTER", None)
     return f"spark {master}" if master else module.__name__
 

@@ -126,3 +126,29 @@ def test_the_spark_sink_keeps_a_key_in_its_partition_while_its_broker_is_down(cl
         with pytest.raises(Exception, match=r"partition '2-\d' of topic 'k' is on broker 2"):
             write.save()  # rows with keys of broker 2 wait for it (the producer's timeout), then fail
         assert consumer.offsets("k", ["1-0", "1-1"]) == before  # none of them went to broker 1
+
+
+def test_a_put_whose_send_the_masters_move_stopped_goes_to_the_master(cluster):
+    """The master moved (``ConnectionPool.retire``) between a put choosing its connection and sending on
+    it: gRPC refuses a call on the closed channel, the put left nothing behind (``MasterMovedError``), and
+    is sent to the master as it stands now, once (stop 39's run: a failover test's put failed with it)."""
+    from metaq_broker.client.connection import MasterMovedError
+    cluster.start_broker(1, topics={"t": {"numPartitions": 1}})
+    with cluster.client(Producer, use_data_port=False) as producer, cluster.client(Consumer) as consumer:
+        wait_until(lambda: producer.partitions("t"), what="topic t")
+        route, moved = producer.route, []
+
+        def route_then_move(name):  # the master moves right after the put chose its connection
+            conn, number = route(name)
+            if not moved:
+                producer.pool.retire(conn.address)
+                moved.append(conn)
+            return conn, number
+
+        producer.route = route_then_move
+        producer.send_batch("t", [b"once"], partition="1-0")
+        assert moved and moved[0].retired
+        with pytest.raises(MasterMovedError):  # what the first send met
+            moved[0].future("PutRaw", b"")
+        f = consumer.fetch("t", "1-0", 0)
+        assert [m.value for m in f.messages()] == [b"once"]

@@ -198,13 +198,22 @@ class BrokerConnection:
 
     def _closed_error(self) -> BrokerUnavailableError:
         """A call begun on a connection another thread closed meanwhile (gRPC raises a bare ValueError): for
-        a retired one, ``ClientBase.call`` sends it to the new master; it did nothing."""
-        why = "the group's master moved elsewhere" if self.retired else "the client is closing"
-        return BrokerUnavailableError(grpc.StatusCode.CANCELLED, f"connection closed: {why}", self.address)
+        a retired one (``MasterMovedError``), ``ClientBase.call`` and a put send it to the new master; it
+        did nothing."""
+        if self.retired:
+            return MasterMovedError(grpc.StatusCode.CANCELLED, "connection closed: the group's master moved "
+                                    "elsewhere", self.address)
+        return BrokerUnavailableError(grpc.StatusCode.CANCELLED, "connection closed: the client is closing",
+                                      self.address)
 
     def close(self) -> None:
         self.closed = True
         self.channel.close()
+
+
+class MasterMovedError(BrokerUnavailableError):
+    """A call not sent: the connection to its broker group's master was retired as it began (the master
+    moved elsewhere, ``ConnectionPool.retire``); sent to the new master, it is sent once."""
 
 
 class ConnectionPool:

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from metaq_broker.client.base import RESEND_WAIT, ClientBase
+from metaq_broker.client.connection import MasterMovedError
 from metaq_broker.client.dataconn import DataConnection, DataConnectionPool
 from metaq_broker.client.partitioner import RoundRobin, partitions_for_keys
 from metaq_broker.client.settle import COMMIT, ROLLBACK, settle
@@ -166,13 +167,18 @@ class _ResendingPut:
         self.size = self._put.size
 
     def _start(self):
-        """Send it; while its broker group has no master registered (a failover), wait for one."""
+        """Send it; while its broker group has no master registered (a failover), wait for one; a send the
+        master's move stopped before it left (``MasterMovedError``: stop 39's run failed a put with it) goes
+        to the new master."""
         while True:
             try:
                 return self.producer.put_once(self.topic, self.name, self.body, self.xid, self.stamp, self.deadline)
             except InvalidPartitionError:
                 known = self.producer.cluster.known(parse_partition_name(self.name)[0])
                 if not known or time.monotonic() + RESEND_WAIT > self.deadline:
+                    raise
+            except MasterMovedError:
+                if time.monotonic() + RESEND_WAIT > self.deadline:
                     raise
             time.sleep(RESEND_WAIT)
 
