@@ -59,9 +59,8 @@ def _spark_drivers_as_the_tests_own() -> None:
     serial collector, the drivers' class-data archive, through ``SPARK_SUBMIT_OPTS``, which spark-submit
     adds to a driver's options. They change how the JVM compiles, collects and loads classes, not what
     Spark does; measured, the quickstart and notebook tests: 84 -> 51 busy CPU-s, 55 -> 40 s."""
-    from spark_helpers import JVM_OPTIONS, driver_archive
-    from metaq_broker.devtools import jvm
-    os.environ.setdefault("SPARK_SUBMIT_OPTS", " ".join([JVM_OPTIONS, *jvm.sharing_options(driver_archive())]))
+    from spark_helpers import driver_options
+    os.environ.setdefault("SPARK_SUBMIT_OPTS", driver_options())
 
 
 def _signals_as_in_a_terminal() -> None:
@@ -69,7 +68,6 @@ def _signals_as_in_a_terminal() -> None:
     for a shell without job control), and so has every command a test starts and then stops with a
     user's Ctrl-C: it never stops (stop 38's runs, until a worker's first SparkSession installed a
     handler; the commands started after it had SIGINT back). The tests run as a command in a terminal."""
-    import signal
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL)):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, default)
@@ -398,7 +396,6 @@ def browser():
 
 
 # -- small disks that fill up ----------------------------------------------------------------------------
-import subprocess  # noqa: E402
 
 
 class SmallDisk:

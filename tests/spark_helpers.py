@@ -26,14 +26,19 @@ def driver_archive():
     return jvm.archive_path("spark-driver", java_executable() or "java", sparkhome.spark_jars(), LIGHT_JVM)
 
 
+def driver_options(driver_flags=()) -> str:
+    """The tests' Spark drivers' JVM flags: LIGHT_JVM's and ``driver_flags`` (jvm_archives.py's), else those
+    mapping the drivers' archive (also what conftest hands the drivers started as a user does)."""
+    return " ".join([*LIGHT_JVM, *(driver_flags or jvm.sharing_options(driver_archive()))])
+
+
 def spark_builder(master="local[2]", app="metaq-tests", driver_flags=()):
     """The tests' session builder; ``driver_flags`` are added to the driver JVM's (jvm_archives.py's)."""
     from pyspark.sql import SparkSession
-    driver = [*LIGHT_JVM, *(driver_flags or jvm.sharing_options(driver_archive()))]
     return (SparkSession.builder.master(master).appName(app)
             .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-            .config("spark.driver.extraJavaOptions", " ".join(driver))
+            .config("spark.driver.extraJavaOptions", driver_options(driver_flags))
             .config("spark.executor.extraJavaOptions", JVM_OPTIONS))
 
 
