@@ -33,7 +33,7 @@ SOURCE_OPTIONS = SECURITY_OPTIONS | {
     "includeHeaders",
 }
 SINK_OPTIONS = SECURITY_OPTIONS | {"metaq.zk.connect", "metaq.zk.root", "topic", "deliveryGuarantee", "sinkId",
-                                   "transactionTimeoutMs"}
+                                   "transactionTimeoutMs", "deliveryTimeoutMs"}
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 EARLIEST, LATEST = -2, -1
@@ -115,6 +115,7 @@ class SinkOptions:
     timeout_ms: int = 0  # BeginTransaction's timeout_ms; 0: the broker's transactionTimeout
     checkpoint: Optional[str] = None
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    delivery_timeout_ms: int = 30_000  # how long a put waits for its partition's broker (Kafka: delivery.timeout.ms)
 
 
 def _by_name(options, known: set, given_by_spark: set, what: str) -> tuple:
@@ -339,4 +340,5 @@ def parse_sink(options, streaming: bool = False) -> SinkOptions:
         raise OptionError(f"option sinkId: {sink_id!r}: names starting with {BATCH_WRITE_PREFIX!r} are "
                           f"reserved for batch writes")
     return SinkOptions(zk_connect, root, topic, guarantee == "exactly-once", sink_id, timeout,
-                       given.get("checkpointlocation"), security_option(opts))
+                       given.get("checkpointlocation"), security_option(opts),
+                       integer_option("deliveryTimeoutMs", opts.get("deliveryTimeoutMs", 30_000), 1))

@@ -131,12 +131,13 @@ _LOCK = threading.Lock()
 
 
 def _producer(opts: SinkOptions):
-    """One Producer per Python worker and cluster, reused by every task the worker runs."""
-    key = (opts.zk_connect, opts.zk_root, opts.security)
+    """One Producer per Python worker, cluster and delivery timeout, reused by every task the worker runs."""
+    key = (opts.zk_connect, opts.zk_root, opts.security, opts.delivery_timeout_ms)
     with _LOCK:
         p = _PRODUCERS.get(key)
         if p is None:
-            p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, security=opts.security)
+            p = _PRODUCERS[key] = Producer(zk_connect=opts.zk_connect, zk_root=opts.zk_root, security=opts.security,
+                                           timeout=opts.delivery_timeout_ms / 1000)
         return p
 
 

@@ -61,6 +61,7 @@ maxSegmentSize=1048576
     ("[system]\nzk.root=meta\n", {}, r"zk.root: 'meta' must start with '/'"),
     ("[system]\ndeletePolicy=purge,3\n", {}, r"deletePolicy"),
     ("[system]\nmaxSegmentSize=10\n", {}, r"maxSegmentSize: 10 is outside"),
+    ("[system]\nrequestTimeout=50\n", {}, r"requestTimeout: 50 is outside"),
     ("[topic=orders]\nnumPartition=3\n", {}, r"\[topic=orders\]: unknown key 'numPartition'"),
     ("[topic=orders]\nnumPartitions=0\n", {}, r"\[topic=orders\] numPartitions: 0 is outside"),
     ("[topic=a/b]\nnumPartitions=1\n", {}, r"\[topic=a/b\].*'/'"),

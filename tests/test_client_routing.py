@@ -121,10 +121,11 @@ def test_the_spark_sink_keeps_a_key_in_its_partition_while_its_broker_is_down(cl
         rows = [(k.decode(), "again") for k in KEYS]
         write = (spark.createDataFrame(rows, "key string, value string").coalesce(1).write.format("metaq")
                  .option("metaq.zk.connect", cluster.zk_connect).option("metaq.zk.root", cluster.zk_root)
-                 .option("topic", "k").option("deliveryGuarantee", "at-least-once").mode("append"))
+                 .option("topic", "k").option("deliveryGuarantee", "at-least-once").option("deliveryTimeoutMs", 4000)
+                 .mode("append"))
         before = consumer.offsets("k", ["1-0", "1-1"])
-        with pytest.raises(Exception, match=r"partition '2-\d' of topic 'k' is on broker 2"):
-            write.save()  # rows with keys of broker 2 wait for it (the producer's timeout), then fail
+        with pytest.raises(Exception, match=r"partition '2-\d' of topic 'k' is on broker 2, which is down: waited 4s"):
+            write.save()  # rows with keys of broker 2 wait for it (the sink's deliveryTimeoutMs), then fail
         assert consumer.offsets("k", ["1-0", "1-1"]) == before  # none of them went to broker 1
 
 

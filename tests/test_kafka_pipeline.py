@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 from conftest import wait_until
+from kafka_helpers import read_to_end
 from test_kafka_listener import _read_frame
 
 from metaq_broker.devtools.group import BrokerGroup
@@ -58,22 +59,6 @@ def _partition_answer(body: dict) -> dict:
     return body["responses"][0]["partition_responses"][0]
 
 
-def _read_all(bootstrap: str, topic: str, partitions: int = 1) -> list:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "check", "enable.auto.commit": False, **QUIET})
-    try:
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
-        ends = [c.get_watermark_offsets(tp, timeout=15)[1] for tp in tps]
-        c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        seen, deadline = [], time.monotonic() + 60
-        while len(seen) < sum(ends) and time.monotonic() < deadline:
-            m = c.poll(0.5)
-            if m is not None and m.error() is None:
-                seen.append((m.partition(), m.offset(), m.key(), m.value()))
-        return seen
-    finally:
-        c.close()
-
-
 def _threads(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Threads:"):
@@ -106,7 +91,7 @@ def test_pipelined_produce_and_metadata_are_answered_in_request_order(broker):
     meta = answers[2][1]
     assert [t["name"] for t in meta["topics"]] == ["t"] and meta["topics"][0]["error_code"] == codes.NONE
     assert answers[5][1]["error_code"] == codes.NONE
-    values = [v for _, _, _, v in sorted(_read_all(broker.bootstrap, "t"))]
+    values = [v for _, _, _, v in sorted(read_to_end(broker.bootstrap, "t", **QUIET))]
     assert values == [b"a1", b"a2", b"b1", b"c1", b"c2", b"c3", b"d1"]
 
 
@@ -161,7 +146,7 @@ def test_a_client_gone_with_requests_in_flight_leaves_its_batches_stored_and_no_
     # Whatever was appended is acknowledged (visible) though nobody reads the answers; a reset may cut the
     # requests the broker had not read yet, so each round's batches are a prefix of what was sent, whole
     wait_until(lambda: _threads(pid) <= before, timeout=60, what="the connections' threads ended")
-    seen = _read_all(broker.bootstrap, "t")
+    seen = read_to_end(broker.bootstrap, "t", **QUIET)
     values = [v for _, _, _, v in sorted(seen)]
     assert set(values) <= want
     for r in range(3):
@@ -187,7 +172,7 @@ def test_an_idempotent_producer_with_five_in_flight_stores_each_message_once_in_
         p.poll(0)
     assert p.flush(120) == 0
     assert failed == []  # no OutOfOrderSequence, no duplicate sequence, nothing refused
-    seen = _read_all(broker.bootstrap, "t")
+    seen = read_to_end(broker.bootstrap, "t", **QUIET)
     values = [v for _, _, _, v in sorted(seen)]
     assert values == [b"%06d" % i for i in range(n)]  # once each, in the order produced
 

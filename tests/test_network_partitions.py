@@ -232,9 +232,10 @@ def test_master_cut_from_its_replicas_with_zookeeper_reachable(group, network):
 
 
 def put_once(load, writer: str) -> None:
-    """One acks=all put of five messages, recorded as ``writer``'s only attempt, whatever its outcome."""
+    """One acks=all put of five messages, recorded as ``writer``'s only attempt, whatever its outcome (told
+    within the producer's timeout: a put the in-sync set's shrink left unacknowledged is tried until then)."""
     load.history.kinds[writer] = ACKS_ALL
-    with Producer(**load.client, timeout=20.0) as producer:
+    with Producer(**load.client, timeout=8.0) as producer:
         a = Attempt(writer, TOPIC, 0, 5, 0, time.monotonic())
         try:
             r = producer.send_batch(TOPIC, [value_of(writer, i, 0) for i in range(5)])[0]

@@ -111,7 +111,10 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
         master = g.wait_master()
         g.wait_in_sync(range(3))
         replicas = [r for r in range(3) if r != master]
-        with Producer(timeout=30.0, **z) as producer, Consumer(**z) as consumer:
+        # (e)'s refusals come when a producer's timeout ends (a put and a prepare refused for want of in-sync
+        # replicas are tried again until then): its transactions go through a producer with a short one
+        with Producer(timeout=30.0, **z) as producer, Producer(timeout=5.0, **z) as impatient, \
+                Consumer(**z) as consumer:
             wait_until(lambda: producer.cluster.topic_partitions("t"), what="topic routed")
             a = producer.transaction("ack-a")
             for r in replicas:
@@ -145,7 +148,7 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
             g.wait_in_sync(range(3), timeout=60)
 
             master = g.master_id()
-            c = producer.transaction("ack-c")
+            c = impatient.transaction("ack-c")
             c.send_batch("t", [b"c"], partition="1-0")
             others = [r for r in range(3) if r != master]
             for r in others:
@@ -157,7 +160,7 @@ def test_what_a_transaction_acknowledgement_means(tmp_path, zookeeper, zk_root):
                            timeout=30, what="the in-sync set shrunk to the master, in ZooKeeper and on the master")
                 end = consumer.offset_bounds("t")["1-0"][2]
                 try:  # (e)
-                    producer.transaction("ack-d").send_batch("t", [b"d"], partition="1-0")
+                    impatient.transaction("ack-d").send_batch("t", [b"d"], partition="1-0")
                     refused = None
                 except RemoteNotEnoughReplicasError as e:
                     refused = e

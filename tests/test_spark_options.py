@@ -29,7 +29,7 @@ def test_each_side_takes_its_own_options_and_what_spark_passes():
         parse({**ZK, "subscribe": "t", "checkpointLocation": "/ck"}, streaming=True)
     assert parse({**ZK, "subscribe": "t", "path": "x"}, streaming=True).subscribe == ["t"]
     with pytest.raises(OptionError, match=r"unknown option 'subscribe' for the metaq sink; known options: "
-                                          r"deliveryGuarantee, metaq.sasl.mechanism, "):
+                                          r"deliveryGuarantee, deliveryTimeoutMs, metaq.sasl.mechanism, "):
         parse_sink({**ZK, "subscribe": "t"})
     assert parse_sink({**ZK, "checkpointlocation": "/ck", "path": "x"}) == SinkOptions("zk:2181", checkpoint="/ck")
 
@@ -48,3 +48,11 @@ def test_a_streaming_sink_may_not_take_a_batch_writes_sink_id():
         parse_sink({**ZK, "sinkId": reserved}, streaming=True)
     assert parse_sink({**ZK, "sinkId": reserved}).sink_id == reserved  # a batch write's own record
     assert parse_sink({**ZK, "sinkId": "job"}, streaming=True).sink_id == "job"
+
+
+def test_the_sinks_delivery_timeout_is_a_positive_number_of_milliseconds():
+    assert parse_sink(ZK).delivery_timeout_ms == 30_000  # the Producer's own default
+    assert parse_sink({**ZK, "deliverytimeoutms": "2500"}).delivery_timeout_ms == 2500
+    for bad, message in (("0", "must be at least 1, got 0"), ("soon", "'soon' is not an integer")):
+        with pytest.raises(OptionError, match=f"option deliveryTimeoutMs: {message}"):
+            parse_sink({**ZK, "deliveryTimeoutMs": bad})

@@ -297,7 +297,7 @@ class Broker:
             raise ConfigError(f"serverPort: cannot listen on {cfg.host_name}:{cfg.server_port}: {e}") from None
         if cfg.data_port >= 0:
             try:
-                listener = data_listener(cfg.host_name, cfg.data_port, self.auth)
+                listener = data_listener(cfg.host_name, cfg.data_port, self.auth, cfg.request_timeout_ms / 1000)
             except OSError as e:
                 raise ConfigError(f"dataPort: cannot listen on {cfg.host_name}:{cfg.data_port}: {e}") from None
             stack.callback(self._stop_listener, listener)  # no reply is sent from a segment file once the store closes
@@ -305,7 +305,7 @@ class Broker:
             self._data_listener = listener
         if cfg.kafka_port >= 0:
             try:
-                listener = kafka_listener(cfg.host_name, cfg.kafka_port, self.auth)
+                listener = kafka_listener(cfg.host_name, cfg.kafka_port, self.auth, cfg.request_timeout_ms / 1000)
             except OSError as e:
                 raise ConfigError(f"kafkaPort: cannot listen on {cfg.host_name}:{cfg.kafka_port}: {e} (kafkaPort=0 "
                                   f"takes any free port, -1 turns the Kafka listener off)") from None
@@ -315,7 +315,7 @@ class Broker:
         if cfg.metaq_port >= 0:
             check_security(cfg.security, topic_names(cfg.metaq_anonymous_topics))
             try:
-                listener = metaq_listener(cfg.host_name, cfg.metaq_port, self.auth)
+                listener = metaq_listener(cfg.host_name, cfg.metaq_port, self.auth, cfg.request_timeout_ms / 1000)
             except OSError as e:
                 raise ConfigError(f"metaqPort: cannot bind {cfg.host_name}:{cfg.metaq_port}: {e}") from None
             stack.callback(self._stop_listener, listener)

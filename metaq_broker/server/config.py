@@ -101,6 +101,7 @@ SYSTEM_KEYS: dict = {
     "zk.maxSessionTimeout": ("zk_max_session_timeout_ms", _int(1000, 2 ** 31 - 1)),
     "maxTransferSize": ("max_transfer_size", _int(1024, 1 << 30)),
     "maxFetchWait": ("max_fetch_wait_ms", _int(0, 600_000)),
+    "requestTimeout": ("request_timeout_ms", _int(100, 600_000)),
     "retentionCheckInterval": ("retention_check_interval_s", _int(1, 86_400)),
     "grpcWorkers": ("grpc_workers", _int(2, 1024)),
     "transactionTimeout": ("transaction_timeout_ms", _int(100, 86_400_000)),
@@ -136,6 +137,9 @@ class BrokerConfig:
     zk_max_session_timeout_ms: int = 40_000
     max_transfer_size: int = 8 << 20
     max_fetch_wait_ms: int = 30_000
+    # a request's bytes (data port, Kafka and MetaQ listeners) must all arrive within this of its first:
+    # a client trickling one in is cut off (docs/security.md, Limits)
+    request_timeout_ms: int = 30_000
     retention_check_interval_s: int = 300
     grpc_workers: int = 64
     transaction_timeout_ms: int = 60_000  # a transaction's limit when its BeginTransaction names none

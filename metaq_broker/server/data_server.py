@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -59,10 +60,11 @@ _AUTHENTICATE_FIRST = ("authenticate first: the data port of a SASL_SSL broker t
                        "token from metaq.v1.Auth/Authenticate before any request; closing the connection")
 
 
-def data_listener(host: str, port: int, auth) -> Listener:
+def data_listener(host: str, port: int, auth, request_timeout_s: float = REQUEST_TIMEOUT_S) -> Listener:
     """The data port's listener on ``host:port`` (0: any free port), listening, not serving yet: TLS unless
     PLAINTEXT, connections of ended SASL sessions closed. ``auth`` is the broker's ``BrokerAuth``."""
-    return Listener("data", host, port, LIMITS, auth.data_port_context(),
+    limits = replace(LIMITS, request_timeout_s=request_timeout_s)  # the broker's requestTimeout
+    return Listener("data", host, port, limits, auth.data_port_context(),
                     sessions=auth if auth.security.uses_sasl else None)
 
 

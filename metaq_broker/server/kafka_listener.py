@@ -29,6 +29,7 @@ import logging
 import struct
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -72,10 +73,11 @@ _CONTROL_KEY = struct.pack(">hh", 0, 1)  # a control record: version 0, type 1 (
 _CONTROL_VALUE = struct.pack(">hi", 0, 0)  # version 0, coordinator epoch 0
 
 
-def kafka_listener(host: str, port: int, auth) -> Listener:
+def kafka_listener(host: str, port: int, auth, request_timeout_s: float = REQUEST_TIMEOUT_S) -> Listener:
     """The Kafka listener on ``host:port`` (0: any free port), listening, not serving yet: TLS unless the
     broker's ``security.protocol`` is PLAINTEXT."""
-    return Listener("kafka", host, port, LIMITS, auth.data_port_context(),
+    limits = replace(LIMITS, request_timeout_s=request_timeout_s)  # the broker's requestTimeout
+    return Listener("kafka", host, port, limits, auth.data_port_context(),
                     sessions=auth if auth.security.uses_sasl else None)
 
 

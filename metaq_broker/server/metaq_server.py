@@ -22,6 +22,7 @@ import hashlib
 import os
 import select
 import time
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -67,10 +68,11 @@ def check_security(security, anonymous_topics: tuple) -> None:
             f"certificates (ssl.client.auth=required), or turn the MetaQ listener off (metaqPort=-1)")
 
 
-def metaq_listener(host: str, port: int, auth) -> Listener:
+def metaq_listener(host: str, port: int, auth, request_timeout_s: float = REQUEST_TIMEOUT_S) -> Listener:
     """The MetaQ port's listener on ``host:port`` (0: any free port), listening, not serving yet: TLS
     unless security.protocol is PLAINTEXT (MetaQ 1.4 clients speak plain TCP: put a TLS proxy beside them)."""
-    return Listener("metaq", host, port, LIMITS, auth.data_port_context())
+    limits = replace(LIMITS, request_timeout_s=request_timeout_s)  # the broker's requestTimeout
+    return Listener("metaq", host, port, limits, auth.data_port_context())
 
 
 def _readable_now(conn: Connection) -> bool:
