@@ -144,7 +144,9 @@ def _group(module) -> str:
     starts their session once for them all (a switch of master stops the worker's SparkContext and starts
     another; spread over the workers, the three local[2,4] modules caused several a run)."""
     master = getattr(module, "SPARK_MASTER", None)
-    return f"spark {master}" if master else module.__name__
+    # no "]" in a name: xdist takes a node id's "@name" for its group only after the id's last "]" (a
+    # parameter's), so "spark local[2,4]" was no group, and its tests went to every worker (stop 39)
+    return f"spark {master.replace('[', '(').replace(']', ')')}" if master else module.__name__
 
 
 def _uses_a_module_fixture(item) -> bool:

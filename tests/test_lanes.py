@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LANES
+from conftest import LANES, _group
 
 pytestmark = pytest.mark.unit
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
@@ -157,3 +157,16 @@ def test_a_command_started_here_has_sigint_and_sigquit_at_their_defaults():
                        cwd=suite.path, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent)))  # the conftest's imports
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("master", [None, "local[2]", "local[2,4]", "local-cluster[2,1,1024]"])
+def test_a_modules_group_is_one_xdist_hands_to_one_worker(master):
+    """``--dist loadgroup`` sends the tests of a group, ``<node id>@<group>``, to one worker; the group name
+    must survive xdist's parsing of node ids, parametrized ones too."""
+    from types import SimpleNamespace
+
+    from xdist.scheduler.loadgroup import LoadGroupScheduling
+    module = SimpleNamespace(__name__="test_sink", **({"SPARK_MASTER": master} if master else {}))
+    name = _group(module)
+    for nodeid in (f"tests/test_sink.py::test_write@{name}", f"tests/test_sink.py::test_write[a-1]@{name}"):
+        assert LoadGroupScheduling._split_scope(None, nodeid) == name, nodeid
