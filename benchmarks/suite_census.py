@@ -96,12 +96,13 @@ class Census:
                 continue
             ticks, started, ppid = stat
             record = self.seen.get((entry, started))
-            if record is None:
-                argv = _argv(entry)
+            if record is None or ticks != record["last"]:  # new, or running: it may have exec'd since
+                argv = _argv(entry)                           # (spark-submit is bash until it execs java)
                 if not argv:  # a kernel thread, or gone
                     continue
-                record = self.seen[(entry, started)] = {
-                    "kind": kind(argv, _argv(ppid)), "test": _test_of(entry), "first": ticks if first else 0}
+                if record is None:
+                    record = self.seen[(entry, started)] = {"test": _test_of(entry), "first": ticks if first else 0}
+                record["kind"] = kind(argv, _argv(ppid))
             record["last"] = ticks
 
     def by_kind(self) -> dict:
@@ -112,11 +113,12 @@ class Census:
         return dict(out)
 
     def by_module(self) -> dict:
-        out = collections.Counter()
+        """{test module: {kind: CPU-s}} of the processes each module started."""
+        out = collections.defaultdict(collections.Counter)
         for r in self.seen.values():
             if r["test"] and r["kind"] != "pytest worker":
-                out[r["test"].split("::")[0]] += (r["last"] - r["first"]) / HZ
-        return dict(out)
+                out[r["test"].split("::")[0]][r["kind"]] += (r["last"] - r["first"]) / HZ
+        return {module: dict(kinds) for module, kinds in out.items()}
 
 
 def _stat(pid: str) -> Optional[tuple]:
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
         if cpu >= 0.05:
             print(f"| {name} | {cpu:.1f} | {n} |")
     print("\n| test module (the processes it started) | CPU-s |\n|---|---|")
-    for name, cpu in sorted(modules.items(), key=lambda kv: -kv[1])[:20]:
+    for name, cpu in sorted(((m, sum(k.values())) for m, k in modules.items()), key=lambda mc: -mc[1])[:20]:
         print(f"| {name} | {cpu:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({
