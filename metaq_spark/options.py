@@ -339,6 +339,6 @@ def parse_sink(options, streaming: bool = False) -> SinkOptions:
     if streaming and sink_id and sink_id.startswith(BATCH_WRITE_PREFIX):
         raise OptionError(f"option sinkId: {sink_id!r}: names starting with {BATCH_WRITE_PREFIX!r} are "
                           f"reserved for batch writes")
+    delivery = integer_option("deliveryTimeoutMs", opts.get("deliveryTimeoutMs", SinkOptions.delivery_timeout_ms), 1)
     return SinkOptions(zk_connect, root, topic, guarantee == "exactly-once", sink_id, timeout,
-                       given.get("checkpointlocation"), security_option(opts),
-                       integer_option("deliveryTimeoutMs", opts.get("deliveryTimeoutMs", 30_000), 1))
+                       given.get("checkpointlocation"), security_option(opts), delivery)
