@@ -16,7 +16,6 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
 from pyspark import TaskContext
 from pyspark.sql import functions as F
 from spark_helpers import fill, reader
@@ -26,6 +25,8 @@ from metaq_broker.client.consumer import Consumer
 from metaq_broker.client.producer import Producer
 from metaq_broker.devtools.process import freeze
 from metaq_broker.zk import decisions as txn_decisions
+from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 from metaq_spark.options import OptionError, SinkOptions, parse_sink
 from metaq_spark.sink import SinkSchemaError, check_schema
 
@@ -146,16 +147,10 @@ def open_transactions(broker):
 def decisions(zk, root):
     """{sinkId: {batchId: Decision}} of every decision record under ``root``, read while the sinks make and
     remove them: a node gone (or not yet made) between two reads is absent (stop 39's run: a NoNodeError)."""
-    def children(path):
-        try:
-            return zk.get_children(path)
-        except NoNodeError:
-            return []
-    out = {}
-    for sink in children(f"{root}/sinks"):
-        base = f"{root}/sinks/{sink}/batches"
-        out[sink] = {int(b): txn_decisions.read(zk, f"{base}/{b}")[0] for b in children(base)}
-    return out
+    paths = ZkPaths(root)
+    return {sink: {int(b): txn_decisions.read(zk, paths.sink_batch(sink, int(b)))[0]
+                   for b in children(zk, paths.sink_batches(sink))}
+            for sink in children(zk, paths.sinks())}
 
 
 def test_decisions_are_read_while_a_sink_makes_and_removes_them(zk, zk_root):

@@ -18,6 +18,7 @@ from metaq_broker.zk import groups as zk_groups
 from metaq_broker.zk import layout_upgrade, metaq_nodes, topic_entries
 from metaq_broker.zk.kafka_cluster import kafka_endpoint
 from metaq_broker.zk.starting import waiting_brokers
+from metaq_broker.zk.session import children
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,9 @@ class Admin(ClientBase):
             return []
         masters = self.masters()
         out = []
-        for name in _children(zk, paths.broker_groups()):
+        for name in children(zk, paths.broker_groups()):
             if name.isdigit() and int(name) not in masters and (
-                    _children(zk, paths.group_members(int(name))) or zk_groups.starting(zk, paths, int(name))):
+                    children(zk, paths.group_members(int(name))) or zk_groups.starting(zk, paths, int(name))):
                 out.append(int(name))
         return out
 
@@ -336,7 +337,7 @@ class Admin(ClientBase):
         if zk is None:
             return {}
         out = {}
-        for name in _children(zk, self.cluster.paths.broker_ids()):
+        for name in children(zk, self.cluster.paths.broker_ids()):
             if not name.isdigit():
                 continue
             try:
@@ -363,13 +364,6 @@ class Admin(ClientBase):
         older = layout_upgrade.forget(zk, self.cluster.paths, broker_id)  # entries of the layout before issue 28
         metaq_nodes.forget(zk, self.cluster.layout, broker_id)  # MetaQ's brokers/ids/<b>, without a live child
         return sorted(set(topics) | set(older))
-
-
-def _children(zk, path: str) -> list:
-    try:
-        return zk.get_children(path)
-    except NoNodeError:
-        return []
 
 
 def _member_row(bid: int, epoch: int, m, address: str) -> dict:

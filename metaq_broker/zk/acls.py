@@ -14,6 +14,7 @@ from kazoo.recipe.cache import TreeCache, TreeEvent
 from metaq_broker.security import acl as acl_mod
 from metaq_broker.security.acl import Acl
 from metaq_broker.zk.paths import ZkPaths, unquote_component
+from metaq_broker.zk.session import children
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +97,20 @@ def list_acls(zk, root: str, resource_type: Optional[str] = None, name: Optional
     """The stored ACLs, sorted; only those of ``resource_type`` / the resource pattern named exactly
     ``name`` / of ``pattern_type`` when given."""
     paths, out = ZkPaths(root), []
-    types = [resource_type] if resource_type else _children(zk, paths.acls())
+    types = [resource_type] if resource_type else sorted(children(zk, paths.acls()))
     for rtype in types:
-        ptypes = [pattern_type] if pattern_type else _children(zk, paths.acl_resource_type(rtype))
+        ptypes = [pattern_type] if pattern_type else sorted(children(zk, paths.acl_resource_type(rtype)))
         for ptype in ptypes:
             if name is not None:
                 out += _read(zk, paths.acl_resource(rtype, ptype, name))[0]
                 continue
-            for component in _children(zk, paths.acl_pattern_type(rtype, ptype)):
+            for component in sorted(children(zk, paths.acl_pattern_type(rtype, ptype))):
                 out += _read(zk, f"{paths.acl_pattern_type(rtype, ptype)}/{component}")[0]
     return sorted(out, key=_order)
 
 
 def _order(a: Acl):
     return (a.resource_type, a.name, a.pattern_type, a.principal, a.permission, a.operation)
-
-
-def _children(zk, path: str) -> list:
-    try:
-        return sorted(zk.get_children(path))
-    except NoNodeError:
-        return []
 
 
 class AclCache:

@@ -31,6 +31,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotE
 
 from metaq_broker.errors import MetaqError, TransactionError
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 BATCH_WRITE_PREFIX = "write."  # the sink node of a batch write: write.<sinkId>, or write.<random run>
 
@@ -120,7 +121,7 @@ def forget_below(zk, paths: ZkPaths, sink: str, batch_id: int) -> int:
     """Delete the sink's records of batches below ``batch_id`` (a streaming sink keeps its last two, the
     only ones a replay may ask for); returns how many."""
     batches, gone = paths.sink_batches(sink), 0
-    for child in zk.get_children(batches) if zk.exists(batches) else []:
+    for child in children(zk, batches):
         if child.isdigit() and int(child) < batch_id:
             try:
                 zk.delete(f"{batches}/{child}")
@@ -145,7 +146,7 @@ def sweep_batch_writes(zk, paths: ZkPaths, horizon_s: float, may: Callable[[str]
     A batch write's sink has batch 0 only and no streaming owner: a streaming sink is never swept."""
     sinks = paths.sinks()
     gone = []
-    for sink in zk.get_children(sinks) if zk.exists(sinks) else []:
+    for sink in children(zk, sinks):
         if sink.startswith(BATCH_WRITE_PREFIX) and _old_batch_write(zk, paths, sink, horizon_s, clock()) \
                 and may(sink):
             forget_sink(zk, paths, sink)
@@ -154,7 +155,7 @@ def sweep_batch_writes(zk, paths: ZkPaths, horizon_s: float, may: Callable[[str]
 
 
 def _old_batch_write(zk, paths: ZkPaths, sink: str, horizon_s: float, now: float) -> bool:
-    batches = zk.get_children(paths.sink_batches(sink)) if zk.exists(paths.sink_batches(sink)) else []
+    batches = children(zk, paths.sink_batches(sink))
     first = paths.sink_batch(sink, 0)
     if batches not in ([], [posixpath.basename(first)]):
         return False

@@ -34,6 +34,7 @@ from metaq_broker.errors import MetaqError
 from metaq_broker.names import parse_partition_name
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths, check_component
+from metaq_broker.zk.session import children
 
 COMMIT_ATTEMPTS = 10
 IDENTITY = "identity"  # child of an offset node: the partition log's identity it was committed for
@@ -172,8 +173,8 @@ class GroupStore:
         """``{partition name: committed offset}``; {} if the group never committed for the topic. With
         ``identities`` (``{partition name: identity}`` of the logs now), an offset recorded for another log
         of a partition is left out, with a warning: it means nothing in this one."""
-        names = set(_children(self.zk, self.paths.group_offsets(group, topic)))
-        names |= set(_children(self.zk, self.layout.group_offsets(group, topic)))  # bare offsets of older versions
+        names = set(children(self.zk, self.paths.group_offsets(group, topic)))
+        names |= set(children(self.zk, self.layout.group_offsets(group, topic)))  # bare offsets of older versions
         out = {}
         for p in names:
             if not _is_partition(p):
@@ -203,12 +204,12 @@ class GroupStore:
         return dict(sorted(out.items(), key=lambda kv: parse_partition_name(kv[0])))
 
     def groups(self) -> list:
-        return sorted(_children(self.zk, self.paths.consumers()))
+        return sorted(children(self.zk, self.paths.consumers()))
 
     def group_topics(self, group: str) -> list:
         """Topics the group has committed offsets for (also MetaQ's offsets only, or an older version's)."""
-        return sorted(set(_children(self.zk, self.paths.group_offset_topics(group)))
-                      | set(_children(self.zk, self.layout.group_offset_topics(group))))
+        return sorted(set(children(self.zk, self.paths.group_offset_topics(group)))
+                      | set(children(self.zk, self.layout.group_offset_topics(group))))
 
     def adopt_legacy(self, broker_id: int) -> int:
         """Copy into metaq's nodes the bare offsets (the layout before issue 28) of ``broker_id``'s partitions
@@ -216,9 +217,9 @@ class GroupStore:
         data (the partition's master replaces it with MetaQ's form). Returns how many were copied."""
         prefix, copied = f"{int(broker_id)}-", 0
         for group in self.groups():
-            for topic in _children(self.zk, self.layout.group_offset_topics(group)):
+            for topic in children(self.zk, self.layout.group_offset_topics(group)):
                 try:
-                    names = [p for p in _children(self.zk, self.layout.group_offsets(group, topic))
+                    names = [p for p in children(self.zk, self.layout.group_offsets(group, topic))
                              if p.startswith(prefix) and _is_partition(p)]
                 except ValueError:
                     continue  # a topic name that cannot be ours
@@ -501,13 +502,6 @@ class GroupOffsetWatcher:
         if key[0] == "o" and self._nodes.pop(key[1:], None) is not None:
             self._changed.add(key[1:])
         self._path(key, watched=False)
-
-
-def _children(zk, path: str) -> list:
-    try:
-        return zk.get_children(path)
-    except NoNodeError:
-        return []
 
 
 def _is_partition(name: str) -> bool:

@@ -26,6 +26,7 @@ from metaq_broker.zk import topic_entries
 from metaq_broker.zk.group_offsets import GroupStore
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ def upgrade(zk, paths: ZkPaths, broker_id: int, acl=None) -> dict:
     layout = MetaqZkLayout(paths.root)
     counts = {"topic entries copied": 0, "old topic entries removed": 0, "group offsets copied": 0}
     for tree in (layout.topics_pub(), layout.topics_sub()):
-        for topic in _children(zk, tree):
-            for name in _children(zk, f"{tree}/{topic}"):
+        for topic in children(zk, tree):
+            for name in children(zk, f"{tree}/{topic}"):
                 copied, removed = _move_entry(zk, paths, layout, f"{tree}/{topic}/{name}", topic, broker_id, acl)
                 counts["topic entries copied"] += copied
                 counts["old topic entries removed"] += removed
@@ -57,7 +58,7 @@ def forget(zk, paths: ZkPaths, broker_id: int) -> list:
     ``topics-pub|sub``), which are removed."""
     layout, topics = MetaqZkLayout(paths.root), set()
     for tree in (layout.topics_pub(), layout.topics_sub()):
-        for topic in _children(zk, tree):
+        for topic in children(zk, tree):
             path = f"{tree}/{topic}/{int(broker_id)}-m"
             try:
                 data, stat = zk.get(path)
@@ -101,8 +102,3 @@ def _registered_before_upgrade(zk, layout: MetaqZkLayout, broker_id: int) -> boo
     return stat is not None and stat.ephemeralOwner != 0
 
 
-def _children(zk, path: str) -> list:
-    try:
-        return zk.get_children(path)
-    except NoNodeError:
-        return []

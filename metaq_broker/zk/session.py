@@ -270,3 +270,12 @@ def _tls_diagnosis(client: KazooClient, zk_connect: str) -> str:
     except (OSError, ValueError) as e:
         return f"over TLS: {e}"
     return "the TLS handshake succeeds, but no session was opened (zk.ssl.* and the server's ssl.clientAuth?)"
+
+
+def children(zk, path: str) -> list:
+    """The children of ``path``; none where it is not there (not made yet, or removed meanwhile). One read:
+    an ``exists`` before ``get_children`` races with the node's removal in between."""
+    try:
+        return zk.get_children(path)
+    except NoNodeError:
+        return []

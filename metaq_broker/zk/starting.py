@@ -10,6 +10,7 @@ from kazoo.exceptions import NoNodeError
 
 from metaq_broker.zk.groups import master_data
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 
 def waiting_brokers(zk, paths: ZkPaths) -> dict:
@@ -17,7 +18,7 @@ def waiting_brokers(zk, paths: ZkPaths) -> dict:
     held by another session (the crashed run's)."""
     root = paths.brokers_starting()
     out = {}
-    for name in zk.get_children(root) if zk.exists(root) else []:
+    for name in children(zk, root):
         try:
             data, stat = zk.get(f"{root}/{name}")
             info, bid = json.loads(data), int(name)
