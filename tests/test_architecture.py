@@ -2,6 +2,8 @@
 imports stand at the top of each module, and each of the few inside a function says why beside it (a
 ``lazy:`` comment on its line, or above the run of imports it starts)."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,13 @@ def test_the_reason_finder_is_not_fooled():
     assert reason(lines, 8)
     assert reason(lines, 10) is None
     assert reason(lines, 13)
+
+
+@pytest.mark.parametrize("module", ["metaq_spark", "metaq_broker.client", "metaq_broker.tools.cli"])
+def test_client_processes_import_no_x509_parser(module):
+    """Every Spark task's Python worker imports the connector, every ``metaq`` command the CLI: ~300 processes
+    a test run, each of which paid ~60 ms for ``cryptography.x509`` while only a broker reads a certificate's
+    subject (``security/certificates.py``)."""
+    loaded = subprocess.run([sys.executable, "-c", f"import sys, {module}; print(sorted(m for m in sys.modules "
+                             "if m.startswith('cryptography')))"], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", f"importing {module} loads {loaded.stdout.strip()}"

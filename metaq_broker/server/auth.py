@@ -42,7 +42,7 @@ from metaq_broker.errors import AuthenticationError, AuthorizationError, ConfigE
 from metaq_broker.protocol import rawput
 from metaq_broker.protocol.services import AUTH_PATH, SESSION_METADATA
 from metaq_broker.protocol.status import code_of
-from metaq_broker.security import scram, tls
+from metaq_broker.security import certificates, scram, tls
 from metaq_broker.security.acl import CLUSTER, AclTable
 from metaq_broker.security.settings import BrokerSecurity
 
@@ -146,12 +146,12 @@ class BrokerAuth:
             raise AuthenticationError("authenticate first: this broker takes SASL_SSL clients only "
                                       "(security.protocol=SASL_SSL, sasl.username, sasl.password)")
         if self.security.client_auth == "required":
-            return self.principal_of_certificate(tls.peer_certificate(context.auth_context()))
+            return self.principal_of_certificate(certificates.peer_certificate(context.auth_context()))
         return tls.ANONYMOUS
 
     def principal_of_certificate(self, cert: Optional[bytes]) -> str:
         """A verified client certificate's principal (``ssl.principal.mapping.rules``), the same on every port."""
-        return tls.principal_of_certificate(cert, self.security.principal_rules)
+        return certificates.principal_of_certificate(cert, self.security.principal_rules)
 
     def principal_of_token(self, token: str) -> str:
         return self.session(token).principal
