@@ -136,7 +136,12 @@ class Network:
         self._addresses = iter(subnet.hosts())
         _open.add(self)
         try:
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            # A bridge's own address, fixed: left to the kernel it becomes its lowest port's, and changes when
+            # a host added later brings a lower one; members that cached the old one for the client and
+            # ZooKeeper then send to another port's address, which the root namespace drops as not its
+            # own, until their neighbour entries expire (~30 s: a run's client got no answer from a
+            # master while the members reached each other).
+            _run("ip", "link", "add", self.bridge, "address", self._bridge_address(made), "type", "bridge")
             for name in (CLIENT, ZOOKEEPER):  # the first address added is the primary: the client's
                 address = str(next(self._addresses))
                 _run("ip", "addr", "add", f"{address}/{subnet.prefixlen}", "dev", self.bridge)
@@ -148,13 +153,19 @@ class Network:
         self._prefixlen = subnet.prefixlen
 
     @staticmethod
+    def _bridge_address(made: int) -> str:
+        """A locally administered unicast MAC address, one per network of this process."""
+        pid = os.getpid()
+        return f"02:6d:{pid >> 16 & 0xff:02x}:{pid >> 8 & 0xff:02x}:{pid & 0xff:02x}:{made & 0xff:02x}"
+
+    @staticmethod
     def _free_subnet(made: int) -> ipaddress.IPv4Network:
         """A /24 in 10.213.0.0/16 that no address or route of this machine uses, and not the one this
         process's previous network had (``made``: how many it made before): a test's hosts never reuse the
         addresses of the test before, so nothing that outlived it (neighbour entries, conntrack, a
-        connection gRPC still shares between channels) can meet them. (A full run once saw a new network's
-        client get no answer from a member at an address the previous test had used; the members reached
-        each other meanwhile.)"""
+        connection gRPC still shares between channels) can meet them. (Made for a run whose client got no
+        answer from a member while the members reached each other; that one's cause was the bridge's
+        address moving, see ``__init__``.)"""
         used = set(re.findall(r"\b10\.213\.(\d+)\.", _run("ip", "-4", "-o", "addr").stdout
                               + _run("ip", "-4", "route").stdout))
         start = (os.getpid() + 17 * made) % 256
