@@ -436,11 +436,19 @@ def test_delete_topics_needs_delete_on_the_topic(secured, zk):  # noqa: F811 - z
     add_acls(zk, b.settings["zk.root"], [Acl("User:ops", "Allow", "Create", "cluster", "metaq-cluster"),
                                          Acl("User:ops", "Allow", "Delete", "topic", "d"),
                                          Acl("User:bob", "Allow", "Describe", "topic", "d")])
-    with _logged_in(b, pki, "ops") as s:
-        s.sendall(encode_request(19, 5, 1, "x", {"topics": [
-            {"name": "d", "num_partitions": 1, "replication_factor": -1, "assignments": [], "configs": []}],
-            "timeout_ms": 10000, "validate_only": False}))
-        assert decode_response(19, 5, _read(s))[1]["topics"][0]["error_code"] == codes.NONE
+
+    def create_as_ops() -> int:
+        with _logged_in(b, pki, "ops") as s:
+            s.sendall(encode_request(19, 5, 1, "x", {"topics": [
+                {"name": "d", "num_partitions": 1, "replication_factor": -1, "assignments": [], "configs": []}],
+                "timeout_ms": 10000, "validate_only": False}))
+            return decode_response(19, 5, _read(s))[1]["topics"][0]["error_code"]
+
+    # ACLs reach a running broker through its ZooKeeper watch, a moment after they are written (Kafka's
+    # too): refused until then (a run's request came first), created once they are there
+    created = wait_until(lambda: [c for c in [create_as_ops()] if c != codes.TOPIC_AUTHORIZATION_FAILED],
+                         what="ops's Create ACL at the broker")
+    assert created == [codes.NONE]
     body = {"topics": [{"name": "d", "topic_id": bytes(16)}], "timeout_ms": 20000}
     with _logged_in(b, pki, "bob") as s:
         s.sendall(encode_request(20, 6, 1, "x", body))
