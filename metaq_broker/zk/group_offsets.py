@@ -309,10 +309,7 @@ class GroupStore:
 
     def members(self, group: str, topic: Optional[str] = None) -> list:
         """Sorted consumer ids of live members (only those subscribed to ``topic`` if given)."""
-        try:
-            ids = sorted(self.zk.get_children(self.paths.group_ids(group)))
-        except NoNodeError:
-            return []
+        ids = sorted(children(self.zk, self.paths.group_ids(group)))
         if topic is None:
             return ids
         out = []
@@ -332,11 +329,7 @@ class GroupStore:
     def owners(self, group: str, topic: str) -> dict:
         """``{partition name: owning consumer id}``."""
         out = {}
-        try:
-            children = self.zk.get_children(self.paths.group_owners(group, topic))
-        except NoNodeError:
-            return out
-        for p in children:
+        for p in children(self.zk, self.paths.group_owners(group, topic)):
             try:
                 out[p] = self.zk.get(self.paths.group_owner(group, topic, p))[0].decode()
             except (NoNodeError, ValueError):

@@ -22,6 +22,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from metaq_broker.errors import ElectionLostError, MetaqError, StaleStateError
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 __all__ = ["GroupState", "ElectionLostError", "StaleStateError", "MemberHeldError", "read_state", "elect",
            "alter_isr", "register_member", "members", "starting", "master_node", "master_data", "addresses",
@@ -220,12 +221,8 @@ def register_member(zk, paths: ZkPaths, broker_id: int, replica_id: int, info: d
 def members(zk, paths: ZkPaths, broker_id: int) -> dict:
     """{replicaId: member node JSON} of the group's live members."""
     root = paths.group_members(broker_id)
-    try:
-        names = zk.get_children(root)
-    except NoNodeError:
-        return {}
     out = {}
-    for name in names:
+    for name in children(zk, root):
         try:
             out[int(name)] = json.loads(zk.get(f"{root}/{name}")[0])
         except (NoNodeError, ValueError):
@@ -235,10 +232,7 @@ def members(zk, paths: ZkPaths, broker_id: int) -> dict:
 
 def starting(zk, paths: ZkPaths, broker_id: int) -> set:
     """replicaIds of the group's members waiting for their previous run's session to expire."""
-    try:
-        return {int(c) for c in zk.get_children(paths.group_startings(broker_id)) if c.isdigit()}
-    except NoNodeError:
-        return set()
+    return {int(c) for c in children(zk, paths.group_startings(broker_id)) if c.isdigit()}
 
 
 def master_data(zk, paths: ZkPaths, broker_id: int) -> tuple:

@@ -27,6 +27,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from metaq_broker.errors import MetaqError
 from metaq_broker.zk.paths import ZkPaths, check_component
+from metaq_broker.zk.session import children
 
 MAX_RECORD = 512 << 10  # bytes; ZooKeeper's jute.maxbuffer is 1 MiB. Larger: written without its members
 
@@ -151,12 +152,8 @@ def is_kafka_member(data: bytes) -> bool:
 
 def native_members(zk, paths: ZkPaths, group: str) -> list:
     """Live members of ``group`` that are metaq's own consumers (not a Kafka coordinator's), sorted."""
-    try:
-        names = zk.get_children(paths.group_ids(group))
-    except NoNodeError:
-        return []
     out = []
-    for name in names:
+    for name in children(zk, paths.group_ids(group)):
         try:
             if not is_kafka_member(zk.get(paths.group_member(group, name))[0]):
                 out.append(name)

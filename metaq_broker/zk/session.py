@@ -138,14 +138,14 @@ def share_client_nodes(client: MetaqZooKeeper, root: str, security: Optional[ZkS
 def _set_acls_below(client: KazooClient, path: str, acl: list) -> int:
     try:
         client.set_acls(path, acl)
-        children = client.get_children(path)
+        below = client.get_children(path)
     except NoNodeError:
         return 0  # gone meanwhile (an ephemeral member, a deleted group)
     except NoAuthError:  # made by another identity with an ACL that leaves the brokers out
         log.warning("cannot give %s the ACL of zk.auth and zk.client.auth: its ACL leaves this broker out "
                     "(setAcl it, or delete it, with an identity it lets in)", path)
         return 0
-    return 1 + sum(_set_acls_below(client, f"{path}/{c}", acl) for c in children)
+    return 1 + sum(_set_acls_below(client, f"{path}/{c}", acl) for c in below)
 
 
 def new_client(zk_connect: str, session_timeout: float = 10.0, security: Optional[ZkSecurity] = None,

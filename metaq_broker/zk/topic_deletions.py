@@ -15,6 +15,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from metaq_broker.zk.metaq_layout import MetaqZkLayout
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 
 def record(zk, paths: ZkPaths, topic: str, requested_by: str, broker_id: int, acl=None) -> bool:
@@ -41,18 +42,11 @@ def pending(zk, paths: ZkPaths, watch=None) -> list:
 def finish(zk, paths: ZkPaths, topic: str) -> bool:
     """If no broker has an entry of ``topic``: remove its partition map, its groups' offsets, its node and
     then the record; True once done. False while some broker still has the topic."""
-    try:
-        if zk.get_children(paths.topic(topic)):
-            return False
-    except NoNodeError:
-        pass
+    if children(zk, paths.topic(topic)):
+        return False
     _delete(zk, paths.kafka_topic(topic))
     layout = MetaqZkLayout(paths.root)
-    try:
-        groups = zk.get_children(paths.consumers())
-    except NoNodeError:
-        groups = []
-    for group in groups:
+    for group in children(zk, paths.consumers()):
         try:
             _delete(zk, paths.group_offsets(group, topic), recursive=True)
             _delete(zk, layout.group_offsets(group, topic), recursive=True)

@@ -12,6 +12,7 @@ import json
 from kazoo.exceptions import NoNodeError
 
 from metaq_broker.zk.paths import ZkPaths
+from metaq_broker.zk.session import children
 
 
 def entry(num_partitions: int, broker_id: int, static: bool = False) -> bytes:
@@ -28,20 +29,12 @@ def parse_entry(data: bytes) -> tuple:
 
 def topics_of(zk, paths: ZkPaths, broker_id: int) -> list:
     """The topics with an entry of ``broker_id``, sorted."""
-    try:
-        topics = zk.get_children(paths.topics())
-    except NoNodeError:
-        return []
-    return sorted(t for t in topics if zk.exists(paths.topic_entry(t, broker_id)))
+    return sorted(t for t in children(zk, paths.topics()) if zk.exists(paths.topic_entry(t, broker_id)))
 
 
 def _entries_data(zk, paths: ZkPaths, topic: str):
     """The data of each of ``topic``'s entries that is there when read (none for a topic no broker has)."""
-    try:
-        names = zk.get_children(paths.topic(topic))
-    except NoNodeError:
-        return
-    for name in names:
+    for name in children(zk, paths.topic(topic)):
         try:
             yield zk.get(f"{paths.topic(topic)}/{name}")[0]
         except NoNodeError:

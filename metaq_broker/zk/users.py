@@ -23,6 +23,7 @@ from kazoo.recipe.cache import TreeCache, TreeEvent
 from metaq_broker.errors import MetaqError
 from metaq_broker.security.scram import DEFAULT_ITERATIONS, MECHANISM, Credential
 from metaq_broker.zk.paths import ZkPaths, unquote_component
+from metaq_broker.zk.session import children
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,7 @@ def scram_secret(zk, root: str) -> bytes:
 
 def list_users(zk, root: str) -> list:
     """Every stored user name, sorted."""
-    try:
-        return sorted(unquote_component(c) for c in zk.get_children(ZkPaths(root).users()))
-    except NoNodeError:
-        return []
+    return sorted(unquote_component(c) for c in children(zk, ZkPaths(root).users()))
 
 
 class UserCache:
