@@ -25,11 +25,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores, from /proc/stat)."""
+def cpu_ticks() -> tuple:
+    """(busy, idle) CPU ticks of the whole machine so far (all cores, from /proc/stat; iowait counts as idle)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    return sum(v) - v[3] - v[4], v[3] + v[4]
+
+
+def cpu_busy_s() -> float:
+    """Busy CPU seconds of the whole machine so far (all cores, from /proc/stat)."""
+    return cpu_ticks()[0] / os.sysconf("SC_CLK_TCK")
 
 
 def proc_cpu_s(pid: Optional[int], system_only: bool = False) -> float:

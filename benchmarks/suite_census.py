@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.common import cpu_ticks
+
 ROOT = Path(__file__).resolve().parent.parent
 HZ = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.25
@@ -150,13 +152,6 @@ def _test_of(pid: str) -> Optional[str]:
     return None
 
 
-def machine_ticks() -> tuple:
-    """(busy, idle) CPU ticks of the whole machine so far (/proc/stat; iowait counts as idle)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4], v[3] + v[4]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (-n), default 4")
@@ -165,12 +160,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "--dist", "loadgroup",
            *(args.pytest_args or ["tests"])]
-    busy0, idle0 = machine_ticks()
+    busy0, idle0 = cpu_ticks()
     began = time.monotonic()
     with Census() as census:
         code = subprocess.call(cmd, cwd=ROOT)
     wall = time.monotonic() - began
-    busy, idle = (a - b for a, b in zip(machine_ticks(), (busy0, idle0)))
+    busy, idle = (a - b for a, b in zip(cpu_ticks(), (busy0, idle0)))
     kinds, modules = census.by_kind(), census.by_module()
     counted = sum(c for c, _ in kinds.values())
     print(f"\n{' '.join(cmd[1:])}: exit code {code}, {wall:.0f} s")
