@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import LANES, _group
+from xdist.scheduler.loadgroup import LoadGroupScheduling
 
 pytestmark = pytest.mark.unit
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
@@ -163,9 +165,6 @@ def test_a_command_started_here_has_sigint_and_sigquit_at_their_defaults():
 def test_a_modules_group_is_one_xdist_hands_to_one_worker(master):
     """``--dist loadgroup`` sends the tests of a group, ``<node id>@<group>``, to one worker; the group name
     must survive xdist's parsing of node ids, parametrized ones too."""
-    from types import SimpleNamespace
-
-    from xdist.scheduler.loadgroup import LoadGroupScheduling
     module = SimpleNamespace(__name__="test_sink", **({"SPARK_MASTER": master} if master else {}))
     name = _group(module)
     for nodeid in (f"tests/test_sink.py::test_write@{name}", f"tests/test_sink.py::test_write[a-1]@{name}"):
