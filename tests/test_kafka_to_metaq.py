@@ -4,7 +4,10 @@ kept unless a batch asks for LogAppendTime) holds whichever batch it is, not onl
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol import records as mrecords
 from metaq_broker.protocol.kafka import records as krecords
 from metaq_broker.server.kafka_listener import to_metaq
@@ -44,3 +47,74 @@ def test_a_log_append_time_batch_anywhere_makes_the_store_time_every_records_tim
     attributes[where] = krecords.TIMESTAMP_TYPE
     body, _ = to_metaq(batches(*attributes))
     assert body.create_times is None  # no create-time column: the batch's store time is each record's
+
+
+def columns_way(batches: krecords.Batches, create_times: bool) -> mrecords.EncodedBody:
+    """What a Produce stored before the compiled conversion, and what records with headers still take:
+    the Arrow columns through ``encode_body``."""
+    headers = batches.column("headers")
+    return mrecords.encode_body(batches.column("value"), keys=batches.column("key"),
+                                headers=headers if len(headers.values) else None,
+                                timestamps=batches.timestamps_ms if create_times else None)
+
+
+def same_body(got: mrecords.EncodedBody, expected: mrecords.EncodedBody) -> None:
+    assert b"".join(bytes(p) for p in got.parts) == b"".join(bytes(p) for p in expected.parts)
+    assert (got.count, got.attributes, got.size, got.crc, got.max_message_size, got.metaq_bytes,
+            got.create_times) == (expected.count, expected.attributes, expected.size, expected.crc,
+                                  expected.max_message_size, expected.metaq_bytes, expected.create_times)
+    assert got.message_sizes.dtype == expected.message_sizes.dtype
+    assert got.message_sizes.tolist() == expected.message_sizes.tolist()
+    got_keys, expected_keys = mrecords.body_keys(got), mrecords.body_keys(expected)
+    assert (got_keys is None) == (expected_keys is None)
+    if got_keys is not None:  # the key index reads the same keys
+        assert [None if n < 0 else bytes(b[s:s + n]) for b, s, n in zip([got_keys[0]] * len(got_keys[1]), *got_keys[1:])] \
+            == [None if n < 0 else bytes(b[s:s + n]) for b, s, n in zip([expected_keys[0]] * len(expected_keys[1]), *expected_keys[1:])]
+
+
+_sizes = st.one_of(st.none(), st.integers(0, 140), st.integers(0, 40_000))  # widths of 1, 2 and 4 bytes
+
+
+@st.composite
+def kafka_partitions(draw):
+    """A Produce partition's records: values and keys null, empty or of any width's length (all keys null
+    included), create times close together or years apart, one batch or several, LogAppendTime on any."""
+    n = draw(st.integers(1, 12))
+    values = [None if s is None else bytes([i % 251]) * s for i, s in enumerate(draw(st.lists(_sizes, min_size=n, max_size=n)))]
+    keys = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.binary(max_size=300)), min_size=n, max_size=n)))
+    spread = draw(st.sampled_from([10, 100_000, 1 << 40]))  # time deltas of 1, 4 and 8 bytes
+    times = CREATED + np.array(draw(st.lists(st.integers(0, spread), min_size=n, max_size=n)), np.int64)
+    starts = sorted({0} | set(draw(st.lists(st.integers(1, n - 1), max_size=3)) if n > 1 else {0}))
+    attributes = draw(st.lists(st.sampled_from([0, krecords.TIMESTAMP_TYPE]), min_size=len(starts), max_size=len(starts)))
+    return krecords.encode(np.arange(n), times, None if keys is None else pa.array(keys, pa.binary()),
+                           pa.array(values, pa.binary()), batch_starts=starts, attributes=attributes)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=kafka_partitions(), create_times=st.booleans())
+def test_the_compiled_conversion_writes_what_encode_body_writes_of_the_columns(data, create_times):
+    """A Produce's records go from Kafka's bytes straight into a metaq body (``Batches.metaq_body``, the
+    compiled ``metaq_body``): the body, its attribute bits and layout, checksum, per-message sizes, keys for
+    the key index and create-time bounds are those ``encode_body`` makes of the decoded columns, and the
+    body reads back as the records."""
+    batches = krecords.decode(data)
+    got = batches.metaq_body(create_times)
+    same_body(got, columns_way(krecords.decode(data), create_times))
+    stored = mrecords.decode(mrecords.encode_header(got, 0, 0, 0) + b"".join(bytes(p) for p in got.parts))
+    assert stored.column("value").to_pylist() == batches.column("value").to_pylist()
+    if create_times:
+        assert stored.column("timestamp").cast(pa.int64()).to_pylist() == batches.timestamps_ms.tolist()
+
+
+def test_records_with_headers_or_times_metaq_cannot_keep_take_the_columns_way():
+    """Headers are stored by ``encode_body`` from the columns; a create time before 1970 is refused by it,
+    naming the message, as before the compiled conversion."""
+    data = krecords.encode([0, 1], [CREATED, CREATED], None, [b"a", b"b"],
+                           pa.array([[("h", b"1")], []], krecords.HEADERS_TYPE))
+    body = krecords.decode(data).metaq_body(create_times=True)
+    same_body(body, columns_way(krecords.decode(data), True))
+    assert body.attributes & mrecords.HAS_HEADERS
+    early = krecords.decode(krecords.encode([0, 1], [CREATED, -5], None, [b"a", b"b"]))
+    with pytest.raises(InvalidMessageError, match="timestamp of message 1 is -5"):
+        early.metaq_body(create_times=True)
+    assert early.metaq_body(create_times=False).create_times is None  # LogAppendTime: no create time kept

@@ -690,8 +690,8 @@ def kafka_topic_configs(config: dict) -> dict:
 
 def to_metaq(batches: krecords.Batches) -> tuple:
     """(``EncodedBody``, the idempotent producer's (id, epoch, base sequence) or None) of a Produce
-    partition's decoded Kafka batches: one metaq batch, columns copied in bulk, stored as it is
-    (``RequestHandler.put_encoded``: not parsed again). Transactional and control
+    partition's decoded Kafka batches: one metaq batch (``Batches.metaq_body``), stored as it is
+    (``RequestHandler.append_encoded``: not parsed again). Transactional and control
     batches are refused (Kafka transactions are not supported)."""
     h = batches.header
     if batches.attributes_any & (krecords.TRANSACTIONAL | krecords.CONTROL):
@@ -705,12 +705,7 @@ def to_metaq(batches: krecords.Batches) -> tuple:
             raise krecords.KafkaRecordError("the batches of one partition come from different producers or "
                                             "their sequences are not consecutive", codes.INVALID_RECORD)
         producer = rawput.check_producer(int(pids[0]), int(h["producer_epoch"][0]), int(seqs[0]))
-    # The columns as encode_body takes them fastest: create times as int64 ms (a view, no Arrow casts), no
-    # headers column when no record has one (the usual case: nothing to count per record)
-    timestamps = None if batches.attributes_any & krecords.TIMESTAMP_TYPE else batches.timestamps_ms
-    headers = batches.column("headers")
-    body = mrecords.encode_body(batches.column("value"), keys=batches.column("key"),
-                                headers=headers if len(headers.values) else None, timestamps=timestamps)
+    body = batches.metaq_body(create_times=not batches.attributes_any & krecords.TIMESTAMP_TYPE)
     return body, producer
 
 

@@ -1,10 +1,12 @@
 """Kafka record batches (message format v2, magic 2) to Arrow columns and back.
 
 ``decode(data)`` takes the bytes of one Produce partition (one or more batches, any codec), checks each
-batch (magic, length, CRC-32C, record count, offset deltas) and returns the records as an Arrow record batch
-(``RECORD_SCHEMA``: offset delta, timestamp, key, value, headers; null keys and null values stay null) with
-the batches' fields (producer id and epoch, base sequence, transactional and control bits, codec) as numpy
-arrays. ``encode(...)`` writes Arrow columns as batches for a Fetch answer, uncompressed or in a codec.
+batch (magic, length, CRC-32C, record count, offset deltas) and every record, and returns ``Batches``: the
+batches' fields (producer id and epoch, base sequence, transactional and control bits, codec) as numpy
+arrays, and the records either as Arrow columns (``RECORD_SCHEMA``: offset delta, timestamp, key, value,
+headers; null keys and null values stay null), built when asked for, or as one metaq batch body
+(``Batches.metaq_body``, what a Produce stores), written straight from the Kafka bytes by a compiled loop.
+``encode(...)`` writes Arrow columns as batches for a Fetch answer, uncompressed or in a codec.
 
 One Python step per batch (its header, CRC, decompression); everything per record is numpy or the
 compiled walks of ``_kernels.py``. Codecs are cramjam's: gzip, snappy (raw, or xerial-framed as the Java
@@ -26,6 +28,7 @@ import pyarrow as pa
 
 from metaq_broker.errors import InvalidMessageError
 from metaq_broker.protocol.kafka import codes
+from metaq_broker.protocol import records as mrecords
 from metaq_broker.protocol.records import crc
 
 
@@ -76,26 +79,66 @@ class KafkaRecordError(InvalidMessageError):
 
 
 class Batches:
-    """Decoded batches: ``records`` (RECORD_SCHEMA), and per batch (numpy arrays) its header fields and
-    record count; ``batch_of`` gives each record's batch. ``column(name)`` is one of the records' columns
-    without building the record batch (a Produce's conversion needs four; ``records`` costs ~20 µs more)."""
+    """Decoded batches: per batch (numpy arrays) its header fields and record count, ``batch_of`` each
+    record's batch; the records as Arrow columns (``column(name)``, ``records``: RECORD_SCHEMA) or as one
+    metaq batch body (``metaq_body``). Columns are built when first asked for: a Produce converts
+    straight from the Kafka bytes and builds none."""
 
-    def __init__(self, columns: list, header: np.ndarray, counts: np.ndarray, timestamps_ms: np.ndarray):
-        self._columns, self.header, self.counts = columns, header, counts
-        self.timestamps_ms = timestamps_ms  # the timestamp column's int64 milliseconds (the same buffer)
+    def __init__(self, src: np.ndarray, header: np.ndarray, counts: np.ndarray, timestamps_ms: np.ndarray,
+                 fields: tuple):
+        self.header, self.counts = header, counts
+        self.timestamps_ms = timestamps_ms  # each record's timestamp, int64 ms
         # every batch's attribute bits OR-ed together: one numpy call where a Produce asks three questions
         # (any transactional, control, LogAppendTime batch?), each a few microseconds of fixed cost
         self.attributes_any = int(np.bitwise_or.reduce(header["attributes"]))
+        self._src, self._fields = src, fields  # the bytes and where ``walk`` found each record's fields
+        self._columns: dict = {}
         self._records = None
 
     def column(self, name: str) -> pa.Array:
-        return self._columns[RECORD_SCHEMA.get_field_index(name)]
+        if name not in self._columns:
+            self._columns[name] = self._build(name)
+        return self._columns[name]
+
+    def _build(self, name: str) -> pa.Array:
+        od, ks, kl, vs, vl, hc, hs, re = self._fields
+        if name == "offset_delta":
+            return pa.Array.from_buffers(pa.int32(), len(od), [None, pa.py_buffer(od.astype(np.int32))])
+        if name == "timestamp":
+            return pa.Array.from_buffers(pa.timestamp("ms"), len(od), [None, pa.py_buffer(self.timestamps_ms)])
+        if name in ("key", "value"):
+            return _binary(self._src, *((ks, kl) if name == "key" else (vs, vl)), pa.binary())
+        return _headers(self._src, hc, hs, re)
+
+    @property
+    def has_headers(self) -> bool:
+        return bool(self._fields[5].any())
 
     @property
     def records(self) -> pa.RecordBatch:
         if self._records is None:
-            self._records = pa.RecordBatch.from_arrays(self._columns, schema=RECORD_SCHEMA)
+            self._records = pa.RecordBatch.from_arrays([self.column(f.name) for f in RECORD_SCHEMA],
+                                                       schema=RECORD_SCHEMA)
         return self._records
+
+    def metaq_body(self, create_times: bool) -> mrecords.EncodedBody:
+        """The records as one metaq batch body, byte for byte what ``encode_body`` makes of their value,
+        key and headers columns and, with ``create_times``, their timestamps (else each message's time is
+        its batch's store time). Records without headers go through the compiled ``metaq_body``, straight
+        from the Kafka bytes; any header, or a create time metaq cannot store, takes the columns' way
+        (whose checks then say what is wrong)."""
+        if not self.has_headers:
+            _, ks, kl, vs, vl, _, _, _ = self._fields
+            times = self.timestamps_ms if create_times else _NO_TIMES
+            out, vw, kw, tw, value_bytes, tmin, tmax, sizes, largest = _compiled().metaq_body(
+                self._src, vs, vl, ks, kl, times)
+            if not create_times or (0 <= tmin and tmax < mrecords.MAX_TIMESTAMP):
+                return _metaq_body(out, len(vl), vw, kw, tw, value_bytes, sizes, largest, kl,
+                                   (int(tmin), int(tmax)) if create_times else None)
+        headers = self.column("headers")
+        return mrecords.encode_body(self.column("value"), keys=self.column("key"),
+                                    headers=headers if len(headers.values) else None,
+                                    timestamps=self.timestamps_ms if create_times else None)
 
     @property
     def codec(self) -> np.ndarray:
@@ -253,7 +296,7 @@ def decode(data, verify: bool = True, max_uncompressed: int = DEFAULT_MAX_UNCOMP
                                f"expected {bad_r}", codes.INVALID_RECORD, int(bad_b))
     if status:
         raise KafkaRecordError(f"batch {bad_b}, record {bad_r}: {K.ERRORS[status]}", codes.CORRUPT_MESSAGE, int(bad_b))
-    if max(int(np.maximum(kl, 0).sum()), int(np.maximum(vl, 0).sum())) > _MAX_INT32:
+    if len(src) > _MAX_INT32 and max(int(np.maximum(kl, 0).sum()), int(np.maximum(vl, 0).sum())) > _MAX_INT32:
         raise KafkaRecordError("keys or values of one partition exceed 2 GiB", codes.RECORD_LIST_TOO_LARGE)
     n = len(od)
     if len(counts) == 1:  # the usual case: one batch a partition
@@ -267,10 +310,30 @@ def decode(data, verify: bool = True, max_uncompressed: int = DEFAULT_MAX_UNCOMP
         log_append = (header["attributes"] & TIMESTAMP_TYPE) != 0
         if log_append.any():
             timestamps = np.where(np.repeat(log_append, counts), np.repeat(header["max_timestamp"], counts), timestamps)
-    columns = [pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(od.astype(np.int32))]),
-               pa.Array.from_buffers(pa.timestamp("ms"), n, [None, pa.py_buffer(timestamps)]),
-               _binary(src, ks, kl, pa.binary()), _binary(src, vs, vl, pa.binary()), _headers(src, hc, hs, re)]
-    return Batches(columns, header, counts, timestamps)
+    batches = Batches(src, header, counts, timestamps, (od, ks, kl, vs, vl, hc, hs, re))
+    if batches.has_headers:
+        batches.column("headers")  # checked now: decode refuses what is wrong in any record's headers
+    return batches
+
+
+_NO_TIMES = np.zeros(0, np.int64)
+
+
+def _metaq_body(out: np.ndarray, n: int, vw: int, kw: int, tw: int, value_bytes: int, sizes: np.ndarray,
+                largest: int, key_lengths: np.ndarray, create_times) -> mrecords.EncodedBody:
+    """The ``EncodedBody`` of a body the compiled ``metaq_body`` wrote, with ``encode_body``'s attribute
+    bits and layout (a column's width code at its field's bits)."""
+    code = mrecords.WIDTHS.tolist().index
+    bits = mrecords.NO_FLAGS | (mrecords.HAS_KEYS if kw else 0) | (mrecords.HAS_TIMESTAMPS if tw else 0)
+    layout = code(vw) << 2 * mrecords.VALUE_LEN | (code(kw) << 2 * mrecords.KEY_LEN if kw else 0) \
+        | (code(tw) << 2 * mrecords.TIME_DELTA if tw else 0)
+    if mrecords.HEADER_SIZE + len(out) > mrecords.MAX_BATCH_BYTES:
+        raise InvalidMessageError(f"batch of {n} messages encodes to {mrecords.HEADER_SIZE + len(out)} bytes; the "
+                                  f"limit is {mrecords.MAX_BATCH_BYTES}")
+    columns = (vw + kw + tw) * n + (8 if tw else 0)
+    return mrecords.EncodedBody(n, bits | layout << mrecords.LAYOUT_SHIFT, [out], len(out), crc(out), sizes, largest,
+                                mrecords.METAQ_MESSAGE_HEAD * n + value_bytes,
+                                (key_lengths, columns + value_bytes) if kw else None, create_times)
 
 
 def _old_magic(magic: int, batch: int):
@@ -435,4 +498,5 @@ def warm_up() -> None:
     """Load (or on first use on this machine, compile) the compiled walks, so the first Kafka request a
     broker serves does not pay for it. Measured in benchmarks/bench_kafka_codec.py."""
     data = encode([0, 1], [0, 0], [b"k", None], [b"v", None], pa.array([[("a", b"b")], []], HEADERS_TYPE))
-    decode(data)
+    decode(data).records  # noqa: B018 - the walks and the gathers
+    decode(encode([0, 1], [0, 0], [b"k", None], [b"v", None])).metaq_body(create_times=True)
