@@ -9,6 +9,11 @@ acknowledged after the fsync covering it):
   the Kafka listener, against metaq's ``Producer.send_batch`` with batches of 10,000 (the baseline), each
   into a topic of its own with 2 partitions; msgs/s, the broker's CPU (user + system, from its threads' schedstat: ``CpuMeter``) per message, and per
   produce request with the messages a request carried (the broker's metrics count the requests).
+* produce, Kafka requests: Produce requests of as many records as the same round's metaq put carried
+  (10,000 of 100 B, 3,333 of 1 KiB; partitions 0 and 1 in turn, as ``send_batch``'s batches go), built
+  before the timing with the broker's own Kafka codec and sent over one socket, 5 in flight: the broker's
+  CPU per Kafka-produced message at the baseline's request size, with no client pacing it (librdkafka sends
+  what ``linger.ms`` gathered: ~4,000-7,000 records of 100 B a request, one every few milliseconds).
 * consume: confluent-kafka's ``Consumer`` (assign, ``consume(10000)``, at most the messages left; librdkafka's
   default ``fetch.wait.max.ms`` 500 and ``fetch.min.bytes`` 1; ``fetch.queue.backoff.ms`` 10: librdkafka's
   default pauses fetching for 1,000 ms whenever its prefetch queue holds more than ``queued.min.messages``
@@ -30,12 +35,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
+import struct
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,8 +53,11 @@ from metaq_broker.client import Consumer as MetaqConsumer  # noqa: E402
 from metaq_broker.client import Producer as MetaqProducer  # noqa: E402
 from metaq_broker.devtools.broker_process import BrokerProcess  # noqa: E402
 from metaq_broker.devtools.zookeeper import LocalZooKeeper  # noqa: E402
+from metaq_broker.protocol.kafka import records as krecords  # noqa: E402
+from metaq_broker.protocol.kafka.protocol import PRODUCE, decode_response, encode_request  # noqa: E402
 
 BATCH = 10_000
+PRODUCE_V = 10  # what librdkafka 2 sends
 SIZES = (100, 1024)
 PARTITIONS = ("1-0", "1-1")
 PRODUCER = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "queue.buffering.max.messages": 1_000_000,
@@ -137,6 +148,53 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
     return out
 
 
+def produce_kafka_requests(broker: BrokerProcess, topic: str, data: list, per: int) -> dict:
+    """Produce requests of ``per`` records each (one uncompressed batch, partitions 0 and 1 in turn, as
+    ``send_batch`` sends its batches), built before the timing and sent over one connection with up to 5 in
+    flight (librdkafka's default): the broker's CPU per Kafka-produced message at a request size of metaq's,
+    with no client in the way. Every answer must be NONE."""
+    frames = []
+    for c, i in enumerate(range(0, len(data), per)):
+        values = pa.array(data[i:i + per], pa.binary())
+        batch = krecords.encode(np.arange(len(values)), np.full(len(values), int(time.time() * 1000)), None, values)
+        frames.append(encode_request(PRODUCE, PRODUCE_V, c, "bench", {
+            "transactional_id": None, "acks": -1, "timeout_ms": 30_000,
+            "topic_data": [{"name": topic, "partition_data": [{"index": c % 2, "records": bytes(batch)}]}]}))
+    host, port = broker.bootstrap.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        answered = _answers(sock, [frames[0]], 1)  # the connection and the listener's warm-up, outside the timing
+        requests0 = requests_served(broker, "KafkaProduce")
+        meter, t0 = CpuMeter(broker.proc.pid), time.perf_counter()
+        answered += _answers(sock, frames[1:], 5)
+        seconds = time.perf_counter() - t0
+        cpu = meter.seconds()  # before the connection's threads end
+    refused = [p for r in answered for t in r["responses"] for p in t["partition_responses"] if p["error_code"]]
+    if refused:
+        raise RuntimeError(f"{len(refused)} partitions refused: {refused[:2]}")
+    n = len(data) - min(per, len(data))
+    return {"msgs_per_s": n / seconds, "broker_us_per_msg": cpu / n * 1e6,
+            **per_request(broker, "KafkaProduce", requests0, n, cpu)}
+
+
+def _answers(sock: socket.socket, frames: list, in_flight: int) -> list:
+    """Send ``frames`` with at most ``in_flight`` unanswered; their answers' bodies, in order."""
+    answers, sent = [], 0
+    while len(answers) < len(frames):
+        while sent < len(frames) and sent - len(answers) < in_flight:
+            sock.sendall(frames[sent])
+            sent += 1
+        size = struct.unpack(">i", _recv_exactly(sock, 4))[0]
+        answers.append(decode_response(PRODUCE, PRODUCE_V, _recv_exactly(sock, size))[1])
+    return answers
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) != n:
+        raise RuntimeError(f"the broker closed the connection ({len(data)} of {n} bytes)")
+    return data
+
+
 def consume_metaq(z: dict, topic: str, n: int) -> dict:
     with MetaqConsumer(**z) as c:
         ends = c.offsets(topic, list(PARTITIONS))
@@ -200,8 +258,8 @@ def main() -> None:
     zk = broker = None
     try:
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
-        topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka") for size in SIZES
-                  for r in range(rounds)}
+        topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka", "requests")
+                  for size in SIZES for r in range(rounds)}
         broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"zk.root": "/bench", "metricsPort": 0},
                                topics=topics).start()
         z = {"zk_connect": zk.connect_string, "zk_root": "/bench"}
@@ -212,6 +270,8 @@ def main() -> None:
                 cases = {
                     f"produce {size} B metaq send_batch": lambda: produce_metaq(z, broker, f"metaq-{size}-{r}", data),
                     f"produce {size} B confluent-kafka": lambda: produce_kafka(broker, f"kafka-{size}-{r}", data),
+                    f"produce {size} B Kafka requests": lambda: produce_kafka_requests(  # as many a request as a put
+                        broker, f"requests-{size}-{r}", data, round(runs[f"produce {size} B metaq send_batch"][-1]["msgs_per_request"])),
                     f"consume {size} B metaq Consumer": lambda: consume_metaq(z, f"metaq-{size}-{r}", n),
                     f"consume {size} B confluent-kafka": lambda: consume_kafka(broker, f"metaq-{size}-{r}", n),
                 }
@@ -239,6 +299,9 @@ def main() -> None:
                 {"name": f"broker CPU per Kafka-produced message {size} B", "value": pk["broker_us_per_msg"],
                  "unit": "us/msg", "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"],
                  "goal": "<= 1.5", "note": "lower is better"},
+                {"name": f"broker CPU per Kafka-produced message {size} B, requests the size of a put's",
+                 "value": best[f"produce {size} B Kafka requests"]["broker_us_per_msg"], "unit": "us/msg",
+                 "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"], "note": "lower is better"},
                 {"name": f"confluent-kafka produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
                  "baseline": "the client's ceiling (mock broker)",
                  "baseline_value": best[f"produce {size} B confluent-kafka into the mock"]["msgs_per_s"]},
