@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from metaq_broker.errors import InvalidMessageError
-from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol import records as mrecords
+from metaq_broker.protocol.kafka import codes
 from metaq_broker.protocol.records import crc
 
 
