@@ -9,6 +9,9 @@ acknowledged after the fsync covering it):
   the Kafka listener, against metaq's ``Producer.send_batch`` with batches of 10,000 (the baseline), each
   into a topic of its own with 2 partitions; msgs/s, the broker's CPU (user + system, from its threads' schedstat: ``CpuMeter``) per message, and per
   produce request with the messages a request carried (the broker's metrics count the requests).
+* produce, produce_batch: the same producer with confluent-kafka 2.x's ``produce_batch``, 10,000 messages
+  a call, each call to partition 0 or 1 in turn as ``send_batch``'s batches go, a delivery callback per
+  message as above: what a Python application gets when it hands the client batches.
 * produce, Kafka requests: Produce requests of as many records as the same round's metaq put carried
   (10,000 of 100 B, 3,333 of 1 KiB; partitions 0 and 1 in turn, as ``send_batch``'s batches go), built
   before the timing with the broker's own Kafka codec and sent over one socket, 5 in flight: the broker's
@@ -22,7 +25,7 @@ acknowledged after the fsync covering it):
   to run, 0.97-1.08 with 10 ms) reading every message of a topic, against
   metaq's ``Consumer.read_range`` of the same topic (the baseline); msgs/s.
 
-* the client's ceiling: the same producer loop into librdkafka's own in-memory mock broker
+* the client's ceiling: the same producer loops into librdkafka's own in-memory mock broker
   (``test.mock.num.brokers``, in the client's process: no network, no disk, no fsync), and the same
   consumer loop reading those messages back from it: what one Python thread gets out of confluent-kafka
   at all, so "Kafka listener / ceiling" says how much of it metaq's broker leaves on the table.
@@ -108,14 +111,18 @@ def produce_metaq(z: dict, broker: BrokerProcess, topic: str, data: list) -> dic
             **per_request(broker, "PutData", requests0, len(data), cpu)}
 
 
-def produce_kafka(broker: BrokerProcess, topic: str, data: list) -> dict:
+def produce_kafka(broker: BrokerProcess, topic: str, data: list, batched: bool = False) -> dict:
     from confluent_kafka import Producer  # lazy: only this benchmark needs it
-    return produce_confluent(Producer({"bootstrap.servers": broker.bootstrap, **PRODUCER}), topic, data, broker)
+    return produce_confluent(Producer({"bootstrap.servers": broker.bootstrap, **PRODUCER}), topic, data, broker,
+                             batched)
 
 
-def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess] = None) -> dict:
+def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess] = None,
+                      batched: bool = False) -> dict:
     """The producer loop (per message, a delivery callback: what a Python application writes) into
-    whatever ``p`` is connected to; the broker's CPU per message when ``broker`` is given."""
+    whatever ``p`` is connected to; the broker's CPU per message when ``broker`` is given. ``batched``:
+    ``produce_batch`` of ``BATCH`` messages at a time instead (confluent-kafka 2.x), each batch to
+    partition 0 or 1 in turn as ``send_batch``'s go, the same delivery callback for every message."""
     p.produce(topic, data[0])  # connections and metadata, outside the timing
     p.flush(30)
     if broker:  # and the listener's warm-up at the first connection (numba: ~1 s of CPU) is done
@@ -131,7 +138,20 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
             failed.append(err)
     requests0 = requests_served(broker, "KafkaProduce") if broker else 0.0
     meter, t0 = CpuMeter(broker.proc.pid) if broker else None, time.perf_counter()
-    for v in data:
+    if batched:
+        for i in range(0, len(data), BATCH):
+            batch = [{"value": v} for v in data[i:i + BATCH]]
+            while True:
+                try:  # a full queue refuses the whole batch (BufferError) before queueing any of it
+                    queued = p.produce_batch(topic, batch, partition=(i // BATCH) % 2, on_delivery=report)
+                    break
+                except BufferError:
+                    p.poll(0.01)
+            if queued != len(batch):
+                raise RuntimeError(f"produce_batch queued {queued} of {len(batch)} messages: "
+                                   f"{next(m['_error'] for m in batch if '_error' in m)}")
+            p.poll(0)
+    for v in data if not batched else ():
         try:
             p.produce(topic, v, on_delivery=report)
         except BufferError:
@@ -237,13 +257,15 @@ def consume_confluent(bootstrap: str, topic: str, n: int) -> dict:
 
 
 def client_ceiling(topic: str, data: list) -> tuple:
-    """(produce, consume) of the same loops against librdkafka's mock broker: the client's own limit."""
+    """(produce, produce_batch, consume) of the same loops against librdkafka's mock broker: the client's
+    own limit."""
     from confluent_kafka import Producer  # lazy: only this benchmark needs it
     p = Producer({"test.mock.num.brokers": 1, **PRODUCER})
     produced = produce_confluent(p, topic, data)
+    batched = produce_confluent(p, topic, data, batched=True)
     mock = next(iter(p.list_topics(topic, timeout=15).brokers.values()))  # lives as long as ``p``
     # the mock keeps the last few megabytes of each partition: the consumer reads what is left
-    return produced, consume_confluent(f"{mock.host}:{mock.port}", topic, 1)
+    return produced, batched, consume_confluent(f"{mock.host}:{mock.port}", topic, 1)
 
 
 def main() -> None:
@@ -260,7 +282,7 @@ def main() -> None:
     zk = broker = None
     try:
         zk = LocalZooKeeper(data_dir=tmp / "zk").start()
-        topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka", "requests")
+        topics = {f"{kind}-{size}-{r}": {"numPartitions": 2} for kind in ("metaq", "kafka", "batched", "requests")
                   for size in SIZES for r in range(rounds)}
         broker = BrokerProcess(tmp / "broker", 1, zk.connect_string, settings={"zk.root": "/bench", "metricsPort": 0},
                                topics=topics).start()
@@ -272,6 +294,8 @@ def main() -> None:
                 cases = {
                     f"produce {size} B metaq send_batch": lambda: produce_metaq(z, broker, f"metaq-{size}-{r}", data),
                     f"produce {size} B confluent-kafka": lambda: produce_kafka(broker, f"kafka-{size}-{r}", data),
+                    f"produce {size} B confluent-kafka produce_batch": lambda: produce_kafka(
+                        broker, f"batched-{size}-{r}", data, batched=True),
                     f"produce {size} B Kafka requests": lambda: produce_kafka_requests(  # as many a request as a put
                         broker, f"requests-{size}-{r}", data, round(runs[f"produce {size} B metaq send_batch"][-1]["msgs_per_request"])),
                     f"consume {size} B metaq Consumer": lambda: consume_metaq(z, f"metaq-{size}-{r}", n),
@@ -282,6 +306,7 @@ def main() -> None:
                     runs.setdefault(name, []).append(case())
                     log(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name][-1].items()))
                 ceiling = dict(zip((f"produce {size} B confluent-kafka into the mock",
+                                    f"produce {size} B confluent-kafka produce_batch into the mock",
                                     f"consume {size} B confluent-kafka from the mock"),
                                    client_ceiling(f"mock-{size}-{r}", data)))
                 for name, result in ceiling.items():
@@ -292,32 +317,36 @@ def main() -> None:
         results["cases"] = best
         figures = []
         for size in SIZES:
-            pm, pk = best[f"produce {size} B metaq send_batch"], best[f"produce {size} B confluent-kafka"]
-            cm, ck = best[f"consume {size} B metaq Consumer"], best[f"consume {size} B confluent-kafka"]
+            pm, cm = best[f"produce {size} B metaq send_batch"], best[f"consume {size} B metaq Consumer"]
+            ck = best[f"consume {size} B confluent-kafka"]
+            for producer in ("confluent-kafka", "confluent-kafka produce_batch"):
+                pk = best[f"produce {size} B {producer}"]
+                figures += [
+                    {"name": f"{producer} produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
+                     "baseline": "metaq send_batch", "baseline_value": pm["msgs_per_s"], "goal": ">= 0.7"},
+                    {"name": f"broker CPU per Kafka-produced message {size} B, {producer}",
+                     "value": pk["broker_us_per_msg"], "unit": "us/msg", "baseline": "metaq put",
+                     "baseline_value": pm["broker_us_per_msg"], "goal": "<= 1.5", "note": "lower is better"},
+                    {"name": f"{producer} produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
+                     "baseline": "the client's ceiling (mock broker)",
+                     "baseline_value": best[f"produce {size} B {producer} into the mock"]["msgs_per_s"]},
+                ]
             figures += [
-                {"name": f"confluent-kafka produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
-                 "baseline": "metaq send_batch", "baseline_value": pm["msgs_per_s"], "goal": ">= 0.7"},
-                {"name": f"confluent-kafka consume {size} B", "value": ck["msgs_per_s"], "unit": "msgs/s",
-                 "baseline": "metaq Consumer", "baseline_value": cm["msgs_per_s"], "goal": ">= 0.7"},
-                {"name": f"broker CPU per Kafka-produced message {size} B", "value": pk["broker_us_per_msg"],
-                 "unit": "us/msg", "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"],
-                 "goal": "<= 1.5", "note": "lower is better"},
                 {"name": f"broker CPU per Kafka-produced message {size} B, requests the size of a put's",
                  "value": best[f"produce {size} B Kafka requests"]["broker_us_per_msg"], "unit": "us/msg",
                  "baseline": "metaq put", "baseline_value": pm["broker_us_per_msg"], "note": "lower is better"},
-                {"name": f"confluent-kafka produce {size} B", "value": pk["msgs_per_s"], "unit": "msgs/s",
-                 "baseline": "the client's ceiling (mock broker)",
-                 "baseline_value": best[f"produce {size} B confluent-kafka into the mock"]["msgs_per_s"]},
+                {"name": f"confluent-kafka consume {size} B", "value": ck["msgs_per_s"], "unit": "msgs/s",
+                 "baseline": "metaq Consumer", "baseline_value": cm["msgs_per_s"], "goal": ">= 0.7"},
                 {"name": f"confluent-kafka consume {size} B", "value": ck["msgs_per_s"], "unit": "msgs/s",
                  "baseline": "the client's ceiling (mock broker)",
                  "baseline_value": best[f"consume {size} B confluent-kafka from the mock"]["msgs_per_s"]},
             ]
         results["figures"] = figures
-        print(f"\n{'case':<36} {'msgs/s':>12} {'broker us/msg':>14} {'msgs/request':>13} {'broker us/request':>18}")
+        print(f"\n{'case':<50} {'msgs/s':>12} {'broker us/msg':>14} {'msgs/request':>13} {'broker us/request':>18}")
         for name, b in best.items():
             cells = [f"{b[k]:,.{d}f}" if k in b else "" for k, d in
                      (("broker_us_per_msg", 2), ("msgs_per_request", 0), ("broker_us_per_request", 0))]
-            print(f"{name:<36} {b['msgs_per_s']:>12,.0f} {cells[0]:>14} {cells[1]:>13} {cells[2]:>18}")
+            print(f"{name:<50} {b['msgs_per_s']:>12,.0f} {cells[0]:>14} {cells[1]:>13} {cells[2]:>18}")
         print()
         for f in figures:
             goal = f" (goal {f['goal']})" if "goal" in f else ""
