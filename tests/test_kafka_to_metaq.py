@@ -4,7 +4,8 @@ kept unless a batch asks for LogAppendTime) holds whichever batch it is, not onl
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from fuzzing import fuzz_settings, mutated
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from metaq_broker.errors import InvalidMessageError
@@ -118,3 +119,35 @@ def test_records_with_headers_or_times_metaq_cannot_keep_take_the_columns_way():
     with pytest.raises(InvalidMessageError, match="timestamp of message 1 is -5"):
         early.metaq_body(create_times=True)
     assert early.metaq_body(create_times=False).create_times is None  # LogAppendTime: no create time kept
+
+
+_BASE = bytes(krecords.encode(np.arange(9), CREATED + np.arange(9) * 7, pa.array([None, b"k1", b"", None, b"k4" * 90, b"k5",
+                                                                             None, b"k7", b"k8"], pa.binary()),
+                              pa.array([b"v0", None, b"", b"v" * 200, b"v4", b"v5", None, b"v7", b"v8" * 70], pa.binary()),
+                              batch_starts=[0, 4], attributes=[0, 0]))
+
+
+@fuzz_settings(short=300)
+@given(data=st.data(), create_times=st.booleans())
+def test_damaged_records_that_decode_accepts_convert_to_a_body_the_broker_accepts(data, create_times):
+    """An attacker's Produce records (CRC not checked, so the damage reaches the walk): whatever ``decode``
+    accepts, the compiled conversion turns into the body ``encode_body`` makes of the same columns, and
+    ``parse_body`` (the broker's check of a producer's body) accepts it; nothing is read or written out of
+    bounds on the way (the kernel's copies are checked)."""
+    damaged = data.draw(mutated(_BASE))
+    try:
+        batches = krecords.decode(damaged, verify=False)
+    except krecords.KafkaRecordError:
+        event("refused by decode")
+        return
+    event("accepted by decode")
+    try:
+        expected = columns_way(krecords.decode(damaged, verify=False), create_times)
+    except InvalidMessageError as e:  # a damaged create time metaq cannot store: refused the same way
+        with pytest.raises(InvalidMessageError, match=str(e)[:30]):
+            batches.metaq_body(create_times)
+        return
+    got = batches.metaq_body(create_times)
+    same_body(got, expected)
+    body = b"".join(bytes(p) for p in got.parts)
+    mrecords.parse_body(got.count, got.attributes, body, got.crc)
