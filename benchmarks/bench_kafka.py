@@ -151,12 +151,13 @@ def produce_confluent(p, topic: str, data: list, broker: Optional[BrokerProcess]
                 raise RuntimeError(f"produce_batch queued {queued} of {len(batch)} messages: "
                                    f"{next(m['_error'] for m in batch if '_error' in m)}")
             p.poll(0)
-    for v in data if not batched else ():
-        try:
-            p.produce(topic, v, on_delivery=report)
-        except BufferError:
-            p.poll(0.01)
-            p.produce(topic, v, on_delivery=report)
+    else:
+        for v in data:
+            try:
+                p.produce(topic, v, on_delivery=report)
+            except BufferError:
+                p.poll(0.01)
+                p.produce(topic, v, on_delivery=report)
     if p.flush(120):
         raise RuntimeError("confluent-kafka did not deliver every message within 120 s")
     seconds = time.perf_counter() - t0
