@@ -334,6 +334,13 @@ def _lengths_and_data(arr):
     return np.diff(offsets).astype(np.int32), [data]
 
 
+def check_batch_size(n: int, body_size: int) -> None:
+    """Refuse a body of ``n`` messages whose batch (header and body) would pass ``MAX_BATCH_BYTES``."""
+    if HEADER_SIZE + body_size > MAX_BATCH_BYTES:
+        raise MessageValueError(f"batch of {n} messages encodes to {HEADER_SIZE + body_size} bytes; the limit is "
+                                f"{MAX_BATCH_BYTES}")
+
+
 @dataclass
 class EncodedBody:
     """A batch body ready to be stamped with offsets and written: buffers, their CRC, their size."""
@@ -501,8 +508,7 @@ def encode_body(
     if pad:
         parts.append(b"\0" * pad)
         size += pad
-    if HEADER_SIZE + size > MAX_BATCH_BYTES:
-        raise MessageValueError(f"batch of {n} messages encodes to {HEADER_SIZE + size} bytes; the limit is {MAX_BATCH_BYTES}")
+    check_batch_size(n, size)
     body_crc = 0
     for p in parts:
         body_crc = crc(p, body_crc)

@@ -92,6 +92,7 @@ class Batches:
         # (any transactional, control, LogAppendTime batch?), each a few microseconds of fixed cost
         self.attributes_any = int(np.bitwise_or.reduce(header["attributes"]))
         self._src, self._fields = src, fields  # the bytes and where ``walk`` found each record's fields
+        self.has_headers = bool(fields[5].any())  # any record with a header (decode checks them at once)
         self._columns: dict = {}
         self._records = None
 
@@ -109,10 +110,6 @@ class Batches:
         if name in ("key", "value"):
             return _binary(self._src, *((ks, kl) if name == "key" else (vs, vl)), pa.binary())
         return _headers(self._src, hc, hs, re)
-
-    @property
-    def has_headers(self) -> bool:
-        return bool(self._fields[5].any())
 
     @property
     def records(self) -> pa.RecordBatch:
@@ -327,9 +324,7 @@ def _metaq_body(out: np.ndarray, n: int, vw: int, kw: int, tw: int, value_bytes:
     bits = mrecords.NO_FLAGS | (mrecords.HAS_KEYS if kw else 0) | (mrecords.HAS_TIMESTAMPS if tw else 0)
     layout = code(vw) << 2 * mrecords.VALUE_LEN | (code(kw) << 2 * mrecords.KEY_LEN if kw else 0) \
         | (code(tw) << 2 * mrecords.TIME_DELTA if tw else 0)
-    if mrecords.HEADER_SIZE + len(out) > mrecords.MAX_BATCH_BYTES:
-        raise InvalidMessageError(f"batch of {n} messages encodes to {mrecords.HEADER_SIZE + len(out)} bytes; the "
-                                  f"limit is {mrecords.MAX_BATCH_BYTES}")
+    mrecords.check_batch_size(n, len(out))
     columns = (vw + kw + tw) * n + (8 if tw else 0)
     return mrecords.EncodedBody(n, bits | layout << mrecords.LAYOUT_SHIFT, [out], len(out), crc(out), sizes, largest,
                                 mrecords.METAQ_MESSAGE_HEAD * n + value_bytes,
